@@ -1,0 +1,35 @@
+# Two entry points (README quick start):
+#   make serve   set up .venv if missing, then start the Serve cluster with the shipped default models
+#   make test    set up .venv if missing, then run the test suite (what CI runs)
+# torch is installed first and pinned (a CPU wheel is cached on our machines; an unpinned torch pulls GBs of
+# CUDA packages). GPU users: `make setup TORCH_SPEC=torch` or install their own torch into .venv first.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-slow serve clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[serve,load,test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m "slow" $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/serve run serve_config.yaml
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,421 @@
+"""LlamaGen's GPT for image tokens (text- or class-conditional), with a static KV cache for span verification.
+
+Architecture and parameter names follow LlamaGen's `autoregressive/models/gpt.py` so its checkpoints load
+strictly (`load_llamagen_gpt`); the code is ours. Facts reproduced (DESIGN.md section 5):
+- bias-free linear layers, RMSNorm (eps 1e-5), SwiGLU FFN `w2(silu(w1 x) * w3 x)` with hidden size
+  int(8d/3) rounded up to a multiple of 256, fused `wqkv` (q|k|v);
+- 2D RoPE over the image grid (head_dim halves: rows / columns, interleaved pairs), and zero cos/sin for the
+  first `cls_token_num` condition positions (their q and k vanish, as in LlamaGen);
+- t2i condition: `cls_embedding.cap_proj` (fc1 -> GELU(tanh) -> fc2) over caption token embeddings, with the
+  buffer `cls_embedding.uncond_embedding` replacing the caption for classifier-free guidance;
+- caption padding is on the left and masked out of attention (LlamaGen's `emb_masks`), with the diagonal kept.
+
+Sequence layout: positions 0..cls_token_num-1 hold the condition, image token i sits at cls_token_num + i.
+The logits at position p predict the image token at p - cls_token_num + 1.
+
+Cached decoding (`forward_cached`) accepts any number of tokens per row at arbitrary per-row positions
+(`input_pos` [B, T]) and maps rows to cache slots (`slots` [B]); this is what span verification needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ciar.models.kv_cache import KVCache
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass
+class GPTConfig:
+    dim: int = 1280
+    n_layer: int = 36
+    n_head: int = 20
+    n_kv_head: int | None = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    token_dropout_p: float = 0.1
+    attn_dropout_p: float = 0.0
+    resid_dropout_p: float = 0.1
+    ffn_dropout_p: float = 0.1
+    num_classes: int = 1000
+    caption_dim: int = 2048
+    class_dropout_prob: float = 0.1
+    model_type: str = "t2i"  # "t2i" (caption embeddings) or "c2i" (class labels)
+    vocab_size: int = 16384
+    cls_token_num: int = 120
+    block_size: int = 256  # image tokens per image (grid_size ** 2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        return int(math.isqrt(self.block_size))
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return find_multiple(hidden, self.multiple_of)
+
+    @property
+    def seq_len(self) -> int:
+        return self.cls_token_num + self.block_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "GPTConfig":
+        return GPTConfig(**d)
+
+
+_LLAMAGEN_T2I = dict(caption_dim=2048, cls_token_num=120, vocab_size=16384, model_type="t2i")
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    # the default world's cloud model: 12x12 tokens, 1024 codes, MiniLM captions (<= 40 tokens)
+    "scenes-cloud": GPTConfig(dim=256, n_layer=8, n_head=8, vocab_size=1024, caption_dim=384, cls_token_num=40,
+                              block_size=144, token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0,
+                              class_dropout_prob=0.1),
+    # LlamaGen sizes (t2i defaults; pass model_type="c2i", cls_token_num=1 for class-conditional checkpoints)
+    "GPT-B": GPTConfig(dim=768, n_layer=12, n_head=12, **_LLAMAGEN_T2I),
+    "GPT-L": GPTConfig(dim=1024, n_layer=24, n_head=16, **_LLAMAGEN_T2I),
+    "GPT-XL": GPTConfig(dim=1280, n_layer=36, n_head=20, **_LLAMAGEN_T2I),
+    "GPT-XXL": GPTConfig(dim=1536, n_layer=48, n_head=24, **_LLAMAGEN_T2I),
+}
+
+
+def gpt_config(name: str, **overrides) -> GPTConfig:
+    if name not in GPT_CONFIGS:
+        raise KeyError(f"unknown GPT config {name!r}; known: {sorted(GPT_CONFIGS)}")
+    return replace(GPT_CONFIGS[name], **overrides)
+
+
+def precompute_freqs_cis_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
+    """-> [cls_token_num + grid_size**2, head_dim // 2, 2] (cos, sin); zeros for the condition positions."""
+    half = head_dim // 2
+    freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].float() / half))  # [head_dim // 4]
+    t = torch.arange(grid_size, dtype=torch.float32)
+    f = torch.outer(t, freqs)  # [grid, head_dim // 4]
+    grid = torch.cat([f[:, None, :].expand(-1, grid_size, -1), f[None, :, :].expand(grid_size, -1, -1)], dim=-1)
+    cache = torch.stack([grid.cos(), grid.sin()], dim=-1).flatten(0, 1)  # [grid**2, head_dim // 2, 2]
+    return torch.cat([torch.zeros(cls_token_num, head_dim // 2, 2), cache])
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, H, D]; freqs: [B or 1, T, D // 2, 2] -> rotated x (interleaved pairs), same dtype."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, D/2, 2]
+    f = freqs.unsqueeze(2)  # [B, T, 1, D/2, 2]
+    out = torch.stack([xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1],
+                       xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.ffn_dropout = nn.Dropout(cfg.ffn_dropout_p)
+
+    def forward(self, x):
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
+
+    def _qkv(self, x, freqs):
+        b, t, _ = x.shape
+        kv = self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([self.cfg.dim, kv, kv], dim=-1)
+        q = apply_rotary_emb(q.view(b, t, self.n_head, self.head_dim), freqs)
+        k = apply_rotary_emb(k.view(b, t, self.n_kv_head, self.head_dim), freqs)
+        return q, k, v.view(b, t, self.n_kv_head, self.head_dim)
+
+    def _out(self, q, keys, values, mask, is_causal=False):
+        """q: [B, T, H, D]; keys/values: [B, S, Hkv, D]; mask: [B, 1, T, S] bool or None."""
+        b, t = q.shape[:2]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        if self.n_kv_head != self.n_head:
+            keys = keys.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            values = values.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=is_causal,
+                                           dropout_p=self.cfg.attn_dropout_p if self.training else 0.0)
+        return self.resid_dropout(self.wo(o.transpose(1, 2).reshape(b, t, self.cfg.dim)))
+
+    def forward(self, x, freqs, mask):
+        q, k, v = self._qkv(x, freqs)
+        return self._out(q, k, v, mask, is_causal=mask is None)
+
+    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, slots, kv_len):
+        """Write this step's k/v at (slot, pos) and attend over the slot's first `kv_len` positions."""
+        q, k, v = self._qkv(x, freqs)
+        k_cache[slot_idx, pos] = k.to(k_cache.dtype)
+        v_cache[slot_idx, pos] = v.to(v_cache.dtype)
+        if slots is None:
+            keys, values = k_cache[: x.shape[0], :kv_len], v_cache[: x.shape[0], :kv_len]
+        else:
+            keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]
+        return self._out(q, keys.to(q.dtype), values.to(q.dtype), mask)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, freqs, mask):
+        h = x + self.attention(self.attention_norm(x), freqs, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, slots, kv_len):
+        h = x + self.attention.forward_cached(self.attention_norm(x), freqs, mask, k_cache, v_cache, slot_idx, pos,
+                                              slots, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MLP(nn.Module):
+    def __init__(self, cin: int, hidden: int, cout: int):
+        super().__init__()
+        self.fc1 = nn.Linear(cin, hidden)
+        self.fc2 = nn.Linear(hidden, cout)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    """Caption token embeddings -> model width; the learned `uncond_embedding` stands in for a dropped caption."""
+
+    def __init__(self, caption_dim: int, dim: int, uncond_prob: float, token_num: int):
+        super().__init__()
+        self.cap_proj = MLP(caption_dim, dim, dim)
+        self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim ** 0.5)
+        self.uncond_prob = uncond_prob
+
+    def forward(self, caption: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        """caption: [B, L, caption_dim]; drop: [B] bool, rows whose caption is replaced by the unconditional one."""
+        if drop is not None:
+            caption = torch.where(drop[:, None, None], self.uncond_embedding.to(caption.dtype), caption)
+        return self.cap_proj(caption)
+
+
+class LabelEmbedder(nn.Module):
+    """Class label -> embedding; index `num_classes` is the unconditional (CFG) label."""
+
+    def __init__(self, num_classes: int, dim: int, dropout_prob: float):
+        super().__init__()
+        self.embedding_table = nn.Embedding(num_classes + (dropout_prob > 0), dim)
+        self.num_classes = num_classes
+
+    def forward(self, labels: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        if drop is not None:
+            labels = torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+        return self.embedding_table(labels).unsqueeze(1)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        if cfg.model_type == "t2i":
+            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.class_dropout_prob, cfg.cls_token_num)
+        elif cfg.model_type == "c2i":
+            self.cls_embedding = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob)
+        else:
+            raise ValueError(f"model_type must be 't2i' or 'c2i', got {cfg.model_type!r}")
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis_2d(cfg.grid_size, cfg.head_dim, cfg.rope_base,
+                                                                  cfg.cls_token_num), persistent=False)
+        self.apply(self._init_weights)
+        nn.init.zeros_(self.output.weight)
+
+    def _init_weights(self, m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=self.config.initializer_range)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=self.config.initializer_range)
+
+    # ------------------------------------------------------------------ conditioning
+    def embed_condition(self, cond: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        """t2i: cond [B, cls_token_num, caption_dim]; c2i: labels [B]. -> [B, cls_token_num, dim]."""
+        return self.cls_embedding(cond, drop)[:, : self.config.cls_token_num]
+
+    def cfg_condition(self, cond: torch.Tensor, cond_mask: torch.Tensor | None):
+        """Double a batch for classifier-free guidance: rows [cond..., uncond...] (uncond keeps the mask, as LlamaGen)."""
+        b = cond.shape[0]
+        drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(cond.device)
+        mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask])
+        return torch.cat([cond, cond]), mask, drop
+
+    # ------------------------------------------------------------------ full forward (training)
+    def forward(self, idx: torch.Tensor, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,
+                drop: torch.Tensor | None = None, targets: torch.Tensor | None = None, return_hidden: bool = False):
+        """idx: [B, T] image tokens (T <= block_size); cond as in `embed_condition`; cond_mask [B, cls] bool.
+
+        Returns logits [B, T + 1, V] (position j predicts image token j) and the mean CE against `targets` [B, T+1]
+        if given; with `return_hidden` also the final hidden states [B, T + 1, dim] (after the last norm).
+        """
+        c = self.config
+        h = torch.cat([self.embed_condition(cond, drop), self.tok_embeddings(idx)], dim=1)
+        h = self.tok_dropout(h)
+        s = h.shape[1]
+        freqs = self.freqs_cis[:s].unsqueeze(0)
+        mask = None
+        if cond_mask is not None and c.model_type == "t2i":
+            valid = torch.cat([cond_mask, torch.ones(h.shape[0], s - c.cls_token_num, dtype=torch.bool,
+                                                     device=h.device)], dim=1)
+            causal = torch.ones(s, s, dtype=torch.bool, device=h.device).tril()
+            eye = torch.eye(s, dtype=torch.bool, device=h.device)
+            mask = ((causal[None] & valid[:, None, :]) | eye[None]).unsqueeze(1)  # [B, 1, S, S]
+        for layer in self.layers:
+            h = layer(h, freqs, mask)
+        h = self.norm(h)[:, c.cls_token_num - 1:]
+        logits = self.output(h).float()
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if return_hidden:
+            return logits, loss, h
+        return logits, loss
+
+    # ------------------------------------------------------------------ cached decoding
+    def new_cache(self, slots: int, max_seq: int | None = None, dtype: torch.dtype | None = None,
+                  device=None) -> KVCache:
+        c = self.config
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        device = device or self.tok_embeddings.weight.device
+        # slack beyond the sequence so padded rows of a ragged batch never collide with real positions
+        return KVCache(c.n_layer, slots, max_seq or c.seq_len + 16, c.kv_heads, c.head_dim, dtype, device)
+
+    def forward_cached(self, cache: KVCache, h: torch.Tensor, input_pos: torch.Tensor,
+                       slots: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+        """Run embeddings h [B, T, dim] at positions input_pos ([T] shared or [B, T] per row) through the layers,
+        writing k/v into cache slots `slots` [B] (default rows 0..B-1). -> normed hidden states [B, T, dim].
+
+        Queries see cache keys at positions <= their own (and valid caption keys), so stale entries beyond a
+        rolled-back pointer are ignored. `kv_len` bounds the keys read (default: max(input_pos) + 1).
+        """
+        b, t, _ = h.shape
+        if input_pos.dim() == 1:
+            input_pos = input_pos.unsqueeze(0).expand(b, t)
+        if kv_len is None:
+            kv_len = int(input_pos.max()) + 1
+        freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
+        rows = torch.arange(b, device=h.device) if slots is None else slots
+        slot_idx = rows[:, None].expand(b, t)
+        key_pos = torch.arange(kv_len, device=h.device)
+        valid = cache.key_valid[rows, :kv_len]  # [B, S]
+        mask = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
+            | (key_pos[None, None, :] == input_pos[:, :, None])
+        mask = mask.unsqueeze(1)  # [B, 1, T, S]
+        h = self.tok_dropout(h)
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, input_pos, slots, kv_len)
+        return self.norm(h)
+
+    def prefill(self, cache: KVCache, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,
+                drop: torch.Tensor | None = None, slots: torch.Tensor | None = None, return_hidden: bool = False):
+        """Write the condition into the cache; -> logits [B, V] for the first image token."""
+        c = self.config
+        b = cond.shape[0]
+        rows = list(range(b)) if slots is None else slots.tolist()
+        if cond_mask is not None and c.model_type == "t2i":
+            cache.key_valid[rows, : c.cls_token_num] = cond_mask.to(cache.device)
+            cache.key_valid[rows, c.cls_token_num:] = True
+        else:
+            cache.key_valid[rows] = True
+        pos = torch.arange(c.cls_token_num, device=cond.device)
+        h = self.forward_cached(cache, self.embed_condition(cond, drop), pos, slots, kv_len=c.cls_token_num)
+        for r in rows:
+            cache.lengths[r] = c.cls_token_num
+        h = h[:, -1]
+        logits = self.output(h).float()
+        return (logits, h) if return_hidden else logits
+
+    def decode(self, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
+               slots: torch.Tensor | None = None, extra_emb: torch.Tensor | None = None, kv_len: int | None = None,
+               return_hidden: bool = False):
+        """Feed image tokens [B, T] at positions input_pos ([T] or [B, T]); -> logits [B, T, V].
+
+        `extra_emb` [B, T, dim] is added to the token embeddings (interval-feature injection of CIAR).
+        The caller updates `cache.lengths`.
+        """
+        e = self.tok_embeddings(tokens)
+        if extra_emb is not None:
+            e = e + extra_emb.to(e.dtype)
+        h = self.forward_cached(cache, e, input_pos, slots, kv_len)
+        logits = self.output(h).float()
+        return (logits, h) if return_hidden else logits
+
+
+def build_gpt(name_or_cfg: str | GPTConfig = "scenes-cloud", **overrides) -> GPT:
+    cfg = gpt_config(name_or_cfg, **overrides) if isinstance(name_or_cfg, str) else replace(name_or_cfg, **overrides)
+    return GPT(cfg)
+
+
+# Keys in LlamaGen checkpoints that are not model parameters here: none are expected in the plain model state,
+# but training checkpoints of some forks carry the rotary table or KV-cache buffers; they are ignored by name.
+GPT_IGNORED_KEY_PREFIXES = ("freqs_cis", "causal_mask")
+GPT_IGNORED_KEY_SUFFIXES = (".kv_cache.k_cache", ".kv_cache.v_cache")
+
+
+def load_llamagen_gpt(path: str, config: str = "GPT-XL", image_size: int = 256, downsample: int = 16,
+                      **overrides) -> GPT:
+    """Load a LlamaGen GPT checkpoint (e.g. `t2i_XL_stage1_256.pt`) strictly.
+
+    `image_size / downsample` sets the token grid (256 px -> 16x16, 512 px -> 32x32). Raises
+    `CheckpointMismatchError` naming every missing, unexpected or mis-shaped key.
+    """
+    from ciar.models.checkpoint import load_strict, read_checkpoint
+
+    grid = image_size // downsample
+    model = build_gpt(config, block_size=grid * grid, **overrides)
+    state = read_checkpoint(path)
+    state = {k: v for k, v in state.items() if not k.endswith(GPT_IGNORED_KEY_SUFFIXES)}
+    load_strict(model, state, ignore_prefixes=GPT_IGNORED_KEY_PREFIXES, what=f"LlamaGen {config} model")
+    return model.eval()

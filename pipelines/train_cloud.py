@@ -1,0 +1,230 @@
+"""Train the default world's cloud model (LlamaGen GPT, t2i) on tokenised procedural scenes, resumable.
+
+    python -m pipelines.train_cloud --out weights/scenes-v1 --num-train 30000 --steps 3000 --batch-size 16 --seed 0
+
+Two stages, both resumable:
+1. Data: render `--num-train` train-split scenes (and 512 val scenes), tokenise them with the shipped tokenizer
+   (`OUT/tokenizer.safetensors`) and encode their captions with the text encoder; stored as memory-mapped arrays
+   under `--data-dir` (chunked; an interrupted build continues where it stopped).
+2. Training: AdamW with warmup + cosine decay, caption dropout for classifier-free guidance, checkpoints every
+   `--ckpt-every` steps in `--ckpt-dir`. Batches are drawn by a generator seeded with (seed, step), so a resumed run
+   sees exactly the batches of an uninterrupted one.
+Writes `OUT/cloud.safetensors` (config + sampling defaults in the metadata) and `OUT/cloud.metrics.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ciar.data import scenes
+from ciar.models.checkpoint import read_model_file, save_model
+from ciar.models.gpt import GPTConfig, build_gpt, gpt_config
+from ciar.models.vq import VQConfig, VQModel, images_to_tensor
+from ciar.text import TextEncoder
+from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+
+
+class TokenisedScenes:
+    """Memory-mapped tokens [N, n_tok] int16, caption embeddings [N, L, D] float16 and masks [N, L] bool."""
+
+    def __init__(self, root: str, split: str, n: int, n_tok: int, cap_len: int, cap_dim: int, mode: str = "r"):
+        os.makedirs(root, exist_ok=True)
+        self.root, self.split, self.n = root, split, n
+        if mode == "w+" and os.path.exists(os.path.join(root, f"{split}_{n}_tokens.npy")):
+            mode = "r+"
+
+        def mm(name, dtype, shape):
+            return np.lib.format.open_memmap(os.path.join(root, f"{split}_{n}_{name}.npy"), mode=mode, dtype=dtype,
+                                             shape=shape if mode == "w+" else None)
+
+        self.tokens = mm("tokens", np.int16, (n, n_tok))
+        self.emb = mm("emb", np.float16, (n, cap_len, cap_dim))
+        self.mask = mm("mask", np.bool_, (n, cap_len))
+
+    def _done_path(self, stage: str) -> str:
+        return os.path.join(self.root, f"{self.split}_{self.n}.{stage}.done")
+
+    def progress(self, stage: str) -> int:
+        path = self._done_path(stage)
+        return int(open(path).read()) if os.path.exists(path) else 0
+
+    def mark(self, stage: str, done: int) -> None:
+        for a in (self.tokens, self.emb, self.mask):
+            a.flush()
+        with open(self._done_path(stage), "w") as f:
+            f.write(str(done))
+
+
+@torch.no_grad()
+def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=512) -> TokenisedScenes:
+    """Fill the arrays of one split: caption embeddings ("text" stage, needs only the text encoder) and image
+    tokens ("tokens" stage, needs the tokenizer); either may be None to skip its stage."""
+    data = TokenisedScenes(root, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+")
+    for stage, model in (("text", text), ("tokens", vq)):
+        start = data.progress(stage)
+        if model is None or start >= n:
+            continue
+        bar = tqdm(total=n, initial=start, desc=f"{stage} {split}", dynamic_ncols=True)
+        for s in range(start, n, chunk):
+            k = min(chunk, n - s)
+            if stage == "tokens":
+                images, _ = scenes.batch(split, s, k, seed)
+                _, codes = vq.encode(images_to_tensor(images).to(device))
+                data.tokens[s:s + k] = codes.flatten(1).cpu().numpy().astype(np.int16)
+            else:
+                cap = text.encode([scenes.scene_at(split, i, seed).caption for i in range(s, s + k)])
+                data.emb[s:s + k] = cap.emb.numpy().astype(np.float16)
+                data.mask[s:s + k] = cap.mask.numpy()
+            data.mark(stage, s + k)
+            bar.update(k)
+        bar.close()
+    return data
+
+
+def get_batch(data: TokenisedScenes, idx: np.ndarray, device):
+    idx = np.sort(idx)
+    tokens = torch.from_numpy(data.tokens[idx].astype(np.int64)).to(device)
+    emb = torch.from_numpy(data.emb[idx].astype(np.float32)).to(device)
+    mask = torch.from_numpy(data.mask[idx]).to(device)
+    return tokens, emb, mask
+
+
+@torch.no_grad()
+def val_loss(model, data: TokenisedScenes, device, batch_size=64) -> float:
+    model.eval()
+    losses = []
+    for s in range(0, data.n, batch_size):
+        tokens, emb, mask = get_batch(data, np.arange(s, min(s + batch_size, data.n)), device)
+        _, loss = model(tokens[:, :-1], emb, mask, targets=tokens)
+        losses.append(loss.item() * len(tokens))
+    model.train()
+    return sum(losses) / data.n
+
+
+def parse_overrides(items: list[str]) -> dict:
+    fields = GPTConfig.__dataclass_fields__
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--set expects FIELD=VALUE with FIELD one of {sorted(fields)}; got {item!r}")
+        out[key] = type(getattr(GPTConfig(), key) if getattr(GPTConfig(), key) is not None else 0)(value)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelines.train_cloud", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="weights/scenes-v1")
+    p.add_argument("--config", default="scenes-cloud")
+    p.add_argument("--num-train", type=int, default=30000)
+    p.add_argument("--num-val", type=int, default=512)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default="data_cache/scenes-v1")
+    p.add_argument("--ckpt-dir", default="runs/cloud")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=500)
+    p.add_argument("--export-every", type=int, default=250, help="also write OUT/cloud.safetensors every N steps")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop this run after N steps (checkpointed; a later run resumes), 0: run to --steps")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a GPTConfig field of --config, e.g. --set n_layer=2 (repeatable)")
+    p.add_argument("--prepare-text-only", action="store_true",
+                   help="only encode the captions (can run before the tokenizer exists), then exit")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    device = pick_device(args.device)
+
+    cfg = gpt_config(args.config, **parse_overrides(args.set))
+    text = TextEncoder(max_length=cfg.cls_token_num, device=device)
+    if args.prepare_text_only:
+        for split, n in (("train", args.num_train), ("val", args.num_val)):
+            build_split(args.data_dir, split, n, args.seed, None, text, cfg, device)
+        return 0
+    state, kind, vq_cfg, _ = read_model_file(os.path.join(args.out, "tokenizer.safetensors"))
+    vq = VQModel(VQConfig.from_dict(vq_cfg))
+    vq.load_state_dict({k: v.float() for k, v in state.items()})
+    vq.to(device).eval()
+    if (vq.config.grid_size ** 2, vq.config.codebook_size) != (cfg.block_size, cfg.vocab_size):
+        raise SystemExit(f"tokenizer ({vq.config.grid_size}^2 tokens, {vq.config.codebook_size} codes) does not "
+                         f"match config {args.config} ({cfg.block_size} tokens, {cfg.vocab_size} codes)")
+    train = build_split(args.data_dir, "train", args.num_train, args.seed, vq, text, cfg, device)
+    val = build_split(args.data_dir, "val", args.num_val, args.seed, vq, text, cfg, device)
+    del vq, text
+
+    model = build_gpt(cfg).to(device)
+    decay = [p_ for n, p_ in model.named_parameters() if p_.dim() >= 2]
+    no_decay = [p_ for n, p_ in model.named_parameters() if p_.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    ckpt = os.path.join(args.ckpt_dir, "state.pt")
+    start = load_training_state(ckpt, model=model, optimizer=opt)
+    history = []
+    hist_path = os.path.join(args.ckpt_dir, "history.json")
+    if start and os.path.exists(hist_path):
+        history = json.load(open(hist_path))
+    if start:
+        print(f"resuming from step {start}")
+    print(f"cloud model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {cfg}")
+
+    def export(step):
+        extra = {"sampling": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+                 "trained_steps": step, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed}
+        save_model(model, os.path.join(args.out, "cloud.safetensors"), cfg.to_dict(), kind="gpt", extra=extra,
+                   dtype=torch.float16)
+
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="cloud", dynamic_ncols=True)
+    model.train()
+    t0, ema = time.time(), None
+    for step in bar:
+        set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
+        rng = np.random.default_rng([args.seed, step])
+        tokens, emb, mask = get_batch(train, rng.choice(train.n, args.batch_size, replace=False), device)
+        drop = torch.from_numpy(rng.random(args.batch_size) < cfg.class_dropout_prob).to(device)
+        _, loss = model(tokens[:, :-1], emb, mask, drop=drop, targets=tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            history.append({"step": done, "train_loss_ema": ema, "val_loss": val_loss(model, val, device)})
+            print(json.dumps(history[-1]), flush=True)
+        stopping = args.stop_after and done - start >= args.stop_after
+        if done % args.ckpt_every == 0 or done == args.steps or stopping:
+            save_training_state(ckpt, done, model=model, optimizer=opt)
+            with open(hist_path, "w") as f:
+                json.dump(history, f)
+        if done % args.export_every == 0 or done == args.steps or stopping:
+            export(done)
+        if stopping:
+            print(f"stopped after step {done}; run again to resume")
+            return 0
+    export(args.steps)
+    metrics = {"steps": args.steps, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed,
+               "history": history, "train_seconds_this_run": time.time() - t0}
+    with open(os.path.join(args.out, "cloud.metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""Caption encoder: offline MiniLM, left padding + mask, batching, precomputed (T5-style) embeddings."""
+
+import pytest
+import torch
+
+from ciar.text import CaptionBatch, CaptionTooLongError, TextEncoder
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return TextEncoder(max_length=40)
+
+
+def test_left_padded_with_mask(enc):
+    b = enc.encode(["a small red circle at the top on a gray background", "a large blue square at the center "
+                    "and a small green diamond at the left on a sand and sky background"])
+    assert b.emb.shape == (2, 40, 384) and b.mask.shape == (2, 40)
+    n = b.mask.sum(1)
+    assert n[0] < n[1]
+    for i in range(2):  # real tokens are right-aligned, padding is zero
+        assert b.mask[i, 40 - n[i]:].all() and not b.mask[i, : 40 - n[i]].any()
+        assert b.emb[i, : 40 - n[i]].abs().sum() == 0
+
+
+def test_batching_does_not_change_embeddings(enc):
+    caps = ["a small red circle at the top on a gray background", "a large yellow triangle at the bottom "
+            "left and a small orange square at the right on a black background", "a small blue diamond at the "
+            "center on a white background"]
+    together = enc.encode(caps)
+    alone = CaptionBatch.cat([enc.encode([c]) for c in caps])
+    assert torch.equal(together.mask, alone.mask)
+    assert torch.allclose(together.emb, alone.emb, atol=1e-4)
+
+
+def test_bad_captions(enc):
+    with pytest.raises(ValueError, match="empty"):
+        enc.encode(["  "])
+    with pytest.raises(CaptionTooLongError, match="at most 40"):
+        enc.encode(["red " * 60])
+
+
+def test_precomputed_embeddings():
+    embs = [torch.randn(3, 16), torch.randn(7, 16)]
+    b = CaptionBatch.from_precomputed(embs, max_length=5)
+    assert b.emb.shape == (2, 5, 16)
+    assert b.mask.sum(1).tolist() == [3, 5]
+    assert torch.equal(b.emb[0, 2:], embs[0]) and torch.equal(b.emb[1], embs[1][:5])
