@@ -10,8 +10,8 @@ This first cut serves cloud-only decoding (`method: "cloud"`); the CIAR device f
 pool and API keys come with the serving issue. Deployments are thin: all generation logic lives in `ciar/`.
 """
 
-from __future__ import annotations
 
+# No `from __future__ import annotations` in this module: FastAPI must see the request model class itself.
 import base64
 import io
 import time

@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import pickle
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -25,7 +27,12 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"checkpoint file not found: {path}")
     if path.endswith(".safetensors"):
         return load_file(path)
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # LlamaGen's training scripts store their argparse.Namespace next to the weights
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("model", "module", "state_dict"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]

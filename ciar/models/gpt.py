@@ -51,6 +51,7 @@ class GPTConfig:
     num_classes: int = 1000
     caption_dim: int = 2048
     class_dropout_prob: float = 0.1
+    cap_proj_bias: bool = False  # LlamaGen's caption MLP is bias-free; the scenes-v1 cloud model has biases
     model_type: str = "t2i"  # "t2i" (caption embeddings) or "c2i" (class labels)
     vocab_size: int = 16384
     cls_token_num: int = 120
@@ -92,7 +93,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     # the default world's cloud model: 12x12 tokens, 1024 codes, MiniLM captions (<= 40 tokens)
     "scenes-cloud": GPTConfig(dim=256, n_layer=8, n_head=8, vocab_size=1024, caption_dim=384, cls_token_num=40,
                               block_size=144, token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0,
-                              class_dropout_prob=0.1),
+                              class_dropout_prob=0.1, cap_proj_bias=True),
     # LlamaGen sizes (t2i defaults; pass model_type="c2i", cls_token_num=1 for class-conditional checkpoints)
     "GPT-B": GPTConfig(dim=768, n_layer=12, n_head=12, **_LLAMAGEN_T2I),
     "GPT-L": GPTConfig(dim=1024, n_layer=24, n_head=16, **_LLAMAGEN_T2I),
@@ -213,10 +214,10 @@ class TransformerBlock(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cin: int, hidden: int, cout: int):
+    def __init__(self, cin: int, hidden: int, cout: int, bias: bool = False):
         super().__init__()
-        self.fc1 = nn.Linear(cin, hidden)
-        self.fc2 = nn.Linear(hidden, cout)
+        self.fc1 = nn.Linear(cin, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, cout, bias=bias)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
@@ -225,9 +226,9 @@ class MLP(nn.Module):
 class CaptionEmbedder(nn.Module):
     """Caption token embeddings -> model width; the learned `uncond_embedding` stands in for a dropped caption."""
 
-    def __init__(self, caption_dim: int, dim: int, uncond_prob: float, token_num: int):
+    def __init__(self, caption_dim: int, dim: int, uncond_prob: float, token_num: int, bias: bool = False):
         super().__init__()
-        self.cap_proj = MLP(caption_dim, dim, dim)
+        self.cap_proj = MLP(caption_dim, dim, dim, bias)
         self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim ** 0.5)
         self.uncond_prob = uncond_prob
 
@@ -257,7 +258,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         if cfg.model_type == "t2i":
-            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.class_dropout_prob, cfg.cls_token_num)
+            self.cls_embedding = CaptionEmbedder(cfg.caption_dim, cfg.dim, cfg.class_dropout_prob, cfg.cls_token_num,
+                                             cfg.cap_proj_bias)
         elif cfg.model_type == "c2i":
             self.cls_embedding = LabelEmbedder(cfg.num_classes, cfg.dim, cfg.class_dropout_prob)
         else:

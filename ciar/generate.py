@@ -1,0 +1,168 @@
+"""Generate one image from a caption with the default world (or any weights folder).
+
+    python -m ciar.generate --prompt "a small red circle at the top on a gray background" --method cloud \
+        --seed 0 --out out.png [--stats out.json] [--cfg-scale 3 --temperature 1 --top-k 0 --top-p 1] \
+        [--weights DIR] [--device cpu|cuda] [--threads N]
+
+Methods: `cloud` (the cloud model samples every token; the reference). Sampling settings default to the
+weights folder's own (`cloud.safetensors` metadata); each flag overrides one field. The same prompt, seed,
+settings and device give a byte-identical PNG. `--stats` writes a JSON with the method, prompt, seed, number of
+tokens, token-generation wall time and tokens/s, the end-to-end time (caption encoding + generation + VQ
+decoding), the sampling settings used and the token ids.
+
+Bad input (empty or too-long prompt, negative seed, out-of-range sampling values, unwritable output path,
+missing weights) prints one `error:` line on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import sys
+import time
+
+METHODS = ("cloud",)  # later: ciar, eagle, lantern, ...
+PROG = "python -m ciar.generate"
+
+
+class UsageError(Exception):
+    """A bad command line or input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one readable line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--prompt", required=True, help="caption of the image to generate")
+    p.add_argument("--method", default="cloud", choices=METHODS, help="decoding method (default: cloud)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (>= 0)")
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.add_argument("--stats", default=None, help="JSON file to write generation statistics to")
+    p.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance scale (>= 1)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--weights", default=None, help="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    return p
+
+
+def _check_writable(path: str, flag: str) -> None:
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory, expected a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag}: folder {folder!r} is not writable")
+
+
+def _write(path: str, data: bytes, flag: str) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write {path!r}: {e.strerror or e}") from None
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Generate per `args` (already parsed); writes the PNG (and stats) and returns the stats dict."""
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty")
+    if not 0 <= args.seed < 2 ** 63:
+        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {args.threads}")
+    overrides = {k: v for k, v in (("cfg_scale", args.cfg_scale), ("temperature", args.temperature),
+                                   ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
+
+    import torch  # deferred: argument errors are reported without paying for the import
+
+    from ciar.decoding.generate import generate_cloud
+    from ciar.decoding.sampling import SamplingParams
+    from ciar.models.vq import tensor_to_images
+    from ciar.text import CaptionTooLongError
+    from ciar.world import load_default_world
+
+    try:
+        SamplingParams(**overrides)  # checks the given fields before anything is loaded
+    except ValueError as e:
+        raise UsageError(f"bad sampling setting: {e}") from None
+    _check_writable(args.out, "--out")
+    if args.stats:
+        _check_writable(args.stats, "--stats")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep stderr for our own messages
+    try:
+        world = load_default_world(args.weights, device=args.device)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    params = dataclasses.replace(world.sampling, **overrides)
+
+    t_start = time.perf_counter()
+    try:
+        cap = world.text.encode([args.prompt])
+    except CaptionTooLongError as e:
+        raise UsageError(str(e)) from None
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    _sync(args.device)
+    t_gen = time.perf_counter()
+    tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, generator)  # [1, N]
+    _sync(args.device)
+    gen_s = time.perf_counter() - t_gen
+    with torch.no_grad():
+        image = tensor_to_images(world.vq.decode_code(tokens))[0].cpu().numpy()  # [H, W, 3] uint8
+    total_s = time.perf_counter() - t_start
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    _write(args.out, buf.getvalue(), "--out")
+    n = tokens.shape[1]
+    stats = {"method": args.method, "prompt": args.prompt, "seed": args.seed, "num_tokens": n,
+             "wall_time_s": gen_s, "tokens_per_s": n / gen_s if gen_s > 0 else None, "total_time_s": total_s,
+             "sampling": params.to_dict(), "device": args.device, "weights": world.weights_dir,
+             "tokens": tokens[0].tolist()}
+    if args.stats:
+        _write(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
+    return stats
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0 ok, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+        stats = run(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    print(f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s "
+          f"(method {args.method}, seed {args.seed})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

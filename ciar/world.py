@@ -1,0 +1,99 @@
+"""The default world: shipped tokenizer + cloud model + caption encoder, loaded in one call.
+
+    world = load_default_world()                       # weights/scenes-v1 of this repo, or $CIAR_WEIGHTS
+    world = load_default_world("path/to/weights", device="cuda")
+    cap = world.text.encode(["a small red circle at the top on a gray background"])
+
+A weights folder holds `tokenizer.safetensors` (kind "vq") and `cloud.safetensors` (kind "gpt"), both written by
+`ciar.models.checkpoint.save_model` with their config in the metadata. The cloud file's `extra["sampling"]`
+(a dict of `SamplingParams` fields), when present, gives the world's default sampling settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from ciar.decoding.sampling import SamplingParams
+from ciar.models.checkpoint import load_strict, read_model_file
+from ciar.models.gpt import GPT, GPTConfig
+from ciar.models.vq import VQ_IGNORED_KEY_PREFIXES, VQConfig, VQModel
+from ciar.text import TextEncoder
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v1")
+WEIGHTS_ENV = "CIAR_WEIGHTS"
+# used when the cloud file carries no sampling defaults
+FALLBACK_SAMPLING = SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0)
+
+
+@dataclass
+class World:
+    vq: VQModel  # image tokenizer (eval mode, float32)
+    cloud: GPT  # cloud text-to-image GPT (eval mode, float32)
+    text: TextEncoder  # caption encoder, max_length = cloud.config.cls_token_num
+    weights_dir: str  # absolute path of the folder the weights came from
+    sampling: SamplingParams  # the world's default sampling settings
+
+    @property
+    def device(self) -> torch.device:
+        return self.cloud.tok_embeddings.weight.device
+
+
+def default_weights_dir() -> str:
+    """$CIAR_WEIGHTS if set, else this repo's `weights/scenes-v1` (independent of the working directory)."""
+    return os.path.abspath(os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS_DIR)
+
+
+def _read(weights_dir: str, name: str, kind: str):
+    path = os.path.join(weights_dir, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing weight file {name} in {weights_dir} (set --weights or ${WEIGHTS_ENV} "
+                                f"to a folder holding tokenizer.safetensors and cloud.safetensors)")
+    state, found, config, extra = read_model_file(path)
+    if found != kind:
+        raise ValueError(f"{path}: expected a {kind!r} weight file, found kind {found!r}")
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, config, extra
+
+
+def sampling_from_extra(extra: dict, source: str = "cloud.safetensors") -> SamplingParams:
+    """`extra["sampling"]` of a cloud weight file -> SamplingParams (FALLBACK_SAMPLING when absent)."""
+    given = extra.get("sampling")
+    if given is None:
+        return FALLBACK_SAMPLING
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown sampling fields {unknown}; known: {sorted(known)}")
+    try:
+        return SamplingParams(**given)
+    except ValueError as e:
+        raise ValueError(f"{source}: bad sampling defaults: {e}") from None
+
+
+def load_default_world(weights_dir: str | None = None, device: str | torch.device = "cpu") -> World:
+    """Load tokenizer, cloud model and text encoder from `weights_dir` (default: `default_weights_dir()`).
+
+    Raises FileNotFoundError naming the missing file, or CheckpointMismatchError if a file does not fit its model.
+    """
+    weights_dir = os.path.abspath(weights_dir) if weights_dir else default_weights_dir()
+    if not os.path.isdir(weights_dir):
+        raise FileNotFoundError(f"weights folder not found: {weights_dir} (pass another folder or set ${WEIGHTS_ENV})")
+    device = torch.device(device)
+
+    state, config, _ = _read(weights_dir, "tokenizer.safetensors", "vq")
+    vq = VQModel(VQConfig.from_dict(config))
+    load_strict(vq, state, ignore_prefixes=VQ_IGNORED_KEY_PREFIXES, what="tokenizer (tokenizer.safetensors)")
+
+    state, config, extra = _read(weights_dir, "cloud.safetensors", "gpt")
+    cloud = GPT(GPTConfig.from_dict(config))
+    load_strict(cloud, state, what="cloud model (cloud.safetensors)")
+
+    text = TextEncoder(max_length=cloud.config.cls_token_num, device=device)
+    if cloud.config.model_type == "t2i" and text.dim != cloud.config.caption_dim:
+        raise ValueError(f"the text encoder gives {text.dim}-d embeddings but the cloud model expects "
+                         f"caption_dim={cloud.config.caption_dim}")
+    return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
+                 sampling=sampling_from_extra(extra))

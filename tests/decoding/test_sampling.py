@@ -1,0 +1,210 @@
+"""logits -> post-guidance probabilities (CFG -> temperature -> top-k -> top-p) and seeded sampling."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from ciar.decoding.sampling import LLAMAGEN_T2I_DEFAULTS, SamplingParams, guide, logits_to_probs, sample
+
+torch.set_num_threads(1)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- params
+def test_defaults_and_llamagen_defaults():
+    p = SamplingParams()
+    assert (p.cfg_scale, p.temperature, p.top_k, p.top_p) == (1.0, 1.0, 0, 1.0)
+    assert not p.uses_cfg and not p.greedy
+    d = LLAMAGEN_T2I_DEFAULTS
+    assert (d.cfg_scale, d.temperature, d.top_k, d.top_p) == (7.5, 1.0, 1000, 1.0)
+    assert d.uses_cfg and d.to_dict() == {"cfg_scale": 7.5, "temperature": 1.0, "top_k": 1000, "top_p": 1.0}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("cfg_scale", 0.5), ("cfg_scale", float("nan")), ("cfg_scale", float("inf")),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "1"),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", float("nan")),
+])
+def test_validate_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_validate_accepts_edges():
+    SamplingParams(cfg_scale=1.0, temperature=0.0, top_k=0, top_p=1.0).validate()
+    SamplingParams(cfg_scale=20, temperature=5, top_k=1, top_p=1e-6).validate()
+
+
+# ---------------------------------------------------------------------------------------------- CFG
+def test_guide_formula():
+    c, u = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([0.5, 3.0, -1.0])
+    assert torch.allclose(guide(c, u, 4.0), u + (c - u) * 4.0)
+    assert torch.allclose(guide(c, u, 1.0), c)
+
+
+def test_cfg_applied_to_logits_before_softmax():
+    c, u = torch.randn(2, 50, generator=gen(1)), torch.randn(2, 50, generator=gen(2))
+    p = logits_to_probs(c, SamplingParams(cfg_scale=3.0), uncond_logits=u)
+    assert torch.allclose(p, torch.softmax(u + 3.0 * (c - u), -1), atol=1e-6)
+    # scale 1 ignores the unconditional logits exactly
+    assert torch.equal(logits_to_probs(c, SamplingParams(), uncond_logits=u), logits_to_probs(c, SamplingParams()))
+
+
+def test_top_k_applies_to_guided_logits():
+    c = torch.tensor([3.0, 2.0, 0.0, 0.0])
+    u = torch.tensor([0.0, 2.0, 0.0, -3.0])
+    # guided (scale 2): [6, 2, 0, 3] -> top-2 = {0, 3}; on cond alone it would be {0, 1}
+    p = logits_to_probs(c, SamplingParams(cfg_scale=2.0, top_k=2), uncond_logits=u)
+    assert (p > 0).tolist() == [True, False, False, True]
+
+
+# ---------------------------------------------------------------------------------------------- temperature
+def test_temperature_scales_logits():
+    x = torch.randn(3, 20, generator=gen(3))
+    assert torch.allclose(logits_to_probs(x, SamplingParams(temperature=0.5)), torch.softmax(x / 0.5, -1), atol=1e-6)
+
+
+def test_temperature_zero_is_argmax_one_hot():
+    x = torch.randn(4, 5, 30, generator=gen(4))
+    p = logits_to_probs(x, SamplingParams(temperature=0.0, top_k=3, top_p=0.5))
+    assert torch.equal(p, torch.nn.functional.one_hot(x.argmax(-1), 30).float())
+    # with CFG the argmax is of the guided logits; ties go to the lowest index
+    c, u = torch.tensor([[2.0, 1.0, 1.5]]), torch.tensor([[2.0, 0.0, 1.5]])
+    assert logits_to_probs(c, SamplingParams(cfg_scale=5.0, temperature=0.0), uncond_logits=u).tolist() == \
+        [[0.0, 1.0, 0.0]]
+    assert logits_to_probs(torch.tensor([1.0, 3.0, 3.0]), SamplingParams(temperature=0.0)).tolist() == [0, 1, 0]
+
+
+def test_top_p_after_temperature():
+    x = torch.tensor([2.0, 0.0, 0.0, 0.0])  # T=1: top token mass 0.71 >= 0.6 -> keeps one token
+    assert (logits_to_probs(x, SamplingParams(top_p=0.6)) > 0).sum() == 1
+    # T=4 flattens the distribution first: top mass 0.35 < 0.6 -> more tokens are needed
+    p = logits_to_probs(x, SamplingParams(temperature=4.0, top_p=0.6))
+    assert (p > 0).sum() == 4  # 0.35 + ties of 0.22 (the three equal tokens are kept together)
+    assert math.isclose(p.sum().item(), 1.0, rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- top-k / top-p
+def test_top_k_keeps_k_and_renormalises():
+    x = torch.randn(6, 100, generator=gen(5))
+    p = logits_to_probs(x, SamplingParams(top_k=7))
+    assert ((p > 0).sum(-1) == 7).all()
+    top = x.topk(7, -1).indices
+    assert torch.allclose(p.gather(-1, top), torch.softmax(x.gather(-1, top), -1), atol=1e-6)
+    assert torch.allclose(p.sum(-1), torch.ones(6))
+
+
+def test_top_k_ties_are_kept_together():
+    x = torch.tensor([5.0, 1.0, 3.0, 3.0, 0.0])
+    assert (logits_to_probs(x, SamplingParams(top_k=2)) > 0).tolist() == [True, False, True, True, False]
+    assert torch.equal(logits_to_probs(x, SamplingParams(top_k=5)), logits_to_probs(x, SamplingParams()))
+    assert torch.equal(logits_to_probs(x, SamplingParams(top_k=50)), logits_to_probs(x, SamplingParams()))
+
+
+def test_top_p_keeps_at_least_one_token():
+    x = torch.randn(5, 64, generator=gen(6))
+    p = logits_to_probs(x, SamplingParams(top_p=1e-9))
+    assert torch.equal(p, torch.nn.functional.one_hot(x.argmax(-1), 64).float())
+    # a flat distribution: every token equally likely -> all kept (ties), never an empty row
+    assert torch.allclose(logits_to_probs(torch.zeros(10), SamplingParams(top_p=0.3)), torch.full((10,), 0.1))
+
+
+def test_top_p_smallest_set_reaching_mass():
+    probs = torch.tensor([0.1, 0.5, 0.15, 0.25])
+    p = logits_to_probs(probs.log(), SamplingParams(top_p=0.7))  # 0.5 + 0.25 = 0.75 >= 0.7
+    assert torch.allclose(p, torch.tensor([0.0, 0.5, 0.0, 0.25]) / 0.75)
+    p = logits_to_probs(probs.log(), SamplingParams(top_p=0.75 + 1e-4))  # needs the third token too
+    assert (p > 0).tolist() == [False, True, True, True]
+
+
+def test_top_p_is_independent_of_token_order():
+    x = torch.tensor([0.4, 0.3, 0.3]).log()
+    p = logits_to_probs(x, SamplingParams(top_p=0.5))
+    perm = torch.tensor([2, 0, 1])
+    assert torch.allclose(logits_to_probs(x[perm], SamplingParams(top_p=0.5)), p[perm])
+
+
+def test_top_k_then_top_p():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top-k 2 renormalises to [4/7, 3/7]; top-p 0.5 then keeps only the first
+    p = logits_to_probs(probs.log(), SamplingParams(top_k=2, top_p=0.5))
+    assert p.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_vectorised_over_leading_dims_matches_rowwise():
+    c, u = torch.randn(2, 3, 40, generator=gen(7)), torch.randn(2, 3, 40, generator=gen(8))
+    params = SamplingParams(cfg_scale=2.5, temperature=0.7, top_k=10, top_p=0.8)
+    p = logits_to_probs(c, params, uncond_logits=u)
+    assert p.shape == (2, 3, 40) and p.dtype == torch.float32
+    for i in range(2):
+        for j in range(3):
+            assert torch.allclose(p[i, j], logits_to_probs(c[i, j], params, uncond_logits=u[i, j]))
+
+
+def test_half_precision_logits_give_float32():
+    p = logits_to_probs(torch.randn(2, 30).half(), SamplingParams(top_k=5))
+    assert p.dtype == torch.float32 and torch.allclose(p.sum(-1), torch.ones(2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 31), cfg=st.sampled_from([1.0, 1.5, 7.5]), temp=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+       top_k=st.sampled_from([0, 1, 5, 200]), top_p=st.sampled_from([1e-6, 0.3, 0.9, 1.0]),
+       scale=st.sampled_from([0.1, 3.0, 30.0]))
+def test_probabilities_are_a_distribution(seed, cfg, temp, top_k, top_p, scale):
+    g = gen(seed)
+    c, u = torch.randn(4, 100, generator=g) * scale, torch.randn(4, 100, generator=g) * scale
+    params = SamplingParams(cfg_scale=cfg, temperature=temp, top_k=top_k, top_p=top_p)
+    p = logits_to_probs(c, params, uncond_logits=u)
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    assert torch.allclose(p.sum(-1), torch.ones(4), atol=1e-5)
+    guided = guide(c, u, cfg)
+    assert (p.gather(-1, guided.argmax(-1, keepdim=True)) > 0).all()  # the mode always survives
+    if top_k:
+        assert ((p > 0).sum(-1) <= top_k).all()  # random logits have no ties
+
+
+# ---------------------------------------------------------------------------------------------- sample
+def test_sample_shape_and_determinism():
+    p = torch.softmax(torch.randn(2, 3, 50, generator=gen(9)), -1)
+    a, b = sample(p, gen(11)), sample(p, gen(11))
+    assert a.shape == (2, 3) and a.dtype == torch.int64 and torch.equal(a, b)
+    assert not torch.equal(torch.stack([sample(p, gen(s)) for s in range(5)]),
+                           torch.stack([sample(p, gen(s + 100)) for s in range(5)]))
+    g = gen(12)
+    seq1 = [sample(p, g) for _ in range(3)]
+    g = gen(12)
+    assert all(torch.equal(x, sample(p, g)) for x in seq1)  # the generator's stream replays
+
+
+def test_sample_never_draws_zero_probability():
+    p = logits_to_probs(torch.randn(1000, 30, generator=gen(13)), SamplingParams(top_k=3))
+    t = sample(p, gen(14))
+    assert (p.gather(-1, t[:, None]) > 0).all()
+    one_hot = torch.nn.functional.one_hot(torch.arange(30) % 7, 30).float()
+    assert torch.equal(sample(one_hot, gen(15)), torch.arange(30) % 7)
+
+
+def test_sample_matches_distribution_chi_square():
+    target = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005])
+    n = 200_000
+    draws = sample(target.expand(n, -1), gen(2024))
+    counts = torch.bincount(draws, minlength=10).double()
+    expected = target.double() / target.double().sum() * n
+    stat, pvalue = chisquare(counts.numpy(), expected.numpy())
+    assert pvalue > 1e-3, (stat, pvalue)
+    # and through the full pipeline: top-k 4 of the same logits
+    p = logits_to_probs(target.log(), SamplingParams(top_k=4))
+    draws = sample(p.expand(n, -1), gen(2025))
+    counts = torch.bincount(draws, minlength=10).double()
+    assert counts[4:].sum() == 0
+    expected = target[:4].double() / target[:4].double().sum() * n
+    stat, pvalue = chisquare(counts[:4].numpy(), expected.numpy())
+    assert pvalue > 1e-3, (stat, pvalue)
