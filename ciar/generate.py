@@ -4,7 +4,11 @@
         --seed 0 --out out.png [--stats out.json] [--cfg-scale 3 --temperature 1 --top-k 0 --top-p 1] \
         [--weights DIR] [--device cpu|cuda] [--threads N]
 
-Methods: `cloud` (the cloud model samples every token; the reference). Sampling settings default to the
+Methods: `cloud` (the cloud model samples every token; the reference) and the collaborative methods of
+`ciar.collab.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
+which need the weights folder's `device.safetensors`; `--tau`, `--span`, `--prefix-rate` and `--network` set
+their knobs, and `--stats` then also holds the collaboration stats (cloud-call rate, requests, latency split).
+Sampling settings default to the
 weights folder's own (`cloud.safetensors` metadata); each flag overrides one field. The same prompt, seed,
 settings and device give a byte-identical PNG. `--stats` writes a JSON with the method, prompt, seed, number of
 tokens, token-generation wall time and tokens/s, the end-to-end time (caption encoding + generation + VQ
@@ -24,7 +28,8 @@ import os
 import sys
 import time
 
-METHODS = ("cloud",)  # later: ciar, eagle, lantern, ...
+# the same names as ciar.collab.decoder.METHODS (kept literal so bad arguments fail before importing torch)
+METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
 PROG = "python -m ciar.generate"
 
 
@@ -48,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (1 = all)")
+    p.add_argument("--tau", type=float, default=None, help="collaborative methods: gate threshold")
+    p.add_argument("--span", type=int, default=None, help="collaborative methods: drafts per verification")
+    p.add_argument("--prefix-rate", type=float, default=None, help="collaborative methods: cloud prefix fraction")
+    p.add_argument("--network", default=None, help="collaborative methods: 5g | 4g | wifi | none")
     p.add_argument("--weights", default=None, help="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v1)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -117,10 +126,24 @@ def run(args: argparse.Namespace) -> dict:
         cap = world.text.encode([args.prompt])
     except CaptionTooLongError as e:
         raise UsageError(str(e)) from None
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    collab = None
     _sync(args.device)
     t_gen = time.perf_counter()
-    tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, generator)  # [1, N]
+    if args.method == "cloud":
+        generator = torch.Generator(device=args.device).manual_seed(args.seed)
+        tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, generator)  # [1, N]
+    else:
+        from ciar.collab.runtime import make_decoder, make_verifier
+
+        knobs = {k: v for k, v in (("tau", args.tau), ("span", args.span), ("prefix_rate", args.prefix_rate),
+                                   ("network", args.network)) if v is not None}
+        try:
+            dec = make_decoder(world, make_verifier(world, max_sessions=1), args.method, sampling=params, **knobs)
+        except (ValueError, KeyError) as e:
+            raise UsageError(str(e).strip("'\"")) from None
+        result = dec.generate(args.prompt, seed=args.seed)
+        tokens = result.tokens.unsqueeze(0).to(args.device)
+        collab = {"config": dec.config.to_dict(), "stats": result.stats.to_dict()}
     _sync(args.device)
     gen_s = time.perf_counter() - t_gen
     with torch.no_grad():
@@ -137,6 +160,8 @@ def run(args: argparse.Namespace) -> dict:
              "wall_time_s": gen_s, "tokens_per_s": n / gen_s if gen_s > 0 else None, "total_time_s": total_s,
              "sampling": params.to_dict(), "device": args.device, "weights": world.weights_dir,
              "tokens": tokens[0].tolist()}
+    if collab is not None:
+        stats["collab"] = collab
     if args.stats:
         _write(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
     return stats

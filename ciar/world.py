@@ -5,7 +5,8 @@
     cap = world.text.encode(["a small red circle at the top on a gray background"])
 
 A weights folder holds `tokenizer.safetensors` (kind "vq") and `cloud.safetensors` (kind "gpt"), both written by
-`ciar.models.checkpoint.save_model` with their config in the metadata. The cloud file's `extra["sampling"]`
+`ciar.models.checkpoint.save_model` with their config in the metadata, and optionally the CIAR device model
+`device.safetensors` and the interval-feature projector `projector.safetensors` (loaded when present). The cloud file's `extra["sampling"]`
 (a dict of `SamplingParams` fields), when present, gives the world's default sampling settings.
 """
 
@@ -36,6 +37,13 @@ class World:
     text: TextEncoder  # caption encoder, max_length = cloud.config.cls_token_num
     weights_dir: str  # absolute path of the folder the weights came from
     sampling: SamplingParams  # the world's default sampling settings
+    device_model: "DeviceModel | None" = None  # CIAR device model (device.safetensors), if shipped
+    projector: "IntervalProjector | None" = None  # interval-feature projector (projector.safetensors), if shipped
+
+    @property
+    def codebook(self) -> torch.Tensor:
+        """Raw codebook vectors [V, D] of the tokenizer (LANTERN's neighbour sets)."""
+        return self.vq.quantize.embedding.weight.detach()
 
     @property
     def device(self) -> torch.device:
@@ -95,5 +103,14 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
     if cloud.config.model_type == "t2i" and text.dim != cloud.config.caption_dim:
         raise ValueError(f"the text encoder gives {text.dim}-d embeddings but the cloud model expects "
                          f"caption_dim={cloud.config.caption_dim}")
+    device_model = projector = None
+    if os.path.isfile(os.path.join(weights_dir, "device.safetensors")):
+        from ciar.collab.device import DeviceModel
+
+        device_model = DeviceModel.load(os.path.join(weights_dir, "device.safetensors"), device=device)
+    if os.path.isfile(os.path.join(weights_dir, "projector.safetensors")):
+        from ciar.collab.projector import IntervalProjector
+
+        projector = IntervalProjector.load(os.path.join(weights_dir, "projector.safetensors"), device=device)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
-                 sampling=sampling_from_extra(extra))
+                 sampling=sampling_from_extra(extra), device_model=device_model, projector=projector)

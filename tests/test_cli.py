@@ -118,7 +118,8 @@ def test_sampling_flags_override_the_defaults(weights, tmp_path, capsys):
     (["--prompt", PROMPT, "--temperature", "-1"], ["temperature"]),
     (["--prompt", PROMPT, "--top-k", "-3"], ["top_k"]),
     (["--prompt", PROMPT, "--cfg-scale", "0.5"], ["cfg_scale"]),
-    (["--prompt", PROMPT, "--method", "ciar"], ["--method", "cloud"]),
+    (["--prompt", PROMPT, "--method", "nope"], ["--method", "cloud", "ciar"]),
+    (["--prompt", PROMPT, "--method", "ciar"], ["needs a device model", "device.safetensors"]),
     (["--prompt", PROMPT, "--seed", "abc"], ["--seed"]),
     (["--seed", "1"], ["--prompt"]),
 ])

@@ -56,6 +56,11 @@ class GPTConfig:
     vocab_size: int = 16384
     cls_token_num: int = 120
     block_size: int = 256  # image tokens per image (grid_size ** 2)
+    lm_head: bool = True  # False: no `output` layer (the CIAR device model puts its Inter-Head there instead)
+    # rotary table of the condition positions: "zero" = LlamaGen (cos = sin = 0, so their q and k vanish and every
+    # image token sees the caption as a uniform average); "identity" = cos 1, sin 0 (q/k kept, unrotated), which
+    # lets image tokens attend to caption words by content. LlamaGen configs use "zero"; see the scenes-v1 card.
+    cls_rope: str = "zero"
 
     @property
     def head_dim(self) -> int:
@@ -93,7 +98,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     # the default world's cloud model: 12x12 tokens, 1024 codes, MiniLM captions (<= 40 tokens)
     "scenes-cloud": GPTConfig(dim=256, n_layer=8, n_head=8, vocab_size=1024, caption_dim=384, cls_token_num=40,
                               block_size=144, token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0,
-                              class_dropout_prob=0.1, cap_proj_bias=True),
+                              class_dropout_prob=0.1, cap_proj_bias=True, cls_rope="identity"),
     # LlamaGen sizes (t2i defaults; pass model_type="c2i", cls_token_num=1 for class-conditional checkpoints)
     "GPT-B": GPTConfig(dim=768, n_layer=12, n_head=12, **_LLAMAGEN_T2I),
     "GPT-L": GPTConfig(dim=1024, n_layer=24, n_head=16, **_LLAMAGEN_T2I),
@@ -108,15 +113,22 @@ def gpt_config(name: str, **overrides) -> GPTConfig:
     return replace(GPT_CONFIGS[name], **overrides)
 
 
-def precompute_freqs_cis_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int) -> torch.Tensor:
-    """-> [cls_token_num + grid_size**2, head_dim // 2, 2] (cos, sin); zeros for the condition positions."""
+def precompute_freqs_cis_2d(grid_size: int, head_dim: int, base: float, cls_token_num: int,
+                            cls_rope: str = "zero") -> torch.Tensor:
+    """-> [cls_token_num + grid_size**2, head_dim // 2, 2] (cos, sin); the condition positions get zeros
+    (`cls_rope="zero"`, LlamaGen) or the identity rotation (`"identity"`: cos 1, sin 0)."""
+    if cls_rope not in ("zero", "identity"):
+        raise ValueError(f"cls_rope must be 'zero' or 'identity', got {cls_rope!r}")
     half = head_dim // 2
     freqs = 1.0 / (base ** (torch.arange(0, half, 2)[: half // 2].float() / half))  # [head_dim // 4]
     t = torch.arange(grid_size, dtype=torch.float32)
     f = torch.outer(t, freqs)  # [grid, head_dim // 4]
     grid = torch.cat([f[:, None, :].expand(-1, grid_size, -1), f[None, :, :].expand(grid_size, -1, -1)], dim=-1)
     cache = torch.stack([grid.cos(), grid.sin()], dim=-1).flatten(0, 1)  # [grid**2, head_dim // 2, 2]
-    return torch.cat([torch.zeros(cls_token_num, head_dim // 2, 2), cache])
+    cls = torch.zeros(cls_token_num, head_dim // 2, 2)
+    if cls_rope == "identity":
+        cls[..., 0] = 1.0
+    return torch.cat([cls, cache])
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -268,11 +280,12 @@ class GPT(nn.Module):
         self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if cfg.lm_head else None
         self.register_buffer("freqs_cis", precompute_freqs_cis_2d(cfg.grid_size, cfg.head_dim, cfg.rope_base,
-                                                                  cfg.cls_token_num), persistent=False)
+                                                                  cfg.cls_token_num, cfg.cls_rope), persistent=False)
         self.apply(self._init_weights)
-        nn.init.zeros_(self.output.weight)
+        if self.output is not None:
+            nn.init.zeros_(self.output.weight)
 
     def _init_weights(self, m):
         if isinstance(m, nn.Linear):
@@ -281,6 +294,10 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=self.config.initializer_range)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor | None:
+        """Final hidden states [..., dim] -> float32 logits [..., V]; None for a model built with lm_head=False."""
+        return None if self.output is None else self.output(h).float()
 
     # ------------------------------------------------------------------ conditioning
     def embed_condition(self, cond: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
@@ -296,14 +313,19 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ full forward (training)
     def forward(self, idx: torch.Tensor, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,
-                drop: torch.Tensor | None = None, targets: torch.Tensor | None = None, return_hidden: bool = False):
+                drop: torch.Tensor | None = None, targets: torch.Tensor | None = None, return_hidden: bool = False,
+                extra_emb: torch.Tensor | None = None):
         """idx: [B, T] image tokens (T <= block_size); cond as in `embed_condition`; cond_mask [B, cls] bool.
 
         Returns logits [B, T + 1, V] (position j predicts image token j) and the mean CE against `targets` [B, T+1]
         if given; with `return_hidden` also the final hidden states [B, T + 1, dim] (after the last norm).
+        `extra_emb` [B, T, dim] is added to the token embeddings (CIAR's interval-feature injection).
         """
         c = self.config
-        h = torch.cat([self.embed_condition(cond, drop), self.tok_embeddings(idx)], dim=1)
+        e = self.tok_embeddings(idx)
+        if extra_emb is not None:
+            e = e + extra_emb.to(e.dtype)
+        h = torch.cat([self.embed_condition(cond, drop), e], dim=1)
         h = self.tok_dropout(h)
         s = h.shape[1]
         freqs = self.freqs_cis[:s].unsqueeze(0)
@@ -317,7 +339,7 @@ class GPT(nn.Module):
         for layer in self.layers:
             h = layer(h, freqs, mask)
         h = self.norm(h)[:, c.cls_token_num - 1:]
-        logits = self.output(h).float()
+        logits = self.logits(h)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -376,7 +398,7 @@ class GPT(nn.Module):
         for r in rows:
             cache.lengths[r] = c.cls_token_num
         h = h[:, -1]
-        logits = self.output(h).float()
+        logits = self.logits(h)
         return (logits, h) if return_hidden else logits
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor,
@@ -391,7 +413,7 @@ class GPT(nn.Module):
         if extra_emb is not None:
             e = e + extra_emb.to(e.dtype)
         h = self.forward_cached(cache, e, input_pos, slots, kv_len)
-        logits = self.output(h).float()
+        logits = self.logits(h)
         return (logits, h) if return_hidden else logits
 
 

@@ -1,0 +1,296 @@
+"""Acceptance rules for speculative / collaborative decoding of image tokens.
+
+A drafter proposes K tokens x_0..x_{K-1} with draft distributions q_0..q_{K-1}; the cloud computes target
+distributions p_0..p_K (one more than drafted: the bonus position). Both are post-guidance probability vectors
+(`ciar.decoding.sampling.logits_to_probs`). `verify_span` decides how many drafts to keep and the next token:
+
+  exact    standard speculative sampling (lossless: the output follows p exactly);
+  lantern  LANTERN's relaxed acceptance: up to delta of p's mass on x's nearest codebook neighbours counts for x;
+  greedy   keep drafts while they equal argmax p; the next token is an argmax too (deterministic);
+  cascade  CASCADE-style: a draft that the exact test rejects is kept when it is semantically interchangeable
+           with the drawn replacement (cosine of output-embedding rows), or when consecutive target hidden states
+           converge (cosine of h_j and h_{j+1}).
+
+Randomness (reproducible and independent of the other rows' contents): first `u = torch.rand(B, K)` from the
+generator, then row by row (b = 0..B-1) the row's `sample` calls: exactly one for exact and lantern; none for
+greedy (its uniforms are still drawn); for cascade, one per position that the exact test rejects (in position
+order, until the span ends) plus one bonus draw if the whole span is kept.
+
+    out = verify_span("exact", drafts, q, p, generator)      # drafts [B, K], q [B, K, V], p [B, K+1, V]
+    n, z = out.num_accepted, out.next_token                   # keep drafts[b, :n[b]], then append z[b]
+
+    table = NeighborTable.from_codebook(codebook, k=1000).to(p.device)
+    out = verify_span("lantern", drafts, q, p, generator, neighbors=table, lantern=LanternConfig(delta=0.15))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ciar.decoding.sampling import sample
+
+RULES = ("exact", "lantern", "greedy", "cascade")
+
+# A residual max(0, p - q) with total mass at or below this is treated as empty (float32 round-off of two
+# distributions that agree); the next token is then drawn from p instead.
+RESIDUAL_EPS = 1e-6
+
+# Elements of the [rows, V, D] difference tensor built per chunk in `NeighborTable.from_codebook`.
+_CHUNK_ELEMS = 1 << 24
+
+
+def _finite(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class LanternConfig:
+    """LANTERN relaxation: consider the draft's `k` nearest codebook neighbours, move at most `delta` of p's mass
+    (total variation) from them onto the draft."""
+
+    k: int = 1000
+    delta: float = 0.15
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"LanternConfig.k must be an integer >= 1, got {self.k!r}")
+        if not 0.0 <= _finite("LanternConfig.delta", self.delta) <= 1.0:
+            raise ValueError(f"LanternConfig.delta must be in [0, 1], got {self.delta!r}")
+
+
+@dataclass
+class CascadeConfig:
+    """CASCADE-style relaxation: `threshold` in [-1, 1] on cos(E[x], E[y]) of draft x and replacement y (1 relaxes
+    only for parallel rows); `seq_threshold` in [-1, 1] (None disables) on cos(h_j, h_{j+1}) of consecutive target
+    hidden states."""
+
+    threshold: float = 0.9
+    seq_threshold: float | None = None
+
+    def __post_init__(self):
+        if not -1.0 <= _finite("CascadeConfig.threshold", self.threshold) <= 1.0:
+            raise ValueError(f"CascadeConfig.threshold must be in [-1, 1], got {self.threshold!r}")
+        if self.seq_threshold is not None and not -1.0 <= _finite("CascadeConfig.seq_threshold",
+                                                                  self.seq_threshold) <= 1.0:
+            raise ValueError(f"CascadeConfig.seq_threshold must be in [-1, 1] or None, got {self.seq_threshold!r}")
+
+
+class NeighborTable:
+    """For each codebook token its nearest *other* tokens: `indices` [V, k] int64, sorted by increasing L2
+    distance of the raw codebook vectors, ties broken by lower index."""
+
+    def __init__(self, indices: torch.Tensor):
+        if indices.dim() != 2:
+            raise ValueError(f"NeighborTable.indices must be [V, k], got shape {tuple(indices.shape)}")
+        self.indices = indices.long()
+
+    @property
+    def k(self) -> int:
+        return int(self.indices.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.indices.shape[0])
+
+    def to(self, device: torch.device | str) -> "NeighborTable":
+        return NeighborTable(self.indices.to(device))
+
+    @classmethod
+    def from_codebook(cls, codebook: torch.Tensor, k: int) -> "NeighborTable":
+        """codebook [V, D] -> table with min(k, V-1) neighbours per token (computed on the codebook's device).
+
+        Squared distances are computed in float32 from explicit differences, a chunk of rows at a time (never a
+        V x V x D tensor). Ordering uses an exact integer key (float bits of the distance, then the index), so
+        ties are broken by index regardless of the top-k kernel.
+        """
+        if codebook.dim() != 2:
+            raise ValueError(f"codebook must be [V, D], got shape {tuple(codebook.shape)}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        cb = codebook.detach().float()
+        vocab, dim = cb.shape
+        k = min(k, vocab - 1)
+        if k <= 0:
+            return cls(torch.zeros(vocab, 0, dtype=torch.long, device=cb.device))
+        chunk = max(1, _CHUNK_ELEMS // max(1, vocab * dim))
+        index = torch.arange(vocab, device=cb.device)
+        never = torch.iinfo(torch.int64).max
+        out = []
+        for start in range(0, vocab, chunk):
+            rows = cb[start:start + chunk]  # [c, D]
+            d2 = (rows[:, None, :] - cb[None, :, :]).pow(2).sum(-1)  # [c, V], >= 0
+            # non-negative float32 bit patterns order like the floats; index in the low bits breaks ties
+            key = d2.view(torch.int32).long() * vocab + index  # [c, V]
+            own = index[start:start + rows.shape[0]]
+            key[torch.arange(rows.shape[0], device=cb.device), own] = never  # exclude self
+            out.append(torch.topk(key, k, dim=1, largest=False, sorted=True).values % vocab)
+        return cls(torch.cat(out, dim=0))
+
+
+@dataclass
+class VerifyOutput:
+    num_accepted: torch.Tensor  # [B] int64, drafts kept (0..span_len[b])
+    next_token: torch.Tensor  # [B] int64, recovered (after a rejection) or bonus (after a full accept) token
+    recovered: torch.Tensor  # [B] bool, True when next_token replaces a rejected draft
+
+
+def _ratio_accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """u, p_x, q_x [B, K] -> accept [B, K]: u < min(1, p/q), with p/q = inf if q = 0 < p and 0 if p = q = 0."""
+    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny),
+                        torch.where(p_x > 0, torch.full_like(p_x, math.inf), torch.zeros_like(p_x)))
+    return u < ratio.clamp(max=1.0)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p, q [..., V] -> normalise(max(0, p - q)) [..., V]; p itself where that residual has (numerically) no mass."""
+    res = (p - q).clamp_min(0.0)
+    mass = res.sum(-1, keepdim=True)
+    return torch.where(mass > RESIDUAL_EPS, res / mass.clamp_min(RESIDUAL_EPS), p)
+
+
+def _lantern_target(p_x: torch.Tensor, p: torch.Tensor, drafts: torch.Tensor, neighbors: NeighborTable,
+                    cfg: LanternConfig) -> torch.Tensor:
+    """p_x [B, K], p [B, K, V], drafts [B, K] -> p~(x) [B, K]: p(x) plus the largest prefix sum of p over x's
+    neighbours (distance order) that is <= delta."""
+    kk = min(cfg.k, neighbors.k)
+    if kk == 0 or cfg.delta == 0.0:
+        return p_x
+    nbr = neighbors.indices[:, :kk].to(drafts.device)[drafts]  # [B, K, kk]
+    prefix = torch.cumsum(p.gather(-1, nbr), dim=-1)  # [B, K, kk], non-decreasing
+    moved = torch.where(prefix <= cfg.delta, prefix, torch.zeros_like(prefix)).amax(-1)  # [B, K]
+    return p_x + moved
+
+
+def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, neighbors, lantern, cascade,
+           target_hidden, token_embeddings) -> tuple[int, int, int]:
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if not isinstance(generator, torch.Generator):
+        raise ValueError("generator must be a torch.Generator")
+    if draft_tokens.dim() != 2 or draft_tokens.dtype in (torch.float16, torch.bfloat16, torch.float32,
+                                                          torch.float64, torch.bool):
+        raise ValueError(f"draft_tokens must be an integer tensor [B, K], got {tuple(draft_tokens.shape)} "
+                         f"{draft_tokens.dtype}")
+    b, k = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[0] != b or target_probs.shape[1] != k + 1:
+        raise ValueError(f"target_probs must be [B, K+1, V] = [{b}, {k + 1}, V], got {tuple(target_probs.shape)}")
+    v = target_probs.shape[2]
+    if v < 1:
+        raise ValueError("the vocabulary must not be empty")
+    if tuple(draft_probs.shape) != (b, k, v):
+        raise ValueError(f"draft_probs must be [B, K, V] = [{b}, {k}, {v}], got {tuple(draft_probs.shape)}")
+    if span_len is not None:
+        if span_len.shape != (b,):
+            raise ValueError(f"span_len must be [B] = [{b}], got {tuple(span_len.shape)}")
+        if b and (int(span_len.min()) < 0 or int(span_len.max()) > k):
+            raise ValueError(f"span_len values must be in [0, K] = [0, {k}], got {span_len.tolist()}")
+    if b and k and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= v):
+        # padding beyond a row's span must still be a valid index (e.g. 0)
+        raise ValueError(f"draft_tokens must lie in [0, V) = [0, {v})")
+    if rule == "lantern":
+        if neighbors is None or lantern is None:
+            raise ValueError("the lantern rule needs `neighbors` (NeighborTable) and `lantern` (LanternConfig)")
+        if neighbors.vocab_size != v:
+            raise ValueError(f"neighbors covers {neighbors.vocab_size} tokens, the distributions {v}")
+    if rule == "cascade":
+        if cascade is None or token_embeddings is None:
+            raise ValueError("the cascade rule needs `cascade` (CascadeConfig) and `token_embeddings` [V, D]")
+        if token_embeddings.dim() != 2 or token_embeddings.shape[0] != v:
+            raise ValueError(f"token_embeddings must be [V, D] with V = {v}, got {tuple(token_embeddings.shape)}")
+        if target_hidden is not None and (target_hidden.dim() != 3 or target_hidden.shape[:2] != (b, k + 1)):
+            raise ValueError(f"target_hidden must be [B, K+1, D] = [{b}, {k + 1}, D], "
+                             f"got {tuple(target_hidden.shape)}")
+    return b, k, v
+
+
+def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                generator: torch.Generator, span_len: torch.Tensor | None = None, *,
+                neighbors: NeighborTable | None = None, lantern: LanternConfig | None = None,
+                cascade: CascadeConfig | None = None, target_hidden: torch.Tensor | None = None,
+                token_embeddings: torch.Tensor | None = None) -> VerifyOutput:
+    """Judge a batch of drafted spans.
+
+    draft_tokens [B, K] int64, draft_probs q [B, K, V], target_probs p [B, K+1, V], span_len [B] in [0, K]
+    (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K). `neighbors` and
+    `lantern` are needed by "lantern"; `cascade` and `token_embeddings` [V, D] (and optionally `target_hidden`
+    [B, K+1, D]) by "cascade". Returns `VerifyOutput` with [B] tensors on the data's device. See the module
+    docstring for the rules and the order of random draws.
+    """
+    b, k, v = _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, neighbors, lantern,
+                     cascade, target_hidden, token_embeddings)
+    device = target_probs.device
+    p = target_probs.float()
+    q = draft_probs.to(device).float()
+    drafts = draft_tokens.to(device).long()
+    lengths = (torch.full((b,), k, dtype=torch.long, device=device) if span_len is None
+               else span_len.to(device).long())
+    in_span = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
+
+    u = torch.rand(b, k, generator=generator, device=generator.device).to(device)  # always drawn first
+
+    p_x = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
+    if rule == "greedy":
+        accept = (drafts == p[:, :k].argmax(-1)) & in_span  # argmax: first maximal index
+    else:
+        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
+        if rule == "lantern":
+            p_x = _lantern_target(p_x, p[:, :k], drafts, neighbors, lantern)
+        accept = _ratio_accept(u, p_x, q_x) & in_span
+
+    if rule == "cascade":
+        return _cascade(accept, drafts, p, q, lengths, generator, cascade, target_hidden, token_embeddings)
+
+    n = accept.long().cumprod(-1).sum(-1) if k else torch.zeros(b, dtype=torch.long, device=device)  # [B]
+    recovered = n < lengths
+    p_next = p[torch.arange(b, device=device), n]  # [B, V]: p at the first rejection, or the bonus p_L
+    if rule == "greedy":
+        return VerifyOutput(n, p_next.argmax(-1), recovered)
+    if k:
+        q_next = q[torch.arange(b, device=device), n.clamp(max=k - 1)]  # [B, V]
+        dist = torch.where(recovered[:, None], _residual(p_next, q_next), p_next)
+    else:
+        dist = p_next
+    nxt = torch.cat([sample(dist[i:i + 1], generator) for i in range(b)]) if b else \
+        torch.zeros(0, dtype=torch.long, device=device)
+    return VerifyOutput(n, nxt.to(device), recovered)
+
+
+def _cascade(accept: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor,
+             generator: torch.Generator, cfg: CascadeConfig, target_hidden: torch.Tensor | None,
+             token_embeddings: torch.Tensor) -> VerifyOutput:
+    """Cascade rule given the exact test `accept` [B, K] (already masked to the span); row by row, position order."""
+    b = drafts.shape[0]
+    device = p.device
+    emb = token_embeddings.detach().to(device).float()  # [V, D]
+    seq_ok = None
+    if cfg.seq_threshold is not None and target_hidden is not None and drafts.shape[1]:
+        h = target_hidden.detach().to(device).float()  # [B, K+1, D]
+        seq_ok = (F.cosine_similarity(h[:, :-1], h[:, 1:], dim=-1) >= cfg.seq_threshold).tolist()  # [B][K]
+    acc, lens = accept.tolist(), lengths.tolist()
+    nums, nexts, recs = [], [], []
+    for i in range(b):
+        n, z = lens[i], None
+        for j in range(lens[i]):
+            if acc[i][j]:
+                continue
+            y = sample(_residual(p[i, j], q[i, j])[None], generator).to(device)  # [1]
+            x = drafts[i, j]
+            cos = F.cosine_similarity(emb[x], emb[y[0]], dim=0)
+            if float(cos) >= cfg.threshold or (seq_ok is not None and seq_ok[i][j]):
+                continue  # interchangeable (or converged): keep the draft
+            n, z = j, y
+            break
+        if z is None:
+            z = sample(p[i, n][None], generator).to(device)
+        nums.append(n)
+        nexts.append(z)
+        recs.append(n < lens[i])
+    nxt = torch.cat(nexts) if b else torch.zeros(0, dtype=torch.long, device=device)
+    return VerifyOutput(torch.tensor(nums, dtype=torch.long, device=device), nxt,
+                        torch.tensor(recs, dtype=torch.bool, device=device))

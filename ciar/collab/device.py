@@ -1,0 +1,130 @@
+"""The device model: the cloud's architecture cut to 1 (or 2/3/5) layers, with the Inter-Head as its output.
+
+    device = DeviceModel.from_cloud(world.cloud, DeviceConfig(n_layer=1))       # layer-dropped initialisation
+    out = device(tokens[:, :-1], cap.emb, cap.mask)                              # training: DeviceOutput [B, N, V]
+    cache = device.new_cache(2)
+    out = device.prefill(cache, cond, mask, drop)                                # first image token
+    out = device.decode(cache, tok, pos, kv_len=pos + 1)                          # next token(s)
+
+The device drafts from the Inter-Head's center logits `c` (DESIGN.md section 4); the radius `r` gives the logit
+box `[c - r, c + r]` that InterFuse turns into a probability interval. The trunk is `ciar.models.gpt.GPT` built
+with `lm_head=False` (same keys as the cloud under `gpt.`), so every cached-decoding facility of the cloud —
+per-row positions, slots, rollback by position — is the device's too.
+
+Files: `device.safetensors` (kind "ciar_device"), config = {"gpt": GPTConfig dict, "device": DeviceConfig dict}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from ciar.collab.interval import InterHead
+from ciar.models.checkpoint import load_strict, read_model_file, save_model
+from ciar.models.gpt import GPT, GPTConfig
+from ciar.models.kv_cache import KVCache
+
+DEVICE_KIND = "ciar_device"
+DEVICE_DEPTHS = (1, 2, 3, 5)  # the paper's device depths (Table 6)
+
+
+@dataclass
+class DeviceConfig:
+    n_layer: int = 1  # transformer layers of the device trunk
+    num_heads: int = 1  # Inter-Heads (1..5), combined by `combine`
+    combine: str = "ensemble"  # "ensemble" (average) or "voting" (majority of the heads' gate decisions)
+    max_radius: float = 8.0  # clamp of the radius logits
+
+    def __post_init__(self):
+        if not 1 <= int(self.n_layer) <= 64:
+            raise ValueError(f"n_layer must be in [1, 64], got {self.n_layer}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "DeviceConfig":
+        return DeviceConfig(**d)
+
+
+@dataclass
+class DeviceOutput:
+    center: torch.Tensor  # [..., V] float32, the heads' mean center logits (what the device drafts from)
+    radius: torch.Tensor  # [..., V] float32, >= 0
+    hidden: torch.Tensor  # [..., dim] final hidden states (input of the interval-feature projector)
+    heads: tuple[torch.Tensor, torch.Tensor] | None = None  # per-head (centers, radii) [H, ..., V] if asked
+
+
+class DeviceModel(nn.Module):
+    def __init__(self, gpt_config: GPTConfig, config: DeviceConfig | None = None):
+        super().__init__()
+        self.device_config = config or DeviceConfig()
+        dc = self.device_config
+        self.gpt = GPT(replace(gpt_config, n_layer=dc.n_layer, lm_head=False))
+        self.inter_head = InterHead(gpt_config.dim, gpt_config.vocab_size, num_heads=dc.num_heads,
+                                    combine=dc.combine, max_radius=dc.max_radius)
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.gpt.config
+
+    @classmethod
+    def from_cloud(cls, cloud: GPT, config: DeviceConfig | None = None) -> "DeviceModel":
+        """Initialise from the cloud: its embeddings, caption projector, first `n_layer` layers and final norm;
+        the Inter-Head centers start as the cloud's output layer (radius starts small)."""
+        config = config or DeviceConfig()
+        if config.n_layer > cloud.config.n_layer:
+            raise ValueError(f"device n_layer {config.n_layer} > cloud n_layer {cloud.config.n_layer}")
+        dev = cls(replace(cloud.config, lm_head=True), config)
+        own = dev.gpt.state_dict()
+        src = {k: v for k, v in cloud.state_dict().items() if k in own}
+        dev.gpt.load_state_dict(src, strict=True)
+        dev.inter_head.init_center_from(cloud.output.weight.detach())
+        return dev.to(cloud.tok_embeddings.weight.device)
+
+    # ------------------------------------------------------------------ heads
+    def _out(self, h: torch.Tensor, with_heads: bool) -> DeviceOutput:
+        if with_heads or self.device_config.num_heads > 1:
+            centers, radii = self.inter_head.forward_heads(h)
+            return DeviceOutput(centers.mean(0), radii.mean(0), h, (centers, radii) if with_heads else None)
+        center, radius = self.inter_head(h)
+        return DeviceOutput(center, radius, h)
+
+    def forward(self, idx: torch.Tensor, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,
+                drop: torch.Tensor | None = None, with_heads: bool = False) -> DeviceOutput:
+        """Teacher-forced: idx [B, T] -> DeviceOutput over [B, T + 1, ...] (position j predicts image token j)."""
+        _, _, h = self.gpt(idx, cond, cond_mask, drop=drop, return_hidden=True)
+        return self._out(h, with_heads)
+
+    # ------------------------------------------------------------------ cached decoding
+    def new_cache(self, slots: int, max_seq: int | None = None) -> KVCache:
+        return self.gpt.new_cache(slots, max_seq)
+
+    def prefill(self, cache: KVCache, cond, cond_mask=None, drop=None, slots=None,
+                with_heads: bool = False) -> DeviceOutput:
+        """Write the condition into the cache; -> DeviceOutput [B, ...] for image token 0."""
+        _, h = self.gpt.prefill(cache, cond, cond_mask, drop, slots, return_hidden=True)
+        return self._out(h, with_heads)
+
+    def decode(self, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor, slots=None,
+               kv_len: int | None = None, with_heads: bool = False) -> DeviceOutput:
+        """Feed tokens [B, T] at input_pos; -> DeviceOutput [B, T, ...] (entry j predicts the token after j)."""
+        _, h = self.gpt.decode(cache, tokens, input_pos, slots, kv_len=kv_len, return_hidden=True)
+        return self._out(h, with_heads)
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
+        cfg = {"gpt": self.config.to_dict(), "device": self.device_config.to_dict()}
+        save_model(self, path, cfg, kind=DEVICE_KIND, extra=extra, dtype=dtype)
+
+    @classmethod
+    def load(cls, path: str, device: str | torch.device = "cpu") -> "DeviceModel":
+        state, kind, cfg, _ = read_model_file(path)
+        if kind != DEVICE_KIND:
+            raise ValueError(f"{path}: expected a {DEVICE_KIND!r} file, found kind {kind!r}")
+        model = cls(GPTConfig.from_dict(cfg["gpt"]), DeviceConfig.from_dict(cfg["device"]))
+        load_strict(model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                    what=f"device model ({path})")
+        return model.to(device).eval()

@@ -1,0 +1,122 @@
+"""Escalation gates: CIAR's interval uncertainty and the baselines that replace it (paper Tables 2-3).
+
+Every gate maps a batch of next-token predictions to one score per row, higher = more uncertain; the decoder
+escalates a position to the cloud when score > tau.
+
+    cfg = GateConfig(kind="interval", tau=0.30).validate()
+    s = gate_scores(cfg.kind, center=center, radius=radius, margin=cfg.margin)   # center/radius [B, V] -> [B]
+    escalate = s > cfg.tau
+
+| kind       | inputs          | score                                                         | scale          |
+|------------|-----------------|---------------------------------------------------------------|----------------|
+| "interval" | center, radius  | normalised U = Omega^2 * kappa (ciar.collab.interval)         | >= 0; tau 0.30 |
+| "entropy"  | probs           | Shannon entropy / log V (Entropy-Lens-style)                  | [0, 1]         |
+| "softmax"  | probs           | 1 - max p (SoftmaxCorr: maximum softmax probability)          | [0, 1 - 1/V]   |
+| "random"   | generator (+B)  | uniform draw per row                                          | [0, 1)         |
+| "topk"     | center, radius  | (n_feasible - 1 + Omega_k / (1 + Omega_k)) / k, discrete set  | [0, 1)         |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ciar.collab.interval import inter_fuse, interval_uncertainty
+
+GATES = ("interval", "entropy", "softmax", "random", "topk")
+
+
+@dataclass
+class GateConfig:
+    """Which gate scores a position, its threshold tau (escalate when score > tau), and the gate's knobs."""
+
+    kind: str = "interval"
+    tau: float = 0.30
+    topk: int = 200  # k of the "topk" gate (paper Table 3: 100..400)
+    margin: float = 0.01  # InterFuse safety margin of the "interval" and "topk" gates
+
+    def validate(self) -> "GateConfig":
+        """Raise ValueError naming the field when a value is out of range; returns self."""
+        if self.kind not in GATES:
+            raise ValueError(f"kind must be one of {GATES}, got {self.kind!r}")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"topk must be an integer >= 1, got {self.topk!r}")
+        if not isinstance(self.tau, (int, float)) or math.isnan(self.tau):
+            raise ValueError(f"tau must be a number (not NaN), got {self.tau!r}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
+            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
+        return self
+
+
+def _need(kind: str, **inputs) -> None:
+    missing = [name for name, value in inputs.items() if value is None]
+    if missing:
+        raise ValueError(f"gate {kind!r} needs {', '.join(missing)}")
+
+
+def entropy_score(probs: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] -> Shannon entropy / log V in [0, 1], [B] (0 log 0 = 0; 0 when V == 1)."""
+    p = probs.float()
+    V = p.shape[-1]
+    if V < 2:
+        return p.new_zeros(p.shape[:-1])
+    return (torch.special.entr(p).sum(dim=-1) / math.log(V)).clamp(0.0, 1.0)
+
+
+def softmax_score(probs: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] -> 1 - max p, [B]."""
+    return 1.0 - probs.float().amax(dim=-1)
+
+
+def topk_score(center: torch.Tensor, radius: torch.Tensor, topk: int = 200, margin: float = 0.01) -> torch.Tensor:
+    """Discrete solution-set uncertainty over the k largest centers; center, radius [B, V] -> [B].
+
+    InterFuse over the restricted set gives [p_lo, p_hi] [B, k]; token i is a feasible winner iff
+    p_hi_i >= p_lo_j for every j (explicit [B, k, k] comparison, O(k^2) like the enumeration the paper criticises).
+    score = (n_feasible - 1 + Omega_k / (1 + Omega_k)) / k, with Omega_k = sum(p_hi - p_lo) breaking ties.
+    """
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk!r}")
+    center, radius = torch.broadcast_tensors(center.float(), radius.float())
+    k = min(int(topk), center.shape[-1])
+    c_k, idx = center.topk(k, dim=-1)
+    r_k = radius.gather(-1, idx)
+    p_lo, p_hi = inter_fuse(c_k, r_k, margin=margin)  # [B, k]
+    feasible = (p_hi.unsqueeze(-1) >= p_lo.unsqueeze(-2)).all(dim=-1)  # [B, k, k] -> [B, k]
+    n_feasible = feasible.sum(dim=-1).float()
+    omega = (p_hi - p_lo).sum(dim=-1)
+    frac = omega / (1.0 + omega)
+    return (n_feasible - 1.0 + frac) / k
+
+
+def gate_scores(kind: str, *, center: torch.Tensor | None = None, radius: torch.Tensor | None = None,
+                probs: torch.Tensor | None = None, generator: torch.Generator | None = None, topk: int = 200,
+                margin: float = 0.01) -> torch.Tensor:
+    """One uncertainty score per row, [B] float32, higher = more uncertain (escalate when score > tau).
+
+    center, radius: [B, V] logit box (guided and temperature-scaled); probs: [B, V] the draft distribution;
+    generator: CPU torch.Generator of the "random" gate. See the module docstring for each gate's scale.
+    Unknown kind or a missing input -> ValueError naming it.
+    """
+    if kind == "interval":
+        _need(kind, center=center, radius=radius)
+        return interval_uncertainty(center, radius, margin=margin).float()
+    if kind == "entropy":
+        _need(kind, probs=probs)
+        return entropy_score(probs)
+    if kind == "softmax":
+        _need(kind, probs=probs)
+        return softmax_score(probs)
+    if kind == "random":
+        _need(kind, generator=generator)
+        ref = probs if probs is not None else center
+        if ref is None:
+            raise ValueError("gate 'random' needs probs or center (for the batch size)")
+        draws = torch.rand(ref.shape[0], generator=generator)
+        return draws.to(ref.device)
+    if kind == "topk":
+        _need(kind, center=center, radius=radius)
+        return topk_score(center, radius, topk=topk, margin=margin)
+    raise ValueError(f"unknown gate kind {kind!r}; expected one of {GATES}")

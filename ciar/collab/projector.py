@@ -1,0 +1,63 @@
+"""Interval-feature projector: device hidden state + interval summary -> a vector added to the cloud's input
+embedding of each locally accepted token when the cloud catches up (CIAR's interval-enhanced decoding).
+
+    proj = IntervalProjector(ProjectorConfig(device_dim=256, cloud_dim=256, feature_dim=interval_feature_dim(8)))
+    extra = proj(device_hidden, interval_features)      # [..., cloud_dim]
+    logits = cloud.decode(cache, tokens, pos, extra_emb=extra * accepted_locally[..., None])
+
+`h = block(e(x_t) + proj(f_t))` (DESIGN.md section 4). The output layer starts at zero, so an untrained
+projector is exactly "w/o Inter-Enhance"; it is trained with the cloud frozen (`pipelines.train_projector`).
+Files: `projector.safetensors` (kind "ciar_projector").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from ciar.models.checkpoint import load_strict, read_model_file, save_model
+
+PROJECTOR_KIND = "ciar_projector"
+
+
+@dataclass
+class ProjectorConfig:
+    device_dim: int = 256
+    cloud_dim: int = 256
+    feature_dim: int = 20  # interval_feature_dim(top) of ciar.collab.interval
+    feature_top: int = 8  # the `top` the features were computed with
+    hidden: int = 256
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class IntervalProjector(nn.Module):
+    def __init__(self, config: ProjectorConfig):
+        super().__init__()
+        self.config = config
+        self.norm = nn.LayerNorm(config.device_dim + config.feature_dim)
+        self.fc1 = nn.Linear(config.device_dim + config.feature_dim, config.hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(config.hidden, config.cloud_dim)
+        nn.init.zeros_(self.fc2.weight)
+        nn.init.zeros_(self.fc2.bias)
+
+    def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """hidden [..., device_dim], features [..., feature_dim] -> [..., cloud_dim] (dtype of fc1)."""
+        x = torch.cat([hidden.to(self.fc1.weight.dtype), features.to(self.fc1.weight.dtype)], dim=-1)
+        return self.fc2(self.act(self.fc1(self.norm(x))))
+
+    def save(self, path: str, extra: dict | None = None) -> None:
+        save_model(self, path, self.config.to_dict(), kind=PROJECTOR_KIND, extra=extra)
+
+    @classmethod
+    def load(cls, path: str, device: str | torch.device = "cpu") -> "IntervalProjector":
+        state, kind, cfg, _ = read_model_file(path)
+        if kind != PROJECTOR_KIND:
+            raise ValueError(f"{path}: expected a {PROJECTOR_KIND!r} file, found kind {kind!r}")
+        model = cls(ProjectorConfig(**cfg))
+        load_strict(model, {k: v.float() for k, v in state.items()}, what=f"projector ({path})")
+        return model.to(device).eval()

@@ -1,0 +1,112 @@
+"""The device <-> cloud protocol: three messages, transport-agnostic.
+
+    client.open(OpenRequest(...))     -> OpenReply     caption embeddings + the cloud's prefix tokens (prefix injection)
+    client.verify(VerifyRequest(...)) -> VerifyReply   catch up on locally accepted tokens, verify a drafted span
+    client.close(session_id)
+
+Vocabulary (used everywhere in `ciar.collab`): a *session* is one image being generated; *committed* tokens are
+the ones both sides agree on; tokens *accepted locally* by the device (uncertainty <= tau) are committed on the
+device at once and reach the cloud with the next VerifyRequest as `new_tokens` (the cloud's *catch-up*); a
+*span* holds the *draft* tokens the device wants verified; the cloud answers with the number *accepted* and one
+*next token* (recovered at the first rejection, or a bonus token after a fully accepted span).
+
+`CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
+it with direct calls (tests, benchmarks, CLI); the Ray implementation lives in `services/`. Payload sizes follow
+`ciar.collab.stats`'s documented encodings, so every transport charges the same bytes to the network model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ciar.collab.stats import HEADER_BYTES, feature_bytes, token_bytes
+from ciar.decoding.sampling import SamplingParams
+
+
+@dataclass
+class RuleConfig:
+    """How the cloud judges drafts (ciar.collab.acceptance)."""
+
+    rule: str = "exact"  # exact | lantern | greedy | cascade
+    lantern_k: int = 1000  # LANTERN: nearest codebook neighbours considered
+    lantern_delta: float = 0.15  # LANTERN: total-variation budget
+    cascade_threshold: float = 0.9  # CASCADE: cosine-similarity threshold
+
+
+@dataclass
+class OpenRequest:
+    session_id: str
+    prompt: str  # caption text (the cloud encodes it)
+    seed: int  # the cloud's sampling stream for this session (prefix tokens, recovered and bonus tokens)
+    sampling: SamplingParams
+    prefix_len: int  # tokens the cloud generates itself before the device drafts (N for cloud-only)
+    rule: RuleConfig = field(default_factory=RuleConfig)
+    want_caption: bool = True  # return the caption embeddings (the device needs them to draft)
+
+    def nbytes(self) -> int:
+        return HEADER_BYTES + len(self.prompt.encode("utf-8"))
+
+
+@dataclass
+class OpenReply:
+    session_id: str
+    prefix_tokens: torch.Tensor  # [prefix_len] int64
+    caption_emb: torch.Tensor | None  # [L, caption_dim] float16 (None unless want_caption)
+    caption_mask: torch.Tensor | None  # [L] bool
+    cloud_s: float  # cloud compute time spent on this request (the whole batched work it waited for)
+    forward_passes: int  # sequential cloud forwards (prefill + one per prefix token after the first)
+    vocab_size: int
+
+    def nbytes(self) -> int:
+        n = HEADER_BYTES + token_bytes(int(self.prefix_tokens.numel()), self.vocab_size)
+        if self.caption_emb is not None:
+            n += self.caption_emb.numel() * 2 + self.caption_mask.numel()  # float16 + one byte per mask entry
+        return n
+
+
+@dataclass
+class VerifyRequest:
+    session_id: str
+    new_tokens: torch.Tensor  # [m] int64 accepted locally since the last exchange (m >= 0)
+    draft_tokens: torch.Tensor  # [k] int64 the span (k >= 0)
+    draft_probs: torch.Tensor  # [k, V] the device's post-guidance draft distributions q (sent as float16)
+    device_hidden: torch.Tensor | None = None  # [m, d_device] projector inputs (interval-enhanced decoding)
+    features: torch.Tensor | None = None  # [m, F] interval features of the new tokens
+
+    def nbytes(self, vocab_size: int) -> int:
+        n = HEADER_BYTES + token_bytes(int(self.new_tokens.numel()) + int(self.draft_tokens.numel()), vocab_size)
+        n += int(self.draft_probs.numel()) * 2
+        if self.device_hidden is not None:
+            n += feature_bytes(int(self.device_hidden.shape[0]), int(self.device_hidden.shape[-1]))
+        if self.features is not None:
+            n += feature_bytes(int(self.features.shape[0]), int(self.features.shape[-1]))
+        return n
+
+
+@dataclass
+class VerifyReply:
+    session_id: str
+    num_accepted: int  # drafts accepted (0..k)
+    next_token: int  # recovered (after a rejection) or bonus (after a full accept) token
+    recovered: bool
+    cloud_s: float  # cloud compute time of the batched forward + acceptance this request waited for
+    batch_size: int  # sessions verified in that forward
+    forward_passes: int = 1
+
+    def nbytes(self) -> int:
+        return HEADER_BYTES + 8
+
+
+class CloudClient(Protocol):
+    """What the device side needs from the cloud; implementations decide transport and batching."""
+
+    vocab_size: int
+
+    def open(self, request: OpenRequest) -> OpenReply: ...
+
+    def verify(self, request: VerifyRequest) -> VerifyReply: ...
+
+    def close(self, session_id: str) -> None: ...

@@ -1,0 +1,151 @@
+"""Train the interval-feature projector (CIAR's interval-enhanced decoding) with the cloud and device frozen.
+
+    python -m pipelines.train_projector --out weights/scenes-v1 --steps 400 --batch-size 16 --seed 0
+
+What it learns (our reading of the paper's "distribution alignment"; DESIGN.md section 4): during collaborative
+decoding the cloud catches up on tokens the device accepted locally, and those can differ from what the cloud
+would have chosen. Each training sequence is a data sequence in which every image token is, with probability
+`--local-rate`, replaced by a draw from the device's distribution at that position (teacher-forced device) and
+marked "accepted locally": those positions carry `proj(device hidden, interval features)` added to the cloud's
+input embedding. The loss is the frozen cloud's cross-entropy on the data tokens that were not replaced, i.e.
+the projector learns to tell the cloud how far to trust each locally accepted token so its predictions stay
+aligned. The output layer starts at zero (= "w/o Inter-Enhance"); validation reports the cloud's CE on
+corrupted sequences with and without the projector.
+
+Writes `OUT/projector.safetensors` and `OUT/projector.metrics.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ciar.collab.device import DeviceModel
+from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
+from ciar.collab.projector import IntervalProjector, ProjectorConfig
+from ciar.world import load_default_world
+from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+from pipelines.train_cloud import build_split, get_batch
+
+
+def corrupt(device_model: DeviceModel, tokens, emb, mask, drop, rate: float, gen: torch.Generator, top: int):
+    """-> (mixed tokens [B, N], local [B, N] bool, device hidden [B, N, d], features [B, N, F])."""
+    with torch.no_grad():
+        out = device_model(tokens[:, :-1], emb, mask, drop=drop)  # [B, N, ...]: position j predicts token j
+        center, radius = out.center, out.radius  # [B, N, V]
+        probs = torch.softmax(center, -1)
+        draws = torch.multinomial(probs.flatten(0, 1).cpu(), 1, generator=gen).view(tokens.shape).to(tokens.device)
+        local = torch.rand(tokens.shape, generator=gen).to(tokens.device) < rate
+        mixed = torch.where(local, draws, tokens)
+        c, r = guided_interval(center, radius)
+        feats = interval_features(c, r, top=top)
+    return mixed, local, out.hidden, feats
+
+
+def cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, drop):
+    """Cloud CE on the data tokens not replaced (position j+1 predicted from the mixed context up to j)."""
+    extra = None
+    if projector is not None:
+        extra = projector(hidden, feats) * local[..., None].to(hidden.dtype)  # [B, N, dim]
+        extra = extra[:, :-1]
+    logits, _ = cloud(mixed[:, :-1], emb, mask, drop=drop, extra_emb=extra)  # [B, N, V]
+    keep = ~local  # targets that are data tokens
+    keep[:, 0] = False  # token 0 has no context to align
+    return F.cross_entropy(logits[keep], tokens[keep])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelines.train_projector", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="weights/scenes-v1")
+    p.add_argument("--device-file", default="device.safetensors")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--local-rate", type=float, default=0.7, help="fraction of tokens replaced by device draws")
+    p.add_argument("--feature-top", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--num-train", type=int, default=30000)
+    p.add_argument("--num-val", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default="data_cache/scenes-v1")
+    p.add_argument("--ckpt-dir", default="runs/projector")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    dev = pick_device(args.device)
+
+    world = load_default_world(args.out, device=dev)
+    cloud = world.cloud.eval().requires_grad_(False)
+    device_model = DeviceModel.load(os.path.join(args.out, args.device_file), device=dev).requires_grad_(False)
+    cfg = cloud.config
+    train = build_split(args.data_dir, "train", args.num_train, args.seed, world.vq, world.text, cfg, dev)
+    val = build_split(args.data_dir, "val", args.num_val, args.seed, world.vq, world.text, cfg, dev)
+
+    pcfg = ProjectorConfig(device_dim=device_model.config.dim, cloud_dim=cfg.dim,
+                           feature_dim=interval_feature_dim(args.feature_top), feature_top=args.feature_top,
+                           hidden=args.hidden)
+    projector = IntervalProjector(pcfg).to(dev).train()
+    opt = torch.optim.AdamW(projector.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = os.path.join(args.ckpt_dir, "state.pt")
+    start = load_training_state(ckpt, model=projector, optimizer=opt)
+    if start:
+        print(f"resuming from step {start}")
+
+    def validate(n: int = 128) -> dict:
+        projector.eval()
+        gen = torch.Generator().manual_seed(12345)
+        with_p, without = [], []
+        with torch.no_grad():
+            for s in range(0, n, 32):
+                tokens, emb, mask = get_batch(val, np.arange(s, min(s + 32, n)), dev)
+                mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, None, args.local_rate, gen,
+                                                      args.feature_top)
+                with_p.append(float(cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, None)))
+                without.append(float(cloud_ce(cloud, None, mixed, local, hidden, feats, tokens, emb, mask, None)))
+        projector.train()
+        return {"val_ce_with_projector": float(np.mean(with_p)), "val_ce_without_projector": float(np.mean(without))}
+
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="projector", dynamic_ncols=True)
+    t0, ema = time.time(), None
+    for step in bar:
+        set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
+        rng = np.random.default_rng([args.seed, step])
+        tokens, emb, mask = get_batch(train, rng.choice(train.n, args.batch_size, replace=False), dev)
+        drop = torch.from_numpy(rng.random(args.batch_size) < cfg.class_dropout_prob).to(dev)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, drop, args.local_rate, gen,
+                                              args.feature_top)
+        loss = cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, drop)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
+        opt.step()
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.set_postfix(loss=f"{ema:.3f}")
+        done = step + 1
+        if done % args.ckpt_every == 0 or done == args.steps:
+            save_training_state(ckpt, done, model=projector, optimizer=opt)
+    metrics = {"command_args": vars(args), "steps": args.steps, **validate(),
+               "train_seconds_this_run": time.time() - t0}
+    projector.save(os.path.join(args.out, "projector.safetensors"), extra={"trained_steps": args.steps,
+                                                                          "seed": args.seed})
+    with open(os.path.join(args.out, "projector.metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(json.dumps(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""Small RANDOM-weight cloud + device models for the collaborative-decoding tests (not the trained world)."""
+
+import zlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+CAPTION_LEN, CAPTION_DIM = 8, 16
+
+
+class StubTextEncoder:
+    """Test double for ciar.text.TextEncoder: a deterministic pseudo-embedding per prompt (crc32-seeded)."""
+
+    dim = CAPTION_DIM
+
+    def encode(self, prompts):
+        emb = torch.zeros(len(prompts), CAPTION_LEN, CAPTION_DIM)
+        mask = torch.zeros(len(prompts), CAPTION_LEN, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+            n = min(CAPTION_LEN, max(1, len(p.split())))
+            emb[i, CAPTION_LEN - n:] = torch.randn(n, CAPTION_DIM, generator=g)
+            mask[i, CAPTION_LEN - n:] = True  # left padding, as the real encoder
+        return SimpleNamespace(emb=emb, mask=mask)
+
+
+@pytest.fixture(scope="module")
+def tiny_cloud():
+    from ciar.models.gpt import build_gpt
+
+    torch.manual_seed(0)
+    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
+                  caption_dim=CAPTION_DIM, block_size=36)
+    torch.nn.init.normal_(m.output.weight, std=0.3)  # the zero-initialised head would make every token uniform
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_device(tiny_cloud):
+    from ciar.collab.device import DeviceConfig, DeviceModel
+
+    torch.manual_seed(1)
+    dev = DeviceModel.from_cloud(tiny_cloud, DeviceConfig(n_layer=1))
+    with torch.no_grad():  # perturb so the device differs from the cloud and its radii vary by token
+        for p in dev.inter_head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return dev.eval()
+
+
+@pytest.fixture(scope="module")
+def stub_text():
+    return StubTextEncoder()

@@ -1,0 +1,417 @@
+"""Tests for ciar.collab.acceptance: fixed cases per rule, row independence, losslessness (chi-square), LANTERN
+neighbour tables, CASCADE relaxation and input validation."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ciar.collab.acceptance import (RULES, CascadeConfig, LanternConfig, NeighborTable, VerifyOutput,
+                                    verify_span)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def onehot(idx, v):
+    out = torch.zeros(v)
+    out[idx] = 1.0
+    return out
+
+
+def random_probs(*shape, seed=0, sharp=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(*shape, generator=g) * sharp, dim=-1)
+
+
+def random_case(b=5, k=4, v=12, seed=0):
+    """Drafts sampled from q, so every rule has a realistic mix of accepts and rejects."""
+    q = random_probs(b, k, v, seed=seed)
+    p = random_probs(b, k + 1, v, seed=seed + 100)
+    x = torch.multinomial(q.reshape(-1, v), 1, generator=gen(seed + 7)).view(b, k)
+    return x, q, p
+
+
+def same(a: VerifyOutput, b: VerifyOutput):
+    assert torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.next_token, b.next_token)
+    assert torch.equal(a.recovered, b.recovered)
+
+
+def cfg_kwargs(rule, v, neighbors=None, emb=None):
+    if rule == "lantern":
+        return {"neighbors": neighbors, "lantern": LanternConfig(k=3, delta=0.2)}
+    if rule == "cascade":
+        return {"cascade": CascadeConfig(threshold=0.5), "token_embeddings": emb}
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------- fixed cases
+@pytest.mark.parametrize("rule", ["exact", "lantern", "cascade", "greedy"])
+def test_full_accept_gives_bonus(rule):
+    v, k = 5, 3
+    x = torch.tensor([[1, 2, 3]])
+    q = torch.stack([onehot(t, v) for t in (1, 2, 3)])[None]  # [1, 3, V]
+    p = torch.stack([onehot(1, v), onehot(2, v), onehot(3, v), onehot(4, v)])[None]  # bonus is token 4
+    kw = cfg_kwargs(rule, v, NeighborTable.from_codebook(torch.randn(v, 2), 3), torch.randn(v, 4))
+    out = verify_span(rule, x, q, p, gen(), **kw)
+    assert out.num_accepted.tolist() == [k]
+    assert out.next_token.tolist() == [4]
+    assert out.recovered.tolist() == [False]
+    assert out.num_accepted.dtype == torch.long and out.next_token.dtype == torch.long
+    assert out.recovered.dtype == torch.bool
+
+
+def test_partial_probs_full_accept():
+    """p(x) >= q(x) at every position: always accepted, whatever the uniforms."""
+    v = 4
+    x = torch.tensor([[0, 1]])
+    q = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]])
+    p = torch.tensor([[[0.6, 0.2, 0.2, 0.0], [0.1, 0.5, 0.2, 0.2], [0.0, 0.0, 0.0, 1.0]]])
+    for seed in range(20):
+        out = verify_span("exact", x, q, p, gen(seed))
+        assert out.num_accepted.tolist() == [2] and out.next_token.tolist() == [3] and not out.recovered[0]
+
+
+def test_early_reject_samples_residual():
+    v = 4
+    x = torch.tensor([[2, 0]])
+    q = torch.tensor([[[0.2, 0.3, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]])
+    # p_0(x_0) = 0 -> rejected; residual max(0, p - q) is one-hot on token 3
+    p = torch.tensor([[[0.2, 0.3, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]])
+    for seed in range(10):
+        out = verify_span("exact", x, q, p, gen(seed))
+        assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [3] and out.recovered.tolist() == [True]
+
+
+def test_second_position_reject():
+    x = torch.tensor([[1, 1]])
+    q = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]])
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    out = verify_span("exact", x, q, p, gen())
+    assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [2] and out.recovered.tolist() == [True]
+
+
+def test_zero_mass_residual_falls_back_to_p():
+    """q = p but the draft has p(x) = q(x) = 0: rejected, residual empty -> drawn from p."""
+    x = torch.tensor([[0]])
+    q = torch.tensor([[[0.0, 0.0, 1.0]]])
+    p = torch.tensor([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    out = verify_span("exact", x, q, p, gen())
+    assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [2] and out.recovered.tolist() == [True]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_empty_span(rule):
+    v = 6
+    x = torch.zeros(2, 0, dtype=torch.long)
+    q = torch.zeros(2, 0, v)
+    p = torch.stack([onehot(4, v), onehot(1, v)])[:, None]  # [2, 1, V]
+    kw = cfg_kwargs(rule, v, NeighborTable.from_codebook(torch.randn(v, 2), 3), torch.randn(v, 4))
+    out = verify_span(rule, x, q, p, gen(), **kw)
+    assert out.num_accepted.tolist() == [0, 0]
+    assert out.next_token.tolist() == [4, 1]
+    assert out.recovered.tolist() == [False, False]
+
+
+def test_empty_span_follows_p():
+    v = 3
+    p = torch.tensor([0.2, 0.5, 0.3]).expand(6000, 1, v).contiguous()
+    out = verify_span("exact", torch.zeros(6000, 0, dtype=torch.long), torch.zeros(6000, 0, v), p, gen(3))
+    counts = torch.bincount(out.next_token, minlength=v).double().numpy()
+    expected = p[0, 0].double() / p[0, 0].double().sum() * 6000
+    assert chisquare(counts, expected.numpy()).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------------------------- ragged / independence
+def test_ragged_span_len_deterministic_rows():
+    v, k = 5, 3
+    x = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    q = torch.stack([onehot(t, v) for t in (1, 2, 3)]).expand(3, k, v).contiguous()
+    p = torch.zeros(3, k + 1, v)
+    p[:, 0, 1] = p[:, 1, 2] = 1.0  # positions 0 and 1 agree with the drafts
+    p[:, 2, 0] = 1.0  # position 2 would reject token 3 (residual one-hot on 0)
+    p[:, 3, 4] = 1.0  # bonus after position 2
+    span = torch.tensor([3, 1, 0])
+    out = verify_span("exact", x, q, p, gen(), span_len=span)
+    # row 0: accepts 2, rejects at 2 -> token 0; row 1: accepts 1, bonus from p[1, 1] -> token 2;
+    # row 2: empty span, token from p[2, 0] -> 1
+    assert out.num_accepted.tolist() == [2, 1, 0]
+    assert out.next_token.tolist() == [0, 2, 1]
+    assert out.recovered.tolist() == [True, False, False]
+    for b in range(3):
+        n = int(span[b])
+        alone = verify_span("exact", x[b:b + 1, :n], q[b:b + 1, :n], p[b:b + 1, :n + 1], gen())
+        assert alone.num_accepted.item() == out.num_accepted[b].item()
+        assert alone.next_token.item() == out.next_token[b].item()
+        assert alone.recovered.item() == out.recovered[b].item()
+
+
+@pytest.mark.parametrize("rule", ["exact", "lantern", "greedy"])
+def test_first_row_of_batch_equals_single_row(rule):
+    """Row 0 sees the same uniforms alone or in a batch (u = rand(B, K) is drawn first, row-major), so its
+    accept/reject decisions agree; greedy has no sample call, so its next token agrees too."""
+    v, k = 10, 4
+    x, q, p = random_case(b=6, k=k, v=v, seed=11)
+    kw = cfg_kwargs(rule, v, NeighborTable.from_codebook(torch.randn(v, 3, generator=gen(1)), 4))
+    span = torch.tensor([4, 2, 0, 3, 4, 1])
+    for seed in range(15):
+        batch = verify_span(rule, x, q, p, gen(seed), span_len=span, **kw)
+        one = verify_span(rule, x[:1], q[:1], p[:1], gen(seed), span_len=span[:1], **kw)
+        assert one.num_accepted.item() == batch.num_accepted[0].item()
+        assert one.recovered.item() == batch.recovered[0].item()
+        if rule == "greedy":
+            assert one.next_token.item() == batch.next_token[0].item()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_single_row_batch_matches_first_row_exactly(rule):
+    """With empty spans no uniforms are consumed, so row 0's one sample call comes first in both runs and the
+    whole output of a 1-row batch equals the first row of a multi-row batch."""
+    v = 8
+    p = random_probs(4, 1, v, seed=5)
+    x = torch.zeros(4, 0, dtype=torch.long)
+    q = torch.zeros(4, 0, v)
+    kw = cfg_kwargs(rule, v, NeighborTable.from_codebook(torch.randn(v, 2), 3), torch.randn(v, 4))
+    for seed in range(10):
+        batch = verify_span(rule, x, q, p, gen(seed), **kw)
+        one = verify_span(rule, x[:1], q[:1], p[:1], gen(seed), **kw)
+        same(one, VerifyOutput(batch.num_accepted[:1], batch.next_token[:1], batch.recovered[:1]))
+
+
+def test_reproducible_same_seed():
+    x, q, p = random_case(b=8, k=5, v=16, seed=3)
+    same(verify_span("exact", x, q, p, gen(42)), verify_span("exact", x, q, p, gen(42)))
+
+
+# ---------------------------------------------------------------------------------------------- losslessness
+def _lossless_counts(v=6, trials=20000, seed=0):
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    q = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.10, 0.20])
+    g = gen(seed)
+    x = torch.multinomial(q, trials, replacement=True, generator=g).view(trials, 1)
+    qq = q.expand(trials, 1, v).contiguous()
+    pp = torch.stack([p, torch.full((v,), 1.0 / v)]).expand(trials, 2, v).contiguous()
+    out = verify_span("exact", x, qq, pp, g)
+    first = torch.where(out.num_accepted > 0, x[:, 0], out.next_token)
+    verified = torch.bincount(first, minlength=v).double().numpy()
+    unverified = torch.bincount(x[:, 0], minlength=v).double().numpy()
+    pd = p.double() / p.double().sum()
+    return verified, unverified, (pd * trials).numpy()
+
+
+def test_exact_rule_is_lossless():
+    verified, unverified, expected = _lossless_counts()
+    assert chisquare(verified, expected).pvalue > 1e-3
+    # power check: the raw drafts (no verification) follow q, and the same test must reject them
+    assert chisquare(unverified, expected).pvalue < 1e-6
+
+
+def test_exact_acceptance_rate_matches_theory():
+    """P(accept) = sum_x min(p(x), q(x)) = 1 - TV(p, q)."""
+    v, n = 6, 20000
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+    q = torch.tensor([0.30, 0.05, 0.25, 0.10, 0.10, 0.20])
+    g = gen(9)
+    x = torch.multinomial(q, n, replacement=True, generator=g).view(n, 1)
+    out = verify_span("exact", x, q.expand(n, 1, v), torch.stack([p, p]).expand(n, 2, v), g)
+    rate = out.num_accepted.double().mean().item()
+    assert abs(rate - torch.minimum(p, q).sum().item()) < 0.02
+
+
+# -------------------------------------------------------------------------------------------------- lantern
+def test_neighbor_table_matches_brute_force():
+    g = gen(4)
+    cb = torch.randint(-3, 4, (40, 3), generator=g).float()  # integer coordinates: many exact distance ties
+    table = NeighborTable.from_codebook(cb, 7)
+    assert table.k == 7 and table.indices.shape == (40, 7) and table.indices.dtype == torch.long
+    d = ((cb[:, None].double() - cb[None].double()) ** 2).sum(-1)
+    for i in range(40):
+        order = sorted((j for j in range(40) if j != i), key=lambda j: (d[i, j].item(), j))[:7]
+        assert table.indices[i].tolist() == order
+        assert i not in table.indices[i].tolist()
+
+
+def test_neighbor_table_chunked_and_clamped(monkeypatch):
+    import ciar.collab.acceptance as acc
+    cb = torch.randn(50, 4, generator=gen(8))
+    full = NeighborTable.from_codebook(cb, 10)
+    monkeypatch.setattr(acc, "_CHUNK_ELEMS", 4 * 50 * 3)  # 3 rows per chunk
+    assert torch.equal(NeighborTable.from_codebook(cb, 10).indices, full.indices)
+    clamped = NeighborTable.from_codebook(cb, 500)
+    assert clamped.k == 49
+    assert all(sorted(r) == [j for j in range(50) if j != i] for i, r in enumerate(clamped.indices.tolist()))
+    assert NeighborTable.from_codebook(cb, 10).to("cpu").indices.device.type == "cpu"
+
+
+def test_lantern_delta_zero_equals_exact():
+    v = 16
+    table = NeighborTable.from_codebook(torch.randn(v, 4, generator=gen(1)), 6)
+    for seed in range(10):
+        x, q, p = random_case(b=12, k=5, v=v, seed=seed)
+        span = torch.randint(0, 6, (12,), generator=gen(seed))
+        same(verify_span("exact", x, q, p, gen(seed), span_len=span),
+             verify_span("lantern", x, q, p, gen(seed), span_len=span, neighbors=table,
+                         lantern=LanternConfig(k=6, delta=0.0)))
+
+
+def test_lantern_accepts_at_least_as_often():
+    v = 32
+    table = NeighborTable.from_codebook(torch.randn(v, 4, generator=gen(1)), 10)
+    x, q, p = random_case(b=400, k=4, v=v, seed=2)
+    exact = verify_span("exact", x, q, p, gen(5))
+    relaxed = verify_span("lantern", x, q, p, gen(5), neighbors=table, lantern=LanternConfig(k=10, delta=0.3))
+    # same uniforms: the relaxed ratio is never smaller, so every row accepts at least as many drafts
+    assert (relaxed.num_accepted >= exact.num_accepted).all()
+    assert relaxed.num_accepted.sum() > exact.num_accepted.sum()
+
+
+def test_lantern_fixed_case():
+    """Draft 0 has p = 0, but its neighbour 1 carries 0.1 <= delta: p~(0) = 0.1 >= q(0) -> accepted."""
+    cb = torch.tensor([[0.0], [1.0], [5.0], [9.0]])
+    table = NeighborTable.from_codebook(cb, 3)
+    assert table.indices[0].tolist() == [1, 2, 3]
+    x = torch.tensor([[0]])
+    q = torch.tensor([[[0.1, 0.3, 0.3, 0.3]]])
+    p = torch.tensor([[[0.0, 0.1, 0.5, 0.4], [0.0, 0.0, 1.0, 0.0]]])
+    for seed in range(10):
+        out = verify_span("lantern", x, q, p, gen(seed), neighbors=table, lantern=LanternConfig(k=3, delta=0.15))
+        assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [2]
+        # prefix sums 0.1, 0.6 -> only 0.1 fits under 0.15; with k = 1 still 0.1; delta 0.05 -> nothing moves
+        out = verify_span("lantern", x, q, p, gen(seed), neighbors=table, lantern=LanternConfig(k=3, delta=0.05))
+        assert out.num_accepted.tolist() == [0] and out.recovered.tolist() == [True]
+
+
+# --------------------------------------------------------------------------------------------------- greedy
+def test_greedy_cases():
+    x = torch.tensor([[2, 1, 0], [0, 1, 2], [1, 1, 1]])
+    q = torch.full((3, 3, 4), 0.25)
+    p = torch.tensor([
+        [[0.1, 0.1, 0.7, 0.1], [0.1, 0.6, 0.2, 0.1], [0.2, 0.2, 0.2, 0.4], [0.9, 0.1, 0.0, 0.0]],
+        [[0.4, 0.4, 0.1, 0.1], [0.3, 0.3, 0.2, 0.2], [0.1, 0.1, 0.5, 0.3], [0.0, 0.0, 0.0, 1.0]],
+        [[0.3, 0.3, 0.2, 0.2], [0.1, 0.5, 0.2, 0.2], [0.1, 0.5, 0.2, 0.2], [0.1, 0.5, 0.2, 0.2]],
+    ])
+    for seed in range(3):
+        out = verify_span("greedy", x, q, p, gen(seed))
+        # row 0: 2, 1 match; position 2 argmax 3 != 0 -> 2 accepted, token 3
+        # row 1: ties -> lowest index: 0 matches, 0 != 1 -> 1 accepted, token 0
+        # row 2: tie at position 0 -> argmax 0 != 1 -> 0 accepted, token 0
+        assert out.num_accepted.tolist() == [2, 1, 0]
+        assert out.next_token.tolist() == [3, 0, 0]
+        assert out.recovered.tolist() == [True, True, True]
+    out = verify_span("greedy", x[1:2], q[1:2], p[1:2], gen(), span_len=torch.tensor([1]))
+    assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [0] and out.recovered.tolist() == [False]
+
+
+def test_greedy_full_accept_bonus_and_generator_use():
+    x = torch.tensor([[0, 2]])
+    p = torch.tensor([[[0.9, 0.1, 0.0], [0.0, 0.2, 0.8], [0.1, 0.7, 0.2]]])
+    g = gen(1)
+    out = verify_span("greedy", x, torch.full((1, 2, 3), 1 / 3), p, g)
+    assert out.num_accepted.tolist() == [2] and out.next_token.tolist() == [1] and out.recovered.tolist() == [False]
+    ref = gen(1)
+    torch.rand(1, 2, generator=ref)  # greedy draws exactly the uniforms, no sample call
+    assert torch.equal(g.get_state(), ref.get_state())
+
+
+# -------------------------------------------------------------------------------------------------- cascade
+def test_cascade_strict_threshold_equals_exact():
+    v = 12
+    emb = torch.randn(v, 16, generator=gen(3))  # distinct random rows: cos < 1 for every pair
+    for seed in range(10):
+        x, q, p = random_case(b=10, k=4, v=v, seed=seed)
+        span = torch.randint(0, 5, (10,), generator=gen(seed))
+        same(verify_span("exact", x, q, p, gen(seed), span_len=span),
+             verify_span("cascade", x, q, p, gen(seed), span_len=span, cascade=CascadeConfig(threshold=1.0),
+                         token_embeddings=emb))
+
+
+def test_cascade_interchangeable_tokens_accepted():
+    v = 4
+    x = torch.tensor([[2]])
+    q = torch.tensor([[[0.0, 0.0, 1.0, 0.0]]])
+    p = torch.tensor([[[0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]])  # exact rejects 2, replacement is 3
+    emb = torch.eye(v)
+    out = verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig(threshold=0.9), token_embeddings=emb)
+    assert out.num_accepted.tolist() == [0] and out.next_token.tolist() == [3] and out.recovered.tolist() == [True]
+    emb[3] = emb[2]  # identical rows for draft and replacement: cos = 1
+    out = verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig(threshold=0.9), token_embeddings=emb)
+    assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [0] and out.recovered.tolist() == [False]
+
+
+def test_cascade_sequence_convergence():
+    v = 4
+    x = torch.tensor([[2, 1]])
+    q = torch.tensor([[[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]])
+    p = torch.tensor([[[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]]])
+    emb = torch.eye(v)
+    hidden = torch.tensor([[[1.0, 0.0], [1.0, 0.01], [0.0, 1.0]]])  # h0 ~ h1, h1 !~ h2
+    cfg = CascadeConfig(threshold=0.9, seq_threshold=0.95)
+    out = verify_span("cascade", x, q, p, gen(), cascade=cfg, token_embeddings=emb, target_hidden=hidden)
+    assert out.num_accepted.tolist() == [1] and out.next_token.tolist() == [3] and out.recovered.tolist() == [True]
+    out = verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig(threshold=0.9), token_embeddings=emb,
+                      target_hidden=hidden)  # seq_threshold None: hidden states ignored
+    assert out.num_accepted.tolist() == [0]
+
+
+# ------------------------------------------------------------------------------------------ dtypes / devices
+def test_float16_inputs():
+    x, q, p = random_case(b=6, k=3, v=10, seed=1)
+    same(verify_span("exact", x, q, p, gen(2)), verify_span("exact", x, q.half(), p.half().float(), gen(2)))
+    out = verify_span("exact", x, q.half(), p.half(), gen(2))
+    assert out.next_token.shape == (6,)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_with_cpu_generator():
+    x, q, p = random_case(b=6, k=3, v=10, seed=1)
+    for rule in ("exact", "greedy"):
+        cpu = verify_span(rule, x, q, p, gen(2))
+        gpu = verify_span(rule, x.cuda(), q.cuda(), p.cuda(), gen(2))
+        assert gpu.next_token.device.type == "cuda"
+        assert torch.equal(cpu.num_accepted, gpu.num_accepted.cpu())
+        assert torch.equal(cpu.recovered, gpu.recovered.cpu())
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def test_bad_inputs_raise():
+    x, q, p = random_case(b=2, k=3, v=5)
+    with pytest.raises(ValueError, match="rule"):
+        verify_span("typical", x, q, p, gen())
+    with pytest.raises(ValueError, match="draft_probs"):
+        verify_span("exact", x, q[:, :2], p, gen())
+    with pytest.raises(ValueError, match="target_probs"):
+        verify_span("exact", x, q, p[:, :3], gen())
+    with pytest.raises(ValueError, match="draft_probs"):
+        verify_span("exact", x, q[..., :4], p, gen())
+    with pytest.raises(ValueError, match="span_len"):
+        verify_span("exact", x, q, p, gen(), span_len=torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="span_len"):
+        verify_span("exact", x, q, p, gen(), span_len=torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="draft_tokens"):
+        verify_span("exact", x.float(), q, p, gen())
+    with pytest.raises(ValueError, match="draft_tokens"):
+        verify_span("exact", x + 5, q, p, gen())
+    with pytest.raises(ValueError, match="lantern"):
+        verify_span("lantern", x, q, p, gen())
+    with pytest.raises(ValueError, match="neighbors"):
+        verify_span("lantern", x, q, p, gen(), neighbors=NeighborTable.from_codebook(torch.randn(7, 2), 2),
+                    lantern=LanternConfig())
+    with pytest.raises(ValueError, match="cascade"):
+        verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig())
+    with pytest.raises(ValueError, match="token_embeddings"):
+        verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig(), token_embeddings=torch.randn(4, 3))
+    with pytest.raises(ValueError, match="target_hidden"):
+        verify_span("cascade", x, q, p, gen(), cascade=CascadeConfig(), token_embeddings=torch.randn(5, 3),
+                    target_hidden=torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LanternConfig(k=0), lambda: LanternConfig(delta=-0.1), lambda: LanternConfig(delta=1.5),
+    lambda: LanternConfig(delta=float("nan")), lambda: CascadeConfig(threshold=1.5),
+    lambda: CascadeConfig(threshold=-2.0), lambda: CascadeConfig(seq_threshold=3.0),
+    lambda: NeighborTable.from_codebook(torch.randn(4), 2), lambda: NeighborTable.from_codebook(torch.randn(4, 2), 0),
+])
+def test_bad_configs_raise(make):
+    with pytest.raises(ValueError):
+        make()

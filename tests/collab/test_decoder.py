@@ -1,0 +1,206 @@
+"""Collaborative decoding end to end on tiny random models: reductions to known decoders, rollback, determinism."""
+
+import math
+
+import pytest
+import torch
+
+from ciar.collab.decoder import DEVICE_SEED_OFFSET, CollabDecoder, method_config
+from ciar.collab.gating import gate_scores
+from ciar.collab.interval import guided_interval
+from ciar.collab.projector import IntervalProjector, ProjectorConfig
+from ciar.collab.protocol import OpenRequest, VerifyRequest
+from ciar.collab.verifier import CloudVerifier, InProcessCloud, SessionError
+from ciar.decoding.generate import generate_cloud
+from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
+
+PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
+PROMPT = "a small red circle at the top on a gray background"
+
+
+def decoder(cloud, device, text, method, params=PARAMS, projector=None, **overrides):
+    verifier = CloudVerifier(cloud, text, max_sessions=4, projector=projector)
+    return CollabDecoder(device, InProcessCloud(verifier), method_config(method, network="none", **overrides),
+                         params, num_tokens=cloud.config.block_size)
+
+
+def test_cloud_method_equals_generate_cloud(tiny_cloud, tiny_device, stub_text):
+    r = decoder(tiny_cloud, tiny_device, stub_text, "cloud").generate(PROMPT, seed=7)
+    cap = stub_text.encode([PROMPT])
+    ref = generate_cloud(tiny_cloud, cap.emb, cap.mask, PARAMS, torch.Generator().manual_seed(7))[0]
+    assert torch.equal(r.tokens, ref)
+    s = r.stats
+    assert s.cloud_call_rate == 1.0 and s.cloud_requests == 1 and s.cloud_forward_passes == ref.numel()
+    assert s.steps_compression == 1.0 and s.device_tokens == 0
+
+
+@pytest.mark.parametrize("prefix_rate", [0.0, 0.1])
+def test_tau_zero_is_speculative_decoding_with_every_token_verified(tiny_cloud, tiny_device, stub_text, prefix_rate):
+    ciar = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=0.0, prefix_rate=prefix_rate)
+    eagle = decoder(tiny_cloud, tiny_device, stub_text, "eagle", prefix_rate=prefix_rate)
+    a, b = ciar.generate(PROMPT, seed=3), eagle.generate(PROMPT, seed=3)
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.stats.device_tokens == 0 and a.stats.cloud_call_rate == 1.0
+    assert a.stats.verifications == b.stats.verifications > 0
+
+
+@torch.no_grad()
+def device_only_reference(device, text, prompt, params, seed, n):
+    """Sample n tokens from the device alone with full (uncached) forwards each step."""
+    cap = text.encode([prompt])
+    emb, mask, drop = cap.emb, cap.mask, None
+    if params.uses_cfg:
+        emb, mask, drop = torch.cat([emb, emb]), torch.cat([mask, mask]), torch.tensor([False, True])
+    g = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
+    toks = torch.zeros(emb.shape[0], 0, dtype=torch.long)
+    for _ in range(n):
+        out = device(toks, emb, mask, drop=drop)
+        c = out.center[:, -1]
+        probs = logits_to_probs(c[:1], params, uncond_logits=c[1:]) if params.uses_cfg else logits_to_probs(c, params)
+        x = sample(probs, g)
+        toks = torch.cat([toks, x.expand(emb.shape[0]).unsqueeze(1)], dim=1)
+    return toks[0]
+
+
+def test_tau_inf_rho_zero_is_device_only_decoding(tiny_cloud, tiny_device, stub_text):
+    r = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=math.inf, prefix_rate=0.0).generate(PROMPT, seed=5)
+    ref = device_only_reference(tiny_device, stub_text, PROMPT, PARAMS, 5, tiny_cloud.config.block_size)
+    assert torch.equal(r.tokens, ref)
+    s = r.stats
+    assert s.cloud_tokens == 0 and s.device_tokens == s.total_tokens and s.cloud_requests == 1
+    assert s.verifications == 0
+
+
+@torch.no_grad()
+def median_u(device, text) -> float:
+    """The median normalised U of the (random) tiny device on random contexts: a tau that splits the tokens."""
+    cap = text.encode([PROMPT])
+    toks = torch.randint(0, device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    out = device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
+                 drop=torch.tensor([False, True]))
+    c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=PARAMS.cfg_scale,
+                           temperature=PARAMS.temperature)
+    return float(gate_scores("interval", center=c, radius=r).median())
+
+
+def test_seeded_determinism_and_batch_independence(tiny_cloud, tiny_device, stub_text):
+    d = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=median_u(tiny_device, stub_text), span=3)
+    a, b = d.generate(PROMPT, seed=11), d.generate(PROMPT, seed=11)
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.stats.verifications > 0 and a.stats.device_tokens > 0  # the threshold exercises both paths
+    c = d.generate(PROMPT, seed=12)
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def _fresh_cache_kv(cloud, text, prompt, params, tokens):
+    """Cloud cache after a fresh prefill and feed of tokens[:-1] (CFG rows cond, uncond)."""
+    cap = text.encode([prompt])
+    emb, mask, drop = cloud.cfg_condition(cap.emb, cap.mask)
+    cache = cloud.new_cache(2)
+    cloud.prefill(cache, emb, mask, drop)
+    c = cloud.config
+    if len(tokens) > 1:
+        t = torch.tensor(tokens[:-1]).unsqueeze(0).expand(2, -1)
+        pos = torch.arange(c.cls_token_num, c.cls_token_num + len(tokens) - 1)
+        cloud.decode(cache, t, pos, kv_len=int(pos[-1]) + 1)
+    return cache
+
+
+@torch.no_grad()
+def test_verifier_rollback_leaves_cache_identical_to_fresh_run(tiny_cloud, stub_text):
+    """Ragged batch of sessions with rejections: each session's cache over its committed tokens equals a fresh run."""
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
+    prompts = [PROMPT, "a large blue square", "two green triangles at the left on a white background"]
+    v.open_batch([OpenRequest(f"s{i}", p, seed=i, sampling=PARAMS, prefix_len=2 + i) for i, p in enumerate(prompts)])
+    g = torch.Generator().manual_seed(0)
+    V = tiny_cloud.config.vocab_size
+    for rnd in range(4):
+        reqs = []
+        for i in range(3):
+            m, k = (rnd + i) % 3, 1 + (rnd * 2 + i) % 4  # ragged catch-up and span lengths
+            drafts = torch.randint(0, V, (k,), generator=g)
+            q = torch.full((k, V), 1.0 / V)  # uniform drafts: most are rejected somewhere
+            reqs.append(VerifyRequest(f"s{i}", torch.randint(0, V, (m,), generator=g), drafts, q))
+        reps = v.verify_batch(reqs)
+        assert all(0 <= r.num_accepted <= len(q.draft_tokens) for r, q in zip(reps, reqs))
+    c = tiny_cloud.config
+    for i, p in enumerate(prompts):
+        s = v.sessions[f"s{i}"]
+        fresh = _fresh_cache_kv(tiny_cloud, stub_text, p, PARAMS, s.tokens)
+        n = c.cls_token_num + len(s.tokens) - 1
+        assert all(v.cache.lengths[slot] == n for slot in s.slots)
+        for layer in range(c.n_layer):
+            for row, slot in enumerate(s.slots):
+                torch.testing.assert_close(v.cache.k[layer][slot, :n], fresh.k[layer][row, :n], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v.cache.v[layer][slot, :n], fresh.v[layer][row, :n], atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_verify_batch_matches_single_session_verification(tiny_cloud, stub_text):
+    """A session's outcome does not depend on which sessions share its forward pass."""
+    V = tiny_cloud.config.vocab_size
+
+    def run(batch: bool):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
+        v.open_batch([OpenRequest(f"s{i}", f"prompt {i} " * (i + 1), seed=i, sampling=PARAMS, prefix_len=3)
+                      for i in range(3)])
+        g = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(3):
+            reqs = [VerifyRequest(f"s{i}", torch.randint(0, V, (i,), generator=g), torch.randint(0, V, (2,), generator=g),
+                                  torch.softmax(torch.randn(2, V, generator=g), -1)) for i in range(3)]
+            reps = v.verify_batch(reqs) if batch else [v.verify_batch([r])[0] for r in reqs]
+            out += [(r.num_accepted, r.next_token) for r in reps]
+        return out
+
+    assert run(True) == run(False)
+
+
+def test_bad_requests_raise_session_errors(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    V = tiny_cloud.config.vocab_size
+    with pytest.raises(SessionError, match="unknown session"):
+        v.verify_batch([VerifyRequest("nope", torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                      torch.full((1, V), 1.0 / V))])
+    v.open_batch([OpenRequest("a", PROMPT, 0, PARAMS, 1)])
+    with pytest.raises(SessionError, match="token ids"):
+        v.verify_batch([VerifyRequest("a", torch.tensor([V]), torch.zeros(1, dtype=torch.long),
+                                      torch.full((1, V), 1.0 / V))])
+    with pytest.raises(SessionError, match="draft_probs"):
+        v.verify_batch([VerifyRequest("a", torch.zeros(0, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                                      torch.full((1, V), 1.0 / V))])
+    with pytest.raises(Exception, match="full"):
+        v.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])
+    v.close("a")
+    v.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])  # slots are reusable after close
+
+
+def test_interval_features_reach_the_cloud(tiny_cloud, tiny_device, stub_text):
+    """A zero-initialised projector changes nothing; a non-zero one changes the cloud's verification."""
+    feats_dim = 20
+    proj = IntervalProjector(ProjectorConfig(device_dim=64, cloud_dim=64, feature_dim=feats_dim))
+    tau = median_u(tiny_device, stub_text)
+    plain = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau).generate(PROMPT, seed=2)
+    zero = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau, projector=proj).generate(PROMPT, seed=2)
+    assert torch.equal(plain.tokens, zero.tokens)
+    off = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau, inter_enhance=False).generate(PROMPT, seed=2)
+    assert torch.equal(off.tokens, plain.tokens) and off.stats.bytes_up < plain.stats.bytes_up  # features cost bytes
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.nn.init.normal_(proj.fc2.weight, std=5.0)
+    differs = False
+    for seed in range(4):
+        a = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau).generate(PROMPT, seed=seed)
+        b = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau, projector=proj).generate(PROMPT, seed=seed)
+        differs |= not torch.equal(a.tokens, b.tokens)
+    assert differs
+
+
+def test_method_config_validation():
+    with pytest.raises(ValueError, match="unknown method"):
+        method_config("nope")
+    with pytest.raises(ValueError, match="span"):
+        method_config("ciar", span=0)
+    with pytest.raises(ValueError, match="prefix_rate"):
+        method_config("ciar", prefix_rate=1.5)
+    assert method_config("code").prefix_rate == 0.3 and method_config("lantern").rule.rule == "lantern"
