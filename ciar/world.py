@@ -114,3 +114,36 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
         projector = IntervalProjector.load(os.path.join(weights_dir, "projector.safetensors"), device=device)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
                  sampling=sampling_from_extra(extra), device_model=device_model, projector=projector)
+
+
+@dataclass
+class DeviceSide:
+    """What a device needs (no cloud model, no caption encoder): the CIAR device model, the tokenizer's decoder
+    and the world's sampling defaults."""
+
+    vq: VQModel
+    device_model: "DeviceModel"
+    sampling: SamplingParams
+    num_tokens: int  # image tokens per image
+    weights_dir: str
+
+
+def load_device_side(weights_dir: str | None = None, device: str | torch.device = "cpu") -> DeviceSide:
+    """Load only the device half of a world (a simulated phone in the Serve cluster)."""
+    from ciar.collab.device import DeviceModel
+    from ciar.models.checkpoint import read_model_metadata
+
+    weights_dir = os.path.abspath(weights_dir) if weights_dir else default_weights_dir()
+    path = os.path.join(weights_dir, "device.safetensors")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing weight file device.safetensors in {weights_dir} (train one with "
+                                f"`python -m pipelines.train_device`)")
+    state, config, _ = _read(weights_dir, "tokenizer.safetensors", "vq")
+    vq = VQModel(VQConfig.from_dict(config))
+    load_strict(vq, state, ignore_prefixes=VQ_IGNORED_KEY_PREFIXES, what="tokenizer (tokenizer.safetensors)")
+    device = torch.device(device)
+    device_model = DeviceModel.load(path, device=device)
+    _, _, extra = read_model_metadata(os.path.join(weights_dir, "cloud.safetensors"))
+    return DeviceSide(vq=vq.to(device).eval(), device_model=device_model, sampling=sampling_from_extra(extra),
+                      num_tokens=device_model.config.block_size, weights_dir=weights_dir)
+

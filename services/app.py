@@ -1,131 +1,276 @@
-"""Ray Serve application: HTTP ingress + cloud generator over the shipped default world.
+"""The CIAR Ray Serve application: HTTP ingress -> simulated device fleet -> verifier pool (DESIGN.md sections 2, 8).
 
     serve run serve_config.yaml          # or: make serve
     curl -s localhost:8000/healthz
-    curl -s -X POST localhost:8000/v1/images/generations -H 'content-type: application/json' \
-         -d '{"prompt": "a large red circle at the center on a black background", "seed": 0, "response_format": "png"}' \
-         -o red.png
+    curl -s -X POST localhost:8000/v1/images/generations -H 'authorization: Bearer ciar-dev-key' \
+         -H 'content-type: application/json' \
+         -d '{"prompt": "a large red circle at the center on a black background", "seed": 0, "method": "ciar",
+              "network": "5g", "response_format": "png"}' -o red.png
 
-This first cut serves cloud-only decoding (`method: "cloud"`); the CIAR device fleet, the span-batching verifier
-pool and API keys come with the serving issue. Deployments are thin: all generation logic lives in `ciar/`.
+Deployments (thin; all generation logic lives in `ciar/`):
+  Ingress   FastAPI: API keys, pydantic validation (4xx naming the field), 503 + Retry-After on overload,
+            JSON / PNG / tokens responses, server-sent events with progress and previews, Prometheus metrics
+  Device    one replica = one simulated phone (services.device)
+  Verifier  cloud model replicas with session-affine routing and cross-session span batching (services.verifier)
+
+`build_app(args)` is the pure builder `serve_config.yaml` points at; `args` is `services.schemas.AppConfig`.
 """
 
-
 # No `from __future__ import annotations` in this module: FastAPI must see the request model class itself.
+import asyncio
 import base64
-import io
+import hashlib
+import hmac
+import json
+import logging
+import os
 import time
-from typing import Literal
+import uuid
 
-import torch
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from ciar.decoding.generate import generate_cloud
-from ciar.decoding.sampling import SamplingParams
-from ciar.models.vq import tensor_to_images
+from ciar.collab.decoder import method_config
 from ciar.text import CaptionTooLongError
-from ciar.world import load_default_world
+from services.device import Device
+from services.schemas import AppConfig, GenerationRequest
+from services.verifier import Verifier
 
-MAX_PROMPT_CHARS = 400
+logger = logging.getLogger("ray.serve")
+MAX_BODY_BYTES = 16 * 1024
+SESSION_SECRET_ENV = "CIAR_SESSION_SECRET"
 
-
-class SamplingOverrides(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cfg_scale: float | None = Field(None, ge=1.0, le=20.0, description="classifier-free guidance scale")
-    temperature: float | None = Field(None, ge=0.0, le=5.0, description="0 = greedy")
-    top_k: int | None = Field(None, ge=0, description="0 disables top-k")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="1 disables top-p")
+api = FastAPI(title="CIAR image generation", version="1")
 
 
-class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="caption of the image")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="same prompt + seed -> same image")
-    method: Literal["cloud"] = Field("cloud", description="decoding method")
-    params: SamplingOverrides = Field(default_factory=SamplingOverrides)
-    response_format: Literal["b64_json", "png", "tokens"] = "b64_json"
+def error_body(status: int, message: str, field: str | None = None, kind: str = "invalid_request") -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "field": field, "message": message}}, status_code=status)
 
 
-class AppConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    weights_dir: str | None = Field(None, description="folder with tokenizer/cloud weights (default: shipped)")
-    generator_num_cpus: float = Field(1.0, gt=0)
-    generator_num_gpus: float = Field(0.0, ge=0)
-    generator_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(4, ge=1)
-    max_queued_requests: int = Field(16, ge=1)
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return error_body(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                          field="body", kind="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                       for e in errors)
+    return error_body(422, detail, field=field)
 
 
-@serve.deployment
-class CloudGenerator:
-    """Holds the cloud model, tokenizer and text encoder; one request = one image."""
-
-    def __init__(self, weights_dir: str | None):
-        torch.set_num_threads(1)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.world = load_default_world(weights_dir, device=device) if weights_dir else load_default_world(device=device)
-
-    def generate(self, prompt: str, seed: int, overrides: dict) -> dict:
-        base = self.world.sampling
-        params = SamplingParams(**{**base.__dict__, **{k: v for k, v in overrides.items() if v is not None}})
-        t0 = time.perf_counter()
-        cap = self.world.text.encode([prompt])
-        tokens = generate_cloud(self.world.cloud, cap.emb, cap.mask, params, torch.Generator().manual_seed(seed))
-        image = tensor_to_images(self.world.vq.decode_code(tokens))[0].numpy()
-        seconds = time.perf_counter() - t0
-        from PIL import Image
-
-        buf = io.BytesIO()
-        Image.fromarray(image).save(buf, format="PNG")
-        n = tokens.shape[1]
-        return {"png": buf.getvalue(), "tokens": tokens[0].tolist(),
-                "stats": {"method": "cloud", "tokens_total": n, "cloud_tokens": n, "cloud_call_rate": 1.0,
-                          "latency_s": {"cloud": seconds, "device": 0.0, "comm": 0.0, "total": seconds},
-                          "sampling": params.__dict__}}
-
-
-api = FastAPI(title="CIAR image generation")
+def _cause(exc: BaseException) -> BaseException:
+    """The replica-side exception behind a Ray error (Ray wraps it and keeps it as `.cause`)."""
+    seen = exc
+    for _ in range(4):
+        nxt = getattr(seen, "cause", None) or seen.__cause__
+        if nxt is None or nxt is seen:
+            break
+        seen = nxt
+    return seen
 
 
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, generator: DeploymentHandle):
-        self.generator = generator
+    def __init__(self, device: DeploymentHandle, key_hashes: list[str], allow_unauthenticated: bool,
+                 retry_after_s: int, request_timeout_s: float):
+        self.device = device
+        self.key_hashes = [bytes.fromhex(h) for h in key_hashes]
+        self.open = allow_unauthenticated and not key_hashes
+        self.retry_after_s = retry_after_s
+        self.timeout_s = request_timeout_s
+        from ray.serve import metrics
 
+        self.m_requests = metrics.Counter("ciar_requests_total", description="generation requests",
+                                          tag_keys=("method", "code"))
+        self.m_errors = metrics.Counter("ciar_request_errors_total", description="failed requests",
+                                        tag_keys=("kind",))
+        self.m_cloud = metrics.Counter("ciar_cloud_calls_total", description="device -> cloud round trips",
+                                       tag_keys=("method",))
+        self.m_accept = metrics.Histogram("ciar_accepted_length", description="mean accepted length per image",
+                                          boundaries=[1, 1.5, 2, 3, 4, 6, 8, 16], tag_keys=("method",))
+        self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
+                                           boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
+                                           tag_keys=("method", "part"))
+
+    # ------------------------------------------------------------------ auth / limits
+    def _authorized(self, request: Request) -> bool:
+        if self.open:
+            return True
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return False
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        return any(hmac.compare_digest(digest, h) for h in self.key_hashes)
+
+    def _unauthorized(self) -> JSONResponse:
+        self.m_errors.inc(tags={"kind": "unauthorized"})
+        r = error_body(401, "missing or invalid API key (Authorization: Bearer <key>)", field="authorization",
+                       kind="unauthorized")
+        r.headers["WWW-Authenticate"] = "Bearer"
+        return r
+
+    def _overloaded(self, message: str) -> JSONResponse:
+        self.m_errors.inc(tags={"kind": "overloaded"})
+        r = error_body(503, message, kind="overloaded")
+        r.headers["Retry-After"] = str(self.retry_after_s)
+        return r
+
+    # ------------------------------------------------------------------ routes
     @api.get("/healthz")
     async def healthz(self) -> dict:
         return {"status": "ok"}
 
     @api.post("/v1/images/generations")
-    async def generations(self, req: GenerationRequest):
+    async def generations(self, request: Request):
+        if not self._authorized(request):
+            return self._unauthorized()
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            return error_body(413, f"request body over {MAX_BODY_BYTES} bytes", field="body", kind="too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return error_body(413, f"request body over {MAX_BODY_BYTES} bytes", field="body", kind="too_large")
         try:
-            out = await self.generator.generate.remote(req.prompt, req.seed, req.params.model_dump())
-        except CaptionTooLongError as e:  # raised inside the replica, re-raised here by Ray
-            return JSONResponse({"error": {"field": "prompt", "message": str(e)}}, status_code=422)
-        except Exception as e:  # noqa: BLE001 - a Ray task error wraps the replica's exception
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, (CaptionTooLongError, ValueError)):
-                return JSONResponse({"error": {"field": "prompt", "message": str(cause)}}, status_code=422)
-            raise
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            return error_body(400, f"request body is not valid JSON: {e}", field="body", kind="invalid_json")
+        try:
+            req = GenerationRequest.model_validate(body)
+        except Exception as e:  # pydantic ValidationError
+            return await _validation_error(request, RequestValidationError(getattr(e, "errors", lambda: [])()))
+        try:  # the combination of method and params must make a valid config (same checks as the CLI)
+            method_config(req.method, network=req.network, **req.params.collab_overrides())
+        except ValueError as e:
+            return error_body(422, str(e), field="params")
+        job = {"session_id": uuid.uuid4().hex, "prompt": req.prompt, "seed": req.seed, "method": req.method,
+               "network": req.network, "collab": req.params.collab_overrides(),
+               "sampling": req.params.sampling_overrides()}
+        if req.stream:
+            return StreamingResponse(self._events(req, job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            out = await asyncio.wait_for(self.device.generate.remote(job), timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - mapped to an HTTP status below
+            return self._failure(req, e)
+        self._observe(req, out["stats"], 200)
+        return self._render(req, out)
+
+    def _failure(self, req: GenerationRequest, e: BaseException) -> JSONResponse:
+        from ray.serve.exceptions import BackPressureError
+
+        cause = _cause(e)
+        if isinstance(e, BackPressureError) or isinstance(cause, BackPressureError):
+            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+            return self._overloaded("all simulated devices are busy and the queue is full; retry later")
+        if isinstance(e, asyncio.TimeoutError):
+            self.m_requests.inc(tags={"method": req.method, "code": "504"})
+            self.m_errors.inc(tags={"kind": "timeout"})
+            return error_body(504, f"generation did not finish within {self.timeout_s} s", kind="timeout")
+        if isinstance(cause, CaptionTooLongError) or isinstance(e, CaptionTooLongError):
+            self.m_requests.inc(tags={"method": req.method, "code": "422"})
+            return error_body(422, str(cause), field="prompt")
+        logger.exception("generation failed: %s", type(e).__name__)
+        self.m_requests.inc(tags={"method": req.method, "code": "500"})
+        self.m_errors.inc(tags={"kind": "internal"})
+        return error_body(500, f"generation failed: {type(cause).__name__}", kind="internal")
+
+    def _observe(self, req: GenerationRequest, stats: dict, code: int) -> None:
+        m = req.method
+        self.m_requests.inc(tags={"method": m, "code": str(code)})
+        self.m_cloud.inc(stats.get("cloud_requests", 0), tags={"method": m})
+        if stats.get("mean_accepted_length") is not None:
+            self.m_accept.observe(stats["mean_accepted_length"], tags={"method": m})
+        for part, key in (("device", "device_s"), ("cloud", "cloud_s"), ("comm", "comm_s"), ("total", "total_s"),
+                          ("wall", "wall_s")):
+            if stats.get(key) is not None:
+                self.m_latency.observe(stats[key], tags={"method": m, "part": part})
+
+    def _render(self, req: GenerationRequest, out: dict):
         if req.response_format == "png":
             return Response(out["png"], media_type="image/png")
         item = {"tokens": out["tokens"]} if req.response_format == "tokens" else \
             {"b64_json": base64.b64encode(out["png"]).decode()}
         return {"created": int(time.time()), "data": [item], "stats": out["stats"]}
 
+    async def _events(self, req: GenerationRequest, job: dict):
+        """Server-sent events: `progress` (tokens done, a partial preview as base64 PNG), then `result` (the same
+        body as a non-streaming JSON answer) or `error`."""
+        def sse(event: str, data: dict) -> str:
+            return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
-def build_app(args: dict) -> serve.Application:
+        try:
+            gen = self.device.options(stream=True).generate_stream.remote(job)
+            async for ev in gen:
+                if ev["event"] == "progress":
+                    data = {k: v for k, v in ev.items() if k not in ("event", "preview_png")}
+                    if "preview_png" in ev:
+                        data["preview_b64"] = base64.b64encode(ev["preview_png"]).decode()
+                    yield sse("progress", data)
+                else:
+                    self._observe(req, ev["stats"], 200)
+                    item = {"tokens": ev["tokens"]} if req.response_format == "tokens" else \
+                        {"b64_json": base64.b64encode(ev["png"]).decode()}
+                    yield sse("result", {"created": int(time.time()), "data": [item], "stats": ev["stats"]})
+        except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)
+            resp = self._failure(req, e)
+            yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})
+
+
+def _session_secret(cfg: AppConfig, keys: list[str]) -> str:
+    """Signs session tokens; shared by the application's verifier replicas and stable across re-deploys of the same
+    config (so a user_config change reconfigures replicas instead of restarting them)."""
+    return os.environ.get(SESSION_SECRET_ENV) or hashlib.sha256(
+        ("ciar-session|" + "|".join(sorted(keys)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
+
+
+def _verifier(cfg: AppConfig, secret: str):
+    scale = {"autoscaling_config": cfg.verifier_autoscaling} if cfg.verifier_autoscaling else \
+        {"num_replicas": cfg.verifier_replicas}
+    return serve.deployment(Verifier).options(
+        name="Verifier",
+        **scale,
+        max_ongoing_requests=max(8, 4 * cfg.verifier_max_sessions),
+        user_config=cfg.verifier.model_dump(),
+        request_router_config=RequestRouterConfig(request_router_class="services.routing:SessionAffinityRouter"),
+        ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    ).bind(cfg.weights_dir, cfg.verifier_max_sessions, secret)
+
+
+def build_app(args: dict | None = None) -> serve.Application:
     """Builder the Serve YAML points at (`import_path: services.app:build_app`)."""
     cfg = AppConfig(**(args or {}))
-    generator = CloudGenerator.options(
-        num_replicas=cfg.generator_replicas,
-        max_ongoing_requests=cfg.max_ongoing_requests,
-        max_queued_requests=cfg.max_queued_requests,
-        ray_actor_options={"num_cpus": cfg.generator_num_cpus, "num_gpus": cfg.generator_num_gpus},
-    ).bind(cfg.weights_dir)
-    return Ingress.options(ray_actor_options={"num_cpus": 0.1}).bind(generator)
+    keys = cfg.all_api_keys()
+    if not keys and not cfg.allow_unauthenticated:
+        raise ValueError("no API keys configured: set api_keys in serve_config.yaml or $CIAR_API_KEYS "
+                         "(comma-separated), or allow_unauthenticated: true for a private test cluster")
+    verifier = _verifier(cfg, _session_secret(cfg, keys))
+    device = serve.deployment(Device).options(
+        name="Device",
+        num_replicas=cfg.devices,
+        max_ongoing_requests=1,
+        max_queued_requests=cfg.device_max_queued_requests,
+        user_config=cfg.device.model_dump(),
+        ray_actor_options={"num_cpus": cfg.device_num_cpus},
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    ).bind(cfg.weights_dir, verifier)
+    key_hashes = [hashlib.sha256(k.encode()).hexdigest() for k in keys]
+    return Ingress.options(
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+    ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s)
+
+
+def build_verifier_app(args: dict | None = None) -> serve.Application:
+    """The verifier pool alone (benchmarks.serving; a cloud-only deployment that devices outside Ray would call)."""
+    cfg = AppConfig(**{"allow_unauthenticated": True, **(args or {})})
+    return _verifier(cfg, _session_secret(cfg, cfg.all_api_keys()))

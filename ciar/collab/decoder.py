@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -132,21 +133,34 @@ class CollabResult:
 
 
 class _Clock:
-    """Accumulates measured seconds of the code inside `with clock:` blocks."""
+    """Accumulates measured seconds of the code inside `with clock:` blocks; with `wait`, also waits
+    (slowdown - 1) x the measured time after each block, so a slowed-down device is slow for real."""
 
-    def __init__(self):
+    def __init__(self, slowdown: float = 1.0, wait: Callable[[float], None] | None = None):
         self.seconds = 0.0
+        self.slowdown = slowdown
+        self.wait = wait
 
     def __enter__(self):
         self._t = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.seconds += time.perf_counter() - self._t
+        dt = time.perf_counter() - self._t
+        self.seconds += dt
+        if self.wait is not None and self.slowdown > 1.0:
+            self.wait(dt * (self.slowdown - 1.0))
 
 
 class CollabDecoder:
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,
-                 sampling: SamplingParams, num_tokens: int | None = None):
+                 sampling: SamplingParams, num_tokens: int | None = None,
+                 wait: Callable[[float], None] | None = None, progress_every: int = 12):
+        """`wait`: when given (e.g. `time.sleep`), simulated time is spent for real: each message waits for its
+        uplink before it is sent and for its downlink after the reply, and device compute is stretched by
+        `device_slowdown` (a simulated device in a live cluster). Without it, time is only accounted.
+        `progress_every`: `generate(on_progress=...)` is called each time this many more tokens are decided."""
+        self.wait = wait
+        self.progress_every = max(1, int(progress_every))
         self.device_model = device.eval() if device is not None else None
         self.client = client
         self.config = config.validate()
@@ -156,7 +170,10 @@ class CollabDecoder:
             raise ValueError(f"method {config.method!r} needs a device model")
 
     @torch.no_grad()
-    def generate(self, prompt: str, seed: int, session_id: str | None = None, trace: bool = False) -> CollabResult:
+    def generate(self, prompt: str, seed: int, session_id: str | None = None, trace: bool = False,
+                 on_progress: Callable[[list[int], GenerationStats], None] | None = None) -> CollabResult:
+        """Generate the image tokens of one caption. `on_progress(tokens_so_far, stats_so_far)` is called after the
+        prefix, every `progress_every` more decided tokens, and once at the end (streaming previews)."""
         cfg, params = self.config, self.sampling
         sid = session_id or uuid.uuid4().hex
         n_total = self.num_tokens or (self.device_model.config.block_size if self.device_model is not None
@@ -171,37 +188,50 @@ class CollabDecoder:
         drafting = prefix_len < n_total
 
         open_req = OpenRequest(sid, prompt, seed, params, prefix_len, cfg.rule, want_caption=drafting)
-        reply = self.client.open(open_req)
+        reply = self._exchange(stats, net, open_req.nbytes(), lambda: self.client.open(open_req))
+        progress = _Progress(on_progress, self.progress_every)
         try:
-            self._charge(stats, net, open_req.nbytes(), reply.nbytes(), reply.cloud_s)
             stats.cloud_requests += 1
             stats.cloud_forward_passes += reply.forward_passes
             tokens = reply.prefix_tokens.tolist()
             stats.prefix_tokens = len(tokens)
             stats.cloud_tokens = len(tokens)
             who = ["cloud"] * len(tokens)
+            progress(tokens, stats)
             if drafting:
-                self._draft_loop(reply, tokens, who, n_total, seed, sid, stats, net)
+                self._draft_loop(reply, tokens, who, n_total, seed, sid, stats, net, progress)
         finally:
             self.client.close(sid)
         stats.total_tokens = len(tokens)
         stats.images = 1
+        progress(tokens, stats, final=True)
         return CollabResult(torch.tensor(tokens, dtype=torch.long), stats, who if trace else None)
 
-    def _charge(self, stats: GenerationStats, net: NetworkModel, up: int, down: int, cloud_s: float) -> None:
-        timing = net.round_trip(up, down)
-        stats.bytes_up += up
-        stats.bytes_down += down
-        stats.comm_s += timing.uplink_s + timing.downlink_s
-        stats.cloud_s += cloud_s * self.config.cloud_slowdown
+    def _exchange(self, stats: GenerationStats, net: NetworkModel, up_bytes: int, call: Callable):
+        """One request/reply over the simulated link: uplink transmission, `call()`, downlink transmission of the
+        reply's bytes (in this order, so the link's seeded jitter/loss stream does not depend on `wait`)."""
+        up_s, _ = net.transmit(up_bytes)
+        if self.wait is not None:
+            self.wait(up_s)
+        reply = call()
+        down_bytes = reply.nbytes()
+        down_s, _ = net.transmit(down_bytes)
+        cloud_s = reply.cloud_s * self.config.cloud_slowdown
+        if self.wait is not None:
+            self.wait(down_s + reply.cloud_s * (self.config.cloud_slowdown - 1.0))
+        stats.bytes_up += up_bytes
+        stats.bytes_down += down_bytes
+        stats.comm_s += up_s + down_s
+        stats.cloud_s += cloud_s
+        return reply
 
     # ------------------------------------------------------------------ device loop
     def _draft_loop(self, reply, tokens: list[int], who: list[str], n_total: int, seed: int, sid: str,
-                    stats: GenerationStats, net: NetworkModel) -> None:
+                    stats: GenerationStats, net: NetworkModel, progress: "_Progress") -> None:
         cfg, params, dev = self.config, self.sampling, self.device_model
         c = dev.config
         wdev = dev.gpt.tok_embeddings.weight
-        clock = _Clock()
+        clock = _Clock(cfg.device_slowdown, self.wait)
         gen = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
         gate_gen = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)
         cfg_rows = params.uses_cfg
@@ -230,6 +260,7 @@ class CollabDecoder:
         pend_feat: list[torch.Tensor] = []
         while len(tokens) < n_total:
             i = len(tokens)
+            progress(tokens, stats)
             with clock:
                 q, x, score = self._draft_one(cur, gen, gate_gen)
                 escalate = cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau)
@@ -261,11 +292,11 @@ class CollabDecoder:
                     torch.stack(span_q).to(torch.float16),
                     torch.stack(pend_hidden).float().cpu() if send_feat else None,
                     torch.stack(pend_feat).float().cpu() if send_feat else None)
-            rep = self.client.verify(req)
-            self._charge(stats, net, req.nbytes(self.client.vocab_size), rep.nbytes(), rep.cloud_s)
+            rep = self._exchange(stats, net, req.nbytes(self.client.vocab_size), lambda: self.client.verify(req))
             stats.cloud_requests += 1
             stats.cloud_forward_passes += rep.forward_passes
             stats.verifications += 1
+            stats.resumes += int(getattr(rep, "resumed", False))
             stats.drafted += k
             stats.accepted += rep.num_accepted
             n = rep.num_accepted
@@ -344,6 +375,20 @@ class CollabDecoder:
         center, radius = self._guided(cur)
         return float(gate_scores(cfg.gate, center=center.unsqueeze(0), radius=radius.unsqueeze(0), topk=cfg.topk,
                                  margin=cfg.margin)[0])
+
+
+class _Progress:
+    """Calls `callback(tokens, stats)` whenever `every` more tokens are decided since the last call (and at the end)."""
+
+    def __init__(self, callback: Callable[[list[int], GenerationStats], None] | None, every: int):
+        self.callback, self.every, self.last = callback, every, -1
+
+    def __call__(self, tokens: list[int], stats: GenerationStats, final: bool = False) -> None:
+        if self.callback is None:
+            return
+        if final or self.last < 0 or len(tokens) - self.last >= self.every:
+            self.last = len(tokens)
+            self.callback(list(tokens), stats)
 
 
 def _last(out):

@@ -1,7 +1,8 @@
-"""The device <-> cloud protocol: three messages, transport-agnostic.
+"""The device <-> cloud protocol: three messages (and a recovery call), transport-agnostic.
 
     client.open(OpenRequest(...))     -> OpenReply     caption embeddings + the cloud's prefix tokens (prefix injection)
     client.verify(VerifyRequest(...)) -> VerifyReply   catch up on locally accepted tokens, verify a drafted span
+    client.resume(OpenRequest(...), history)  -> OpenReply   re-create a lost session from the committed tokens
     client.close(session_id)
 
 Vocabulary (used everywhere in `ciar.collab`): a *session* is one image being generated; *committed* tokens are
@@ -13,6 +14,11 @@ device at once and reach the cloud with the next VerifyRequest as `new_tokens` (
 `CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
 it with direct calls (tests, benchmarks, CLI); the Ray implementation lives in `services/`. Payload sizes follow
 `ciar.collab.stats`'s documented encodings, so every transport charges the same bytes to the network model.
+
+Recovery: a verify naming a session the cloud no longer holds (replica lost, slot evicted) fails with
+`ciar.collab.verifier.SessionLostError`; `resume` rebuilds the session from the device's committed tokens (and the
+interval features it injected, `InjectedFeatures`), after which the verify is re-sent. `ciar.collab.recovery.
+RecoveringClient` does this for any client; the result equals an uninterrupted session's.
 """
 
 from __future__ import annotations
@@ -95,9 +101,26 @@ class VerifyReply:
     cloud_s: float  # cloud compute time of the batched forward + acceptance this request waited for
     batch_size: int  # sessions verified in that forward
     forward_passes: int = 1
+    resumed: bool = False  # the client re-created the session before this reply (cloud_s / forward_passes include it)
 
     def nbytes(self) -> int:
         return HEADER_BYTES + 8
+
+
+@dataclass
+class InjectedFeatures:
+    """The interval features a session's device sent with its locally accepted tokens (VerifyRequest.device_hidden /
+    .features), keyed by the tokens' indices in the committed history. The cloud added their projection to those
+    tokens' embeddings, so `resume` needs them to rebuild the same cache (interval-enhanced decoding)."""
+
+    positions: torch.Tensor  # [n] int64 indices into the history (each < len(history) - 1)
+    device_hidden: torch.Tensor  # [n, d_device]
+    features: torch.Tensor  # [n, F]
+
+    def nbytes(self) -> int:
+        n = int(self.positions.numel())
+        return 2 * n + feature_bytes(n, int(self.device_hidden.shape[-1])) + \
+            feature_bytes(n, int(self.features.shape[-1]))
 
 
 class CloudClient(Protocol):
@@ -108,5 +131,13 @@ class CloudClient(Protocol):
     def open(self, request: OpenRequest) -> OpenReply: ...
 
     def verify(self, request: VerifyRequest) -> VerifyReply: ...
+
+    def resume(self, request: OpenRequest, history: torch.Tensor,
+               injected: InjectedFeatures | None = None) -> OpenReply:
+        """Re-create session `request.session_id` from its committed tokens `history` ([c] int64, c >= 0) and, with
+        interval-enhanced decoding, the features injected with them. `prefix_len` is ignored (no tokens are
+        generated); a still-open copy of the session is replaced. -> OpenReply with empty prefix_tokens (caption
+        only if `want_caption`), its cloud_s and forward_passes."""
+        ...
 
     def close(self, session_id: str) -> None: ...

@@ -12,6 +12,7 @@ Counters (per image, summed by `+`):
   drafted / accepted     draft tokens sent for verification / accepted by the cloud
   verifications          spans verified (one per verify request)
   cloud_requests         round trips to the cloud (open + verify requests)
+  resumes                sessions re-created on the cloud after it lost them (ciar.collab.recovery)
   cloud_forward_passes   sequential cloud forwards (what bounds latency; steps compression divides by it)
   device_forward_passes  device forwards
   bytes_up / bytes_down  payload bytes device -> cloud / cloud -> device
@@ -59,6 +60,7 @@ class GenerationStats:
     accepted: int = 0
     verifications: int = 0
     cloud_requests: int = 0
+    resumes: int = 0
     cloud_forward_passes: int = 0
     device_forward_passes: int = 0
     bytes_up: int = 0

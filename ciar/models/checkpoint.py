@@ -86,12 +86,18 @@ def save_model(model: torch.nn.Module, path: str, config: dict, kind: str, extra
     os.replace(tmp, path)
 
 
-def read_model_file(path: str) -> tuple[dict[str, torch.Tensor], str, dict, dict]:
-    """-> (state dict, kind, config dict, extra dict) of a file written by `save_model`."""
+def read_model_metadata(path: str) -> tuple[str, dict, dict]:
+    """-> (kind, config dict, extra dict) of a file written by `save_model`, without reading its tensors."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"weight file not found: {path}")
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
     if "config" not in meta:
         raise CheckpointMismatchError(f"{path}: no config in the safetensors metadata (not written by ciar?)")
-    return load_file(path), meta.get("kind", ""), json.loads(meta["config"]), json.loads(meta.get("extra", "{}"))
+    return meta.get("kind", ""), json.loads(meta["config"]), json.loads(meta.get("extra", "{}"))
+
+
+def read_model_file(path: str) -> tuple[dict[str, torch.Tensor], str, dict, dict]:
+    """-> (state dict, kind, config dict, extra dict) of a file written by `save_model`."""
+    kind, config, extra = read_model_metadata(path)
+    return load_file(path), kind, config, extra

@@ -1,11 +1,15 @@
-"""The Serve application for real: Ray Serve in-process, HTTP requests against the ingress (random-weight world).
+"""The Serve application for real: Ray Serve in-process (ingress, 8 simulated devices, a verifier replica), HTTP
+requests and deployment handles against it, over a small RANDOM-weight world with a device model.
 
-One Ray instance per module; replicas get fractional CPUs.
+One Ray instance for the module; replicas get fractional CPUs. Simulated network time is spent for real.
 """
 
 import base64
 import io
+import json
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,67 +21,246 @@ from ciar.testing import write_random_world  # noqa: E402
 
 PORT = 8123
 URL = f"http://127.0.0.1:{PORT}"
+GEN = f"{URL}/v1/images/generations"
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "a small red circle at the top on a gray background"
+DEVICES = 8
+TAU = 0.05
+
+
+def app_args(weights: str, **device_live) -> dict:
+    return {"weights_dir": weights, "api_keys": [KEY], "devices": DEVICES, "device_num_cpus": 0.1,
+            "device_max_queued_requests": 12, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
+            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3,
+            "device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, **device_live},
+            "verifier": {"max_batch_size": 16, "batch_wait_timeout_s": 0.02, "idle_timeout_s": 30}}
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0})
+def cluster(tmp_path_factory):
+    weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
+                                 with_device=True)
     # a loaded 2-core CI box can miss Serve's 5 s proxy readiness check; these are read by the controller,
     # which inherits the driver's environment when ray.init starts the local cluster
     for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
                        ("RAY_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", "1")):
         os.environ.setdefault(var, value)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}})
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     from services.app import build_app
 
-    serve.run(build_app({"weights_dir": weights, "generator_num_cpus": 0.5}), name="ciar", route_prefix="/")
-    yield URL
+    serve.run(build_app(app_args(weights)), name="ciar", route_prefix="/")
+    yield weights
     serve.shutdown()
     ray.shutdown()
 
 
-def test_healthz(app_url):
-    assert requests.get(f"{app_url}/healthz", timeout=30).json() == {"status": "ok"}
+def post(body, headers=AUTH, timeout=180, **kw):
+    return requests.post(GEN, json=body, headers=headers, timeout=timeout, **kw)
 
 
-def test_png_is_deterministic_per_seed(app_url):
+def test_healthz(cluster):
+    assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
+
+
+def test_ciar_png_deterministic_and_equal_to_in_process(cluster):
     from PIL import Image
 
-    body = {"prompt": PROMPT, "seed": 3, "response_format": "png"}
-    a = requests.post(f"{app_url}/v1/images/generations", json=body, timeout=120)
-    b = requests.post(f"{app_url}/v1/images/generations", json=body, timeout=120)
+    body = {"prompt": PROMPT, "seed": 3, "method": "ciar", "response_format": "png"}
+    a, b = post(body), post(body)
     assert a.status_code == 200 and a.headers["content-type"] == "image/png", a.text
     assert a.content == b.content
     assert Image.open(io.BytesIO(a.content)).size == (48, 48)
 
+    r = post({**body, "response_format": "tokens"}).json()
+    st = r["stats"]
+    assert st["method"] == "ciar" and st["total_tokens"] == 144 and st["config"]["tau"] == TAU
+    assert 0 < st["cloud_call_rate"] < 1 and st["verifications"] > 0  # some tokens local, some verified
+    assert st["comm_s"] > 0 and st["wall_s"] >= st["comm_s"]  # simulated link time was spent for real
 
-def test_json_response_with_stats(app_url):
-    r = requests.post(f"{app_url}/v1/images/generations", json={"prompt": PROMPT, "seed": 1}, timeout=120).json()
-    assert base64.b64decode(r["data"][0]["b64_json"])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert r["stats"]["method"] == "cloud" and r["stats"]["tokens_total"] == 144
-    toks = requests.post(f"{app_url}/v1/images/generations",
-                         json={"prompt": PROMPT, "seed": 1, "response_format": "tokens"}, timeout=120).json()
-    assert len(toks["data"][0]["tokens"]) == 144
+    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.world import load_default_world
+
+    world = load_default_world(cluster)
+    dec = make_decoder(world, make_verifier(world, max_sessions=1), "ciar", tau=TAU, span=4, prefix_rate=0.06,
+                       network="5g")
+    local = dec.generate(PROMPT, seed=3)
+    assert r["data"][0]["tokens"] == local.tokens.tolist()
+    assert st["cloud_requests"] == local.stats.cloud_requests
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": PROMPT, "method": "telepathy"}, "method"),
-    ({"prompt": PROMPT, "seed": -1}, "seed"),
-    ({"prompt": PROMPT, "params": {"temperature": -1}}, "temperature"),
-    ({"prompt": PROMPT, "unknown": 1}, "unknown"),
-    ({"prompt": "red " * 60}, "prompt"),
+def test_json_response_and_every_method(cluster):
+    for method in ("cloud", "eagle", "code", "entropy"):
+        r = post({"prompt": PROMPT, "seed": 1, "method": method, "network": "wifi"})
+        assert r.status_code == 200, r.text
+        j = r.json()
+        assert base64.b64decode(j["data"][0]["b64_json"])[:8] == b"\x89PNG\r\n\x1a\n"
+        assert j["stats"]["method"] == method and j["stats"]["network"] == "wifi"
+    assert j["stats"]["total_tokens"] == 144
+
+
+def test_via_handle(cluster):
+    h = serve.get_deployment_handle("Device", app_name="ciar")
+    job = {"session_id": "handle-test", "prompt": PROMPT, "seed": 5, "method": "ciar", "network": "5g"}
+    out = h.generate.remote(job).result(timeout_s=180)
+    assert out["png"][:8] == b"\x89PNG\r\n\x1a\n" and len(out["tokens"]) == 144
+    http = post({"prompt": PROMPT, "seed": 5, "method": "ciar", "response_format": "tokens"}).json()
+    assert http["data"][0]["tokens"] == out["tokens"]
+
+
+def test_concurrent_devices_batch_spans(cluster):
+    bodies = [{"prompt": f"a large blue square at the bottom {i}", "seed": i, "method": "eagle", "network": "4g",
+               "response_format": "tokens"} for i in range(DEVICES)]
+    with ThreadPoolExecutor(DEVICES) as pool:
+        rs = list(pool.map(post, bodies))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    stats = [r.json()["stats"] for r in rs]
+    devices = {s["device_id"] for s in stats}
+    assert len(devices) >= DEVICES // 2, devices  # a phone makes one image at a time
+    assert max(s["verifier_batch_size"]["max"] for s in stats) > 1  # spans of several sessions in one forward
+    vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
+    assert any(int(size) > 1 for size in vstats["batch_size_hist"]), vstats
+
+
+def test_unauthorized(cluster):
+    body = {"prompt": PROMPT}
+    for headers in ({}, {"Authorization": "Bearer wrong-key-123"}, {"Authorization": KEY}):
+        r = post(body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["field"] == "authorization", r.text
+        assert r.headers.get("www-authenticate") == "Bearer"
+
+
+@pytest.mark.parametrize("body,status,field", [
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": "   "}, 422, "prompt"),
+    ({"prompt": "x" * 401}, 422, "prompt"),
+    ({"prompt": "red " * 80}, 422, "prompt"),  # under 400 characters, over the caption encoder's 40 tokens
+    ({"prompt": PROMPT, "method": "dalle"}, 422, "method"),
+    ({"prompt": PROMPT, "params": {"tau": -1}}, 422, "params.tau"),
+    ({"prompt": PROMPT, "params": {"span": 0}}, 422, "params.span"),
+    ({"prompt": PROMPT, "params": {"top_p": 0}}, 422, "params.top_p"),
+    ({"prompt": PROMPT, "params": {"bogus": 1}}, 422, "params.bogus"),
+    ({"prompt": PROMPT, "seed": -1}, 422, "seed"),
+    ({"prompt": PROMPT, "network": "3g"}, 422, "network"),
+    ({"prompt": PROMPT, "response_format": "gif"}, 422, "response_format"),
+    ({"seed": 1}, 422, "prompt"),
 ])
-def test_bad_input_is_4xx_naming_the_field(app_url, body, field):
-    r = requests.post(f"{app_url}/v1/images/generations", json=body, timeout=120)
-    assert 400 <= r.status_code < 500, r.text
-    assert field in r.text
+def test_bad_input_is_4xx_naming_the_field(cluster, body, status, field):
+    r = post(body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and err["message"], err
 
 
-def test_invalid_json_is_4xx(app_url):
-    r = requests.post(f"{app_url}/v1/images/generations", data=b"{not json", timeout=30,
-                      headers={"content-type": "application/json"})
-    assert 400 <= r.status_code < 500
+def test_bad_bodies(cluster):
+    r = requests.post(GEN, data="{not json", headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+    r = requests.post(GEN, data=json.dumps({"prompt": "x" * 20000}), headers=AUTH, timeout=30)
+    assert r.status_code == 413
+    r = requests.post(GEN, data="[1, 2]", headers=AUTH, timeout=30)
+    assert r.status_code == 422
+
+
+def test_session_cannot_be_driven_by_another_device(cluster):
+    import torch
+
+    from ciar.collab.protocol import OpenRequest, VerifyRequest
+    from ciar.decoding.sampling import SamplingParams
+
+    v = serve.get_deployment_handle("Verifier", app_name="ciar")
+    sid = "owned-session"
+    reply, token = v.open.remote(OpenRequest(sid, PROMPT, 0, SamplingParams(), 4), session_id=sid,
+                                 device_id="phone-a").result()
+    req = VerifyRequest(sid, torch.zeros(0, dtype=torch.long), torch.tensor([1]), torch.full((1, 1024), 1 / 1024))
+    with pytest.raises(PermissionError):
+        v.verify.remote(req, session_id=sid, device_id="phone-b", token=token).result()
+    with pytest.raises(PermissionError):
+        v.verify.remote(req, session_id=sid, device_id="phone-a", token="0" * 64).result()
+    ok = v.verify.remote(req, session_id=sid, device_id="phone-a", token=token).result()
+    assert ok.num_accepted in (0, 1)
+    v.close.remote(session_id=sid, device_id="phone-a", token=token).result()
+
+
+def test_stream_sends_progress_and_previews(cluster):
+    body = {"prompt": PROMPT, "seed": 3, "method": "ciar", "stream": True, "response_format": "tokens"}
+    events = []
+    with post(body, stream=True) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("event: "):
+                events.append([line[7:], None])
+            elif line.startswith("data: "):
+                events[-1][1] = json.loads(line[6:])
+    kinds = [e for e, _ in events]
+    assert kinds[-1] == "result" and kinds.count("progress") >= 3
+    done = [d["tokens_done"] for e, d in events if e == "progress"]
+    assert done == sorted(done) and done[-1] == 144
+    assert any("preview_b64" in d for e, d in events if e == "progress")
+    plain = post({**body, "stream": False}).json()
+    assert events[-1][1]["data"][0]["tokens"] == plain["data"][0]["tokens"]
+
+
+def test_overload_answers_503_with_retry_after(cluster):
+    # 8 devices busy + 12 queued: the rest must be refused at once, never queued without bound
+    body = {"prompt": PROMPT, "seed": 0, "method": "cloud", "network": "4g", "response_format": "tokens"}
+    with ThreadPoolExecutor(36) as pool:
+        rs = list(pool.map(lambda _: post(body), range(36)))
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) >= 1 and codes.count(200) >= DEVICES, codes
+    r503 = next(r for r in rs if r.status_code == 503)
+    assert r503.headers["retry-after"] == "3" and r503.json()["error"]["type"] == "overloaded"
+
+
+def test_reconfigure_changes_tau_live(cluster):
+    from services.app import build_app
+
+    body = {"prompt": PROMPT, "seed": 2, "method": "ciar", "response_format": "tokens"}
+    before = post(body).json()["stats"]
+    device_ids = set()
+    try:
+        serve.run(build_app(app_args(cluster, tau=1e6)), name="ciar", route_prefix="/")
+        local = post(body).json()["stats"]
+        assert local["config"]["tau"] == 1e6 and local["verifications"] == 0 and local["device_tokens"] > 0
+        serve.run(build_app(app_args(cluster, tau=0.0)), name="ciar", route_prefix="/")
+        every = post(body).json()["stats"]
+        assert every["config"]["tau"] == 0.0 and every["device_tokens"] == 0
+        device_ids = {before["device_id"], local["device_id"], every["device_id"]}
+    finally:
+        serve.run(build_app(app_args(cluster)), name="ciar", route_prefix="/")
+    assert before["config"]["tau"] == TAU and device_ids  # same replicas, reconfigured (not redeployed)
+
+
+def test_verifier_replica_killed_mid_request(cluster):
+    body = {"prompt": PROMPT, "seed": 7, "method": "ciar", "stream": True, "response_format": "tokens",
+            "network": "4g"}  # tau = TAU: some tokens accepted locally, their interval features must be re-sent
+    killed = threading.Event()
+
+    def kill_verifier():
+        for name in ray.util.list_named_actors(all_namespaces=True):
+            if "Verifier" in name["name"]:
+                ray.kill(ray.get_actor(name["name"], namespace=name["namespace"]), no_restart=True)
+        killed.set()
+
+    result = None
+    with post(body, stream=True, timeout=300) as r:
+        assert r.status_code == 200
+        event = None
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if event == "progress" and data["tokens_done"] > 20 and not killed.is_set():
+                    kill_verifier()
+                if event == "result":
+                    result = data
+                assert event != "error", data
+    assert killed.is_set() and result is not None
+    st = result["stats"]
+    assert st["total_tokens"] == 144 and st["resumes"] >= 1
+    # exact despite the re-prefill on the new replica: same tokens as an undisturbed run
+    again = post({**body, "stream": False}).json()
+    assert again["data"][0]["tokens"] == result["data"][0]["tokens"] and again["stats"]["resumes"] == 0

@@ -1,0 +1,170 @@
+"""Verifier throughput with cross-device span batching vs the same replica forced to batch size 1.
+
+    python -m benchmarks.serving --out serving.json [--sessions 16] [--span 4] [--duration 20] [--weights DIR]
+
+Starts Ray Serve in-process with the `Verifier` deployment alone (one replica, the shipped world unless
+--weights; session-affine router, as in the application), and drives `--sessions` concurrent device sessions
+from the driver: each opens a session (prefix of `--prefix` cloud tokens), then sends verify requests of
+`--span` draft tokens back to back (each next request after the previous reply, as a device does) until its
+image is full, then opens a new session. Draft tokens are drawn uniformly with a uniform draft distribution, so
+the verifier does the full work of a verification (catch-up + span forward with CFG rows, exact acceptance);
+what is measured is the verifier's capacity, not a device model.
+
+Two phases on the SAME replica, side by side in one run: batched (`max_batch_size = --sessions`,
+`batch_wait_timeout_s = --batch-wait`) and unbatched (`max_batch_size = 1`, switched live with reconfigure).
+Each phase warms up for `--warmup` seconds, then counts replies for `--duration` seconds. Output JSON:
+  {"batched_spans_per_s", "unbatched_spans_per_s", "ratio", "latency_ms": {"p50", "p99"}, ...}
+with the per-span latency percentiles of the batched phase (request sent -> reply received, at that load) and
+the replica's batch-size histogram of each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+import torch
+
+PROMPTS = ["a small red circle at the top left on a white background",
+           "a large blue square at the center on a black background",
+           "a green triangle at the bottom on a gray background and a yellow circle at the top"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    i = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[i]
+
+
+async def _session_loop(h, idx: int, args, vocab: int, n_tokens: int, sampling, stop: dict, out: dict) -> None:
+    from ciar.collab.protocol import OpenRequest, VerifyRequest
+
+    gen = torch.Generator().manual_seed(1000 + idx)
+    run = 0
+    q = torch.full((args.span, vocab), 1.0 / vocab, dtype=torch.float16)
+    empty = torch.zeros(0, dtype=torch.long)
+    while not stop["done"]:
+        sid = f"bench-{args.tag}-{idx}-{run}"
+        run += 1
+        reply, token = await h.open.remote(OpenRequest(sid, PROMPTS[idx % len(PROMPTS)], idx, sampling, args.prefix,
+                                                       want_caption=False), session_id=sid, device_id=f"dev{idx}")
+        committed = args.prefix
+        try:
+            while not stop["done"] and committed + args.span <= n_tokens:
+                drafts = torch.randint(0, vocab, (args.span,), generator=gen)
+                t0 = time.perf_counter()
+                rep = await h.verify.remote(VerifyRequest(sid, empty, drafts, q), session_id=sid,
+                                            device_id=f"dev{idx}", token=token)
+                dt = time.perf_counter() - t0
+                committed += rep.num_accepted + 1
+                if stop["measuring"]:
+                    out["spans"] += 1
+                    out["latency"].append(dt)
+        finally:
+            await h.close.remote(session_id=sid, device_id=f"dev{idx}", token=token)
+
+
+async def _phase(h, args, vocab: int, n_tokens: int, sampling) -> dict:
+    stop = {"done": False, "measuring": False}
+    out = {"spans": 0, "latency": []}
+    tasks = [asyncio.ensure_future(_session_loop(h, i, args, vocab, n_tokens, sampling, stop, out))
+             for i in range(args.sessions)]
+    await asyncio.sleep(args.warmup)
+    base = await h.stats.remote()
+    stop["measuring"] = True
+    t0 = time.perf_counter()
+    await asyncio.sleep(args.duration)
+    stop["measuring"] = False
+    seconds = time.perf_counter() - t0
+    after = await h.stats.remote()
+    stop["done"] = True
+    await asyncio.gather(*tasks)
+    hist = {k: v - base["batch_size_hist"].get(k, 0) for k, v in after["batch_size_hist"].items()}
+    hist = {k: v for k, v in hist.items() if v}
+    forwards = sum(hist.values())
+    return {"spans_per_s": out["spans"] / seconds, "spans": out["spans"], "seconds": seconds,
+            "latency_ms": {"p50": 1e3 * percentile(out["latency"], 50), "p99": 1e3 * percentile(out["latency"], 99)},
+            "batch_size_hist": hist,
+            "mean_batch_size": sum(int(k) * v for k, v in hist.items()) / forwards if forwards else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--weights", default=None, help="weights folder (default: the shipped weights/scenes-v1)")
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--span", type=int, default=4)
+    ap.add_argument("--prefix", type=int, default=9)
+    ap.add_argument("--batch-wait", type=float, default=0.005)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--verifier-cpus", type=float, default=1.0)
+    ap.add_argument("--tag", default="s")
+    args = ap.parse_args(argv)
+    if args.sessions < 1 or args.span < 1 or args.duration <= 0:
+        ap.error("--sessions and --span must be >= 1 and --duration > 0")
+
+    import ray
+    from ray import serve
+
+    from ciar.models.checkpoint import read_model_metadata
+    from ciar.world import default_weights_dir, sampling_from_extra
+    from services.app import build_verifier_app
+
+    weights = os.path.abspath(args.weights) if args.weights else default_weights_dir()
+    _, cfg, extra = read_model_metadata(os.path.join(weights, "cloud.safetensors"))
+    sampling = sampling_from_extra(extra)
+    vocab, n_tokens = int(cfg["vocab_size"]), int(cfg["block_size"])
+
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8765})
+
+        def deploy(batch: int):
+            app = build_verifier_app({"weights_dir": weights, "verifier_num_cpus": args.verifier_cpus,
+                                      "verifier_max_sessions": args.sessions + 2,
+                                      "verifier": {"max_batch_size": batch, "batch_wait_timeout_s": args.batch_wait,
+                                                   "idle_timeout_s": 600}})
+            return serve.run(app, name="bench", route_prefix=None)
+
+        h = deploy(args.sessions)
+        rid = h.stats.remote().result()["replica_id"]
+        batched = asyncio.run(_phase(h, args, vocab, n_tokens, sampling))
+        h = deploy(1)  # same replica, reconfigured live (user_config only)
+        info = h.stats.remote().result()
+        if info["replica_id"] != rid or info["live"]["max_batch_size"] != 1:
+            raise RuntimeError(f"reconfigure did not apply to the same replica: {info}")
+        args.tag = "u"
+        unbatched = asyncio.run(_phase(h, args, vocab, n_tokens, sampling))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    result = {
+        "batched_spans_per_s": batched["spans_per_s"],
+        "unbatched_spans_per_s": unbatched["spans_per_s"],
+        "ratio": batched["spans_per_s"] / unbatched["spans_per_s"] if unbatched["spans_per_s"] else None,
+        "latency_ms": batched["latency_ms"],
+        "unbatched_latency_ms": unbatched["latency_ms"],
+        "batched": batched, "unbatched": unbatched,
+        "setup": {"sessions": args.sessions, "span": args.span, "prefix": args.prefix, "batch_wait_s": args.batch_wait,
+                  "duration_s": args.duration, "warmup_s": args.warmup, "weights": weights,
+                  "cfg_scale": sampling.cfg_scale, "verifier_cpus": args.verifier_cpus, "torch_threads": 1,
+                  "device": "cuda" if torch.cuda.is_available() else "cpu"},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: result[k] for k in ("batched_spans_per_s", "unbatched_spans_per_s", "ratio", "latency_ms")},
+                     indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

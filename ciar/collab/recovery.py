@@ -1,0 +1,131 @@
+"""Recoverable cloud sessions: a `CloudClient` wrapper that re-creates a lost session and re-sends the request.
+
+    client = RecoveringClient(InProcessCloud(verifier))                      # or any transport's client
+    client = RecoveringClient(http_client, is_lost=lambda e: isinstance(e, (SessionLostError, ActorDiedError)))
+    decoder = CollabDecoder(device_model, client, config, sampling)          # nothing else changes
+
+The wrapper remembers, per open session, its OpenRequest and the committed tokens both sides agree on: the prefix
+tokens of the OpenReply, then after each verification new_tokens + draft_tokens[:num_accepted] + [next_token]
+(the cloud's own bookkeeping, so it may run one token past what the device keeps at the very end; nothing is verified
+after that), plus the interval features the device sent with its locally accepted tokens. When `inner.verify`
+raises an error that `is_lost(exc)` accepts (default: `SessionLostError`: the replica holding the session's cache
+was lost or restarted, or the slot was evicted), it calls `inner.resume(request with want_caption=False, history,
+injected)` and re-sends the verify once; the reply is marked `resumed=True` and carries the resume's cloud_s and
+forward_passes too (the decoder counts `GenerationStats.resumes`).
+
+Why the result is exact (equal to an uninterrupted session's): the cloud's state for a session is (a) the KV cache,
+a deterministic function of the caption, the committed tokens and the features injected with them, which `resume`
+recomputes from exactly those inputs, and (b) the acceptance generator, which the verifier re-seeds before every
+verification from (seed, committed-token count) (`ciar.collab.verifier.position_seed`), so it carries no history
+either. The prefix tokens were drawn from the sequential stream at open and are part of the history, not redrawn.
+The retried verify therefore sees the same target distributions (up to floating-point summation order of the
+rebuilt cache) and the same draws, and returns the same (num_accepted, next_token).
+
+Not covered: a verify that the cloud applied but whose reply was lost (the retry would then run against a session
+that is one step ahead); transports should surface that as a failed request, not as a lost session. One session's
+calls must be sequential (as `CollabDecoder` makes them); different sessions may share the wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.verifier import SessionLostError
+
+
+def _is_session_lost(exc: BaseException) -> bool:
+    return isinstance(exc, SessionLostError)
+
+
+@dataclass
+class _Tracked:
+    request: OpenRequest  # want_caption=False: what `resume` is sent
+    tokens: list[int]  # committed tokens as the cloud counts them
+    positions: list[int] = field(default_factory=list)  # history indices of tokens sent with interval features
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [m_i, d_device] per verify that sent features
+    features: list[torch.Tensor] = field(default_factory=list)  # [m_i, F]
+
+    def injected(self) -> InjectedFeatures | None:
+        if not self.positions:
+            return None
+        return InjectedFeatures(torch.tensor(self.positions, dtype=torch.long), torch.cat(self.hidden),
+                                torch.cat(self.features))
+
+
+class RecoveringClient:
+    """`CloudClient` over `inner` (any CloudClient with `resume`) that survives lost cloud sessions; see the module
+    docstring. `is_lost(exc)`: which errors of `inner.verify` / `inner.close` mean "the cloud lost this session"."""
+
+    def __init__(self, inner: CloudClient, is_lost: Callable[[BaseException], bool] | None = None):
+        self.inner = inner
+        self.is_lost = is_lost or _is_session_lost
+        self._sessions: dict[str, _Tracked] = {}
+        self.resumes = 0  # sessions re-created through this wrapper (all sessions together)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    def open(self, request: OpenRequest) -> OpenReply:
+        reply = self.inner.open(request)
+        self._sessions[request.session_id] = _Tracked(replace(request, want_caption=False),
+                                                      reply.prefix_tokens.tolist())
+        return reply
+
+    def resume(self, request: OpenRequest, history: torch.Tensor,
+               injected: InjectedFeatures | None = None) -> OpenReply:
+        """Pass-through (the wrapper then tracks the session from `history`)."""
+        reply = self.inner.resume(request, history) if injected is None else \
+            self.inner.resume(request, history, injected)
+        t = _Tracked(replace(request, want_caption=False), torch.as_tensor(history).long().tolist())
+        if injected is not None and injected.positions.numel():
+            t.positions = injected.positions.tolist()
+            t.hidden, t.features = [injected.device_hidden], [injected.features]
+        self._sessions[request.session_id] = t
+        return reply
+
+    def verify(self, request: VerifyRequest) -> VerifyReply:
+        t = self._sessions.get(request.session_id)
+        try:
+            reply = self.inner.verify(request)
+        except Exception as e:
+            if t is None or not self.is_lost(e):
+                raise
+            reply = self._resume_and_retry(t, request)
+        self._commit(t, request, reply)
+        return reply
+
+    def _resume_and_retry(self, t: _Tracked, request: VerifyRequest) -> VerifyReply:
+        history = torch.tensor(t.tokens, dtype=torch.long)
+        injected = t.injected()
+        # only pass `injected` when there is some, so that clients without interval features need not accept it
+        res = self.inner.resume(t.request, history) if injected is None else \
+            self.inner.resume(t.request, history, injected)
+        self.resumes += 1
+        reply = self.inner.verify(request)
+        return replace(reply, resumed=True, cloud_s=reply.cloud_s + res.cloud_s,
+                       forward_passes=reply.forward_passes + res.forward_passes)
+
+    @staticmethod
+    def _commit(t: _Tracked | None, request: VerifyRequest, reply: VerifyReply) -> None:
+        if t is None:
+            return
+        m = int(request.new_tokens.numel())
+        if request.device_hidden is not None and request.features is not None and m:
+            t.positions.extend(range(len(t.tokens), len(t.tokens) + m))
+            t.hidden.append(request.device_hidden.detach().cpu())
+            t.features.append(request.features.detach().cpu())
+        t.tokens.extend(request.new_tokens.tolist() + request.draft_tokens[:reply.num_accepted].tolist()
+                        + [int(reply.next_token)])
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        try:
+            self.inner.close(session_id)
+        except Exception as e:
+            if not self.is_lost(e):
+                raise

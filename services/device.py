@@ -1,0 +1,218 @@
+"""Simulated devices: each replica of the `Device` deployment is one phone (a Ray actor with a fractional CPU)
+running the device model and the CIAR loop of `ciar.collab.decoder`, on its own link profile, talking to the
+verifier pool through `RayCloudClient` (the Ray implementation of `ciar.collab.protocol.CloudClient`).
+
+Simulated time is spent for real (`DeviceLiveConfig.realtime`): each message waits for its uplink before it
+reaches the verifier and for its downlink after the reply, and device compute is stretched by the slowdown
+factor; the same times are accounted in the stats. A device generates one image at a time
+(`max_ongoing_requests: 1`); the fleet's queue is bounded (`max_queued_requests`), beyond it the ingress answers
+503 with Retry-After.
+
+Failures: a verifier replica that died or lost the session makes `verify` raise SessionLostError; the
+`RecoveringClient` around this client re-sends the session's history (`resume`) and retries, so the image is
+still exact (position-keyed randomness on the cloud).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from ray import serve
+
+from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.recovery import RecoveringClient
+from ciar.collab.verifier import SessionLostError
+from ciar.models.vq import tensor_to_images
+from ciar.world import load_device_side
+from services.schemas import DeviceLiveConfig
+
+GATED = ("ciar",)  # methods whose threshold follows the fleet's live tau (other gates have their own scales)
+NO_PREFIX_OVERRIDE = ("cloud", "code")  # methods whose prefix rate is part of the method
+
+
+def is_replica_loss(exc: BaseException) -> bool:
+    """True for errors meaning the verifier replica is gone (died / unreachable), not a bad request."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+def is_session_lost(exc: BaseException) -> bool:
+    return isinstance(exc, SessionLostError) or isinstance(getattr(exc, "cause", None), SessionLostError)
+
+
+class RayCloudClient:
+    """`CloudClient` over the Verifier deployment handle. Synchronous: call it from a worker thread, not from the
+    replica's event loop. Every call carries `session_id=` (affinity routing) and this device's id + session token
+    (ownership). A dead replica during verify becomes SessionLostError (the recovering wrapper re-creates the
+    session elsewhere); open and resume retry a dead replica with backoff."""
+
+    def __init__(self, handle, device_id: str, vocab_size: int, retries: int = 40, backoff_s: float = 0.1,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.handle = handle
+        self.device_id = device_id
+        self.vocab_size = vocab_size
+        self.retries, self.backoff_s, self.sleep = retries, backoff_s, sleep
+        self.tokens: dict[str, str] = {}  # session id -> session token
+        self.batch_sizes: dict[str, list[int]] = {}  # session id -> verifier batch size of each of its verifies
+
+    def _retry(self, call):
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001
+                if not is_replica_loss(e) or attempt == self.retries:
+                    raise
+                self.sleep(min(2.0, self.backoff_s * 2 ** attempt))  # ~70 s in all: a replica restart
+
+    def open(self, request: OpenRequest) -> OpenReply:
+        sid = request.session_id
+        reply, token = self._retry(lambda: self.handle.open.remote(request, session_id=sid,
+                                                                   device_id=self.device_id).result())
+        self.tokens[sid] = token
+        self.batch_sizes[sid] = []
+        return reply
+
+    def verify(self, request: VerifyRequest) -> VerifyReply:
+        sid = request.session_id
+        try:
+            reply = self.handle.verify.remote(request, session_id=sid, device_id=self.device_id,
+                                              token=self.tokens.get(sid, "")).result()
+        except Exception as e:  # noqa: BLE001
+            if is_replica_loss(e):
+                raise SessionLostError(f"verifier replica of session {sid!r} is gone: {type(e).__name__}") from e
+            raise
+        self.batch_sizes.setdefault(sid, []).append(reply.batch_size)
+        return reply
+
+    def resume(self, request: OpenRequest, history: torch.Tensor,
+               injected: InjectedFeatures | None = None) -> OpenReply:
+        sid = request.session_id
+        return self._retry(lambda: self.handle.resume.remote(request, history, injected, session_id=sid,
+                                                             device_id=self.device_id,
+                                                             token=self.tokens.get(sid, "")).result())
+
+    def close(self, session_id: str) -> None:
+        token = self.tokens.pop(session_id, "")
+        try:
+            self.handle.close.remote(session_id=session_id, device_id=self.device_id, token=token).result()
+        except Exception:  # noqa: BLE001 - best effort: the replica frees idle slots itself
+            pass
+
+
+def png_bytes(image) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class Device:
+    """One simulated phone. `generate(job)` -> {"tokens", "png", "stats"}; `generate_stream(job)` yields progress
+    events ({"event": "progress", ...} with an optional preview PNG) and finally {"event": "result", ...}."""
+
+    def __init__(self, weights_dir: str | None, verifier, live: dict | None = None):
+        torch.set_num_threads(1)
+        self.side = load_device_side(weights_dir)
+        self.live = DeviceLiveConfig(**(live or {}))
+        try:
+            self.device_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside a replica
+            self.device_id = "local-device"
+        self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size)
+        self.client = RecoveringClient(self.ray_client, is_lost=is_session_lost)
+        self._busy = threading.Lock()  # a phone makes one image at a time
+
+    def reconfigure(self, config: dict) -> None:
+        self.live = DeviceLiveConfig(**(config or {}))  # raises a ValidationError naming the field
+
+    # ------------------------------------------------------------------ one generation
+    def config_for(self, method: str, network: str, overrides: dict):
+        live = self.live
+        knobs = {"network": network, "span": live.span, "device_slowdown": live.device_slowdown}
+        if method in GATED:
+            knobs["tau"] = live.tau
+        if method not in NO_PREFIX_OVERRIDE:
+            knobs["prefix_rate"] = live.prefix_rate
+        knobs.update(overrides)
+        return method_config(method, **knobs)
+
+    def _run(self, job: dict, on_progress=None) -> dict:
+        import dataclasses
+
+        t0 = time.perf_counter()
+        cfg = self.config_for(job["method"], job["network"], job.get("collab", {}))
+        sampling = dataclasses.replace(self.side.sampling, **job.get("sampling", {})).validate()
+        decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
+                                wait=time.sleep if self.live.realtime else None,
+                                progress_every=self.live.preview_every)
+        sid = job["session_id"]
+        with self._busy:
+            try:
+                result = decoder.generate(job["prompt"], int(job["seed"]), session_id=sid, on_progress=on_progress)
+            finally:
+                sizes = self.ray_client.batch_sizes.pop(sid, [])
+        image = self.decode_png(result.tokens)
+        stats = result.stats.to_dict()
+        stats.update({
+            "method": cfg.method, "network": cfg.network, "device_id": self.device_id,
+            "verifier_batch_size": {"mean": sum(sizes) / len(sizes) if sizes else None,
+                                    "max": max(sizes) if sizes else None, "count": len(sizes)},
+            "wall_s": time.perf_counter() - t0,
+            "config": {"tau": cfg.tau, "span": cfg.span, "prefix_rate": cfg.prefix_rate, "gate": cfg.gate,
+                       "rule": cfg.rule.rule, "inter_enhance": cfg.inter_enhance,
+                       "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime},
+            "sampling": sampling.to_dict(),
+        })
+        return {"tokens": result.tokens.tolist(), "png": image, "stats": stats}
+
+    def decode_png(self, tokens: torch.Tensor) -> bytes:
+        with torch.no_grad():
+            img = tensor_to_images(self.side.vq.decode_code(tokens.reshape(1, -1)))[0].numpy()
+        return png_bytes(img)
+
+    def _preview(self, tokens: list[int]) -> bytes:
+        """A partial image: decided tokens, the rest filled with the last decided token's code (rows appear as the
+        image is generated)."""
+        n = self.side.num_tokens
+        fill = tokens[-1] if tokens else 0
+        return self.decode_png(torch.tensor(tokens + [fill] * (n - len(tokens)), dtype=torch.long))
+
+    async def generate(self, job: dict) -> dict:
+        return await asyncio.to_thread(self._run, job)
+
+    async def generate_stream(self, job: dict):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        n = self.side.num_tokens
+
+        def on_progress(tokens: list[int], stats) -> None:
+            event = {"event": "progress", "tokens_done": len(tokens), "tokens_total": n,
+                     "cloud_requests": stats.cloud_requests, "cloud_tokens": stats.cloud_tokens}
+            if len(tokens) < n:
+                event["preview_png"] = self._preview(tokens)
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        task = asyncio.ensure_future(asyncio.to_thread(self._run, job, on_progress))
+        while True:
+            getter = asyncio.ensure_future(queue.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
+                continue
+            getter.cancel()
+            while not queue.empty():
+                yield queue.get_nowait()
+            out = task.result()  # raises the generation's error into the stream
+            yield {"event": "result", **out}
+            return
+
+    async def info(self) -> dict:
+        return {"device_id": self.device_id, "live": self.live.model_dump()}

@@ -1,0 +1,298 @@
+"""Recoverable cloud sessions: a lost verifier or an evicted slot costs a re-prefill, never a different token."""
+
+import pickle
+
+import pytest
+import torch
+
+from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.collab.gating import gate_scores
+from ciar.collab.interval import guided_interval
+from ciar.collab.projector import IntervalProjector, ProjectorConfig
+from ciar.collab.protocol import OpenRequest, VerifyRequest
+from ciar.collab.recovery import RecoveringClient
+from ciar.collab.verifier import (CapacityError, CloudVerifier, InProcessCloud, SessionError, SessionLostError,
+                                  position_seed)
+from ciar.decoding.sampling import SamplingParams
+
+PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
+PROMPT = "a small red circle at the top on a gray background"
+EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def split_tau(device, text) -> float:
+    """A tau near the median normalised U of the tiny device: both local accepts and verifications happen."""
+    cap = text.encode([PROMPT])
+    toks = torch.randint(0, device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    out = device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
+                 drop=torch.tensor([False, True]))
+    c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=PARAMS.cfg_scale,
+                           temperature=PARAMS.temperature)
+    return float(gate_scores("interval", center=c, radius=r).median())
+
+
+class FlakyCloud(InProcessCloud):
+    """InProcessCloud that, just before verify call number `at` (1-based; None: the call after the first one that
+    carries interval features), either swaps its verifier for a FRESH one (a lost replica) or evicts every idle
+    session (a lost slot)."""
+
+    def __init__(self, make_verifier, at: int, mode: str):
+        super().__init__(make_verifier())
+        self.make_verifier, self.at, self.mode = make_verifier, at, mode
+        self.calls = 0
+        self.resume_calls = []
+
+    def verify(self, request):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.mode == "replace":
+                self.verifier = self.make_verifier()
+            else:
+                assert self.verifier.evict_idle(0.0) == [request.session_id]
+        if self.at is None and request.device_hidden is not None:
+            self.at = self.calls + 1
+        return super().verify(request)
+
+    def resume(self, request, history, injected=None):
+        self.resume_calls.append((request, history.clone(), injected))
+        return super().resume(request, history, injected)
+
+
+def run_pair(tiny_cloud, tiny_device, stub_text, mode, projector=None, seed=11, at=3, **overrides):
+    cfg = method_config("ciar", network="none", **overrides)
+
+    def make_verifier():
+        return CloudVerifier(tiny_cloud, stub_text, max_sessions=2, projector=projector)
+
+    ref = CollabDecoder(tiny_device, InProcessCloud(make_verifier()), cfg, PARAMS,
+                        num_tokens=tiny_cloud.config.block_size).generate(PROMPT, seed=seed)
+    flaky = FlakyCloud(make_verifier, at=at, mode=mode)
+    client = RecoveringClient(flaky)
+    got = CollabDecoder(tiny_device, client, cfg, PARAMS,
+                        num_tokens=tiny_cloud.config.block_size).generate(PROMPT, seed=seed)
+    return ref, got, flaky, client
+
+
+@pytest.mark.parametrize("mode", ["replace", "evict"])
+def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode):
+    ref, got, flaky, client = run_pair(tiny_cloud, tiny_device, stub_text, mode, tau=split_tau(tiny_device, stub_text),
+                                       span=3)
+    assert ref.stats.verifications >= 3 and ref.stats.device_tokens > 0  # the loss happens mid-session
+    assert torch.equal(got.tokens, ref.tokens)
+    assert got.stats.resumes == 1 and ref.stats.resumes == 0 and client.resumes == 1
+    assert len(flaky.resume_calls) == 1
+    req, history, _ = flaky.resume_calls[0]
+    assert not req.want_caption and history.numel() > 0
+    assert torch.equal(history, got.tokens[:history.numel()])  # the committed prefix, as the device has it
+    assert got.stats.cloud_forward_passes == ref.stats.cloud_forward_passes + 2  # prefill + one history feed
+    assert got.stats.verifications == ref.stats.verifications
+    assert flaky.verifier.num_sessions == 0  # closed at the end
+
+
+def test_resume_reinjects_interval_features(tiny_cloud, tiny_device, stub_text):
+    """With a non-zero projector the cloud cache holds injected features; the resume must rebuild them too."""
+    proj = IntervalProjector(ProjectorConfig(device_dim=64, cloud_dim=64, feature_dim=20))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.nn.init.normal_(proj.fc2.weight, std=5.0)
+    ref, got, flaky, _ = run_pair(tiny_cloud, tiny_device, stub_text, "replace", projector=proj.eval(), seed=3,
+                                  at=None, tau=split_tau(tiny_device, stub_text), span=3)
+    assert torch.equal(got.tokens, ref.tokens) and got.stats.resumes == 1
+    _, history, injected = flaky.resume_calls[0]
+    assert injected is not None  # locally accepted tokens before the loss: their features travel with the history
+    assert injected.positions.numel() == injected.device_hidden.shape[0] == injected.features.shape[0] > 0
+    assert int(injected.positions.max()) < history.numel() - 1
+
+
+def _open_and_verify(v, sid, prompt, seed, prefix_len, rounds, g):
+    V = v.vocab_size
+    v.open_batch([OpenRequest(sid, prompt, seed=seed, sampling=PARAMS, prefix_len=prefix_len)])
+    for rnd in range(rounds):
+        m, k = rnd % 3, 1 + rnd % 3
+        drafts = torch.randint(0, V, (k,), generator=g)
+        v.verify_batch([VerifyRequest(sid, torch.randint(0, V, (m,), generator=g), drafts,
+                                      torch.softmax(torch.randn(k, V, generator=g), -1))])
+
+
+@torch.no_grad()
+def test_resume_batch_rebuilds_cache_and_continues_identically(tiny_cloud, stub_text):
+    """Ragged resume of several sessions (0, 1 and many committed tokens) into a fresh verifier: caches match the
+    originals and the following verifications (batched) give the same answers."""
+    orig = CloudVerifier(tiny_cloud, stub_text, max_sessions=4)
+    g = torch.Generator().manual_seed(0)
+    plan = [("a", PROMPT, 0, 0, 0), ("b", "a large blue square", 1, 1, 0), ("c", "two green triangles", 2, 2, 3),
+            ("d", "one tiny dot", 3, 0, 1)]  # (sid, prompt, seed, prefix_len, verify rounds)
+    for sid, prompt, seed, prefix_len, rounds in plan:
+        _open_and_verify(orig, sid, prompt, seed, prefix_len, rounds, g)
+    fresh = CloudVerifier(tiny_cloud, stub_text, max_sessions=4)
+    reqs = [OpenRequest(sid, p, seed=seed, sampling=PARAMS, prefix_len=99 if sid == "c" else 0, want_caption=sid == "b")
+            for sid, p, seed, _, _ in plan]  # prefix_len is ignored on resume
+    hist = [torch.tensor(orig.sessions[sid].tokens, dtype=torch.long) for sid, *_ in plan]
+    assert [h.numel() for h in hist][:2] == [0, 1] and hist[2].numel() > 5
+    replies = fresh.resume_batch(reqs, hist)
+    assert [r.forward_passes for r in replies] == [1 + (h.numel() >= 2) for h in hist]
+    assert all(r.prefix_tokens.numel() == 0 for r in replies) and all(r.cloud_s > 0 for r in replies)
+    assert replies[1].caption_emb is not None and replies[0].caption_emb is None
+    c = tiny_cloud.config
+    for sid, *_ in plan:
+        a, b = orig.sessions[sid], fresh.sessions[sid]
+        assert a.tokens == b.tokens and a.seed == b.seed
+        assert (a.first_logits is None) == (b.first_logits is None)
+        if a.first_logits is not None:
+            torch.testing.assert_close(a.first_logits, b.first_logits)
+        n = c.cls_token_num + max(len(a.tokens) - 1, 0)
+        assert [fresh.cache.lengths[s] for s in b.slots] == [n] * len(b.slots)
+        for layer in range(c.n_layer):
+            for sa, sb in zip(a.slots, b.slots):
+                torch.testing.assert_close(orig.cache.k[layer][sa, :n], fresh.cache.k[layer][sb, :n])
+                torch.testing.assert_close(orig.cache.v[layer][sa, :n], fresh.cache.v[layer][sb, :n])
+    V = tiny_cloud.config.vocab_size
+    for _ in range(3):
+        vreqs = [VerifyRequest(sid, torch.randint(0, V, (1,), generator=g), torch.randint(0, V, (2,), generator=g),
+                               torch.softmax(torch.randn(2, V, generator=g), -1)) for sid, *_ in plan]
+        a = [(r.num_accepted, r.next_token) for r in orig.verify_batch(vreqs)]
+        b = [(r.num_accepted, r.next_token) for r in fresh.verify_batch(vreqs)]
+        assert a == b
+
+
+@torch.no_grad()
+def test_resume_with_empty_history_then_verify(tiny_cloud, stub_text):
+    V = tiny_cloud.config.vocab_size
+    orig = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    fresh = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    req = OpenRequest("s", PROMPT, seed=5, sampling=PARAMS, prefix_len=0)
+    orig.open_batch([req])
+    rep = fresh.resume_batch([req], [EMPTY])[0]
+    assert rep.forward_passes == 1 and rep.caption_emb is not None  # want_caption honoured
+    q = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(2)), -1)
+    vr = VerifyRequest("s", EMPTY, torch.tensor([1, 2, 3]), q)
+    a, b = orig.verify_batch([vr])[0], fresh.verify_batch([vr])[0]
+    assert (a.num_accepted, a.next_token) == (b.num_accepted, b.next_token)
+    assert orig.sessions["s"].tokens == fresh.sessions["s"].tokens
+
+
+def test_session_lost_before_its_first_verification(tiny_cloud, tiny_device, stub_text):
+    """No prefix, lost at once: the resume sends an empty history and the prefill logits are rebuilt."""
+    ref, got, flaky, _ = run_pair(tiny_cloud, tiny_device, stub_text, "evict", at=1, prefix_rate=0.0,
+                                  tau=split_tau(tiny_device, stub_text))
+    assert torch.equal(got.tokens, ref.tokens) and got.stats.resumes == 1
+    assert flaky.resume_calls[0][1].numel() == 0
+
+
+def test_verify_of_unknown_session_raises_session_lost(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    V = tiny_cloud.config.vocab_size
+    vr = VerifyRequest("s", EMPTY, torch.zeros(1, dtype=torch.long), torch.full((1, V), 1.0 / V))
+    with pytest.raises(SessionLostError, match="unknown session") as e:
+        v.verify_batch([vr])
+    assert isinstance(e.value, SessionError) and e.value.session_id == "s"
+    again = pickle.loads(pickle.dumps(e.value))  # transports ship it between processes
+    assert isinstance(again, SessionLostError) and again.session_id == "s" and str(again) == str(e.value)
+    v.open_batch([OpenRequest("s", PROMPT, 0, PARAMS, 1)])
+    v.verify_batch([vr])
+    v.close("s")
+    with pytest.raises(SessionLostError):
+        v.verify_batch([vr])
+    v.open_batch([OpenRequest("s", PROMPT, 0, PARAMS, 1)])
+    assert v.evict_idle(1e9) == [] and v.evict_idle(0.0) == ["s"]
+    with pytest.raises(SessionLostError):
+        v.verify_batch([vr])
+    # other client bugs stay plain SessionErrors
+    v.open_batch([OpenRequest("s", PROMPT, 0, PARAMS, 1)])
+    with pytest.raises(SessionError, match="token ids") as e:
+        v.verify_batch([VerifyRequest("s", torch.tensor([V]), torch.zeros(1, dtype=torch.long),
+                                      torch.full((1, V), 1.0 / V))])
+    assert not isinstance(e.value, SessionLostError)
+
+
+def test_capacity_evicts_idle_sessions_only_when_allowed(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1, idle_timeout_s=0.0)
+    v.open_batch([OpenRequest("a", PROMPT, 0, PARAMS, 1)])
+    assert v.num_sessions == 1 and v.free_slot_count == 0
+    v.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])  # "a" is idle: evicted for "b"
+    assert set(v.sessions) == {"b"} and v.num_sessions == 1
+    v.resume_batch([OpenRequest("a", PROMPT, 0, PARAMS, 0)], [torch.tensor([3, 4])])  # resume evicts too
+    assert set(v.sessions) == {"a"}
+
+    strict = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)  # idle_timeout_s=None: never evict on demand
+    strict.open_batch([OpenRequest("a", PROMPT, 0, PARAMS, 1)])
+    with pytest.raises(CapacityError, match="full"):
+        strict.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])
+    with pytest.raises(CapacityError):
+        strict.resume_batch([OpenRequest("b", PROMPT, 0, PARAMS, 0)], [EMPTY])
+    assert set(strict.sessions) == {"a"}
+    strict.idle_timeout_s = 3600.0  # "a" was used just now: still not evictable
+    with pytest.raises(CapacityError):
+        strict.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])
+    assert strict.free_slot_count == 0
+
+
+def test_resume_replaces_a_stale_copy_and_validates(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    V, N = tiny_cloud.config.vocab_size, tiny_cloud.config.block_size
+    v.open_batch([OpenRequest("s", PROMPT, 0, PARAMS, 4)])
+    v.resume_batch([OpenRequest("s", PROMPT, 0, PARAMS, 0)], [torch.tensor([1, 2])])  # max_sessions=1: slots reused
+    assert v.sessions["s"].tokens == [1, 2] and v.num_sessions == 1
+    bad = [torch.tensor([V]), torch.tensor([-1]), torch.zeros(N + 1, dtype=torch.long), torch.zeros(2, 2).long()]
+    for h in bad:
+        with pytest.raises(SessionError):
+            v.resume_batch([OpenRequest("t", PROMPT, 0, PARAMS, 0)], [h])
+    assert set(v.sessions) == {"s"}  # refused before any state changed
+    v.resume_batch([OpenRequest("s", PROMPT, 0, PARAMS, 0)], [torch.zeros(N, dtype=torch.long)])  # full length ok
+
+
+def test_position_seed_is_fixed_and_in_range():
+    assert position_seed(0, 0) == position_seed(0, 0)
+    seeds = {position_seed(s, p) for s in (0, 1, 2, -1) for p in range(50)}
+    assert len(seeds) == 200 and all(0 <= x < 2 ** 63 for x in seeds)
+    assert position_seed(-1, 3) == position_seed(2 ** 64 - 1, 3)  # seeds are taken mod 2**64
+    assert position_seed(7, 10) == 4085016263570201016  # frozen: changing the mix changes every output
+
+
+class _LostOnClose:
+    vocab_size = 8
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def close(self, session_id):
+        raise self.exc
+
+
+def test_recovering_client_close_and_is_lost_predicate():
+    RecoveringClient(_LostOnClose(SessionLostError("lost", "x"))).close("x")  # lost on close: nothing to do
+    with pytest.raises(RuntimeError):
+        RecoveringClient(_LostOnClose(RuntimeError("boom"))).close("x")
+    RecoveringClient(_LostOnClose(ConnectionError("gone")), is_lost=lambda e: isinstance(e, ConnectionError)).close("x")
+
+
+def test_custom_lost_error_triggers_resume(tiny_cloud, tiny_device, stub_text):
+    """A transport error mapped to 'lost' by `is_lost` recovers the same way; others propagate."""
+
+    class ReplicaDied(RuntimeError):
+        pass
+
+    class Dying(InProcessCloud):
+        def __init__(self, verifier):
+            super().__init__(verifier)
+            self.calls = 0
+
+        def verify(self, request):
+            self.calls += 1
+            if self.calls == 2:
+                self.verifier.close(request.session_id)
+                raise ReplicaDied("replica died")
+            return super().verify(request)
+
+    cfg = method_config("eagle", network="none", span=3)
+    n = tiny_cloud.config.block_size
+    ref = CollabDecoder(tiny_device, InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=1)), cfg,
+                        PARAMS, num_tokens=n).generate(PROMPT, seed=4)
+    client = RecoveringClient(Dying(CloudVerifier(tiny_cloud, stub_text, max_sessions=1)),
+                              is_lost=lambda e: isinstance(e, (SessionLostError, ReplicaDied)))
+    got = CollabDecoder(tiny_device, client, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=4)
+    assert torch.equal(got.tokens, ref.tokens) and got.stats.resumes == 1
+    plain = RecoveringClient(Dying(CloudVerifier(tiny_cloud, stub_text, max_sessions=1)))
+    with pytest.raises(ReplicaDied):
+        CollabDecoder(tiny_device, plain, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=4)

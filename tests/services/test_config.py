@@ -1,0 +1,83 @@
+"""Config, schema and routing logic of the Serve application, without starting Ray (fast unit tests), plus the
+shipped YAML files parsed and built into real Serve applications."""
+
+import os
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+from pydantic import ValidationError  # noqa: E402
+
+from services.routing import rendezvous_rank  # noqa: E402
+from services.schemas import AppConfig, DeviceLiveConfig, GenerationRequest, MethodParams, VerifierLiveConfig  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_rendezvous_is_stable_and_moves_only_the_lost_replicas_sessions():
+    replicas = [f"r{i}" for i in range(4)]
+    sessions = [f"s{i}" for i in range(400)]
+    owner = {s: rendezvous_rank(s, replicas)[0] for s in sessions}
+    assert owner == {s: rendezvous_rank(s, list(reversed(replicas)))[0] for s in sessions}  # order-free
+    counts = {r: sum(o == r for o in owner.values()) for r in replicas}
+    assert min(counts.values()) > 60, counts  # spread over replicas
+    survivors = replicas[1:]
+    moved = {s for s in sessions if rendezvous_rank(s, survivors)[0] != owner[s]}
+    assert moved == {s for s in sessions if owner[s] == "r0"}  # only the lost replica's sessions move
+
+
+def test_live_configs_validate_with_field_names():
+    assert DeviceLiveConfig(tau=0.2).tau == 0.2
+    for bad in ({"tau": -1}, {"span": 0}, {"prefix_rate": 2}, {"tau": float("nan")}, {"unknown": 1}):
+        with pytest.raises(ValidationError) as e:
+            DeviceLiveConfig(**bad)
+        assert list(bad)[0] in str(e.value)
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        VerifierLiveConfig(max_batch_size=0)
+
+
+def test_request_schema():
+    r = GenerationRequest(prompt="a red circle", params={"tau": 0.1, "cfg_scale": 2})
+    assert r.method == "ciar" and r.params.collab_overrides() == {"tau": 0.1}
+    assert r.params.sampling_overrides() == {"cfg_scale": 2.0}
+    with pytest.raises(ValidationError, match="method"):
+        GenerationRequest(prompt="x", method="dalle")
+    with pytest.raises(ValidationError, match="prompt"):
+        GenerationRequest(prompt=" ")
+    assert MethodParams().collab_overrides() == {}
+
+
+def test_api_keys_from_config_and_env(monkeypatch):
+    monkeypatch.setenv("CIAR_API_KEYS", "env-key-000001, env-key-000002")
+    cfg = AppConfig(api_keys=["file-key-0001"])
+    assert cfg.all_api_keys() == ["file-key-0001", "env-key-000001", "env-key-000002"]
+    with pytest.raises(ValidationError, match="api keys"):
+        AppConfig(api_keys=["short"])
+
+
+@pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
+def test_shipped_serve_configs_build(name, monkeypatch):
+    from ray.serve.schema import ServeDeploySchema
+
+    from services.app import build_app
+
+    with open(os.path.join(REPO, name)) as f:
+        raw = yaml.safe_load(f)
+    ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema(**raw)
+    (app,) = raw["applications"]
+    assert app["import_path"] == "services.app:build_app"
+    monkeypatch.setenv("CIAR_API_KEYS", "k8s-secret-key-01")  # the GPU config takes its keys from the environment
+    built = build_app(app["args"])  # validates every arg; builds the deployment graph without starting Ray
+    assert built is not None
+    cfg = AppConfig(**app["args"])
+    assert cfg.verifier_num_gpus == (1 if "gpu" in name else 0)
+
+
+def test_no_keys_is_refused(monkeypatch):
+    from services.app import build_app
+
+    monkeypatch.delenv("CIAR_API_KEYS", raising=False)
+    with pytest.raises(ValueError, match="no API keys"):
+        build_app({})
