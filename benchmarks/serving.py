@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ciar.models.checkpoint import read_model_metadata
     from ciar.world import default_weights_dir, sampling_from_extra
-    from services.app import build_verifier_app
+    from services.deploy import deploy_config
 
     weights = os.path.abspath(args.weights) if args.weights else default_weights_dir()
     _, cfg, extra = read_model_metadata(os.path.join(weights, "cloud.safetensors"))
@@ -127,12 +127,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8765})
 
-        def deploy(batch: int):
-            app = build_verifier_app({"weights_dir": weights, "verifier_num_cpus": args.verifier_cpus,
-                                      "verifier_max_sessions": args.sessions + 2,
-                                      "verifier": {"max_batch_size": batch, "batch_wait_timeout_s": args.batch_wait,
-                                                   "idle_timeout_s": 600}})
-            return serve.run(app, name="bench", route_prefix=None)
+        def deploy(batch: int):  # a config deploy: a user_config change reconfigures the same replica
+            deploy_config({"weights_dir": weights, "verifier_num_cpus": args.verifier_cpus,
+                           "verifier_max_sessions": args.sessions + 2},
+                          import_path="services.app:build_verifier_app", name="bench", route_prefix=None,
+                          user_configs={"Verifier": {"max_batch_size": batch, "batch_wait_timeout_s": args.batch_wait,
+                                                     "idle_timeout_s": 600}})
+            return serve.get_deployment_handle("Verifier", app_name="bench")
 
         h = deploy(args.sessions)
         rid = h.stats.remote().result()["replica_id"]

@@ -204,3 +204,20 @@ def test_method_config_validation():
     with pytest.raises(ValueError, match="prefix_rate"):
         method_config("ciar", prefix_rate=1.5)
     assert method_config("code").prefix_rate == 0.3 and method_config("lantern").rule.rule == "lantern"
+
+
+def test_realtime_wait_spends_exactly_the_accounted_time_and_reports_progress(tiny_cloud, tiny_device, stub_text):
+    """With `wait`, every simulated second (links, device slowdown) is handed to wait(); the tokens do not change."""
+    plain = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=0.2).generate("a red circle", seed=4)
+    waited, progress = [], []
+    cfg = method_config("ciar", network="4g", tau=0.2, device_slowdown=3.0)
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    dec = CollabDecoder(tiny_device, InProcessCloud(verifier), cfg, PARAMS, num_tokens=tiny_cloud.config.block_size,
+                        wait=waited.append, progress_every=8)
+    out = dec.generate("a red circle", seed=4, on_progress=lambda toks, st: progress.append(len(toks)))
+    assert out.tokens.tolist() == plain.tokens.tolist()
+    st = out.stats
+    # links: two waits per exchange (uplink before, downlink after); device: (slowdown - 1) x each measured block
+    assert math.isclose(sum(waited), st.comm_s + st.device_s * (2.0 / 3.0), rel_tol=1e-6)
+    assert st.comm_s >= st.cloud_requests * 2 * 0.050  # 4G: 50 ms RTT per transmission
+    assert progress[-1] == st.total_tokens and progress == sorted(progress) and len(progress) >= 4

@@ -18,6 +18,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
+from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8123
 URL = f"http://127.0.0.1:{PORT}"
@@ -29,12 +30,17 @@ DEVICES = 8
 TAU = 0.05
 
 
-def app_args(weights: str, **device_live) -> dict:
+def app_args(weights: str) -> dict:
     return {"weights_dir": weights, "api_keys": [KEY], "devices": DEVICES, "device_num_cpus": 0.1,
             "device_max_queued_requests": 12, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
-            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3,
-            "device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, **device_live},
-            "verifier": {"max_batch_size": 16, "batch_wait_timeout_s": 0.02, "idle_timeout_s": 30}}
+            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3}
+
+
+def deploy(weights: str, **device_live) -> None:
+    """A config deploy with live knobs in the deployments' user_config (as serve_config.yaml does)."""
+    deploy_config(app_args(weights), user_configs={
+        "Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, **device_live},
+        "Verifier": {"max_batch_size": 16, "batch_wait_timeout_s": 0.02, "idle_timeout_s": 30}})
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +55,7 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    from services.app import build_app
-
-    serve.run(build_app(app_args(weights)), name="ciar", route_prefix="/")
+    deploy(weights)  # the `serve deploy serve_config.yaml` path: import path + args + user_configs
     yield weights
     serve.shutdown()
     ray.shutdown()
@@ -214,23 +218,26 @@ def test_overload_answers_503_with_retry_after(cluster):
     assert r503.headers["retry-after"] == "3" and r503.json()["error"]["type"] == "overloaded"
 
 
-def test_reconfigure_changes_tau_live(cluster):
-    from services.app import build_app
+def replica_actors(kind: str) -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if kind in a["name"]}
 
+
+def test_reconfigure_changes_tau_live(cluster):
     body = {"prompt": PROMPT, "seed": 2, "method": "ciar", "response_format": "tokens"}
     before = post(body).json()["stats"]
-    device_ids = set()
+    devices = replica_actors("Device")
+    assert len(devices) == DEVICES and before["config"]["tau"] == TAU
     try:
-        serve.run(build_app(app_args(cluster, tau=1e6)), name="ciar", route_prefix="/")
+        deploy(cluster, tau=1e6)
         local = post(body).json()["stats"]
         assert local["config"]["tau"] == 1e6 and local["verifications"] == 0 and local["device_tokens"] > 0
-        serve.run(build_app(app_args(cluster, tau=0.0)), name="ciar", route_prefix="/")
+        deploy(cluster, tau=0.0)
         every = post(body).json()["stats"]
         assert every["config"]["tau"] == 0.0 and every["device_tokens"] == 0
-        device_ids = {before["device_id"], local["device_id"], every["device_id"]}
+        assert replica_actors("Device") == devices  # the same replicas, reconfigured live (not restarted)
     finally:
-        serve.run(build_app(app_args(cluster)), name="ciar", route_prefix="/")
-    assert before["config"]["tau"] == TAU and device_ids  # same replicas, reconfigured (not redeployed)
+        deploy(cluster)
+    assert post(body).json()["stats"]["config"]["tau"] == TAU
 
 
 def test_verifier_replica_killed_mid_request(cluster):

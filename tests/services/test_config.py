@@ -71,6 +71,10 @@ def test_shipped_serve_configs_build(name, monkeypatch):
     monkeypatch.setenv("CIAR_API_KEYS", "k8s-secret-key-01")  # the GPU config takes its keys from the environment
     built = build_app(app["args"])  # validates every arg; builds the deployment graph without starting Ray
     assert built is not None
+    live = {d["name"]: d["user_config"] for d in app["deployments"]}
+    assert set(live) == {"Device", "Verifier"}
+    DeviceLiveConfig(**live["Device"])
+    VerifierLiveConfig(**live["Verifier"])
     cfg = AppConfig(**app["args"])
     assert cfg.verifier_num_gpus == (1 if "gpu" in name else 0)
 

@@ -1,0 +1,52 @@
+"""Deploy the application from a config, as `serve deploy serve_config.yaml` does, from Python (tests, benchmarks).
+
+    deploy_config({"api_keys": [...], "devices": 8}, user_configs={"Device": {"tau": 0.2}})
+    deploy_config(args, import_path="services.app:build_verifier_app", name="bench", route_prefix=None,
+                  user_configs={"Verifier": {"max_batch_size": 1}})
+
+Why not `serve.run(build_app(...))`: an application built in the driver gets a new random code version on every
+`serve.run`, so every re-run restarts its replicas. A config deploy keeps the code version as long as the import
+path, runtime env and builder `args` stay the same, and then a change of a deployment's `user_config` (the
+config's `deployments: [{name, user_config}]`) only calls `reconfigure` on the running replicas — the live-knob
+path of production. (Changing `args` re-builds the application and restarts its replicas.)
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray import serve
+
+
+def deploy_config(args: dict, import_path: str = "services.app:build_app", name: str = "ciar",
+                  route_prefix: str | None = "/", timeout_s: float = 300.0, runtime_env: dict | None = None,
+                  user_configs: dict[str, dict] | None = None) -> None:
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    client = serve_start()
+    app = {"name": name, "import_path": import_path, "args": args, "runtime_env": runtime_env or {}}
+    if route_prefix is not None:
+        app["route_prefix"] = route_prefix
+    if user_configs:
+        app["deployments"] = [{"name": n, "user_config": c} for n, c in user_configs.items()]
+    since = time.time()
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    wait_running(name, timeout_s, since)
+
+
+def wait_running(name: str, timeout_s: float = 300.0, since: float = 0.0) -> None:
+    """Wait until application `name` was (re)deployed after `since` (a Unix time) and is RUNNING."""
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:
+        apps = serve.status().applications
+        status = apps.get(name)
+        if status is not None:
+            state = str(status.status)
+            if state.endswith("RUNNING") and status.last_deployed_time_s >= since - 1.0:
+                return
+            if state.endswith("DEPLOY_FAILED"):
+                raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+        time.sleep(0.5)
+    raise TimeoutError(f"application {name!r} not running after {timeout_s} s: {status}")
