@@ -9,6 +9,7 @@ import io
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,6 +22,7 @@ from ciar.testing import write_random_world  # noqa: E402
 from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8123
+METRICS_PORT = 8124
 URL = f"http://127.0.0.1:{PORT}"
 GEN = f"{URL}/v1/images/generations"
 KEY = "test-key-0123456789"
@@ -52,7 +54,8 @@ def cluster(tmp_path_factory):
     for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
                        ("RAY_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", "1")):
         os.environ.setdefault(var, value)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     deploy(weights)  # the `serve deploy serve_config.yaml` path: import path + args + user_configs
@@ -126,6 +129,25 @@ def test_concurrent_devices_batch_spans(cluster):
     assert max(s["verifier_batch_size"]["max"] for s in stats) > 1  # spans of several sessions in one forward
     vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
     assert any(int(size) > 1 for size in vstats["batch_size_hist"]), vstats
+
+
+def test_prometheus_metrics(cluster):
+    """The application's own metrics reach Ray's Prometheus endpoint (after at least one generation)."""
+    post({"prompt": PROMPT, "seed": 0, "method": "ciar", "response_format": "tokens"})
+    want = ("ray_ciar_requests_total", "ray_ciar_cloud_calls_total", "ray_ciar_latency_seconds",
+            "ray_ciar_verifier_batch_size", "ray_ciar_verifier_spans_total", "ray_ciar_accepted_length")
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        try:
+            text = requests.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        except requests.RequestException:
+            text = ""
+        if all(name in text for name in want):
+            break
+        time.sleep(2)
+    missing = [name for name in want if name not in text]
+    assert not missing, missing
+    assert 'part="comm"' in text and 'method="ciar"' in text
 
 
 def test_unauthorized(cluster):
