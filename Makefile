@@ -28,8 +28,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m "slow" $(PYTEST_ARGS)
 
+# a busy laptop can miss Serve's 5 s proxy readiness check; give it a minute
+SERVE_ENV := RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=60
+
 serve: $(STAMP)
-	$(BIN)/serve run serve_config.yaml
+	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
 
 clean-venv:
 	rm -rf $(VENV)

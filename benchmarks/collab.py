@@ -257,10 +257,20 @@ def main(argv=None) -> int:
         bad = [m for m in methods if m not in METHODS]
         if bad:
             p.error(f"unknown methods {bad}; known: {', '.join(METHODS)}")
+        report["gate_thresholds"] = {}
         for m in methods:
             if m == "cloud":
                 continue
-            ov = dict(ciar_ov) if m in ("ciar", "entropy", "softmax", "random", "topk") else dict(common)
+            if m in ("entropy", "softmax", "random", "topk"):
+                # each gate has its own score scale: calibrated to the same target cloud-call rate as CIAR (never
+                # CIAR's tau); without --target-rate, the method's preset threshold
+                ov = {k: v for k, v in ciar_ov.items() if k != "tau"}
+                if args.target_rate is not None:
+                    th = calibrate_tau(world, verifier, m, ov, args.target_rate, cal, args.seed)
+                    report["gate_thresholds"][m] = th
+                    ov["tau"] = th["tau"]
+            else:
+                ov = dict(ciar_ov) if m == "ciar" else dict(common)
             variants[m] = (m, ov, None)
         if "ciar" in methods and not args.no_inter_enhance_ablation:
             variants["ciar w/o Inter-Enhance"] = ("ciar", {**ciar_ov, "inter_enhance": False}, None)

@@ -35,6 +35,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.decoder import method_config
+from ciar.collab.verifier import CapacityError
 from ciar.text import CaptionTooLongError
 from services.device import Device
 from services.schemas import AppConfig, GenerationRequest
@@ -170,6 +171,9 @@ class Ingress:
         if isinstance(e, BackPressureError) or isinstance(cause, BackPressureError):
             self.m_requests.inc(tags={"method": req.method, "code": "503"})
             return self._overloaded("all simulated devices are busy and the queue is full; retry later")
+        if isinstance(cause, CapacityError) or isinstance(e, CapacityError):
+            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+            return self._overloaded("the verifier pool has no free KV-cache slot; retry later")
         if isinstance(e, asyncio.TimeoutError):
             self.m_requests.inc(tags={"method": req.method, "code": "504"})
             self.m_errors.inc(tags={"kind": "timeout"})

@@ -209,6 +209,28 @@ def test_session_cannot_be_driven_by_another_device(cluster):
     v.close.remote(session_id=sid, device_id="phone-a", token=token).result()
 
 
+def test_full_verifier_answers_503(cluster):
+    """Every KV-cache slot held by live (not idle) sessions: a new generation is refused with 503 + Retry-After."""
+    from ciar.collab.protocol import OpenRequest
+    from ciar.decoding.sampling import SamplingParams
+
+    v = serve.get_deployment_handle("Verifier", app_name="ciar")
+    held = []
+    try:
+        for i in range(32):  # verifier_max_sessions = 32 sessions (a cond + an uncond slot each)
+            sid = f"filler-{i}"
+            _, token = v.open.remote(OpenRequest(sid, PROMPT, 0, SamplingParams(cfg_scale=2.0), 0),
+                                     session_id=sid, device_id="filler").result()
+            held.append((sid, token))
+        r = post({"prompt": PROMPT, "seed": 0, "method": "ciar"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+        assert "KV-cache" in r.json()["error"]["message"]
+    finally:
+        for sid, token in held:
+            v.close.remote(session_id=sid, device_id="filler", token=token).result()
+    assert post({"prompt": PROMPT, "seed": 0, "method": "ciar"}).status_code == 200
+
+
 def test_stream_sends_progress_and_previews(cluster):
     body = {"prompt": PROMPT, "seed": 3, "method": "ciar", "stream": True, "response_format": "tokens"}
     events = []
