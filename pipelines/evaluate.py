@@ -1,0 +1,579 @@
+"""Large-scale evaluation with Ray Data over MS-COCO-format captions: every method on the same captions and seeds.
+
+    python -m pipelines.evaluate --captions DIR/captions.json --methods cloud,ciar,lantern,code,eagle --limit 500 \
+        --out runs/eval [--param tau=7024] [--network 5g] [--seed 0] [--model-config FILE]
+
+Captions: the real `captions_val2017.json` layout (`images` + `annotations`; the first caption of each image, in
+image-id order) or a scenes export (`python -m ciar.data.scenes export ...`, whose `labels.json` and `images/`
+beside the captions give the attribute-probe fidelity and the FID references).
+
+Ray Data pipeline (one callable class per stage, model loaded in `__init__`, `ActorPoolStrategy`, `num_gpus`
+when GPUs exist):
+  captions -> EncodeCaptions (caption embeddings: the world's text encoder, or precomputed T5 files)
+           -> Generate (every method per caption: `ciar.collab` decoder + in-process verifier, PNG to
+              OUT/images/METHOD/, the full stats struct per sample)
+           -> MetricFeatures (attribute-probe checks, FID feature vector; CLIP score for the real-model path)
+           -> OUT/samples/shard-NNNNN.parquet (one row per caption x method: caption, method, seed, image path,
+              every stats field, metric features)
+Resumable: captions are cut into shards of `--shard-size`; a shard whose Parquet file exists is skipped, and a
+shard's file is written (atomically) only when all its rows are in.
+
+Aggregation (driver): OUT/summary.json `{"methods": {NAME: {...}}}` with the field names of `benchmarks.collab`
+(speedup vs cloud-only from the per-sample latencies, cloud-call rate, requests, acceptance, fidelity, FID,
+latency split, bytes) and OUT/report.md with PNG plots: quality-vs-speedup frontier, latency split per method,
+an image grid (same captions across methods), and the wall time of each stage.
+
+Seeds: caption i is generated with seed `seed * 1000003 + i` by every method (as `benchmarks.collab`, so its
+rows agree on the same prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+STATS_FIELDS = ("total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "drafted", "accepted",
+                "verifications", "cloud_requests", "cloud_forward_passes", "device_forward_passes", "bytes_up",
+                "bytes_down", "device_s", "cloud_s", "comm_s", "images", "resumes")
+
+
+# ---------------------------------------------------------------------------------------------- captions
+class CaptionsError(ValueError):
+    pass
+
+
+def read_captions(path: str, limit: int | None, seed: int) -> tuple[list[dict], dict]:
+    """COCO captions JSON -> rows {index, image_id, caption, seed, file_name} (+ info on references)."""
+    if not os.path.isfile(path):
+        raise CaptionsError(f"captions file not found: {path}")
+    try:
+        with open(path) as f:
+            coco = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CaptionsError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(coco, dict) or not isinstance(coco.get("annotations"), list) \
+            or not isinstance(coco.get("images"), list):
+        raise CaptionsError(f"{path}: expected the MS-COCO captions layout, an object with 'images' and "
+                            f"'annotations' lists")
+    files = {}
+    for im in coco["images"]:
+        if not isinstance(im, dict) or "id" not in im:
+            raise CaptionsError(f"{path}: every entry of 'images' needs an 'id'")
+        files[im["id"]] = im.get("file_name")
+    first: dict = {}
+    for k, a in enumerate(coco["annotations"]):
+        if not isinstance(a, dict) or "image_id" not in a or not isinstance(a.get("caption"), str):
+            raise CaptionsError(f"{path}: annotation {k} needs 'image_id' and a string 'caption'")
+        if a["image_id"] not in files:
+            raise CaptionsError(f"{path}: annotation {k} names image_id {a['image_id']!r}, which is not in 'images'")
+        if a["image_id"] not in first and a["caption"].strip():
+            first[a["image_id"]] = a["caption"].strip()
+    ids = sorted(first)[: limit if limit else None]
+    if not ids:
+        raise CaptionsError(f"{path}: no captions")
+    rows = [{"index": i, "image_id": int(iid), "caption": first[iid], "seed": seed * 1_000_003 + i,
+             "file_name": files[iid] or ""} for i, iid in enumerate(ids)]
+    root = os.path.dirname(os.path.abspath(path))
+    labels_path = os.path.join(root, "labels.json")
+    info = {"root": root, "labels": None}
+    if os.path.isfile(labels_path):
+        with open(labels_path) as f:
+            info["labels"] = json.load(f)
+    return rows, info
+
+
+# ---------------------------------------------------------------------------------------------- model config
+MODEL_CONFIG_FILES = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "t5_embeddings",
+                      "inception_weights", "clip_model", "reference_images")
+
+
+def read_model_config(path: str | None) -> dict:
+    """The real-model path: a JSON file naming local files (nothing is downloaded). Keys:
+    gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size, vq_checkpoint (vq_ds16_t2i.pt),
+    device_checkpoint (a ciar device model trained for that GPT), t5_embeddings (folder of IMAGE_ID.npy caption
+    embeddings [L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05 .pth),
+    clip_model (a local CLIP folder for transformers), reference_images (folder of the COCO images).
+    Raises FileNotFoundError naming the first missing file."""
+    if not path:
+        return {}
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--model-config file not found: {path}")
+    with open(path) as f:
+        cfg = json.load(f)
+    unknown = sorted(set(cfg) - set(MODEL_CONFIG_FILES) - {"gpt_config", "image_size", "cfg_scale"})
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(MODEL_CONFIG_FILES)} + gpt_config, "
+                         f"image_size, cfg_scale")
+    for key in MODEL_CONFIG_FILES:
+        if key in cfg and not os.path.exists(cfg[key]):
+            raise FileNotFoundError(f"{path}: {key} = {cfg[key]!r} does not exist")
+    missing = [k for k in ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "t5_embeddings") if k not in cfg]
+    if missing:
+        raise ValueError(f"{path}: the real-model path needs {missing}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def _threads():
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("CIAR_EVAL_THREADS", "1")))
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class EncodeCaptions:
+    """Stage 1: caption -> embedding [L, D] float16 + mask [L] (the world's encoder, or T5 files by image id)."""
+
+    def __init__(self, weights_dir: str | None, model_config: dict):
+        device = _threads()
+        self.t5 = model_config.get("t5_embeddings")
+        if not self.t5:
+            from ciar.models.checkpoint import read_model_metadata
+            from ciar.text import TextEncoder
+            from ciar.world import default_weights_dir
+
+            _, cfg, _ = read_model_metadata(os.path.join(weights_dir or default_weights_dir(), "cloud.safetensors"))
+            self.text = TextEncoder(max_length=int(cfg["cls_token_num"]), device=device)
+
+    def __call__(self, batch: dict) -> dict:
+        if self.t5:
+            embs = [np.load(os.path.join(self.t5, f"{int(i)}.npy")).astype(np.float16) for i in batch["image_id"]]
+            batch["caption_emb"] = np.stack(embs)
+            batch["caption_mask"] = np.ones(batch["caption_emb"].shape[:2], dtype=bool)
+            return batch
+        cap = self.text.encode([str(c) for c in batch["caption"]])
+        batch["caption_emb"] = cap.emb.cpu().numpy().astype(np.float16)
+        batch["caption_mask"] = cap.mask.cpu().numpy()
+        return batch
+
+
+class _Precomputed:
+    """A text encoder that answers from the embeddings stage 1 computed (keyed by caption)."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def encode(self, prompts):
+        import torch
+        from types import SimpleNamespace
+
+        emb = torch.stack([torch.from_numpy(self.table[p][0].astype(np.float32)) for p in prompts])
+        mask = torch.stack([torch.from_numpy(self.table[p][1]) for p in prompts])
+        return SimpleNamespace(emb=emb, mask=mask)
+
+
+class Generate:
+    """Stage 2: every method on each caption; writes PNGs, returns one row per (caption, method)."""
+
+    def __init__(self, weights_dir: str | None, model_config: dict, methods: list[str], overrides: dict,
+                 network: str, out_dir: str):
+        _threads()
+        from ciar.collab.runtime import make_decoder, make_verifier
+        from ciar.world import load_default_world
+
+        if model_config:
+            raise NotImplementedError("the real-model generation path is wired in `_real_world` below")
+        self.world = load_default_world(weights_dir)
+        self.verifier = make_verifier(self.world, max_sessions=2)
+        self.decoders = {m: make_decoder(self.world, self.verifier, m, network=network,
+                                         **_overrides_for(m, overrides)) for m in methods}
+        self.methods, self.out_dir = methods, out_dir
+        for m in methods:
+            os.makedirs(os.path.join(out_dir, "images", m), exist_ok=True)
+        self.decoders[methods[0]].generate("warm-up", seed=10 ** 9)  # first-call overheads out of the timings
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+        from PIL import Image
+
+        from ciar.models.vq import tensor_to_images
+
+        table = {str(c): (e, m) for c, e, m in zip(batch["caption"], batch["caption_emb"], batch["caption_mask"])}
+        self.verifier.text = _Precomputed(table)
+        cols: dict[str, list] = {k: [] for k in ("index", "image_id", "caption", "seed", "method", "image_path",
+                                                 "image", "file_name", "wall_s", *STATS_FIELDS)}
+        for i in range(len(batch["caption"])):
+            caption, seed = str(batch["caption"][i]), int(batch["seed"][i])
+            for m in self.methods:  # methods interleaved per caption: machine-load drift hits all alike
+                t0 = time.perf_counter()
+                r = self.decoders[m].generate(caption, seed=seed)
+                wall = time.perf_counter() - t0
+                with torch.no_grad():
+                    img = tensor_to_images(self.world.vq.decode_code(r.tokens.reshape(1, -1)))[0].numpy()
+                path = os.path.join(self.out_dir, "images", m, f"{int(batch['image_id'][i])}.png")
+                Image.fromarray(img).save(path)
+                st = r.stats.to_dict()
+                for k, v in (("index", int(batch["index"][i])), ("image_id", int(batch["image_id"][i])),
+                             ("caption", caption), ("seed", seed), ("method", m),
+                             ("image_path", os.path.relpath(path, self.out_dir)), ("image", img),
+                             ("file_name", str(batch["file_name"][i])), ("wall_s", wall)):
+                    cols[k].append(v)
+                for k in STATS_FIELDS:
+                    cols[k].append(st[k])
+        out = {k: (np.stack(v) if k == "image" else np.asarray(v)) for k, v in cols.items()}
+        return out
+
+
+class MetricFeatures:
+    """Stage 3: attribute-probe checks against the scene labels (if any) and the FID feature vector."""
+
+    def __init__(self, weights_dir: str | None, labels: dict | None):
+        self.device = _threads()
+        from ciar.metrics.fid import load_feature_net
+        from ciar.metrics.probe import load_probe
+        from ciar.world import default_weights_dir
+
+        w = weights_dir or default_weights_dir()
+        self.labels = labels
+        self.probe = load_probe(os.path.join(w, "probe.safetensors")) if labels else None
+        self.features = load_feature_net(os.path.join(w, "fid_features.safetensors"))
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+
+        from ciar.metrics.probe import accuracy_from_predictions, predict, scene_targets
+
+        images = batch["image"]
+        with torch.no_grad():
+            feats = self.features(torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2))
+        batch["fid_features"] = feats.cpu().numpy().astype(np.float32)
+        n = len(images)
+        checks, correct = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float64)
+        if self.probe is not None:
+            pred = predict(self.probe, images)
+            for i in range(n):
+                lab = self.labels.get(str(int(batch["image_id"][i])))
+                if lab is None:
+                    continue
+                one = {k: v[i:i + 1] for k, v in pred.items()}
+                acc = accuracy_from_predictions(one, scene_targets([lab]))
+                checks[i] = 4 * acc["num_objects"]
+                correct[i] = acc["attribute_accuracy"] * checks[i]
+        batch["fidelity_checks"] = checks
+        batch["fidelity_correct"] = correct
+        del batch["image"]
+        return batch
+
+
+def _overrides_for(method: str, overrides: dict) -> dict:
+    """--param values apply to every method, except the threshold (each gate has its own scale: CIAR's only) and
+    the prefix rate of methods whose prefix rate is the method (cloud, code)."""
+    out = dict(overrides)
+    if method != "ciar":
+        out.pop("tau", None)
+    if method in ("cloud", "code"):
+        out.pop("prefix_rate", None)
+    return out
+
+
+def parse_params(items: list[str]) -> dict:
+    from ciar.collab.decoder import CollabConfig
+
+    known = {f for f in CollabConfig.__dataclass_fields__} - {"method", "rule", "network"}
+    out = {}
+    for item in items:
+        k, eq, v = item.partition("=")
+        if not eq or k not in known:
+            raise SystemExit(f"error: bad --param {item!r}: use key=value with key in {sorted(known)}")
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+        else:
+            try:
+                out[k] = int(v) if k in ("span", "topk", "feature_top") else float(v)
+            except ValueError:
+                raise SystemExit(f"error: --param {k} needs a number, got {v!r}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- shards
+def shard_path(out: str, shard: int) -> str:
+    return os.path.join(out, "samples", f"shard-{shard:05d}.parquet")
+
+
+def write_shard(out: str, shard: int, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = sorted(rows, key=lambda r: (r["index"], r["method"]))
+    cols = {k: [r[k] for r in rows] for k in rows[0]}
+    cols["fid_features"] = [list(map(float, v)) for v in cols["fid_features"]]
+    path = shard_path(out, shard)
+    tmp = path + ".tmp"
+    pq.write_table(pa.table(cols), tmp)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> dict:
+    """Per-sample rows (a pandas DataFrame) -> {"methods": {NAME: {...benchmarks.collab fields...}}}."""
+    import torch
+    from torchmetrics.image.fid import _compute_fid
+
+    rows = {}
+    base = samples[samples["method"] == "cloud"]
+    base_total = float((base["device_s"] + base["cloud_s"] + base["comm_s"]).mean()) if len(base) else None
+    for m in methods:
+        s = samples[samples["method"] == m]
+        n = len(s)
+        if not n:
+            continue
+        tot = {k: float(s[k].sum()) for k in STATS_FIELDS}
+        lat = {"device": tot["device_s"] / n, "cloud": tot["cloud_s"] / n, "comm": tot["comm_s"] / n}
+        lat["total"] = lat["device"] + lat["cloud"] + lat["comm"]
+        fid = None
+        if ref_features is not None and n >= 2:
+            f = np.stack(s["fid_features"].to_numpy()).astype(np.float64)
+            r = ref_features.astype(np.float64)
+            fid = float(_compute_fid(torch.from_numpy(r.mean(0)), torch.from_numpy(np.cov(r, rowvar=False)),
+                                     torch.from_numpy(f.mean(0)), torch.from_numpy(np.cov(f, rowvar=False))))
+        checks = float(s["fidelity_checks"].sum())
+        rows[m] = {
+            "num_samples": n,
+            "speedup": base_total / lat["total"] if base_total else None,
+            "steps_compression": tot["total_tokens"] / tot["cloud_forward_passes"] if tot["cloud_forward_passes"] else None,
+            "cloud_call_rate": tot["cloud_tokens"] / tot["total_tokens"] if tot["total_tokens"] else None,
+            "cloud_requests": tot["cloud_requests"] / n,
+            "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
+            "mean_accepted_length": 1 + tot["accepted"] / tot["verifications"] if tot["verifications"] else None,
+            "fidelity": float(s["fidelity_correct"].sum()) / checks if checks else None,
+            "fid": fid,
+            "latency_s": lat,
+            "bytes_up": tot["bytes_up"] / n, "bytes_down": tot["bytes_down"] / n,
+            "wall_s_per_image": float(s["wall_s"].mean()),
+        }
+    return {"methods": rows}
+
+
+def reference_features(info: dict, rows: list[dict], weights_dir: str | None) -> np.ndarray | None:
+    """FID features of the reference images named by the captions file (scenes export: DIR/images/FILE)."""
+    import torch
+    from PIL import Image
+
+    from ciar.metrics.fid import load_feature_net
+    from ciar.world import default_weights_dir
+
+    paths = [os.path.join(info["root"], "images", r["file_name"]) for r in rows if r["file_name"]]
+    if len(paths) < 2 or not all(os.path.isfile(p) for p in paths):
+        return None
+    net = load_feature_net(os.path.join(weights_dir or default_weights_dir(), "fid_features.safetensors"))
+    imgs = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+    feats = []
+    with torch.no_grad():
+        for s in range(0, len(imgs), 256):
+            feats.append(net(torch.from_numpy(imgs[s:s + 256]).permute(0, 3, 1, 2)).cpu().numpy())
+    return np.concatenate(feats)
+
+
+def write_report(out: str, summary: dict, samples, methods: list[str], runs: list[dict], agg_s: float,
+                 args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from benchmarks.collab import markdown
+
+    rows = summary["methods"]
+    plots = os.path.join(out, "plots")
+    os.makedirs(plots, exist_ok=True)
+    # frontier: quality vs speedup
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "fidelity", "attribute fidelity (higher is better)"),
+                           (axes[1], "fid", "FID (lower is better)")):
+        for m, r in rows.items():
+            if r.get(key) is not None and r.get("speedup") is not None:
+                ax.scatter(r["speedup"], r[key])
+                ax.annotate(m, (r["speedup"], r[key]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("speedup vs cloud-only (end-to-end latency)")
+        ax.set_ylabel(label)
+        ax.axvline(1.0, color="gray", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plots, "frontier.png"), dpi=120)
+    plt.close(fig)
+    # latency split
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 4))
+    bottom = np.zeros(len(rows))
+    for part in ("device", "cloud", "comm"):
+        vals = np.array([r["latency_s"][part] for r in rows.values()])
+        ax.bar(list(rows), vals, bottom=bottom, label=part)
+        bottom += vals
+    ax.set_ylabel(f"seconds per image ({args.network})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(plots, "latency.png"), dpi=120)
+    plt.close(fig)
+    # image grid: the first captions, one row per method
+    idx = sorted(samples["index"].unique())[:8]
+    grid = []
+    for m in methods:
+        s = samples[samples["method"] == m].set_index("index")
+        grid.append(np.concatenate([np.asarray(Image.open(os.path.join(out, s.loc[i, "image_path"])).convert("RGB"))
+                                    for i in idx if i in s.index], axis=1))
+    Image.fromarray(np.concatenate(grid, axis=0)).resize(
+        (grid[0].shape[1] * 2, len(grid) * grid[0].shape[0] * 2), Image.NEAREST).save(os.path.join(plots, "grid.png"))
+    captions = samples[samples["method"] == methods[0]].set_index("index").loc[idx, "caption"].tolist()
+
+    lines = [f"# Evaluation report\n\nCaptions: `{args.captions}` ({int(samples['index'].nunique())} captions), "
+             f"methods: {', '.join(methods)}, network: {args.network}, seed: {args.seed}, params: {args.param}\n\n",
+             markdown(rows, "Methods side by side (speedup vs cloud-only from the per-sample latencies)"),
+             "\n![quality vs speedup](plots/frontier.png)\n\n![latency split](plots/latency.png)\n\n",
+             f"Image grid (rows: {', '.join(methods)}; columns: the first {len(idx)} captions):\n\n",
+             "![grid](plots/grid.png)\n\n", *[f"{k + 1}. {c}\n" for k, c in enumerate(captions)],
+             "\n## Wall time per stage\n\n| run finished | samples | stage | seconds |\n|---|---|---|---|\n",
+             *[f"| {r['finished']} | {r['samples_run']} | {k} | {v:.1f} |\n" for r in runs
+               for k, v in r["stage_wall_s"].items()],
+             f"| (this call) | – | aggregation: FID, summary | {agg_s:.1f} |\n"]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipelines.evaluate", description=__doc__.split("\n")[0])
+    ap.add_argument("--captions", required=True, help="MS-COCO captions JSON (or a scenes export's captions.json)")
+    ap.add_argument("--methods", default="cloud,ciar", help="comma list of ciar.collab methods")
+    ap.add_argument("--limit", type=int, default=None, help="first N captions (by image id)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-config", default=None, help="JSON naming local files for the real-model path")
+    ap.add_argument("--param", action="append", default=[], help="CollabConfig override key=value (repeatable)")
+    ap.add_argument("--network", default="5g")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--weights", default=None, help="weights folder (default: shipped weights/scenes-v1)")
+    ap.add_argument("--shard-size", type=int, default=32)
+    ap.add_argument("--generators", type=int, default=1, help="actors of the generation stage (max)")
+    ap.add_argument("--batch-size", type=int, default=4, help="captions per generation call")
+    args = ap.parse_args(argv)
+
+    from ciar.collab.decoder import METHODS, method_config
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        ap.error(f"unknown methods {bad}; known: {', '.join(METHODS)}")
+    overrides = parse_params(args.param)
+    try:
+        for m in methods:
+            method_config(m, network=args.network, **_overrides_for(m, overrides))
+        rows, info = read_captions(args.captions, args.limit, args.seed)
+        model_config = read_model_config(args.model_config)
+    except (CaptionsError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if model_config:
+        print("error: the real-model generation path (LlamaGen + device model from --model-config) is not wired "
+              "into the Ray Data stages yet; the config was validated", file=sys.stderr)
+        return 2
+    for r in rows:
+        r["shard"] = r["index"] // args.shard_size
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.join(out, "samples"), exist_ok=True)
+    shards = sorted({r["shard"] for r in rows})
+    todo = [s for s in shards if not os.path.isfile(shard_path(out, s))]
+    print(f"{len(rows)} captions x {len(methods)} methods, {len(shards)} shards, {len(shards) - len(todo)} done "
+          f"already", flush=True)
+
+    stage_wall: dict = {}
+    if todo:
+        import ray
+        import torch
+        from tqdm import tqdm
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                               "OMP_NUM_THREADS": "1"}})
+        gpus = 1 if torch.cuda.is_available() else 0
+        todo_set = set(todo)
+        pending = [r for r in rows if r["shard"] in todo_set]
+        t0 = time.time()
+        ds = ray.data.from_items(pending)
+        ds = ds.map_batches(EncodeCaptions, fn_constructor_kwargs={"weights_dir": args.weights,
+                                                                   "model_config": model_config},
+                            batch_size=64, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.5)
+        ds = ds.map_batches(Generate, fn_constructor_kwargs={"weights_dir": args.weights, "model_config": model_config,
+                                                             "methods": methods, "overrides": overrides,
+                                                             "network": args.network, "out_dir": out},
+                            batch_size=args.batch_size,
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, args.generators)),
+                            num_cpus=1, num_gpus=gpus)
+        ds = ds.map_batches(MetricFeatures, fn_constructor_kwargs={"weights_dir": args.weights,
+                                                                   "labels": info["labels"]},
+                            batch_size=64, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.5)
+        per_shard = {s: [] for s in todo}
+        need = {s: sum(1 for r in pending if r["shard"] == s) * len(methods) for s in todo}
+        bar = tqdm(total=len(pending) * len(methods), desc="samples", dynamic_ncols=True)
+        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+            n = len(batch["method"])
+            for i in range(n):
+                row = {k: (v[i].item() if hasattr(v[i], "item") and np.ndim(v[i]) == 0 else v[i])
+                       for k, v in batch.items() if k not in ("caption_emb", "caption_mask")}
+                s = int(row["shard"]) if "shard" in row else int(row["index"]) // args.shard_size
+                row.pop("shard", None)
+                per_shard[s].append(row)
+                if len(per_shard[s]) == need[s]:
+                    write_shard(out, s, per_shard.pop(s))
+            bar.update(n)
+        bar.close()
+        stage_wall["pipeline (all stages, streaming)"] = time.time() - t0
+        stage_wall.update(_operator_times(ds))
+        if per_shard:
+            raise RuntimeError(f"shards {sorted(per_shard)} incomplete: rows were lost in the pipeline")
+
+    runs_path = os.path.join(out, "stages.json")  # wall time per stage of every run into this folder
+    runs = json.load(open(runs_path)) if os.path.isfile(runs_path) else []
+    if stage_wall:
+        runs.append({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), "shards_run": len(todo),
+                     "samples_run": sum(len(per) for per in [[r for r in rows if r["shard"] in set(todo)]]) * len(methods),
+                     "stage_wall_s": stage_wall})
+        with open(runs_path, "w") as f:
+            json.dump(runs, f, indent=2)
+
+    import pandas as pd
+
+    t1 = time.time()
+    samples = pd.concat([pd.read_parquet(shard_path(out, s)) for s in shards], ignore_index=True)
+    samples = samples[samples["method"].isin(methods)]
+    ref = reference_features(info, rows, args.weights)
+    summary = summarize(samples, methods, ref)
+    summary.update({"captions": os.path.abspath(args.captions), "num_captions": len(rows), "network": args.network,
+                    "seed": args.seed, "params": overrides, "runs": runs})
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    write_report(out, summary, samples, methods, runs, time.time() - t1, args)
+    print(json.dumps({m: {k: r[k] for k in ("speedup", "cloud_call_rate", "fidelity", "fid")}
+                      for m, r in summary["methods"].items()}, indent=1))
+    return 0
+
+
+def _operator_times(ds) -> dict:
+    """Per Ray Data operator: the summed remote wall time of its tasks (the stage's busy time), parsed from the
+    dataset's execution stats (best effort: an unknown format gives {})."""
+    import re
+
+    try:
+        text = ds.stats()
+    except Exception:  # noqa: BLE001
+        return {}
+    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    out, name = {}, None
+    for line in text.splitlines():
+        m = re.match(r"\s*Operator \d+ (.+?): ", line)
+        if m:
+            name = m.group(1).strip()
+            continue
+        t = re.search(r"Remote wall time: .*?([0-9.]+)(us|ms|s) total", line)
+        if name and t:
+            out[f"{name} (busy)"] = float(t.group(1)) * unit[t.group(2)]
+            name = None
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
