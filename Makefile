@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow serve clean-venv
+.PHONY: setup test test-slow serve load clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ SERVE_ENV := RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 RAY_SERVE_PROXY_HEALTH_CHE
 
 serve: $(STAMP)
 	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
+
+# a 30 s ramp to 8 users against a cluster it starts and stops itself (summary in runs/load/summary.json)
+load: $(STAMP)
+	$(SERVE_ENV) $(BIN)/python -m loadtests.run --users 8 --duration 30 --scenario ramp --out runs/load
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,300 @@
+"""cluster/ manifests: they parse, the RayService embeds the same Serve application as serve_config.gpu.yaml (the
+sync check), secrets, GPUs and weights are wired the same way in every pod, the Dockerfile installs the project
+like the Makefile, and the application builder accepts the embedded args (graph built, no Ray started)."""
+
+import glob
+import hashlib
+import os
+import re
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLUSTER = os.path.join(REPO, "cluster")
+SECRET_NAME = "ciar-api-keys"
+SECRET_ENV = {"CIAR_API_KEYS": "keys", "CIAR_SESSION_SECRET": "session-secret"}
+APP_FIELDS = ("name", "route_prefix", "import_path", "args", "deployments", "runtime_env")
+
+
+def _load_all(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def _load(path):
+    docs = _load_all(path)
+    assert len(docs) == 1, f"{path}: expected one YAML document, got {len(docs)}"
+    return docs[0]
+
+
+@pytest.fixture(scope="module")
+def rayservice():
+    return _load(os.path.join(CLUSTER, "rayservice.yaml"))
+
+
+@pytest.fixture(scope="module")
+def serve_v2(rayservice):
+    raw = rayservice["spec"]["serveConfigV2"]
+    assert isinstance(raw, str), "serveConfigV2 must be a YAML string (KubeRay's format)"
+    return yaml.safe_load(raw)
+
+
+@pytest.fixture(scope="module")
+def gpu_config():
+    return _load(os.path.join(REPO, "serve_config.gpu.yaml"))
+
+
+@pytest.fixture(scope="module")
+def app_args(serve_v2):
+    (app,) = serve_v2["applications"]
+    return app["args"]
+
+
+def _pod_specs(rayservice):
+    """(group name, pod spec, rayStartParams) of the head group and every worker group."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]
+    out = [("head", head["template"]["spec"], head.get("rayStartParams", {}))]
+    for g in cluster["workerGroupSpecs"]:
+        out.append((g["groupName"], g["template"]["spec"], g.get("rayStartParams", {})))
+    return out
+
+
+def _requests_gpu(container):
+    res = container.get("resources", {})
+    return any("nvidia.com/gpu" in (res.get(k) or {}) for k in ("limits", "requests"))
+
+
+# (a) every manifest parses ------------------------------------------------------------------------------------
+
+def test_every_yaml_in_cluster_parses():
+    paths = sorted(glob.glob(os.path.join(CLUSTER, "*.yaml")) + glob.glob(os.path.join(CLUSTER, "*.yml")))
+    names = {os.path.basename(p) for p in paths}
+    assert {"rayservice.yaml", "secret.example.yaml", "ray-cluster.yaml"} <= names
+    for p in paths:
+        docs = _load_all(p)
+        assert docs, f"{p} is empty"
+        for d in docs:
+            assert isinstance(d, dict), f"{p}: a document is not a mapping"
+            if "apiVersion" in d:  # Kubernetes objects
+                assert d.get("kind") and d.get("metadata", {}).get("name"), f"{p}: kind/metadata.name missing"
+
+
+def test_rayservice_kind(rayservice):
+    assert rayservice["apiVersion"] == "ray.io/v1"
+    assert rayservice["kind"] == "RayService"
+
+
+# (b) the sync check: same application as serve_config.gpu.yaml -------------------------------------------------
+
+def test_serve_config_v2_equals_gpu_config(serve_v2, gpu_config):
+    (ours,) = serve_v2["applications"]
+    (theirs,) = gpu_config["applications"]
+    for field in APP_FIELDS:
+        assert ours.get(field) == theirs.get(field), \
+            f"cluster/rayservice.yaml serveConfigV2 drifted from serve_config.gpu.yaml on `{field}`"
+    assert ours["args"]["api_keys"] == [], "keys come from $CIAR_API_KEYS (the Secret), never from the manifest"
+    for field in ("proxy_location", "http_options"):
+        assert serve_v2.get(field) == gpu_config.get(field), f"top-level `{field}` drifted"
+
+
+def test_serve_config_v2_validates_with_ray_schema(serve_v2):
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(serve_v2) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(serve_v2)
+    (app,) = schema.applications
+    assert app.import_path == "services.app:build_app"
+    assert {d.name for d in app.deployments} == {"Device", "Verifier"}
+
+
+def test_user_configs_validate_as_live_configs(serve_v2):
+    from services.schemas import AppConfig, DeviceLiveConfig, VerifierLiveConfig
+
+    (app,) = serve_v2["applications"]
+    live = {d["name"]: d["user_config"] for d in app["deployments"]}
+    DeviceLiveConfig(**live["Device"])
+    VerifierLiveConfig(**live["Verifier"])
+    AppConfig(**app["args"])
+
+
+# (c) secrets ------------------------------------------------------------------------------------------------
+
+def test_every_container_reads_keys_and_session_secret_from_the_secret(rayservice):
+    from services.app import SESSION_SECRET_ENV
+    from services.schemas import API_KEYS_ENV
+
+    assert set(SECRET_ENV) == {API_KEYS_ENV, SESSION_SECRET_ENV}, "env names drifted from services/"
+    n = 0
+    for group, spec, _ in _pod_specs(rayservice):
+        for c in spec["containers"]:
+            n += 1
+            env = {e["name"]: e for e in c.get("env", [])}
+            for var, key in SECRET_ENV.items():
+                assert var in env, f"{group}/{c['name']}: {var} missing"
+                assert "value" not in env[var], f"{group}/{c['name']}: {var} must not be a literal"
+                ref = env[var]["valueFrom"]["secretKeyRef"]
+                assert ref == {"name": SECRET_NAME, "key": key}, f"{group}/{c['name']}: {var} -> {ref}"
+    assert n >= 3
+
+
+def test_secret_example_matches_references():
+    (secret,) = _load_all(os.path.join(CLUSTER, "secret.example.yaml"))
+    assert secret["kind"] == "Secret" and secret["apiVersion"] == "v1"
+    assert secret["metadata"]["name"] == SECRET_NAME
+    data = secret.get("stringData") or secret.get("data")
+    assert set(data) == set(SECRET_ENV.values())
+    for key, value in data.items():
+        assert "REPLACE" in value.upper(), f"secret.example.yaml `{key}` must be an obvious placeholder"
+
+
+def test_no_dev_key_in_the_rayservice(rayservice):
+    text = yaml.safe_dump(rayservice)
+    assert "ciar-dev-key" not in text
+
+
+# (d) groups, GPUs, weights -------------------------------------------------------------------------------------
+
+def test_exactly_one_gpu_worker_group_and_verifier_on_one_gpu(rayservice, app_args):
+    pods = _pod_specs(rayservice)
+    head_spec = pods[0][1]
+    assert not any(_requests_gpu(c) for c in head_spec["containers"]), "the head has no GPU"
+    gpu_groups = [(g, spec, params) for g, spec, params in pods[1:]
+                  if any(_requests_gpu(c) for c in spec["containers"])]
+    assert len(gpu_groups) == 1, [g for g, _, _ in gpu_groups]
+    group, spec, params = gpu_groups[0]
+    for c in spec["containers"]:
+        for k in ("limits", "requests"):
+            assert int(c["resources"][k]["nvidia.com/gpu"]) == 1, f"{group}: one GPU per pod"
+    assert str(params.get("num-gpus")) == "1"
+    assert app_args["verifier_num_gpus"] == 1
+    # the GPU pods offer Ray exactly the Verifier's CPUs, so Device actors are placed on the CPU group
+    assert float(params["num-cpus"]) == float(app_args["verifier_num_cpus"])
+    cpu_groups = [(g, params) for g, spec, params in pods[1:] if (g, spec, params) not in gpu_groups]
+    assert len(cpu_groups) >= 1, "a CPU worker group for the Device actors"
+    for g, params in cpu_groups:
+        assert "num-gpus" not in params
+    # the fleet fits in the CPU groups at their minimum size
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    cpus = sum(float(g["rayStartParams"]["num-cpus"]) * g["minReplicas"] for g in cluster["workerGroupSpecs"]
+               if g["groupName"] in {n for n, _ in cpu_groups})
+    assert cpus >= app_args["devices"] * app_args["device_num_cpus"]
+    max_gpu_pods = next(g["maxReplicas"] for g in cluster["workerGroupSpecs"] if g["groupName"] == group)
+    assert max_gpu_pods >= app_args["verifier_autoscaling"]["max_replicas"]
+
+
+def test_weights_volume_mounted_read_only_at_weights_dir(rayservice, app_args):
+    for group, spec, _ in _pod_specs(rayservice):
+        vols = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == app_args["weights_dir"]]
+            assert len(mounts) == 1, f"{group}: weights not mounted at {app_args['weights_dir']}"
+            assert mounts[0].get("readOnly") is True
+            pvc = vols[mounts[0]["name"]]["persistentVolumeClaim"]
+            assert pvc["claimName"] == "ciar-weights" and pvc.get("readOnly") is True
+
+
+def test_ray_versions_agree(rayservice):
+    with open(os.path.join(CLUSTER, "Dockerfile")) as f:
+        m = re.search(r"^ARG RAY_VERSION=(\S+)$", f.read(), re.M)
+    assert m, "Dockerfile pins Ray with ARG RAY_VERSION"
+    assert rayservice["spec"]["rayClusterConfig"]["rayVersion"] == m.group(1)
+    with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
+        assert f"ray[serve,data]=={m.group(1)}" in f.read()
+
+
+# ray up config ---------------------------------------------------------------------------------------------
+
+def test_ray_up_config_validates(app_args):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = _load(os.path.join(CLUSTER, "ray-cluster.yaml"))
+    cfg = prepare_config(raw)
+    validate_config(cfg)
+    types = cfg["available_node_types"]
+    head = types[cfg["head_node_type"]]
+    assert head.get("resources", {}).get("GPU", 0) == 0
+    gpu = [t for t in types.values() if t.get("resources", {}).get("GPU")]
+    assert len(gpu) == 1 and gpu[0]["resources"]["GPU"] == 1
+    assert gpu[0]["resources"]["CPU"] == app_args["verifier_num_cpus"]
+    cpu_only = [n for n, t in types.items() if n != cfg["head_node_type"] and not t.get("resources", {}).get("GPU")]
+    assert cpu_only, "a CPU worker type for the Device actors"
+    setup = "\n".join(raw["setup_commands"])
+    assert '"torch==2.13.0"' in setup and "[serve]" in setup
+    assert setup.index("torch==2.13.0") < setup.index("[serve]"), "torch is installed first"
+    assert app_args["weights_dir"] in setup
+    for cmds in (raw["head_start_ray_commands"], raw["worker_start_ray_commands"]):
+        assert any("ciar.env" in c and "ray start" in c for c in cmds), "secrets exported into ray start"
+    with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
+        text = f.read()
+    assert "ray up cluster/ray-cluster.yaml" in text and "serve deploy serve_config.gpu.yaml" in text
+
+
+# (e) Dockerfile --------------------------------------------------------------------------------------------
+
+def test_dockerfile_installs_like_the_makefile():
+    with open(os.path.join(CLUSTER, "Dockerfile")) as f:
+        text = f.read()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    assert "ARG TORCH_SPEC=torch==2.13.0" in lines
+    with open(os.path.join(REPO, "Makefile")) as f:
+        assert re.search(r"^TORCH_SPEC \?= torch==2\.13\.0$", f.read(), re.M), "Makefile default changed"
+    body = "\n".join(lines)
+    torch_at = body.index('pip install "${TORCH_SPEC}"')
+    project_at = body.index('pip install -e ".[serve]"')
+    assert torch_at < project_at, "torch is installed before the project"
+    for folder in ("ciar", "services", "pipelines", "benchmarks", "loadtests", "weights"):
+        assert re.search(rf"^COPY {folder} \./{folder}$", body, re.M), f"{folder}/ not copied"
+    assert "serve_config.yaml" in body and "serve_config.gpu.yaml" in body
+    user = [ln for ln in lines if ln.startswith("USER ")]
+    assert user and user[-1] not in ("USER root", "USER 0")
+    assert "EXPOSE 8000 8265 6379" in lines
+    cmd = [ln for ln in lines if ln.startswith("CMD ")]
+    assert cmd[-1] == 'CMD ["serve", "run", "serve_config.yaml"]'
+
+
+def test_serve_extra_exists():
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        text = f.read()
+    assert re.search(r"^serve = \[", text, re.M), "pyproject.toml has no `serve` extra"
+
+
+# (f) the builder accepts the RayService args -----------------------------------------------------------------
+
+def _deployments(app, out=None):
+    """name -> Deployment of a built (unstarted) Serve application graph."""
+    out = {} if out is None else out
+    dep = app._bound_deployment
+    out[dep.name] = dep
+    for a in list(dep.init_args) + list(dep.init_kwargs.values()):
+        if hasattr(a, "_bound_deployment"):
+            _deployments(a, out)
+    return out
+
+
+def test_build_app_accepts_rayservice_args(app_args, monkeypatch):
+    from services.app import build_app
+
+    monkeypatch.setenv("CIAR_API_KEYS", "test-key-0123456789,test-key-abcdefghij")
+    monkeypatch.setenv("CIAR_SESSION_SECRET", "test-session-secret")
+    app = build_app(dict(app_args))
+    deps = _deployments(app)
+    assert set(deps) == {"Ingress", "Device", "Verifier"}
+    ingress, device, verifier = deps["Ingress"], deps["Device"], deps["Verifier"]
+    assert ingress.init_args[1] == [hashlib.sha256(k.encode()).hexdigest()
+                                    for k in ("test-key-0123456789", "test-key-abcdefghij")]
+    assert device.num_replicas == app_args["devices"]
+    assert device.ray_actor_options["num_cpus"] == app_args["device_num_cpus"]
+    assert verifier.ray_actor_options["num_gpus"] == 1
+    assert verifier.init_args[0] == app_args["weights_dir"]
+    assert "test-session-secret" in verifier.init_args
+
+
+def test_build_app_refuses_rayservice_args_without_keys(app_args, monkeypatch):
+    from services.app import build_app
+
+    monkeypatch.delenv("CIAR_API_KEYS", raising=False)
+    with pytest.raises(ValueError, match="CIAR_API_KEYS"):
+        build_app(dict(app_args))
