@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = json.load(open(runs_path)) if os.path.isfile(runs_path) else []
     if stage_wall:
         runs.append({"finished": time.strftime("%Y-%m-%d %H:%M:%S"), "shards_run": len(todo),
-                     "samples_run": sum(len(per) for per in [[r for r in rows if r["shard"] in set(todo)]]) * len(methods),
+                     "samples_run": sum(r["shard"] in set(todo) for r in rows) * len(methods),
                      "stage_wall_s": stage_wall})
         with open(runs_path, "w") as f:
             json.dump(runs, f, indent=2)
