@@ -284,6 +284,7 @@ def test_reconfigure_changes_tau_live(cluster):
     assert post(body).json()["stats"]["config"]["tau"] == TAU
 
 
+@pytest.mark.slow  # 1-4 min depending on what hypothesis draws; run with `make test-slow`
 def test_fuzz_http_api_never_answers_5xx(cluster):
     """Random JSON bodies (hypothesis): every answer is 2xx or a 4xx with a message, never a 5xx. Devices are
     reconfigured live to skip the simulated waits while fuzzing (valid bodies still generate for real)."""
