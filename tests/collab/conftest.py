@@ -52,3 +52,21 @@ def tiny_device(tiny_cloud):
 @pytest.fixture(scope="module")
 def stub_text():
     return StubTextEncoder()
+
+
+@pytest.fixture(scope="module")
+def median_tau(tiny_device, stub_text):
+    """The median normalised U of the (random) tiny device on random contexts (CFG 2, temperature 1): a tau at
+    which both local accepts and verifications happen."""
+    from ciar.collab.gating import gate_scores
+    from ciar.collab.interval import guided_interval
+
+    cap = stub_text.encode(["a small red circle at the top on a gray background"])
+    toks = torch.randint(0, tiny_device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = tiny_device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
+                          drop=torch.tensor([False, True]))
+        c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=2.0,
+                               temperature=1.0)
+    return float(gate_scores("interval", center=c, radius=r).median())
+

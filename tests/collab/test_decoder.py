@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from ciar.collab.decoder import DEVICE_SEED_OFFSET, CollabDecoder, method_config
-from ciar.collab.gating import gate_scores
-from ciar.collab.interval import guided_interval
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import OpenRequest, VerifyRequest
 from ciar.collab.verifier import CloudVerifier, InProcessCloud, SessionError
@@ -71,20 +69,8 @@ def test_tau_inf_rho_zero_is_device_only_decoding(tiny_cloud, tiny_device, stub_
     assert s.verifications == 0
 
 
-@torch.no_grad()
-def median_u(device, text) -> float:
-    """The median normalised U of the (random) tiny device on random contexts: a tau that splits the tokens."""
-    cap = text.encode([PROMPT])
-    toks = torch.randint(0, device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    out = device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
-                 drop=torch.tensor([False, True]))
-    c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=PARAMS.cfg_scale,
-                           temperature=PARAMS.temperature)
-    return float(gate_scores("interval", center=c, radius=r).median())
-
-
-def test_seeded_determinism_and_batch_independence(tiny_cloud, tiny_device, stub_text):
-    d = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=median_u(tiny_device, stub_text), span=3)
+def test_seeded_determinism_and_batch_independence(tiny_cloud, tiny_device, stub_text, median_tau):
+    d = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=median_tau, span=3)
     a, b = d.generate(PROMPT, seed=11), d.generate(PROMPT, seed=11)
     assert torch.equal(a.tokens, b.tokens)
     assert a.stats.verifications > 0 and a.stats.device_tokens > 0  # the threshold exercises both paths
@@ -175,11 +161,11 @@ def test_bad_requests_raise_session_errors(tiny_cloud, stub_text):
     v.open_batch([OpenRequest("b", PROMPT, 0, PARAMS, 1)])  # slots are reusable after close
 
 
-def test_interval_features_reach_the_cloud(tiny_cloud, tiny_device, stub_text):
+def test_interval_features_reach_the_cloud(tiny_cloud, tiny_device, stub_text, median_tau):
     """A zero-initialised projector changes nothing; a non-zero one changes the cloud's verification."""
     feats_dim = 20
     proj = IntervalProjector(ProjectorConfig(device_dim=64, cloud_dim=64, feature_dim=feats_dim))
-    tau = median_u(tiny_device, stub_text)
+    tau = median_tau
     plain = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau).generate(PROMPT, seed=2)
     zero = decoder(tiny_cloud, tiny_device, stub_text, "ciar", tau=tau, projector=proj).generate(PROMPT, seed=2)
     assert torch.equal(plain.tokens, zero.tokens)

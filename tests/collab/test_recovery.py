@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from ciar.collab.decoder import CollabDecoder, method_config
-from ciar.collab.gating import gate_scores
-from ciar.collab.interval import guided_interval
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import OpenRequest, VerifyRequest
 from ciar.collab.recovery import RecoveringClient
@@ -18,18 +16,6 @@ from ciar.decoding.sampling import SamplingParams
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
 PROMPT = "a small red circle at the top on a gray background"
 EMPTY = torch.zeros(0, dtype=torch.long)
-
-
-@torch.no_grad()
-def split_tau(device, text) -> float:
-    """A tau near the median normalised U of the tiny device: both local accepts and verifications happen."""
-    cap = text.encode([PROMPT])
-    toks = torch.randint(0, device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    out = device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
-                 drop=torch.tensor([False, True]))
-    c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=PARAMS.cfg_scale,
-                           temperature=PARAMS.temperature)
-    return float(gate_scores("interval", center=c, radius=r).median())
 
 
 class FlakyCloud(InProcessCloud):
@@ -75,8 +61,8 @@ def run_pair(tiny_cloud, tiny_device, stub_text, mode, projector=None, seed=11, 
 
 
 @pytest.mark.parametrize("mode", ["replace", "evict"])
-def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode):
-    ref, got, flaky, client = run_pair(tiny_cloud, tiny_device, stub_text, mode, tau=split_tau(tiny_device, stub_text),
+def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, median_tau):
+    ref, got, flaky, client = run_pair(tiny_cloud, tiny_device, stub_text, mode, tau=median_tau,
                                        span=3)
     assert ref.stats.verifications >= 3 and ref.stats.device_tokens > 0  # the loss happens mid-session
     assert torch.equal(got.tokens, ref.tokens)
@@ -90,14 +76,14 @@ def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, 
     assert flaky.verifier.num_sessions == 0  # closed at the end
 
 
-def test_resume_reinjects_interval_features(tiny_cloud, tiny_device, stub_text):
+def test_resume_reinjects_interval_features(tiny_cloud, tiny_device, stub_text, median_tau):
     """With a non-zero projector the cloud cache holds injected features; the resume must rebuild them too."""
     proj = IntervalProjector(ProjectorConfig(device_dim=64, cloud_dim=64, feature_dim=20))
     torch.manual_seed(0)
     with torch.no_grad():
         torch.nn.init.normal_(proj.fc2.weight, std=5.0)
     ref, got, flaky, _ = run_pair(tiny_cloud, tiny_device, stub_text, "replace", projector=proj.eval(), seed=3,
-                                  at=None, tau=split_tau(tiny_device, stub_text), span=3)
+                                  at=None, tau=median_tau, span=3)
     assert torch.equal(got.tokens, ref.tokens) and got.stats.resumes == 1
     _, history, injected = flaky.resume_calls[0]
     assert injected is not None  # locally accepted tokens before the loss: their features travel with the history
@@ -172,10 +158,10 @@ def test_resume_with_empty_history_then_verify(tiny_cloud, stub_text):
     assert orig.sessions["s"].tokens == fresh.sessions["s"].tokens
 
 
-def test_session_lost_before_its_first_verification(tiny_cloud, tiny_device, stub_text):
+def test_session_lost_before_its_first_verification(tiny_cloud, tiny_device, stub_text, median_tau):
     """No prefix, lost at once: the resume sends an empty history and the prefill logits are rebuilt."""
     ref, got, flaky, _ = run_pair(tiny_cloud, tiny_device, stub_text, "evict", at=1, prefix_rate=0.0,
-                                  tau=split_tau(tiny_device, stub_text))
+                                  tau=median_tau)
     assert torch.equal(got.tokens, ref.tokens) and got.stats.resumes == 1
     assert flaky.resume_calls[0][1].numel() == 0
 
