@@ -174,6 +174,7 @@ class Generate:
     def __init__(self, weights_dir: str | None, model_config: dict, methods: list[str], overrides: dict,
                  network: str, out_dir: str):
         _threads()
+        from ciar.collab.decoder import shared_knobs
         from ciar.collab.runtime import make_decoder, make_verifier
         from ciar.world import load_default_world
 
@@ -182,7 +183,7 @@ class Generate:
         self.world = load_default_world(weights_dir)
         self.verifier = make_verifier(self.world, max_sessions=2)
         self.decoders = {m: make_decoder(self.world, self.verifier, m, network=network,
-                                         **_overrides_for(m, overrides)) for m in methods}
+                                         **shared_knobs(m, overrides)) for m in methods}
         self.methods, self.out_dir = methods, out_dir
         for m in methods:
             os.makedirs(os.path.join(out_dir, "images", m), exist_ok=True)
@@ -261,17 +262,6 @@ class MetricFeatures:
         return batch
 
 
-def _overrides_for(method: str, overrides: dict) -> dict:
-    """--param values apply to every method, except the threshold (each gate has its own scale: CIAR's only) and
-    the prefix rate of methods whose prefix rate is the method (cloud, code)."""
-    out = dict(overrides)
-    if method != "ciar":
-        out.pop("tau", None)
-    if method in ("cloud", "code"):
-        out.pop("prefix_rate", None)
-    return out
-
-
 def parse_params(items: list[str]) -> dict:
     from ciar.collab.decoder import CollabConfig
 
@@ -336,7 +326,8 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
         rows[m] = {
             "num_samples": n,
             "speedup": base_total / lat["total"] if base_total else None,
-            "steps_compression": tot["total_tokens"] / tot["cloud_forward_passes"] if tot["cloud_forward_passes"] else None,
+            "steps_compression": (tot["total_tokens"] / tot["cloud_forward_passes"]
+                                  if tot["cloud_forward_passes"] else None),
             "cloud_call_rate": tot["cloud_tokens"] / tot["total_tokens"] if tot["total_tokens"] else None,
             "cloud_requests": tot["cloud_requests"] / n,
             "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
@@ -451,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4, help="captions per generation call")
     args = ap.parse_args(argv)
 
-    from ciar.collab.decoder import METHODS, method_config
+    from ciar.collab.decoder import METHODS, method_config, shared_knobs
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -460,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = parse_params(args.param)
     try:
         for m in methods:
-            method_config(m, network=args.network, **_overrides_for(m, overrides))
+            method_config(m, network=args.network, **shared_knobs(m, overrides))
         rows, info = read_captions(args.captions, args.limit, args.seed)
         model_config = read_model_config(args.model_config)
     except (CaptionsError, FileNotFoundError, ValueError) as e:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from ray import serve
 
-from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.recovery import RecoveringClient
 from ciar.collab.verifier import SessionLostError
@@ -32,8 +32,6 @@ from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
 from services.schemas import DeviceLiveConfig
 
-GATED = ("ciar",)  # methods whose threshold follows the fleet's live tau (other gates have their own scales)
-NO_PREFIX_OVERRIDE = ("cloud", "code")  # methods whose prefix rate is part of the method
 
 
 def is_replica_loss(exc: BaseException) -> bool:
@@ -136,12 +134,9 @@ class Device:
     # ------------------------------------------------------------------ one generation
     def config_for(self, method: str, network: str, overrides: dict):
         live = self.live
-        knobs = {"network": network, "span": live.span, "device_slowdown": live.device_slowdown}
-        if method in GATED:
-            knobs["tau"] = live.tau
-        if method not in NO_PREFIX_OVERRIDE:
-            knobs["prefix_rate"] = live.prefix_rate
-        knobs.update(overrides)
+        knobs = shared_knobs(method, {"network": network, "span": live.span, "device_slowdown": live.device_slowdown,
+                                      "tau": live.tau, "prefix_rate": live.prefix_rate})
+        knobs.update(overrides)  # a request's own params apply as given
         return method_config(method, **knobs)
 
     def _run(self, job: dict, on_progress=None) -> dict:

@@ -101,6 +101,17 @@ class CollabConfig:
         return d
 
 
+def shared_knobs(method: str, knobs: dict) -> dict:
+    """The subset of fleet- or run-wide knobs that `method` takes: the threshold only for "ciar" (every other gate
+    has its own score scale), the prefix rate not for "cloud" and "code" (there it is the method itself)."""
+    out = dict(knobs)
+    if method != "ciar":
+        out.pop("tau", None)
+    if method in ("cloud", "code"):
+        out.pop("prefix_rate", None)
+    return out
+
+
 def method_config(method: str, **overrides) -> CollabConfig:
     """The preset of a method name, with overrides (e.g. `method_config("ciar", tau=0.2, span=8)`)."""
     if method not in METHODS:
