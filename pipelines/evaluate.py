@@ -275,7 +275,7 @@ def parse_params(items: list[str]) -> dict:
             out[k] = v.lower() == "true"
         else:
             try:
-                out[k] = int(v) if k in ("span", "topk", "feature_top") else float(v)
+                out[k] = int(v) if k in ("span", "topk", "feature_top", "link_drop_after") else float(v)
             except ValueError:
                 raise SystemExit(f"error: --param {k} needs a number, got {v!r}") from None
     return out

@@ -35,6 +35,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.decoder import method_config
+from ciar.collab.protocol import CloudUnreachableError
 from ciar.collab.verifier import CapacityError
 from ciar.text import CaptionTooLongError
 from services.device import Device
@@ -95,6 +96,8 @@ class Ingress:
                                         tag_keys=("kind",))
         self.m_cloud = metrics.Counter("ciar_cloud_calls_total", description="device -> cloud round trips",
                                        tag_keys=("method",))
+        self.m_degraded = metrics.Counter("ciar_degraded_total", description="images finished on the device alone "
+                                          "after the cloud became unreachable", tag_keys=("method",))
         self.m_accept = metrics.Histogram("ciar_accepted_length", description="mean accepted length per image",
                                           boundaries=[1, 1.5, 2, 3, 4, 6, 8, 16], tag_keys=("method",))
         self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
@@ -118,9 +121,9 @@ class Ingress:
         r.headers["WWW-Authenticate"] = "Bearer"
         return r
 
-    def _overloaded(self, message: str) -> JSONResponse:
-        self.m_errors.inc(tags={"kind": "overloaded"})
-        r = error_body(503, message, kind="overloaded")
+    def _overloaded(self, message: str, kind: str = "overloaded") -> JSONResponse:
+        self.m_errors.inc(tags={"kind": kind})
+        r = error_body(503, message, kind=kind)
         r.headers["Retry-After"] = str(self.retry_after_s)
         return r
 
@@ -131,6 +134,14 @@ class Ingress:
 
     @api.post("/v1/images/generations")
     async def generations(self, request: Request):
+        try:
+            return await self._generations(request)
+        except Exception as e:  # noqa: BLE001 - never a bare 500: name the error, log the traceback
+            logger.exception("unhandled error in the generations handler")
+            self.m_errors.inc(tags={"kind": "internal"})
+            return error_body(500, f"internal error: {type(e).__name__}", kind="internal")
+
+    async def _generations(self, request: Request):
         if not self._authorized(request):
             return self._unauthorized()
         size = request.headers.get("content-length")
@@ -174,6 +185,10 @@ class Ingress:
         if isinstance(cause, CapacityError) or isinstance(e, CapacityError):
             self.m_requests.inc(tags={"method": req.method, "code": "503"})
             return self._overloaded("the verifier pool has no free KV-cache slot; retry later")
+        if isinstance(cause, CloudUnreachableError) or isinstance(e, CloudUnreachableError):
+            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+            return self._overloaded(f"the cloud is unreachable before the image could start: {cause}",
+                                    kind="unavailable")
         if isinstance(e, asyncio.TimeoutError):
             self.m_requests.inc(tags={"method": req.method, "code": "504"})
             self.m_errors.inc(tags={"kind": "timeout"})
@@ -190,6 +205,8 @@ class Ingress:
         m = req.method
         self.m_requests.inc(tags={"method": m, "code": str(code)})
         self.m_cloud.inc(stats.get("cloud_requests", 0), tags={"method": m})
+        if stats.get("degraded"):
+            self.m_degraded.inc(tags={"method": m})
         if stats.get("mean_accepted_length") is not None:
             self.m_accept.observe(stats["mean_accepted_length"], tags={"method": m})
         for part, key in (("device", "device_s"), ("cloud", "cloud_s"), ("comm", "comm_s"), ("total", "total_s"),
@@ -199,7 +216,8 @@ class Ingress:
 
     def _render(self, req: GenerationRequest, out: dict):
         if req.response_format == "png":
-            return Response(out["png"], media_type="image/png")
+            return Response(out["png"], media_type="image/png",
+                            headers={"X-CIAR-Degraded": str(int(bool(out["stats"].get("degraded"))))})
         item = {"tokens": out["tokens"]} if req.response_format == "tokens" else \
             {"b64_json": base64.b64encode(out["png"]).decode()}
         return {"created": int(time.time()), "data": [item], "stats": out["stats"]}

@@ -10,7 +10,9 @@ factor; the same times are accounted in the stats. A device generates one image 
 
 Failures: a verifier replica that died or lost the session makes `verify` raise SessionLostError; the
 `RecoveringClient` around this client re-sends the session's history (`resume`) and retries, so the image is
-still exact (position-keyed randomness on the cloud).
+still exact (position-keyed randomness on the cloud). When no replica answers within the retry budget (~70 s) the
+client raises CloudUnreachableError: mid-generation the device finishes the image alone (stats.degraded), before
+the open the request fails with 503. A simulated link outage (`params.link_drop_after`) takes the same path.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from ray import serve
 
 from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.protocol import CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.recovery import RecoveringClient
 from ciar.collab.verifier import SessionLostError
 from ciar.models.vq import tensor_to_images
@@ -65,8 +67,11 @@ class RayCloudClient:
             try:
                 return call()
             except Exception as e:  # noqa: BLE001
-                if not is_replica_loss(e) or attempt == self.retries:
+                if not is_replica_loss(e):
                     raise
+                if attempt == self.retries:
+                    raise CloudUnreachableError(f"no verifier replica answered after {self.retries} retries: "
+                                                f"{type(e).__name__}") from e
                 self.sleep(min(2.0, self.backoff_s * 2 ** attempt))  # ~70 s in all: a replica restart
 
     def open(self, request: OpenRequest) -> OpenReply:
@@ -211,3 +216,11 @@ class Device:
 
     async def info(self) -> dict:
         return {"device_id": self.device_id, "live": self.live.model_dump()}
+
+    async def state(self) -> dict:
+        """What this phone holds between generations (all 0 when idle; a leak check reads it) and its memory."""
+        import psutil
+
+        return {"device_id": self.device_id, "busy": self._busy.locked(),
+                "session_tokens": len(self.ray_client.tokens), "batch_size_records": len(self.ray_client.batch_sizes),
+                "tracked_sessions": self.client.open_sessions, "rss_mb": psutil.Process().memory_info().rss / 2**20}

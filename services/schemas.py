@@ -33,9 +33,12 @@ class MethodParams(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=5.0, description="0 = greedy")
     top_k: int | None = Field(None, ge=0, le=1_000_000, description="0 disables top-k")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="1 disables top-p")
+    link_drop_after: int | None = Field(None, ge=0, le=100_000, description=(
+        "simulation: the device's link goes down after this many messages; the device finishes the image alone "
+        "and the result is marked degraded (stats.degraded)"))
 
     def collab_overrides(self) -> dict:
-        keys = ("tau", "span", "prefix_rate", "inter_enhance", "device_slowdown")
+        keys = ("tau", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def sampling_overrides(self) -> dict:

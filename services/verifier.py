@@ -28,6 +28,7 @@ import hmac
 import time
 from collections import Counter
 
+import psutil
 import torch
 from ray import serve
 
@@ -154,7 +155,8 @@ class Verifier:
                 "free_slots": self.core.free_slot_count, "spans_verified": self.spans_verified,
                 "opened": self.opened, "resumed": self.resumed,
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
-                "live": self.live.model_dump(), "time": time.time()}
+                "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "time": time.time()}
 
 
 def _per_item(fn, requests: list) -> list:

@@ -30,6 +30,12 @@ Seeds: the cloud's stream is `seed` (so `cloud` equals `ciar.decoding.generate_c
 device's draws use `seed + DEVICE_SEED_OFFSET`, the random gate `seed + GATE_SEED_OFFSET`; the network model's
 jitter/loss stream is seeded with `seed`.
 
+Link loss: when the cloud becomes unreachable after the open (`CloudUnreachableError`: the simulated link is down,
+`link_drop_after`, or no verifier replica answers), the device keeps the span it had drafted and decodes the rest
+alone (its own samples, no gate, no verification); the stats count the image as `degraded` with the tokens it made
+alone (`degraded_tokens`). `fallback=False` raises instead. Without an open there is no caption encoding: the error
+propagates.
+
 Timing: device compute is measured (perf_counter around the device's forwards, gates and draws) and multiplied
 by `device_slowdown`; cloud compute is what the cloud reports per request times `cloud_slowdown` (1 by default:
 as measured; a larger value emulates a larger cloud model relative to the network); communication comes from the network
@@ -49,8 +55,8 @@ import torch
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
-from ciar.collab.network import NetworkModel, get_profile
-from ciar.collab.protocol import CloudClient, OpenRequest, RuleConfig, VerifyRequest
+from ciar.collab.network import LinkDownError, NetworkModel, get_profile
+from ciar.collab.protocol import CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 
@@ -76,6 +82,8 @@ class CollabConfig:
     device_slowdown: float = 1.0  # device compute time = measured time x this factor
     cloud_slowdown: float = 1.0  # cloud compute time = reported time x this factor (emulates a larger cloud model)
     network: str = "5g"  # ciar.collab.network profile name
+    link_drop_after: int | None = None  # simulation: the link goes down after this many messages (both directions)
+    fallback: bool = True  # cloud unreachable mid-generation: finish on the device (degraded) instead of failing
 
     def validate(self) -> "CollabConfig":
         if self.method not in METHODS:
@@ -92,6 +100,9 @@ class CollabConfig:
             raise ValueError(f"device_slowdown must be > 0, got {self.device_slowdown}")
         if not self.cloud_slowdown > 0:
             raise ValueError(f"cloud_slowdown must be > 0, got {self.cloud_slowdown}")
+        if self.link_drop_after is not None and not (isinstance(self.link_drop_after, int)
+                                                     and self.link_drop_after >= 0):
+            raise ValueError(f"link_drop_after must be an integer >= 0, got {self.link_drop_after!r}")
         get_profile(self.network)
         return self
 
@@ -190,7 +201,7 @@ class CollabDecoder:
         n_total = self.num_tokens or (self.device_model.config.block_size if self.device_model is not None
                                       else None)
         stats = GenerationStats()
-        net = NetworkModel(get_profile(cfg.network), seed=seed)
+        net = NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after)
         prefix_len = n_total if n_total is not None and cfg.prefix_rate >= 1.0 else None
         if n_total is None:
             raise ValueError("num_tokens is required without a device model")
@@ -199,7 +210,11 @@ class CollabDecoder:
         drafting = prefix_len < n_total
 
         open_req = OpenRequest(sid, prompt, seed, params, prefix_len, cfg.rule, want_caption=drafting)
-        reply = self._exchange(stats, net, open_req.nbytes(), lambda: self.client.open(open_req))
+        try:
+            reply = self._exchange(stats, net, open_req.nbytes(), lambda: self.client.open(open_req))
+        except CloudUnreachableError:
+            self.client.close(sid)  # the cloud may have opened it before the reply was lost: drop local state
+            raise
         progress = _Progress(on_progress, self.progress_every)
         try:
             stats.cloud_requests += 1
@@ -212,7 +227,7 @@ class CollabDecoder:
             if drafting:
                 self._draft_loop(reply, tokens, who, n_total, seed, sid, stats, net, progress)
         finally:
-            self.client.close(sid)
+            self.client.close(sid)  # also after a link loss (frees local state; a real device sends it later)
         stats.total_tokens = len(tokens)
         stats.images = 1
         progress(tokens, stats, final=True)
@@ -220,13 +235,20 @@ class CollabDecoder:
 
     def _exchange(self, stats: GenerationStats, net: NetworkModel, up_bytes: int, call: Callable):
         """One request/reply over the simulated link: uplink transmission, `call()`, downlink transmission of the
-        reply's bytes (in this order, so the link's seeded jitter/loss stream does not depend on `wait`)."""
-        up_s, _ = net.transmit(up_bytes)
-        if self.wait is not None:
-            self.wait(up_s)
-        reply = call()
-        down_bytes = reply.nbytes()
-        down_s, _ = net.transmit(down_bytes)
+        reply's bytes (in this order, so the link's seeded jitter/loss stream does not depend on `wait`). A link that
+        goes down costs the sender's give-up time (LinkDownError.waited_s) before the error is raised."""
+        try:
+            up_s, _ = net.transmit(up_bytes)
+            if self.wait is not None:
+                self.wait(up_s)
+            reply = call()
+            down_bytes = reply.nbytes()
+            down_s, _ = net.transmit(down_bytes)
+        except LinkDownError as e:
+            stats.comm_s += e.waited_s
+            if self.wait is not None:
+                self.wait(e.waited_s)
+            raise
         cloud_s = reply.cloud_s * self.config.cloud_slowdown
         if self.wait is not None:
             self.wait(down_s + reply.cloud_s * (self.config.cloud_slowdown - 1.0))
@@ -269,18 +291,20 @@ class CollabDecoder:
         pending: list[int] = []
         pend_hidden: list[torch.Tensor] = []
         pend_feat: list[torch.Tensor] = []
+        offline = False  # the cloud became unreachable: the device decides the rest alone
         while len(tokens) < n_total:
             i = len(tokens)
             progress(tokens, stats)
             with clock:
-                q, x, score = self._draft_one(cur, gen, gate_gen)
-                escalate = cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau)
+                q, x, score = self._draft_one(cur, gen, gate_gen, score_it=not offline)
+                escalate = not offline and (cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau))
                 if not escalate:
                     tokens.append(x)
                     who.append("device")
                     stats.device_tokens += 1
+                    stats.degraded_tokens += int(offline)
                     pending.append(x)
-                    if cfg.inter_enhance:
+                    if cfg.inter_enhance and not offline:
                         center, radius = self._guided(cur)
                         pend_hidden.append(cur.hidden[0])
                         pend_feat.append(interval_features(center, radius, top=cfg.feature_top))
@@ -303,7 +327,23 @@ class CollabDecoder:
                     torch.stack(span_q).to(torch.float16),
                     torch.stack(pend_hidden).float().cpu() if send_feat else None,
                     torch.stack(pend_feat).float().cpu() if send_feat else None)
-            rep = self._exchange(stats, net, req.nbytes(self.client.vocab_size), lambda: self.client.verify(req))
+            try:
+                rep = self._exchange(stats, net, req.nbytes(self.client.vocab_size), lambda: self.client.verify(req))
+            except CloudUnreachableError:
+                if not cfg.fallback:
+                    raise
+                # keep the drafted span (the device's own samples) and go on alone
+                offline = True
+                stats.degraded = 1
+                tokens.extend(span)
+                who.extend(["device"] * k)
+                stats.device_tokens += k
+                stats.degraded_tokens += k
+                if len(tokens) < n_total:
+                    with clock:  # span[:k-1] are in the cache already
+                        cur = _last(self._feed(cache, [span[-1]], i + k - 1, rows, voting))
+                        stats.device_forward_passes += 1
+                continue
             stats.cloud_requests += 1
             stats.cloud_forward_passes += rep.forward_passes
             stats.verifications += 1

@@ -12,6 +12,10 @@ request/reply exchange is an uplink transmission plus a downlink transmission (E
 Profiles (paper Table 9): 5g 300 Mbps / 10 ms, 4g 20 Mbps / 50 ms, wifi 100 Mbps / 20 ms; `none` is an ideal
 link (zero time), for tests and for measuring compute alone. The jitter/loss stream is seeded, so a generation's
 simulated latency is reproducible.
+
+Outages: `NetworkModel(..., drop_after=n)` delivers n messages and then the link is down: every later `transmit`
+raises `LinkDownError` (a `ciar.collab.protocol.CloudUnreachableError`) after `DOWN_TIMEOUTS` retransmission
+timeouts, the time a device spends before it gives up on the cloud (`LinkDownError.waited_s`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,21 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, fields, replace
+
+from ciar.collab.protocol import CloudUnreachableError
+
+DOWN_TIMEOUTS = 3  # retransmission timeouts a sender waits before it declares the link down
+
+
+class LinkDownError(CloudUnreachableError):
+    """The simulated link is down. `waited_s`: simulated seconds spent finding out."""
+
+    def __init__(self, message: str, waited_s: float = 0.0):
+        super().__init__(message)
+        self.waited_s = waited_s
+
+    def __reduce__(self):  # picklable with its waited_s (it crosses process boundaries in the cluster)
+        return type(self), (str(self), self.waited_s)
 
 
 @dataclass(frozen=True)
@@ -93,15 +112,24 @@ class LinkTiming:
 class NetworkModel:
     """Seeded per-transmission timing of one link (one device's connection)."""
 
-    def __init__(self, profile: NetworkProfile | str, seed: int = 0):
+    def __init__(self, profile: NetworkProfile | str, seed: int = 0, drop_after: int | None = None):
+        if drop_after is not None and not (isinstance(drop_after, int) and drop_after >= 0):
+            raise ValueError(f"drop_after must be an integer >= 0 or None, got {drop_after!r}")
         self.profile = get_profile(profile)
         self._rng = random.Random(seed)
+        self.drop_after = drop_after
+        self.sent = 0  # messages delivered
 
     def transmit(self, nbytes: int) -> tuple[float, int]:
-        """Seconds to get one message of nbytes across, and the number of retransmissions it needed."""
+        """Seconds to get one message of nbytes across, and the number of retransmissions it needed. Raises
+        LinkDownError once `drop_after` messages have been delivered."""
         p = self.profile
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if self.drop_after is not None and self.sent >= self.drop_after:
+            raise LinkDownError(f"network {p.name}: link down after {self.sent} messages",
+                                waited_s=DOWN_TIMEOUTS * p.timeout_s)
+        self.sent += 1
         serial = 0.0 if math.isinf(p.bandwidth_mbps) else nbytes * 8 / (p.bandwidth_mbps * 1e6)
         seconds, retries = 0.0, 0
         while True:

@@ -32,6 +32,11 @@ from ciar.collab.stats import HEADER_BYTES, feature_bytes, token_bytes
 from ciar.decoding.sampling import SamplingParams
 
 
+class CloudUnreachableError(ConnectionError):
+    """The cloud cannot be reached: the device's link is down, or no verifier replica answers. A generation that
+    already has its caption falls back to device-only decoding (`CollabConfig.fallback`) and is marked degraded."""
+
+
 @dataclass
 class RuleConfig:
     """How the cloud judges drafts (ciar.collab.acceptance)."""

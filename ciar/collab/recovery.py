@@ -70,6 +70,11 @@ class RecoveringClient:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
+    @property
+    def open_sessions(self) -> int:
+        """Sessions tracked now (opened or resumed, not yet closed): 0 between generations."""
+        return len(self._sessions)
+
     def open(self, request: OpenRequest) -> OpenReply:
         reply = self.inner.open(request)
         self._sessions[request.session_id] = _Tracked(replace(request, want_caption=False),

@@ -13,6 +13,8 @@ Counters (per image, summed by `+`):
   verifications          spans verified (one per verify request)
   cloud_requests         round trips to the cloud (open + verify requests)
   resumes                sessions re-created on the cloud after it lost them (ciar.collab.recovery)
+  degraded               images finished on the device alone after the cloud became unreachable (link down)
+  degraded_tokens        tokens the device decided alone after that (no gate, no verification)
   cloud_forward_passes   sequential cloud forwards (what bounds latency; steps compression divides by it)
   device_forward_passes  device forwards
   bytes_up / bytes_down  payload bytes device -> cloud / cloud -> device
@@ -61,6 +63,8 @@ class GenerationStats:
     verifications: int = 0
     cloud_requests: int = 0
     resumes: int = 0
+    degraded: int = 0
+    degraded_tokens: int = 0
     cloud_forward_passes: int = 0
     device_forward_passes: int = 0
     bytes_up: int = 0

@@ -284,10 +284,41 @@ def test_reconfigure_changes_tau_live(cluster):
     assert post(body).json()["stats"]["config"]["tau"] == TAU
 
 
+def test_link_drop_degrades_to_device_only_and_leaves_no_state(cluster):
+    body = {"prompt": PROMPT, "seed": 4, "method": "ciar", "network": "5g", "response_format": "tokens",
+            "params": {"link_drop_after": 4}}  # the open and one verify get through, then the link is down
+    r = post(body)
+    assert r.status_code == 200, r.text
+    st = r.json()["stats"]
+    assert st["degraded"] == 1 and 0 < st["degraded_tokens"] < 144 and st["total_tokens"] == 144
+    assert len(r.json()["data"][0]["tokens"]) == 144 and st["cloud_requests"] == 2
+    png = post({**body, "response_format": "png"})
+    assert png.status_code == 200 and png.headers["x-ciar-degraded"] == "1"
+    fine = post({**body, "params": {}, "response_format": "png"})
+    assert fine.status_code == 200 and fine.headers["x-ciar-degraded"] == "0"
+    gone = post({**body, "params": {"link_drop_after": 0}})  # no caption encoding without the open: refused
+    assert gone.status_code == 503 and gone.json()["error"]["type"] == "unavailable" and gone.headers["retry-after"]
+    # every phone is idle and holds nothing; the verifier holds no session
+    h = serve.get_deployment_handle("Device", app_name="ciar")
+    states = {}
+    for _ in range(12 * DEVICES):
+        one = h.state.remote().result(timeout_s=60)
+        states[one["device_id"]] = one
+        if len(states) == DEVICES:
+            break
+    assert len(states) == DEVICES
+    for one in states.values():
+        assert (one["busy"], one["session_tokens"], one["batch_size_records"], one["tracked_sessions"]) == \
+            (False, 0, 0, 0), one
+    v = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result(timeout_s=60)
+    assert v["sessions"] == 0
+
+
 @pytest.mark.slow  # 1-4 min depending on what hypothesis draws; run with `make test-slow`
-@pytest.mark.xfail(strict=False, reason="KNOWN BUG found by this test (2026-11-23): a valid request (e.g. method "
-                   "cloud, seed 0, 5g) can get a plain-text 500 from outside the ingress handlers after the module's "
-                   "earlier tests (overload / reconfigure); cause not yet found")
+@pytest.mark.xfail(strict=False, reason="KNOWN, intermittent (2026-11-23): a valid request (e.g. method cloud, seed 0, "
+                   "5g) once got a plain-text 500 from outside the ingress handlers after the module's earlier tests "
+                   "(overload / reconfigure); not reproduced since (a full module run passed with --runxfail); the "
+                   "handler now names any error it raises, the assertion shows the content type")
 def test_fuzz_http_api_never_answers_5xx(cluster):
     """Random JSON bodies (hypothesis): every answer is 2xx or a 4xx with a message, never a 5xx. Devices are
     reconfigured live to skip the simulated waits while fuzzing (valid bodies still generate for real)."""
@@ -328,7 +359,7 @@ def test_fuzz_http_api_never_answers_5xx(cluster):
     def one(b):
         r = requests.post(GEN, data=json.dumps(b), headers={**AUTH, "content-type": "application/json"}, timeout=180)
         seen["requests"] += 1
-        assert r.status_code < 500, (b, r.status_code, r.text[:300])
+        assert r.status_code < 500, (b, r.status_code, r.headers.get("content-type"), r.text[:300])
         if r.status_code >= 400:
             assert r.json()["error"]["message"], r.text
         else:
