@@ -1,6 +1,7 @@
 """Verifier throughput with cross-device span batching vs the same replica forced to batch size 1.
 
     python -m benchmarks.serving --out serving.json [--sessions 16] [--span 4] [--duration 20] [--weights DIR]
+        [--verifier-cpus 2 --verifier-threads 2]
 
 Starts Ray Serve in-process with the `Verifier` deployment alone (one replica, the shipped world unless
 --weights; session-affine router, as in the application), and drives `--sessions` concurrent device sessions
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--verifier-cpus", type=float, default=1.0)
+    ap.add_argument("--verifier-threads", type=int, default=1, help="torch threads of the verifier replica")
     ap.add_argument("--tag", default="s")
     args = ap.parse_args(argv)
     if args.sessions < 1 or args.span < 1 or args.duration <= 0:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         def deploy(batch: int):  # a config deploy: a user_config change reconfigures the same replica
             deploy_config({"weights_dir": weights, "verifier_num_cpus": args.verifier_cpus,
-                           "verifier_max_sessions": args.sessions + 2},
+                           "verifier_threads": args.verifier_threads, "verifier_max_sessions": args.sessions + 2},
                           import_path="services.app:build_verifier_app", name="bench", route_prefix=None,
                           user_configs={"Verifier": {"max_batch_size": batch, "batch_wait_timeout_s": args.batch_wait,
                                                      "idle_timeout_s": 600}})
@@ -156,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         "batched": batched, "unbatched": unbatched,
         "setup": {"sessions": args.sessions, "span": args.span, "prefix": args.prefix, "batch_wait_s": args.batch_wait,
                   "duration_s": args.duration, "warmup_s": args.warmup, "weights": weights,
-                  "cfg_scale": sampling.cfg_scale, "verifier_cpus": args.verifier_cpus, "torch_threads": 1,
+                  "cfg_scale": sampling.cfg_scale, "verifier_cpus": args.verifier_cpus,
+                  "torch_threads": args.verifier_threads,
                   "device": "cuda" if torch.cuda.is_available() else "cpu"},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -37,3 +37,83 @@ def write_random_world(folder: str, sampling: dict | None = None, cloud_dtype: t
                 head.bias[V:].fill_(-4.0)
         dev.save(os.path.join(folder, "device.safetensors"))
     return str(folder)
+
+
+# a small LlamaGen-layout t2i GPT (registry GPT-B with these overrides) and VQ-16 tokenizer: 64 px -> 4 x 4 tokens
+LLAMAGEN_SMALL_GPT = dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=8, vocab_size=64)
+LLAMAGEN_SMALL_VQ = dict(ch=16, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=1, z_channels=16, codebook_size=64)
+
+
+def write_random_clip(folder: str, seed: int = 0) -> str:
+    """A tiny RANDOM transformers CLIP folder (model + character-level tokenizer + image processor) for tests."""
+    import json
+
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.makedirs(folder, exist_ok=True)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {c: i for i, c in enumerate(letters)}
+    vocab.update({c + "</w>": len(letters) + i for i, c in enumerate(letters)})
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    tok = CLIPTokenizer(os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"))
+    eos = vocab["<|endoftext|>"]
+    cfg = CLIPConfig(text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=77,
+                                      bos_token_id=vocab["<|startoftext|>"], eos_token_id=eos, pad_token_id=eos),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, image_size=32, patch_size=8), projection_dim=16)
+    torch.manual_seed(seed)
+    CLIPModel(cfg).save_pretrained(folder)
+    try:
+        from transformers import CLIPImageProcessorPil as ImageProcessor  # no torchvision needed
+    except ImportError:
+        from transformers import CLIPImageProcessor as ImageProcessor
+    proc = CLIPProcessor(image_processor=ImageProcessor(size={"shortest_edge": 32},
+                                                        crop_size={"height": 32, "width": 32}), tokenizer=tok)
+    proc.save_pretrained(folder)
+    return folder
+
+
+def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0) -> dict:
+    """RANDOM-weight stand-ins for the real-model path's local files, in their real formats: a LlamaGen t2i GPT
+    checkpoint (`{"model": state_dict}` .pt, LlamaGen's keys), a VQ-16 `.pt`, a CIAR device model for that GPT,
+    T5-style caption embeddings `t5/IMAGE_ID.npy` ([1, n, D]), a tiny CLIP folder and reference images
+    `images/IMAGE_ID.png`. -> the `--model-config` dict (paths relative to `folder`)."""
+    import numpy as np
+    from PIL import Image
+
+    from ciar.collab.device import DeviceConfig, DeviceModel
+
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(seed)
+    gpt = build_gpt("GPT-B", block_size=16, **LLAMAGEN_SMALL_GPT)
+    torch.nn.init.normal_(gpt.output.weight, std=0.5)
+    torch.save({"model": gpt.state_dict(), "steps": 0}, os.path.join(folder, "t2i_small.pt"))
+    vq = build_vq("VQ-16", image_size=64, **LLAMAGEN_SMALL_VQ)
+    torch.save({"model": vq.state_dict()}, os.path.join(folder, "vq_small.pt"))
+    dev = DeviceModel.from_cloud(gpt, DeviceConfig(n_layer=1))
+    with torch.no_grad():
+        for head in dev.inter_head.heads:
+            head.bias[gpt.config.vocab_size:].fill_(-4.0)
+    dev.save(os.path.join(folder, "device.safetensors"))
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(folder, "t5"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    for i in image_ids:
+        n = int(rng.integers(2, LLAMAGEN_SMALL_GPT["cls_token_num"] + 3))  # some longer than the 8 positions
+        np.save(os.path.join(folder, "t5", f"{i}.npy"),
+                rng.standard_normal((1, n, LLAMAGEN_SMALL_GPT["caption_dim"])).astype(np.float32))
+        Image.fromarray(rng.integers(0, 255, (40 + i % 3 * 8, 56, 3), dtype=np.uint8)).save(
+            os.path.join(folder, "images", f"{i}.png"))
+    write_random_clip(os.path.join(folder, "clip"), seed)
+    return {"gpt_checkpoint": "t2i_small.pt", "gpt_config": "GPT-B", "image_size": 64,
+            "gpt_overrides": LLAMAGEN_SMALL_GPT, "vq_checkpoint": "vq_small.pt",
+            "vq_overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in LLAMAGEN_SMALL_VQ.items()},
+            "device_checkpoint": "device.safetensors", "t5_embeddings": "t5", "clip_model": "clip",
+            "reference_images": "images", "cfg_scale": 2.0, "top_k": 0}

@@ -63,6 +63,35 @@ class CaptionTooLongError(ValueError):
     pass
 
 
+class PrecomputedCaptions:
+    """A caption encoder that answers from embeddings computed elsewhere (LlamaGen's T5 features, or an earlier
+    pipeline stage): `add(caption, emb [n, D] or [1, n, D])`, then `encode([caption, ...])` as `TextEncoder` does.
+    Asking for a caption it was not given is an error naming it (a T5 path cannot encode new text)."""
+
+    def __init__(self, max_length: int, dim: int | None = None):
+        self.max_length, self.dim = max_length, dim
+        self.table: dict[str, torch.Tensor] = {}
+
+    def add(self, caption: str, emb) -> None:
+        e = torch.as_tensor(emb).float()
+        e = e.reshape(-1, e.shape[-1])
+        if self.dim is not None and e.shape[-1] != self.dim:
+            raise ValueError(f"caption embedding of {caption[:60]!r} is {e.shape[-1]}-d, the model expects {self.dim}")
+        self.table[caption] = e
+
+    def clear(self) -> None:
+        self.table.clear()
+
+    def encode(self, captions: list[str]) -> CaptionBatch:
+        if isinstance(captions, str):
+            captions = [captions]
+        missing = [c for c in captions if c not in self.table]
+        if missing:
+            raise KeyError(f"no precomputed embedding for caption {missing[0][:80]!r} (this model's captions come "
+                           f"precomputed, e.g. LlamaGen's T5 features; it cannot encode new text)")
+        return CaptionBatch.from_precomputed([self.table[c] for c in captions], self.max_length)
+
+
 class TextEncoder:
     """Offline MiniLM caption encoder (batched, deterministic, CPU or GPU)."""
 

@@ -13,7 +13,7 @@ A weights folder holds `tokenizer.safetensors` (kind "vq") and `cloud.safetensor
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -114,6 +114,66 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
         projector = IntervalProjector.load(os.path.join(weights_dir, "projector.safetensors"), device=device)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
                  sampling=sampling_from_extra(extra), device_model=device_model, projector=projector)
+
+
+# LlamaGen's text-to-image sampling defaults (its sample_t2i.py): CFG 7.5, temperature 1, top-k 1000, top-p 1
+LLAMAGEN_T2I_SAMPLING = SamplingParams(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
+LLAMAGEN_FILE_KEYS = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint")
+
+
+def load_llamagen_world(files: dict, device: str | torch.device = "cpu") -> World:
+    """The real-model path: a LlamaGen text-to-image GPT and VQ tokenizer from local checkpoint files, plus a CIAR
+    device model (and optionally a projector) trained for that GPT. `files` (e.g. `--model-config` of
+    `pipelines.evaluate`):
+
+        gpt_checkpoint   LlamaGen t2i checkpoint (.pt / .safetensors), gpt_config "GPT-XL" (registry name),
+                         image_size 256 (or 512), gpt_overrides {...} (config fields, for non-registry sizes)
+        vq_checkpoint    LlamaGen vq_ds16_t2i.pt, vq_config "VQ-16", vq_overrides {...}
+        device_checkpoint   a ciar device model (`DeviceModel.save`) for this GPT (same vocabulary and grid)
+        projector_checkpoint  optional interval-feature projector
+        cfg_scale, temperature, top_k, top_p   sampling (default: LlamaGen's 7.5 / 1.0 / 1000 / 1.0)
+
+    Captions come precomputed (T5): `world.text` is a `PrecomputedCaptions` to fill. Raises FileNotFoundError naming
+    a missing file and CheckpointMismatchError naming mismatched keys."""
+    from ciar.models.gpt import load_llamagen_gpt
+    from ciar.models.vq import load_llamagen_vq
+    from ciar.text import PrecomputedCaptions
+
+    for key in LLAMAGEN_FILE_KEYS:
+        if key in files and not os.path.isfile(files[key]):
+            raise FileNotFoundError(f"{key}: file not found: {files[key]}")
+    for key in ("gpt_checkpoint", "vq_checkpoint"):
+        if key not in files:
+            raise ValueError(f"the LlamaGen world needs {key}")
+    device = torch.device(device)
+    image_size = int(files.get("image_size", 256))
+    cloud = load_llamagen_gpt(files["gpt_checkpoint"], files.get("gpt_config", "GPT-XL"), image_size=image_size,
+                              **files.get("gpt_overrides", {}))
+    vq = load_llamagen_vq(files["vq_checkpoint"], files.get("vq_config", "VQ-16"),
+                          **{"image_size": image_size, **files.get("vq_overrides", {})})
+    if vq.config.codebook_size != cloud.config.vocab_size:
+        raise ValueError(f"the tokenizer has {vq.config.codebook_size} codes but the GPT predicts "
+                         f"{cloud.config.vocab_size}")
+    device_model = projector = None
+    if files.get("device_checkpoint"):
+        from ciar.collab.device import DeviceModel
+
+        device_model = DeviceModel.load(files["device_checkpoint"], device=device)
+        dc, cc = device_model.config, cloud.config
+        if (dc.vocab_size, dc.block_size, dc.cls_token_num) != (cc.vocab_size, cc.block_size, cc.cls_token_num):
+            raise ValueError(f"{files['device_checkpoint']}: the device model (vocab {dc.vocab_size}, "
+                             f"{dc.block_size} tokens, {dc.cls_token_num} caption positions) does not fit the GPT "
+                             f"(vocab {cc.vocab_size}, {cc.block_size} tokens, {cc.cls_token_num} caption positions)")
+    if files.get("projector_checkpoint"):
+        from ciar.collab.projector import IntervalProjector
+
+        projector = IntervalProjector.load(files["projector_checkpoint"], device=device)
+    given = {k: files[k] for k in ("cfg_scale", "temperature", "top_k", "top_p") if k in files}
+    sampling = replace(LLAMAGEN_T2I_SAMPLING, **given).validate()
+    text = PrecomputedCaptions(cloud.config.cls_token_num, cloud.config.caption_dim)
+    return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text,
+                 weights_dir=os.path.dirname(os.path.abspath(files["gpt_checkpoint"])), sampling=sampling,
+                 device_model=device_model, projector=projector)
 
 
 @dataclass

@@ -12,7 +12,8 @@ when GPUs exist):
   captions -> EncodeCaptions (caption embeddings: the world's text encoder, or precomputed T5 files)
            -> Generate (every method per caption: `ciar.collab` decoder + in-process verifier, PNG to
               OUT/images/METHOD/, the full stats struct per sample)
-           -> MetricFeatures (attribute-probe checks, FID feature vector; CLIP score for the real-model path)
+           -> MetricFeatures (attribute-probe checks, FID feature vector; Inception features and the CLIP score
+              on the real-model path)
            -> OUT/samples/shard-NNNNN.parquet (one row per caption x method: caption, method, seed, image path,
               every stats field, metric features)
 Resumable: captions are cut into shards of `--shard-size`; a shard whose Parquet file exists is skipped, and a
@@ -22,6 +23,12 @@ Aggregation (driver): OUT/summary.json `{"methods": {NAME: {...}}}` with the fie
 (speedup vs cloud-only from the per-sample latencies, cloud-call rate, requests, acceptance, fidelity, FID,
 latency split, bytes) and OUT/report.md with PNG plots: quality-vs-speedup frontier, latency split per method,
 an image grid (same captions across methods), and the wall time of each stage.
+
+Real-model path (`--model-config FILE`, see `read_model_config`): a LlamaGen t2i GPT and VQ tokenizer from local
+checkpoints (`ciar.world.load_llamagen_world`), a CIAR device model trained for that GPT, caption embeddings from
+LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with Inception-v3 from a local weights file against
+`reference_images` (needs torch-fidelity), and the CLIP score from a local CLIP folder; a missing file is named
+before anything starts.
 
 Seeds: caption i is generated with seed `seed * 1000003 + i` by every method (as `benchmarks.collab`, so its
 rows agree on the same prompts).
@@ -89,34 +96,70 @@ def read_captions(path: str, limit: int | None, seed: int) -> tuple[list[dict], 
 
 
 # ---------------------------------------------------------------------------------------------- model config
-MODEL_CONFIG_FILES = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "t5_embeddings",
+MODEL_CONFIG_FILES = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint", "t5_embeddings",
                       "inception_weights", "clip_model", "reference_images")
+MODEL_CONFIG_SETTINGS = ("gpt_config", "gpt_overrides", "image_size", "vq_config", "vq_overrides", "cfg_scale",
+                         "temperature", "top_k", "top_p")
 
 
-def read_model_config(path: str | None) -> dict:
+def read_model_config(path: str | None, methods: list[str] | None = None) -> dict:
     """The real-model path: a JSON file naming local files (nothing is downloaded). Keys:
-    gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size, vq_checkpoint (vq_ds16_t2i.pt),
-    device_checkpoint (a ciar device model trained for that GPT), t5_embeddings (folder of IMAGE_ID.npy caption
-    embeddings [L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05 .pth),
-    clip_model (a local CLIP folder for transformers), reference_images (folder of the COCO images).
-    Raises FileNotFoundError naming the first missing file."""
+    gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size (256 / 512), vq_checkpoint
+    (vq_ds16_t2i.pt), device_checkpoint (a ciar device model trained for that GPT; needed by every method but
+    cloud), projector_checkpoint (optional), t5_embeddings (folder of IMAGE_ID.npy caption embeddings [L, 2048]
+    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05 .pth: FID; needs the
+    torch-fidelity package), clip_model (a local transformers CLIP folder: CLIP score), reference_images (folder of
+    the captions' images, by file_name: FID references); sampling: cfg_scale, temperature, top_k, top_p
+    (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config / vq_overrides for non-registry sizes.
+    Relative paths are taken relative to the config file. Raises FileNotFoundError naming the first missing file,
+    ValueError for anything else wrong."""
     if not path:
         return {}
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--model-config file not found: {path}")
-    with open(path) as f:
-        cfg = json.load(f)
-    unknown = sorted(set(cfg) - set(MODEL_CONFIG_FILES) - {"gpt_config", "image_size", "cfg_scale"})
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    unknown = sorted(set(cfg) - set(MODEL_CONFIG_FILES) - set(MODEL_CONFIG_SETTINGS))
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(MODEL_CONFIG_FILES)} + gpt_config, "
-                         f"image_size, cfg_scale")
+        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(MODEL_CONFIG_FILES + MODEL_CONFIG_SETTINGS)}")
+    base = os.path.dirname(os.path.abspath(path))
     for key in MODEL_CONFIG_FILES:
-        if key in cfg and not os.path.exists(cfg[key]):
-            raise FileNotFoundError(f"{path}: {key} = {cfg[key]!r} does not exist")
-    missing = [k for k in ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "t5_embeddings") if k not in cfg]
+        if key in cfg:
+            cfg[key] = os.path.join(base, cfg[key])
+            if not os.path.exists(cfg[key]):
+                raise FileNotFoundError(f"{path}: {key} = {cfg[key]!r} does not exist")
+    needed = ["gpt_checkpoint", "vq_checkpoint", "t5_embeddings"]
+    if any(m != "cloud" for m in methods or ["ciar"]):
+        needed.append("device_checkpoint")
+    missing = [k for k in needed if k not in cfg]
     if missing:
         raise ValueError(f"{path}: the real-model path needs {missing}")
+    if "inception_weights" in cfg:
+        from torchmetrics.utilities.imports import _TORCH_FIDELITY_AVAILABLE
+
+        if not _TORCH_FIDELITY_AVAILABLE:
+            raise ValueError(f"{path}: inception_weights (FID) needs the torch-fidelity package, which is not "
+                             f"installed (`pip install torch-fidelity`; the weights still come from your file)")
     return cfg
+
+
+def caption_length(model_config: dict, weights_dir: str | None) -> int:
+    """Caption positions of the cloud model (the padded length stage 1 produces)."""
+    if model_config:
+        from ciar.models.gpt import gpt_config
+
+        name = model_config.get("gpt_config", "GPT-XL")
+        return gpt_config(name, **model_config.get("gpt_overrides", {})).cls_token_num
+    from ciar.models.checkpoint import read_model_metadata
+    from ciar.world import default_weights_dir
+
+    _, cfg, _ = read_model_metadata(os.path.join(weights_dir or default_weights_dir(), "cloud.safetensors"))
+    return int(cfg["cls_token_num"])
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -128,44 +171,34 @@ def _threads():
 
 
 class EncodeCaptions:
-    """Stage 1: caption -> embedding [L, D] float16 + mask [L] (the world's encoder, or T5 files by image id)."""
+    """Stage 1: caption -> embedding [L, D] float16 + mask [L] (the world's encoder, or T5 files by image id), left
+    padded to the cloud model's caption positions."""
 
     def __init__(self, weights_dir: str | None, model_config: dict):
         device = _threads()
         self.t5 = model_config.get("t5_embeddings")
+        self.length = caption_length(model_config, weights_dir)
         if not self.t5:
-            from ciar.models.checkpoint import read_model_metadata
             from ciar.text import TextEncoder
-            from ciar.world import default_weights_dir
 
-            _, cfg, _ = read_model_metadata(os.path.join(weights_dir or default_weights_dir(), "cloud.safetensors"))
-            self.text = TextEncoder(max_length=int(cfg["cls_token_num"]), device=device)
+            self.text = TextEncoder(max_length=self.length, device=device)
 
     def __call__(self, batch: dict) -> dict:
+        from ciar.text import CaptionBatch
+
         if self.t5:
-            embs = [np.load(os.path.join(self.t5, f"{int(i)}.npy")).astype(np.float16) for i in batch["image_id"]]
-            batch["caption_emb"] = np.stack(embs)
-            batch["caption_mask"] = np.ones(batch["caption_emb"].shape[:2], dtype=bool)
-            return batch
-        cap = self.text.encode([str(c) for c in batch["caption"]])
+            embs = []
+            for i in batch["image_id"]:
+                path = os.path.join(self.t5, f"{int(i)}.npy")
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"t5_embeddings: no file {path} for image id {int(i)}")
+                embs.append(np.load(path))
+            cap = CaptionBatch.from_precomputed(embs, self.length)
+        else:
+            cap = self.text.encode([str(c) for c in batch["caption"]])
         batch["caption_emb"] = cap.emb.cpu().numpy().astype(np.float16)
         batch["caption_mask"] = cap.mask.cpu().numpy()
         return batch
-
-
-class _Precomputed:
-    """A text encoder that answers from the embeddings stage 1 computed (keyed by caption)."""
-
-    def __init__(self, table: dict):
-        self.table = table
-
-    def encode(self, prompts):
-        import torch
-        from types import SimpleNamespace
-
-        emb = torch.stack([torch.from_numpy(self.table[p][0].astype(np.float32)) for p in prompts])
-        mask = torch.stack([torch.from_numpy(self.table[p][1]) for p in prompts])
-        return SimpleNamespace(emb=emb, mask=mask)
 
 
 class Generate:
@@ -174,20 +207,31 @@ class Generate:
     def __init__(self, weights_dir: str | None, model_config: dict, methods: list[str], overrides: dict,
                  network: str, out_dir: str):
         _threads()
+        import torch
+
         from ciar.collab.decoder import shared_knobs
         from ciar.collab.runtime import make_decoder, make_verifier
         from ciar.world import load_default_world
 
-        if model_config:
-            raise NotImplementedError("the real-model generation path is wired in `_real_world` below")
-        self.world = load_default_world(weights_dir)
+        from ciar.text import PrecomputedCaptions
+        from ciar.world import load_llamagen_world
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.world = load_llamagen_world(model_config, device=device) if model_config else \
+            load_default_world(weights_dir, device=device)
         self.verifier = make_verifier(self.world, max_sessions=2)
+        c = self.world.cloud.config
+        self.captions = PrecomputedCaptions(c.cls_token_num, c.caption_dim)  # stage 1's embeddings, by caption
+        if model_config:  # T5 captions only: a one-token stand-in for the warm-up
+            self.verifier.text = self.captions
+            self.captions.add("warm-up", torch.zeros(1, c.caption_dim))
         self.decoders = {m: make_decoder(self.world, self.verifier, m, network=network,
                                          **shared_knobs(m, overrides)) for m in methods}
         self.methods, self.out_dir = methods, out_dir
         for m in methods:
             os.makedirs(os.path.join(out_dir, "images", m), exist_ok=True)
         self.decoders[methods[0]].generate("warm-up", seed=10 ** 9)  # first-call overheads out of the timings
+        self.verifier.text = self.captions
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -195,8 +239,9 @@ class Generate:
 
         from ciar.models.vq import tensor_to_images
 
-        table = {str(c): (e, m) for c, e, m in zip(batch["caption"], batch["caption_emb"], batch["caption_mask"])}
-        self.verifier.text = _Precomputed(table)
+        self.captions.clear()
+        for c, e, m in zip(batch["caption"], batch["caption_emb"], batch["caption_mask"]):
+            self.captions.add(str(c), torch.from_numpy(e[m].astype(np.float32)))
         cols: dict[str, list] = {k: [] for k in ("index", "image_id", "caption", "seed", "method", "image_path",
                                                  "image", "file_name", "wall_s", *STATS_FIELDS)}
         for i in range(len(batch["caption"])):
@@ -206,7 +251,8 @@ class Generate:
                 r = self.decoders[m].generate(caption, seed=seed)
                 wall = time.perf_counter() - t0
                 with torch.no_grad():
-                    img = tensor_to_images(self.world.vq.decode_code(r.tokens.reshape(1, -1)))[0].numpy()
+                    codes = r.tokens.reshape(1, -1).to(self.world.device)
+                    img = tensor_to_images(self.world.vq.decode_code(codes))[0].cpu().numpy()
                 path = os.path.join(self.out_dir, "images", m, f"{int(batch['image_id'][i])}.png")
                 Image.fromarray(img).save(path)
                 st = r.stats.to_dict()
@@ -222,18 +268,26 @@ class Generate:
 
 
 class MetricFeatures:
-    """Stage 3: attribute-probe checks against the scene labels (if any) and the FID feature vector."""
+    """Stage 3: the FID feature vector of each image (the scenes feature net; Inception-v3 from a local weights file on
+    the real-model path, none without one), attribute-probe checks against the scene labels (if any), and the CLIP
+    score against the caption (when a CLIP model is given)."""
 
-    def __init__(self, weights_dir: str | None, labels: dict | None):
+    def __init__(self, weights_dir: str | None, labels: dict | None, model_config: dict | None = None):
         self.device = _threads()
-        from ciar.metrics.fid import load_feature_net
+        from ciar.metrics.fid import feature_extractor
         from ciar.metrics.probe import load_probe
         from ciar.world import default_weights_dir
 
+        model_config = model_config or {}
         w = weights_dir or default_weights_dir()
         self.labels = labels
-        self.probe = load_probe(os.path.join(w, "probe.safetensors")) if labels else None
-        self.features = load_feature_net(os.path.join(w, "fid_features.safetensors"))
+        self.probe = load_probe(os.path.join(w, "probe.safetensors")) if labels and not model_config else None
+        self.features = feature_extractor(model_config, w, device=self.device)
+        self.clip = None
+        if model_config.get("clip_model"):
+            from ciar.metrics.clip import ClipScorer
+
+            self.clip = ClipScorer(model_config["clip_model"], device=self.device)
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -241,10 +295,15 @@ class MetricFeatures:
         from ciar.metrics.probe import accuracy_from_predictions, predict, scene_targets
 
         images = batch["image"]
-        with torch.no_grad():
-            feats = self.features(torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2))
-        batch["fid_features"] = feats.cpu().numpy().astype(np.float32)
         n = len(images)
+        if self.features is not None:
+            with torch.no_grad():
+                feats = self.features(torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2))
+            batch["fid_features"] = feats.cpu().numpy().astype(np.float32)
+        else:
+            batch["fid_features"] = np.zeros((n, 0), dtype=np.float32)
+        batch["clip_score"] = self.clip(images, [str(c) for c in batch["caption"]]).astype(np.float64) \
+            if self.clip is not None else np.full(n, np.nan)
         checks, correct = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float64)
         if self.probe is not None:
             pred = predict(self.probe, images)
@@ -323,6 +382,7 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
             fid = float(_compute_fid(torch.from_numpy(r.mean(0)), torch.from_numpy(np.cov(r, rowvar=False)),
                                      torch.from_numpy(f.mean(0)), torch.from_numpy(np.cov(f, rowvar=False))))
         checks = float(s["fidelity_checks"].sum())
+        clip = s["clip_score"].dropna() if "clip_score" in s else []
         rows[m] = {
             "num_samples": n,
             "speedup": base_total / lat["total"] if base_total else None,
@@ -334,6 +394,7 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
             "mean_accepted_length": 1 + tot["accepted"] / tot["verifications"] if tot["verifications"] else None,
             "fidelity": float(s["fidelity_correct"].sum()) / checks if checks else None,
             "fid": fid,
+            "clip_score": float(clip.mean()) if len(clip) else None,
             "latency_s": lat,
             "bytes_up": tot["bytes_up"] / n, "bytes_down": tot["bytes_down"] / n,
             "wall_s_per_image": float(s["wall_s"].mean()),
@@ -341,23 +402,41 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
     return {"methods": rows}
 
 
-def reference_features(info: dict, rows: list[dict], weights_dir: str | None) -> np.ndarray | None:
-    """FID features of the reference images named by the captions file (scenes export: DIR/images/FILE)."""
+def reference_features(info: dict, rows: list[dict], weights_dir: str | None,
+                       model_config: dict | None = None) -> np.ndarray | None:
+    """FID features of the reference images of the captions: a scenes export's DIR/images/FILE with the scenes
+    feature net, or (real-model path) `reference_images`/FILE with Inception. None when there are none."""
     import torch
     from PIL import Image
 
-    from ciar.metrics.fid import load_feature_net
+    from ciar.metrics.fid import feature_extractor
     from ciar.world import default_weights_dir
 
-    paths = [os.path.join(info["root"], "images", r["file_name"]) for r in rows if r["file_name"]]
-    if len(paths) < 2 or not all(os.path.isfile(p) for p in paths):
+    model_config = model_config or {}
+    folder = model_config.get("reference_images") if model_config else os.path.join(info["root"], "images")
+    if not folder:
         return None
-    net = load_feature_net(os.path.join(weights_dir or default_weights_dir(), "fid_features.safetensors"))
-    imgs = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+    paths = [os.path.join(folder, r["file_name"]) for r in rows if r["file_name"]]
+    if len(paths) < 2:
+        return None
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        if model_config:
+            raise FileNotFoundError(f"reference_images: {len(missing)} images missing, e.g. {missing[0]}")
+        return None
+    features = feature_extractor(model_config, weights_dir or default_weights_dir())
+    if features is None:
+        return None
     feats = []
     with torch.no_grad():
-        for s in range(0, len(imgs), 256):
-            feats.append(net(torch.from_numpy(imgs[s:s + 256]).permute(0, 3, 1, 2)).cpu().numpy())
+        if model_config:  # real photos differ in size: one at a time (the extractor resizes to its input)
+            for p in paths:
+                im = torch.from_numpy(np.asarray(Image.open(p).convert("RGB"))).permute(2, 0, 1)[None]
+                feats.append(features(im).cpu().numpy())
+        else:
+            imgs = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])
+            for s in range(0, len(imgs), 256):
+                feats.append(features(torch.from_numpy(imgs[s:s + 256]).permute(0, 3, 1, 2)).cpu().numpy())
     return np.concatenate(feats)
 
 
@@ -376,8 +455,10 @@ def write_report(out: str, summary: dict, samples, methods: list[str], runs: lis
     os.makedirs(plots, exist_ok=True)
     # frontier: quality vs speedup
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "fidelity", "attribute fidelity (higher is better)"),
-                           (axes[1], "fid", "FID (lower is better)")):
+    has_probe = any(r.get("fidelity") is not None for r in rows.values())
+    quality = ("fidelity", "attribute fidelity (higher is better)") if has_probe else \
+        ("clip_score", "CLIP score (higher is better)")
+    for ax, key, label in ((axes[0], *quality), (axes[1], "fid", "FID (lower is better)")):
         for m, r in rows.items():
             if r.get(key) is not None and r.get("speedup") is not None:
                 ax.scatter(r["speedup"], r[key])
@@ -414,6 +495,9 @@ def write_report(out: str, summary: dict, samples, methods: list[str], runs: lis
     lines = [f"# Evaluation report\n\nCaptions: `{args.captions}` ({int(samples['index'].nunique())} captions), "
              f"methods: {', '.join(methods)}, network: {args.network}, seed: {args.seed}, params: {args.param}\n\n",
              markdown(rows, "Methods side by side (speedup vs cloud-only from the per-sample latencies)"),
+             *(["\n| Method | CLIP score (↑) |\n|---|---|\n"]
+               + [f"| {m} | {r['clip_score']:.2f} |\n" for m, r in rows.items() if r.get("clip_score") is not None]
+               if any(r.get("clip_score") is not None for r in rows.values()) else []),
              "\n![quality vs speedup](plots/frontier.png)\n\n![latency split](plots/latency.png)\n\n",
              f"Image grid (rows: {', '.join(methods)}; columns: the first {len(idx)} captions):\n\n",
              "![grid](plots/grid.png)\n\n", *[f"{k + 1}. {c}\n" for k, c in enumerate(captions)],
@@ -453,13 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             method_config(m, network=args.network, **shared_knobs(m, overrides))
         rows, info = read_captions(args.captions, args.limit, args.seed)
-        model_config = read_model_config(args.model_config)
+        model_config = read_model_config(args.model_config, methods)
+        if model_config:
+            missing = [r["image_id"] for r in rows
+                       if not os.path.isfile(os.path.join(model_config["t5_embeddings"], f"{r['image_id']}.npy"))]
+            if missing:
+                raise FileNotFoundError(f"t5_embeddings: no embedding file for {len(missing)} of the captions' "
+                                        f"images, e.g. {os.path.join(model_config['t5_embeddings'], str(missing[0]))}.npy")
     except (CaptionsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if model_config:
-        print("error: the real-model generation path (LlamaGen + device model from --model-config) is not wired "
-              "into the Ray Data stages yet; the config was validated", file=sys.stderr)
         return 2
     for r in rows:
         r["shard"] = r["index"] // args.shard_size
@@ -495,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, args.generators)),
                             num_cpus=1, num_gpus=gpus)
         ds = ds.map_batches(MetricFeatures, fn_constructor_kwargs={"weights_dir": args.weights,
-                                                                   "labels": info["labels"]},
+                                                                   "labels": info["labels"],
+                                                                   "model_config": model_config},
                             batch_size=64, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0.5)
         per_shard = {s: [] for s in todo}
         need = {s: sum(1 for r in pending if r["shard"] == s) * len(methods) for s in todo}
@@ -531,14 +618,14 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.time()
     samples = pd.concat([pd.read_parquet(shard_path(out, s)) for s in shards], ignore_index=True)
     samples = samples[samples["method"].isin(methods)]
-    ref = reference_features(info, rows, args.weights)
+    ref = reference_features(info, rows, args.weights, model_config)
     summary = summarize(samples, methods, ref)
     summary.update({"captions": os.path.abspath(args.captions), "num_captions": len(rows), "network": args.network,
                     "seed": args.seed, "params": overrides, "runs": runs})
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     write_report(out, summary, samples, methods, runs, time.time() - t1, args)
-    print(json.dumps({m: {k: r[k] for k in ("speedup", "cloud_call_rate", "fidelity", "fid")}
+    print(json.dumps({m: {k: r[k] for k in ("speedup", "cloud_call_rate", "fidelity", "fid", "clip_score")}
                       for m, r in summary["methods"].items()}, indent=1))
     return 0
 

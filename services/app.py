@@ -264,7 +264,7 @@ def _verifier(cfg: AppConfig, secret: str):
         request_router_config=RequestRouterConfig(request_router_class="services.routing:SessionAffinityRouter"),
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(cfg.weights_dir, cfg.verifier_max_sessions, secret)
+    ).bind(cfg.weights_dir, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)
 
 
 def build_app(args: dict | None = None) -> serve.Application:

@@ -108,6 +108,8 @@ class AppConfig(BaseModel):
     verifier_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the verifier pool")
     verifier_num_cpus: float = Field(1.0, gt=0.0)
     verifier_num_gpus: float = Field(0.0, ge=0.0)
+    verifier_threads: int = Field(1, ge=1, le=256, description="torch CPU threads per verifier replica (a CPU "
+                                  "replica with N cores: N; irrelevant on a GPU)")
     verifier_max_sessions: int = Field(64, ge=1, le=100_000, description="KV-cache slots (sessions) per replica")
     verifier: VerifierLiveConfig = Field(default_factory=VerifierLiveConfig)
     allow_unauthenticated: bool = Field(False, description="accept requests without a key (only when no keys)")

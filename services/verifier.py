@@ -43,8 +43,9 @@ def session_token(secret: str, session_id: str, device_id: str) -> str:
 
 
 class Verifier:
-    def __init__(self, weights_dir: str | None, max_sessions: int, secret: str, live: dict | None = None):
-        torch.set_num_threads(1)
+    def __init__(self, weights_dir: str | None, max_sessions: int, secret: str, live: dict | None = None,
+                 threads: int = 1):
+        torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         world = load_default_world(weights_dir, device=device)
         self.live = VerifierLiveConfig(**(live or {}))

@@ -229,3 +229,19 @@ def fid_between(fid_metric, real_uint8, fake_uint8, batch_size: int = 256) -> fl
     value = float(fid_metric.compute())
     fid_metric.reset()
     return value
+
+
+def feature_extractor(model_config: dict | None, weights_dir: str | None = None, device: str | torch.device = "cpu"):
+    """The per-image FID feature function of an evaluation: uint8 [B, 3, H, W] -> float [B, F].
+
+    Scenes worlds (no `model_config`): the scenes feature net of `weights_dir`. The real-model path: Inception-v3
+    (torchmetrics' FID extractor, 2048-d pool features) from the local `inception_weights` file, or None when the
+    config names none (then no FID is reported)."""
+    if not model_config:
+        path = os.path.join(weights_dir, "fid_features.safetensors") if weights_dir else _default_scene_weights()
+        net = load_feature_net(path).to(device)
+        return lambda imgs: net(imgs.to(device))
+    if not model_config.get("inception_weights"):
+        return None
+    net = make_fid("inception", model_config["inception_weights"], device=device).inception
+    return lambda imgs: net(imgs.to(device)).float()

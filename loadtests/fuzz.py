@@ -1,0 +1,206 @@
+"""Fuzz the HTTP API: random and near-valid JSON bodies (hypothesis), oversized bodies, bad keys; counts answers by
+status and checks the logs for keys.
+
+    python -m loadtests.fuzz --examples 500 --out runs/fuzz            # starts the cluster, as loadtests.run does
+    python -m loadtests.fuzz --host http://127.0.0.1:8000 --api-key KEY --examples 200
+
+Every answer must be a 2xx, or a 4xx / 503 whose JSON body names the error (`error.message`); a 5xx other than 503
+is a failure. Without --host, the devices are reconfigured live to skip simulated waits (valid bodies still
+generate for real, just faster), and after the run every Serve log file of the Ray session is searched for the API
+key and the bad keys that were sent (they must never be logged). Writes OUT/fuzz.json:
+  {"requests", "by_status", "five_xx", "five_xx_examples", "unnamed_4xx", "oversized": {...}, "keys_in_logs", "ok"}
+The test suite runs the same strategies (`body_strategy`) against a small random world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+PROMPTS = ("a small red circle at the top on a gray background", "a red circle", "a large blue square")
+PARAM_KEYS = ("tau", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after", "cfg_scale",
+              "temperature", "top_k", "top_p", "bogus")
+
+
+def body_strategy():
+    """Bodies of POST /v1/images/generations: near-valid ones (mostly answered 200) or arbitrary JSON."""
+    from hypothesis import strategies as st
+
+    from ciar.collab.decoder import METHODS
+
+    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=40)
+    values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
+                                                                                          max_size=3), max_leaves=8)
+    params = st.dictionaries(st.sampled_from(PARAM_KEYS), st.integers(-10, 10 ** 7) | st.floats(-1e7, 1e7) | values,
+                             max_size=4)
+    arbitrary = st.fixed_dictionaries({}, optional={
+        "prompt": st.text(max_size=450) | st.sampled_from(PROMPTS) | values,
+        "seed": st.integers(-3, 2 ** 64) | values,
+        "method": st.sampled_from(list(METHODS) + ["x"]) | values,
+        "params": params | values,
+        "network": st.sampled_from(["5g", "4g", "wifi", "none", "3g"]) | values,
+        "response_format": st.sampled_from(["b64_json", "png", "tokens", "gif"]),
+        "stream": st.booleans() | values,
+    }) | values
+    near_valid = st.fixed_dictionaries({"prompt": st.sampled_from(PROMPTS)}, optional={
+        "seed": st.integers(0, 1000), "method": st.sampled_from(list(METHODS)),
+        "network": st.sampled_from(["5g", "4g", "wifi", "none"]), "response_format": st.sampled_from(["tokens", "png"]),
+        "params": st.fixed_dictionaries({}, optional={
+            "tau": st.floats(0, 1), "span": st.integers(1, 8), "prefix_rate": st.floats(0, 1),
+            "link_drop_after": st.integers(0, 40), "cfg_scale": st.floats(1, 5), "temperature": st.floats(0, 2),
+            "top_k": st.integers(0, 64), "top_p": st.floats(0.05, 1)}),
+    })
+    return near_valid | arbitrary
+
+
+def check_answer(status: int, content_type: str, text: str) -> str | None:
+    """None when the answer is acceptable; else what is wrong with it."""
+    if status >= 500 and status != 503:
+        return f"{status} ({content_type}): {text[:300]}"
+    if status >= 400:
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return f"{status} without a JSON error message ({content_type}): {text[:200]}"
+        if not message:
+            return f"{status} with an empty error message"
+    return None
+
+
+class Fuzzer:
+    """Posts bodies and tallies the answers (used by the CLI and by tests/services/test_app.py)."""
+
+    def __init__(self, url: str, key: str, timeout_s: float = 300.0):
+        import requests
+
+        self.session = requests.Session()
+        self.gen = f"{url.rstrip('/')}/v1/images/generations"
+        self.key, self.timeout_s = key, timeout_s
+        self.by_status: dict[str, int] = {}
+        self.failures: list[dict] = []
+        self.requests = 0
+
+    def post_raw(self, data: bytes | str, headers: dict | None = None):
+        h = {"Authorization": f"Bearer {self.key}", "content-type": "application/json", **(headers or {})}
+        r = self.session.post(self.gen, data=data, headers=h, timeout=self.timeout_s)
+        self.requests += 1
+        self.by_status[str(r.status_code)] = self.by_status.get(str(r.status_code), 0) + 1
+        return r
+
+    def check(self, body) -> None:
+        r = self.post_raw(json.dumps(body))
+        bad = check_answer(r.status_code, r.headers.get("content-type", ""), r.text)
+        if bad:
+            self.failures.append({"body": body, "problem": bad})
+
+    def run(self, examples: int, seed: int = 0) -> None:
+        from hypothesis import HealthCheck, given, seed as hseed, settings
+
+        @hseed(seed)
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(body_strategy())
+        def one(body):
+            self.check(body)
+
+        one()
+
+    def oversized(self) -> dict:
+        """A 1 MB body: refused with 413 from its Content-Length, before the body is read."""
+        t0 = time.perf_counter()
+        big = self.post_raw(json.dumps({"prompt": "x" * (1 << 20)}))
+        big_s = time.perf_counter() - t0
+        return {"1MB_status": big.status_code, "1MB_latency_s": round(big_s, 3),
+                "ok": big.status_code == 413}
+
+    def bad_keys(self, keys: list[str]) -> dict:
+        codes = [self.post_raw(json.dumps({"prompt": PROMPTS[0]}), {"Authorization": f"Bearer {k}"}).status_code
+                 for k in keys]
+        codes.append(self.post_raw(json.dumps({"prompt": PROMPTS[0]}), {"Authorization": ""}).status_code)
+        return {"codes": codes, "ok": set(codes) == {401}}
+
+
+def keys_in_logs(log_dir: str, secrets: list[str]) -> dict[str, int]:
+    """How many times each secret appears in the Serve / worker log files under log_dir (must be 0)."""
+    found = {}
+    files = glob.glob(os.path.join(log_dir, "**", "*.log"), recursive=True) + \
+        glob.glob(os.path.join(log_dir, "**", "*.out"), recursive=True) + \
+        glob.glob(os.path.join(log_dir, "**", "*.err"), recursive=True)
+    for s in secrets:
+        n = 0
+        for f in files:
+            try:
+                with open(f, errors="replace") as fh:
+                    n += fh.read().count(s)
+            except OSError:
+                continue
+        found[s[:4] + "…"] = n
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadtests.run import REPO, Cluster, apply_overrides, free_port, load_app_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--examples", type=int, default=500)
+    p.add_argument("--out", default="runs/fuzz")
+    p.add_argument("--host", default=None, help="a running cluster's URL (then nothing is started or stopped)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--config", default=os.path.join(REPO, "serve_config.yaml"))
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--weights", default=None, help="weights folder (default: the config's, i.e. the shipped world)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="as in loadtests.run")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    os.makedirs(args.out, exist_ok=True)
+    cluster = None
+    report: dict = {"examples": args.examples, "seed": args.seed}
+    bad_keys = ["wrong-key-0123456789", "ciar-dev-key " * 2, "Bearer"]
+    try:
+        if args.host is None:
+            app = apply_overrides(load_app_config(args.config), ["Device.realtime=false"] + args.sets)
+            app["args"]["devices"] = args.devices
+            if args.weights:
+                app["args"]["weights_dir"] = os.path.abspath(args.weights)
+            from services.schemas import AppConfig
+
+            key = args.api_key or AppConfig(**app["args"]).all_api_keys()[0]
+            cluster = Cluster(app, free_port(), free_port())
+            print(f"starting the cluster ({args.devices} devices, simulated waits off) ...", flush=True)
+            cluster.start()
+            url = cluster.url
+        else:
+            url, key = args.host, args.api_key or os.environ.get("CIAR_API_KEY", "ciar-dev-key")
+        f = Fuzzer(url, key)
+        t0 = time.perf_counter()
+        f.run(args.examples, args.seed)
+        report["fuzz_wall_s"] = round(time.perf_counter() - t0, 1)
+        report["oversized"] = f.oversized()
+        report["bad_keys"] = f.bad_keys(bad_keys)
+        report.update({"requests": f.requests, "by_status": dict(sorted(f.by_status.items())),
+                       "five_xx": sum(v for k, v in f.by_status.items() if k.startswith("5") and k != "503"),
+                       "problems": len(f.failures), "problem_examples": f.failures[:10]})
+        if cluster is not None:
+            import ray
+
+            log_dir = ray._private.worker._global_node.get_logs_dir_path()  # this session's logs
+            time.sleep(2.0)  # let the log monitors flush
+            report["keys_in_logs"] = keys_in_logs(log_dir, [key] + bad_keys[:1])
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    report["ok"] = (report.get("five_xx") == 0 and report.get("problems") == 0 and report["oversized"]["ok"]
+                    and report["bad_keys"]["ok"] and not any((report.get("keys_in_logs") or {}).values()))
+    with open(os.path.join(args.out, "fuzz.json"), "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+    print(json.dumps({k: v for k, v in report.items() if k != "problem_examples"}, indent=1, default=str))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

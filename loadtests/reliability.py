@@ -1,0 +1,344 @@
+"""Reliability runs against a live cluster: verifier replicas killed under load, device links that drop, overload,
+and a leak check over 1,000 requests.
+
+    python -m loadtests.reliability --out runs/reliability                       # every scenario
+    python -m loadtests.reliability --scenarios kill,linkdrop --requests 48 --concurrency 8
+
+It starts the cluster as `loadtests.run` does (serve_config.yaml with `--set` overrides applied, a Ray instance of
+its own; it stops only what it started), then runs the scenarios in this order:
+
+kill      N requests (methods ciar/eagle/lantern/cloud, networks 5g/4g/wifi, seeds drawn from --seed), C at a time,
+          twice: undisturbed, then again while every Verifier replica is killed `--kills` times at even intervals
+          (`ray.kill`; Serve starts a new replica, devices re-send their sessions' histories). Reported: attempted,
+          succeeded, degraded, lost (anything but a 200), identical (same tokens as the undisturbed run), resumes.
+linkdrop  N requests; every other one has its simulated link go down after 2..30 messages (`params.link_drop_after`):
+          the device must finish the image alone and mark it degraded. Reported per group: attempted, succeeded,
+          degraded, lost.
+overload  a burst of B requests at once, far beyond devices + queue: each answer must be a 200 or a 503 with
+          Retry-After, and the 503s must come back at once (their latency p50 / max is reported).
+leak      devices reconfigured live to skip simulated waits; K verifier sessions opened and abandoned (a device that
+          vanished); then M requests (every 10th streamed and disconnected after its first event, every 10th
+          abandoned by a 0.25 s client timeout). Verifier sessions, device state and resident memory are read
+          before, right after, and after the verifier's idle timeout: nothing may be left.
+
+`OUT/reliability.json` holds every figure; the exit code is 0 only when no request was lost, every overload answer
+was a 200 or a 503 with Retry-After, and the leak check found nothing left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from loadtests.run import REPO, Cluster, apply_overrides, free_port, load_app_config
+
+PROMPTS = ("a small red circle at the top on a gray background",
+           "a large blue square at the center on a black background",
+           "a green triangle at the bottom left and a yellow circle at the top right on a white background",
+           "a medium purple star at the left on a gray background")
+NETWORKS = ("5g", "4g", "wifi")
+DEFAULT_SETS = ("Verifier.idle_timeout_s=10",)
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+class Client:
+    def __init__(self, url: str, key: str):
+        import requests
+
+        self.requests = requests
+        self.gen = f"{url}/v1/images/generations"
+        self.headers = {"Authorization": f"Bearer {key}"}
+
+    def post(self, body: dict, timeout: float = 600.0) -> dict:
+        t0 = time.perf_counter()
+        try:
+            r = self.requests.post(self.gen, json=body, headers=self.headers, timeout=timeout)
+        except self.requests.RequestException as e:
+            return {"code": None, "error": type(e).__name__, "latency_s": time.perf_counter() - t0}
+        out = {"code": r.status_code, "latency_s": time.perf_counter() - t0,
+               "retry_after": r.headers.get("retry-after")}
+        try:
+            j = r.json()
+        except ValueError:
+            out["error"] = r.text[:200]
+            return out
+        if r.status_code == 200:
+            st = j["stats"]
+            out.update(tokens=j["data"][0].get("tokens"), degraded=bool(st.get("degraded")),
+                       resumes=st.get("resumes", 0), total_tokens=st.get("total_tokens"))
+        else:
+            out["error"] = j.get("error", {}).get("message")
+        return out
+
+    def stream_and_disconnect(self, body: dict) -> dict:
+        """Start a streamed generation, read its first event, and hang up."""
+        with self.requests.post(self.gen, json={**body, "stream": True}, headers=self.headers, stream=True,
+                                timeout=600) as r:
+            code = r.status_code
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    break
+        return {"code": code, "disconnected": True}
+
+
+def _jobs(n: int, seed: int, methods=("ciar", "eagle", "lantern", "cloud")) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": rng.choice(PROMPTS), "seed": rng.randrange(1 << 20), "method": methods[i % len(methods)],
+             "network": rng.choice(NETWORKS), "response_format": "tokens"} for i in range(n)]
+
+
+def _run_all(client: Client, bodies: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        out = list(pool.map(client.post, bodies))
+    return out, time.perf_counter() - t0
+
+
+def _count(results: list[dict]) -> dict:
+    ok = [r for r in results if r["code"] == 200]
+    return {"attempted": len(results), "succeeded": len(ok), "degraded": sum(r.get("degraded", False) for r in ok),
+            "lost": len(results) - len(ok), "errors": sorted({f"{r['code']}: {r.get('error')}" for r in results
+                                                               if r["code"] != 200})[:10]}
+
+
+# ---------------------------------------------------------------------------------------------------------- scenarios
+def verifier_actors() -> list:
+    import ray
+
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if "Verifier" in a["name"]]
+
+
+def scenario_kill(client: Client, n: int, concurrency: int, kills: int, seed: int) -> dict:
+    import ray
+
+    bodies = _jobs(n, seed)
+    base, base_s = _run_all(client, bodies, concurrency)
+    done = []
+
+    def killer(stop: threading.Event) -> None:
+        for j in range(kills):
+            if stop.wait(base_s * (j + 1) / (kills + 1) - (time.perf_counter() - t0)):
+                return
+            for actor in verifier_actors():
+                ray.kill(actor, no_restart=True)
+                done.append(round(time.perf_counter() - t0, 2))
+
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    th = threading.Thread(target=killer, args=(stop,), daemon=True)
+    th.start()
+    hit, hit_s = _run_all(client, bodies, concurrency)
+    stop.set()
+    th.join()
+    same = sum(1 for a, b in zip(base, hit) if a["code"] == b["code"] == 200 and a["tokens"] == b["tokens"])
+    out = {**_count(hit), "identical_to_undisturbed": same, "resumes": sum(r.get("resumes", 0) for r in hit),
+           "requests_resumed": sum(1 for r in hit if r.get("resumes")), "kills_at_s": done,
+           "undisturbed": _count(base), "undisturbed_wall_s": round(base_s, 1), "wall_s": round(hit_s, 1),
+           "latency_s": {"p50": _percentile([r["latency_s"] for r in hit], 50),
+                         "max": max(r["latency_s"] for r in hit)}}
+    out["ok"] = out["lost"] == 0 and out["undisturbed"]["lost"] == 0 and bool(done)
+    return out
+
+
+def scenario_linkdrop(client: Client, n: int, concurrency: int, seed: int) -> dict:
+    rng = random.Random(seed + 1)
+    bodies = _jobs(n, seed + 1, methods=("ciar", "eagle", "lantern"))
+    for i, b in enumerate(bodies):
+        if i % 2 == 0:
+            b["params"] = {"link_drop_after": rng.randint(2, 30)}
+    res, wall = _run_all(client, bodies, concurrency)
+    drop = [r for i, r in enumerate(res) if i % 2 == 0]
+    keep = [r for i, r in enumerate(res) if i % 2 == 1]
+    out = {"with_drop": _count(drop), "without_drop": _count(keep), "wall_s": round(wall, 1),
+           "complete_images": sum(1 for r in res if r.get("total_tokens") and len(r.get("tokens") or []) ==
+                                  r["total_tokens"])}
+    out["ok"] = out["with_drop"]["lost"] == 0 and out["without_drop"]["lost"] == 0 and \
+        out["with_drop"]["degraded"] > 0 and out["without_drop"]["degraded"] == 0
+    return out
+
+
+def scenario_overload(client: Client, burst: int, seed: int) -> dict:
+    bodies = [{**b, "method": "cloud", "network": "4g"} for b in _jobs(burst, seed + 2)]
+    res, wall = _run_all(client, bodies, burst)
+    r503 = [r for r in res if r["code"] == 503]
+    other = [r for r in res if r["code"] not in (200, 503)]
+    out = {"burst": burst, "ok_200": sum(r["code"] == 200 for r in res), "rejected_503": len(r503),
+           "other": len(other), "other_codes": sorted({str(r["code"]) for r in other}),
+           "retry_after_on_every_503": all(r.get("retry_after") for r in r503),
+           "latency_503_s": {"p50": _percentile([r["latency_s"] for r in r503], 50),
+                             "max": max((r["latency_s"] for r in r503), default=None)},
+           "latency_200_s": {"p50": _percentile([r["latency_s"] for r in res if r["code"] == 200], 50)},
+           "wall_s": round(wall, 1)}
+    out["ok"] = not other and bool(r503) and out["retry_after_on_every_503"]
+    return out
+
+
+def fleet_state(devices: int, app: str = "ciar") -> dict:
+    """Every Device replica's `state()` (asked until each has answered) and the Verifier replicas' stats."""
+    from ray import serve
+
+    h = serve.get_deployment_handle("Device", app_name=app)
+    seen: dict[str, dict] = {}
+    for _ in range(12 * devices):
+        st = h.state.remote().result(timeout_s=120)
+        seen[st["device_id"]] = st
+        if len(seen) >= devices:
+            break
+    v = serve.get_deployment_handle("Verifier", app_name=app).stats.remote().result(timeout_s=60)
+    keys = ("session_tokens", "batch_size_records", "tracked_sessions")
+    return {"devices_seen": len(seen), "devices_busy": sum(s["busy"] for s in seen.values()),
+            "device_state": {k: sum(s[k] for s in seen.values()) for k in keys},
+            "device_rss_mb": round(sum(s["rss_mb"] for s in seen.values()), 1),
+            "verifier_sessions": v["sessions"], "verifier_free_slots": v["free_slots"],
+            "verifier_rss_mb": round(v["rss_mb"], 1), "verifier_replica": v["replica_id"]}
+
+
+def _wait_idle(devices: int, timeout_s: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = fleet_state(devices)
+        if st["devices_busy"] == 0 or time.monotonic() > deadline:
+            return st
+        time.sleep(1.0)
+
+
+def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: int, concurrency: int,
+                  seed: int) -> dict:
+    from ray import serve
+
+    from ciar.collab.protocol import OpenRequest
+    from ciar.decoding.sampling import SamplingParams
+    from services.deploy import deploy_config
+
+    app = cluster.app
+    devices = int(app["args"].get("devices", 4))
+    idle_s = float(app["user_configs"].get("Verifier", {}).get("idle_timeout_s", 60))
+    # no simulated waits: as many requests through the fleet as the box can do
+    deploy_config(app["args"], import_path=app["import_path"], name="ciar", runtime_env=app["runtime_env"],
+                  user_configs={**app["user_configs"], "Device": {**app["user_configs"].get("Device", {}),
+                                                                 "realtime": False}})
+    bodies = _jobs(requests_n, seed + 3, methods=("ciar", "cloud", "eagle", "code", "ciar", "lantern"))
+    warm = min(50, requests_n // 10)
+    _run_all(client, bodies[:warm], concurrency)
+    before = _wait_idle(devices)
+
+    v = serve.get_deployment_handle("Verifier", app_name="ciar")
+    for i in range(abandoned):  # devices that open a session and vanish: only the idle timeout frees these
+        sid = f"abandoned-{i}"
+        v.open.remote(OpenRequest(sid, PROMPTS[0], i, SamplingParams(), 0), session_id=sid,
+                      device_id="vanished").result(timeout_s=120)
+    held = v.stats.remote().result(timeout_s=60)["sessions"]
+
+    def one(i_body):
+        i, body = i_body
+        if i % 10 == 3:
+            return client.stream_and_disconnect(body)
+        if i % 10 == 7:
+            return {**client.post(body, timeout=0.25), "abandoned": True}
+        return client.post(body)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        res = list(pool.map(one, enumerate(bodies[warm:], start=warm)))
+    wall = time.perf_counter() - t0
+    after = _wait_idle(devices)
+    time.sleep(idle_s * 1.6 + 1.0)  # the evictor runs every idle/4 s
+    settled = fleet_state(devices)
+    plain = [r for r in res if not r.get("disconnected") and not r.get("abandoned")]
+    out = {"requests": len(res) + warm, "measured_requests": len(res), "wall_s": round(wall, 1),
+           "completed_200": sum(r["code"] == 200 for r in plain), "plain_requests": len(plain),
+           "plain_not_200": sum(r["code"] != 200 for r in plain),
+           "disconnected": sum(1 for r in res if r.get("disconnected")),
+           "abandoned_by_timeout": sum(1 for r in res if r.get("abandoned") and r["code"] is None),
+           "abandoned_sessions_opened": abandoned, "verifier_sessions_after_abandoning": held,
+           "idle_timeout_s": idle_s,
+           "before": before, "after": after, "after_idle_timeout": settled,
+           "verifier_rss_growth_mb": round(settled["verifier_rss_mb"] - before["verifier_rss_mb"], 1),
+           "device_rss_growth_mb": round(settled["device_rss_mb"] - before["device_rss_mb"], 1)}
+    left = settled["device_state"]
+    out["ok"] = (held >= abandoned and settled["verifier_sessions"] == 0 and not any(left.values()) and out["plain_not_200"] == 0
+                 and settled["verifier_free_slots"] == before["verifier_free_slots"]
+                 and settled["verifier_replica"] == before["verifier_replica"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/reliability")
+    p.add_argument("--scenarios", default="kill,linkdrop,overload,leak")
+    p.add_argument("--config", default=os.path.join(REPO, "serve_config.yaml"))
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--weights", default=None)
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help=f"as in loadtests.run (applied after the defaults {', '.join(DEFAULT_SETS)})")
+    p.add_argument("--requests", type=int, default=48, help="requests of the kill and linkdrop scenarios")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--kills", type=int, default=3, help="times the verifier replicas are killed")
+    p.add_argument("--burst", type=int, default=96, help="requests of the overload burst")
+    p.add_argument("--leak-requests", type=int, default=1000)
+    p.add_argument("--abandoned", type=int, default=8, help="verifier sessions opened and never closed")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(scenarios) - {"kill", "linkdrop", "overload", "leak"}
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: kill, linkdrop, overload, leak")
+    app = apply_overrides(load_app_config(args.config), list(DEFAULT_SETS) + args.sets)
+    app["args"]["devices"] = args.devices
+    if args.weights:
+        app["args"]["weights_dir"] = os.path.abspath(args.weights)
+    from services.schemas import AppConfig
+
+    key = AppConfig(**app["args"]).all_api_keys()[0]
+    os.makedirs(args.out, exist_ok=True)
+    report: dict = {"devices": args.devices, "user_configs": app["user_configs"], "scenarios": {}}
+    cluster = Cluster(app, free_port(), free_port())
+    t0 = time.monotonic()
+    try:
+        print(f"starting the cluster ({args.devices} devices) ...", flush=True)
+        cluster.start()
+        report["cluster_start_s"] = round(time.monotonic() - t0, 1)
+        client = Client(cluster.url, key)
+        for name in scenarios:
+            print(f"scenario {name} ...", flush=True)
+            t1 = time.monotonic()
+            if name == "kill":
+                r = scenario_kill(client, args.requests, args.concurrency, args.kills, args.seed)
+            elif name == "linkdrop":
+                r = scenario_linkdrop(client, args.requests, args.concurrency, args.seed)
+            elif name == "overload":
+                r = scenario_overload(client, args.burst, args.seed)
+            else:
+                r = scenario_leak(cluster, client, args.leak_requests, args.abandoned, args.concurrency, args.seed)
+            r["scenario_wall_s"] = round(time.monotonic() - t1, 1)
+            report["scenarios"][name] = r
+            print(json.dumps({name: r}, indent=1, default=str), flush=True)
+            with open(os.path.join(args.out, "reliability.json"), "w") as f:
+                json.dump(report, f, indent=2, default=str)
+    finally:
+        cluster.stop()
+    report["ok"] = all(r.get("ok") for r in report["scenarios"].values())
+    report["total_wall_s"] = round(time.monotonic() - t0, 1)
+    with open(os.path.join(args.out, "reliability.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"{'PASS' if report['ok'] else 'FAIL'}: {os.path.join(args.out, 'reliability.json')}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
