@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 

@@ -116,14 +116,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ciar.models.checkpoint import read_model_metadata
     from ciar.world import default_weights_dir, sampling_from_extra
-    from services.deploy import deploy_config
+    from services.deploy import deploy_config, patient_serve_env
 
     weights = os.path.abspath(args.weights) if args.weights else default_weights_dir()
     _, cfg, extra = read_model_metadata(os.path.join(weights, "cloud.safetensors"))
     sampling = sampling_from_extra(extra)
     vocab, n_tokens = int(cfg["vocab_size"]), int(cfg["block_size"])
 
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    patient_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     try:

@@ -122,6 +122,10 @@ class TextEncoder:
         for i, c in enumerate(captions):
             if not isinstance(c, str) or not c.strip():
                 raise ValueError(f"caption {i} is empty")
+            try:
+                c.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"caption {i} is not valid Unicode text (a lone surrogate code point)") from None
         out = []
         for s in range(0, len(captions), batch_size):
             chunk = captions[s:s + batch_size]

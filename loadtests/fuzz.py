@@ -22,6 +22,7 @@ import sys
 import time
 
 PROMPTS = ("a small red circle at the top on a gray background", "a red circle", "a large blue square")
+ODD_PROMPTS = ("a red \ud800 circle", "a red \x00 circle", "\u200b", "a 😀 circle", " \t\n ")  # lone surrogate, NUL, ...
 PARAM_KEYS = ("tau", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after", "cfg_scale",
               "temperature", "top_k", "top_p", "bogus")
 
@@ -38,7 +39,7 @@ def body_strategy():
     params = st.dictionaries(st.sampled_from(PARAM_KEYS), st.integers(-10, 10 ** 7) | st.floats(-1e7, 1e7) | values,
                              max_size=4)
     arbitrary = st.fixed_dictionaries({}, optional={
-        "prompt": st.text(max_size=450) | st.sampled_from(PROMPTS) | values,
+        "prompt": st.text(max_size=450) | st.sampled_from(PROMPTS + ODD_PROMPTS) | values,
         "seed": st.integers(-3, 2 ** 64) | values,
         "method": st.sampled_from(list(METHODS) + ["x"]) | values,
         "params": params | values,
@@ -46,7 +47,7 @@ def body_strategy():
         "response_format": st.sampled_from(["b64_json", "png", "tokens", "gif"]),
         "stream": st.booleans() | values,
     }) | values
-    near_valid = st.fixed_dictionaries({"prompt": st.sampled_from(PROMPTS)}, optional={
+    near_valid = st.fixed_dictionaries({"prompt": st.sampled_from(PROMPTS + ODD_PROMPTS)}, optional={
         "seed": st.integers(0, 1000), "method": st.sampled_from(list(METHODS)),
         "network": st.sampled_from(["5g", "4g", "wifi", "none"]), "response_format": st.sampled_from(["tokens", "png"]),
         "params": st.fixed_dictionaries({}, optional={

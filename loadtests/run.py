@@ -109,14 +109,10 @@ class Cluster:
         import ray
         from ray import serve
 
-        from services.deploy import deploy_config
+        from services.deploy import deploy_config, patient_serve_env
         from services.schemas import AppConfig
 
-        # a busy box can miss Serve's 5 s proxy readiness check; the controller inherits this environment
-        for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
-                           ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
-                           ("RAY_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", "1")):
-            os.environ.setdefault(var, value)
+        patient_serve_env()  # the controller inherits this environment
         cfg = AppConfig(**self.app["args"])  # validated here, with the field named, before Ray starts
         need = (cfg.devices * cfg.device_num_cpus + cfg.verifier_replicas * cfg.verifier_num_cpus
                 + cfg.ingress_num_cpus + 0.5)

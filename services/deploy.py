@@ -13,9 +13,22 @@ path of production. (Changing `args` re-builds the application and restarts its 
 
 from __future__ import annotations
 
+import os
 import time
 
 from ray import serve
+
+
+# a loaded 2-core box can miss Serve's 5 s proxy readiness check; short graceful shutdowns for local clusters
+PATIENT_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                     "RAY_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S": "1"}
+
+
+def patient_serve_env() -> None:
+    """Set PATIENT_SERVE_ENV (where not set already) before `ray.init` starts a local cluster: Serve's controller
+    inherits the driver's environment."""
+    for var, value in PATIENT_SERVE_ENV.items():
+        os.environ.setdefault(var, value)
 
 
 def deploy_config(args: dict, import_path: str = "services.app:build_app", name: str = "ciar",

@@ -61,7 +61,7 @@ class GenerationRequest(BaseModel):
     def _not_blank(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("prompt must not be blank")
-        return v
+        return v  # (pydantic itself refuses strings with lone surrogates: "string_unicode")
 
 
 class DeviceLiveConfig(BaseModel):

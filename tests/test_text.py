@@ -37,6 +37,22 @@ def test_bad_captions(enc):
         enc.encode(["  "])
     with pytest.raises(CaptionTooLongError, match="at most 40"):
         enc.encode(["red " * 60])
+    with pytest.raises(ValueError, match="surrogate"):  # the tokenizer itself would raise a TypeError
+        enc.encode(["a red \ud800 circle"])
+
+
+def test_precomputed_captions_answer_by_caption():
+    from ciar.text import PrecomputedCaptions
+
+    pc = PrecomputedCaptions(max_length=4, dim=8)
+    pc.add("a", torch.randn(1, 2, 8))  # LlamaGen's T5 files are [1, n, D]
+    pc.add("b", torch.randn(6, 8))
+    b = pc.encode(["b", "a"])
+    assert b.emb.shape == (2, 4, 8) and b.mask.sum(1).tolist() == [4, 2]
+    with pytest.raises(KeyError, match="no precomputed embedding"):
+        pc.encode(["c"])
+    with pytest.raises(ValueError, match="expects 8"):
+        pc.add("d", torch.randn(3, 5))
 
 
 def test_precomputed_embeddings():

@@ -10,7 +10,7 @@ strictly (`load_llamagen_vq`); the code is our own. Images are float tensors in 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn

@@ -7,7 +7,6 @@ One Ray instance for the module; replicas get fractional CPUs. Simulated network
 import base64
 import io
 import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
-from services.deploy import deploy_config  # noqa: E402
+from services.deploy import deploy_config, patient_serve_env  # noqa: E402
 
 PORT = 8123
 METRICS_PORT = 8124
@@ -49,11 +48,7 @@ def deploy(weights: str, **device_live) -> None:
 def cluster(tmp_path_factory):
     weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
                                  with_device=True)
-    # a loaded 2-core CI box can miss Serve's 5 s proxy readiness check; these are read by the controller,
-    # which inherits the driver's environment when ray.init starts the local cluster
-    for var, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60"),
-                       ("RAY_SERVE_GRACEFUL_SHUTDOWN_TIMEOUT_S", "1")):
-        os.environ.setdefault(var, value)
+    patient_serve_env()  # the controller inherits the driver's environment
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
              _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})

@@ -1,6 +1,7 @@
 """Config, schema and routing logic of the Serve application, without starting Ray (fast unit tests), plus the
 shipped YAML files parsed and built into real Serve applications."""
 
+import json
 import os
 
 import pytest
@@ -46,6 +47,10 @@ def test_request_schema():
         GenerationRequest(prompt="x", method="dalle")
     with pytest.raises(ValidationError, match="prompt"):
         GenerationRequest(prompt=" ")
+    with pytest.raises(ValidationError, match="unicode"):  # a lone surrogate, as json.loads gives it
+        GenerationRequest.model_validate(json.loads('{"prompt": "a red \\ud800 circle"}'))
+    assert GenerationRequest(prompt="a 😀 circle", params={"link_drop_after": 3}).params.collab_overrides() == \
+        {"link_drop_after": 3}
     assert MethodParams().collab_overrides() == {}
 
 
