@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -65,6 +66,17 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                        for e in errors)
     return error_body(422, detail, field=field)
+
+
+def json_safe(obj):
+    """Non-finite floats -> None, recursively (JSON has no NaN / Infinity; Starlette refuses them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -204,7 +216,8 @@ class Ingress:
     def _observe(self, req: GenerationRequest, stats: dict, code: int) -> None:
         m = req.method
         self.m_requests.inc(tags={"method": m, "code": str(code)})
-        self.m_cloud.inc(stats.get("cloud_requests", 0), tags={"method": m})
+        if stats.get("cloud_requests"):  # Ray counters refuse increments <= 0
+            self.m_cloud.inc(stats["cloud_requests"], tags={"method": m})
         if stats.get("degraded"):
             self.m_degraded.inc(tags={"method": m})
         if stats.get("mean_accepted_length") is not None:
@@ -220,7 +233,8 @@ class Ingress:
                             headers={"X-CIAR-Degraded": str(int(bool(out["stats"].get("degraded"))))})
         item = {"tokens": out["tokens"]} if req.response_format == "tokens" else \
             {"b64_json": base64.b64encode(out["png"]).decode()}
-        return {"created": int(time.time()), "data": [item], "stats": out["stats"]}
+        # serialised here, inside the handler's error mapping (not by FastAPI after it returns)
+        return JSONResponse(json_safe({"created": int(time.time()), "data": [item], "stats": out["stats"]}))
 
     async def _events(self, req: GenerationRequest, job: dict):
         """Server-sent events: `progress` (tokens done, a partial preview as base64 PNG), then `result` (the same
@@ -240,7 +254,8 @@ class Ingress:
                     self._observe(req, ev["stats"], 200)
                     item = {"tokens": ev["tokens"]} if req.response_format == "tokens" else \
                         {"b64_json": base64.b64encode(ev["png"]).decode()}
-                    yield sse("result", {"created": int(time.time()), "data": [item], "stats": ev["stats"]})
+                    yield sse("result", json_safe({"created": int(time.time()), "data": [item],
+                                                   "stats": ev["stats"]}))
         except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)
             resp = self._failure(req, e)
             yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})

@@ -90,3 +90,11 @@ def test_no_keys_is_refused(monkeypatch):
     monkeypatch.delenv("CIAR_API_KEYS", raising=False)
     with pytest.raises(ValueError, match="no API keys"):
         build_app({})
+
+
+def test_json_safe_drops_non_finite_floats():
+    from services.app import json_safe
+
+    got = json_safe({"a": float("inf"), "b": [1.5, float("nan"), {"c": -float("inf")}], "d": "x", "e": 3})
+    assert got == {"a": None, "b": [1.5, None, {"c": None}], "d": "x", "e": 3}
+    json.dumps(got, allow_nan=False)
