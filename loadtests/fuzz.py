@@ -143,7 +143,7 @@ def keys_in_logs(log_dir: str, secrets: list[str]) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtests.run import REPO, Cluster, apply_overrides, free_port, load_app_config
+    from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, use_key
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=int, default=500)
@@ -168,15 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             app["args"]["devices"] = args.devices
             if args.weights:
                 app["args"]["weights_dir"] = os.path.abspath(args.weights)
-            from services.schemas import AppConfig
-
-            key = args.api_key or AppConfig(**app["args"]).all_api_keys()[0]
+            if args.api_key:
+                use_key(app, args.api_key)
+            key = client_key(app, args.api_key)
             cluster = Cluster(app, free_port(), free_port())
             print(f"starting the cluster ({args.devices} devices, simulated waits off) ...", flush=True)
             cluster.start()
             url = cluster.url
         else:
-            url, key = args.host, args.api_key or os.environ.get("CIAR_API_KEY", "ciar-dev-key")
+            url, key = args.host, client_key(None, args.api_key)
         f = Fuzzer(url, key)
         t0 = time.perf_counter()
         f.run(args.examples, args.seed)

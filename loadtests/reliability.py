@@ -17,9 +17,10 @@ linkdrop  N requests; every other one has its simulated link go down after 2..30
 overload  a burst of B requests at once, far beyond devices + queue: each answer must be a 200 or a 503 with
           Retry-After, and the 503s must come back at once (their latency p50 / max is reported).
 leak      devices reconfigured live to skip simulated waits; K verifier sessions opened and abandoned (a device that
-          vanished); then M requests (every 10th streamed and disconnected after its first event, every 10th
-          abandoned by a 0.25 s client timeout). Verifier sessions, device state and resident memory are read
-          before, right after, and after the verifier's idle timeout: nothing may be left.
+          vanished); then M requests in two halves (every 10th streamed and disconnected after its first event,
+          every 10th abandoned by a 0.25 s client timeout). Verifier sessions, device state and resident memory
+          are read before, between the halves, right after, and after the verifier's idle timeout: nothing may be
+          left, and the memory growth of each half is reported.
 
 `OUT/reliability.json` holds every figure; the exit code is 0 only when no request was lost, every overload answer
 was a 200 or a 503 with Retry-After, and the leak check found nothing left.
@@ -36,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from loadtests.run import REPO, Cluster, apply_overrides, free_port, load_app_config
+from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config
 
 PROMPTS = ("a small red circle at the top on a gray background",
            "a large blue square at the center on a black background",
@@ -251,8 +252,11 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
         return client.post(body)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        res = list(pool.map(one, enumerate(bodies[warm:], start=warm)))
+    half = warm + (requests_n - warm) // 2
+    with ThreadPoolExecutor(concurrency) as pool:  # two halves, memory read between them: growth per half
+        res = list(pool.map(one, enumerate(bodies[warm:half], start=warm)))
+        middle = _wait_idle(devices)
+        res += list(pool.map(one, enumerate(bodies[half:], start=half)))
     wall = time.perf_counter() - t0
     after = _wait_idle(devices)
     time.sleep(idle_s * 1.6 + 1.0)  # the evictor runs every idle/4 s
@@ -265,7 +269,12 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
            "abandoned_by_timeout": sum(1 for r in res if r.get("abandoned") and r["code"] is None),
            "abandoned_sessions_opened": abandoned, "verifier_sessions_after_abandoning": held,
            "idle_timeout_s": idle_s,
-           "before": before, "after": after, "after_idle_timeout": settled,
+           "before": before, "middle": middle, "after": after, "after_idle_timeout": settled,
+           "rss_growth_mb_per_half": {
+               "verifier": [round(middle["verifier_rss_mb"] - before["verifier_rss_mb"], 1),
+                            round(after["verifier_rss_mb"] - middle["verifier_rss_mb"], 1)],
+               "devices": [round(middle["device_rss_mb"] - before["device_rss_mb"], 1),
+                           round(after["device_rss_mb"] - middle["device_rss_mb"], 1)]},
            "verifier_rss_growth_mb": round(settled["verifier_rss_mb"] - before["verifier_rss_mb"], 1),
            "device_rss_growth_mb": round(settled["device_rss_mb"] - before["device_rss_mb"], 1)}
     left = settled["device_state"]
@@ -302,9 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     app["args"]["devices"] = args.devices
     if args.weights:
         app["args"]["weights_dir"] = os.path.abspath(args.weights)
-    from services.schemas import AppConfig
-
-    key = AppConfig(**app["args"]).all_api_keys()[0]
+    key = client_key(app)
     os.makedirs(args.out, exist_ok=True)
     report: dict = {"devices": args.devices, "user_configs": app["user_configs"], "scenarios": {}}
     cluster = Cluster(app, free_port(), free_port())

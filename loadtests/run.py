@@ -83,6 +83,32 @@ def apply_overrides(app: dict, sets: list[str]) -> dict:
     return app
 
 
+DEV_KEY = "ciar-dev-key"  # the key serve_config.yaml accepts (by its digest)
+
+
+def use_key(app: dict, key: str) -> dict:
+    """Make `key` the application's only API key, by its digest (Serve logs builder args; the key stays out)."""
+    from services.schemas import key_digest
+
+    app["args"]["api_keys"] = []
+    app["args"]["api_key_sha256"] = [key_digest(key)]
+    return app
+
+
+def client_key(app: dict | None, given: str | None = None) -> str:
+    """The bearer key a client uses: `given`, else the config's first plaintext key (or $CIAR_API_KEYS'), else
+    $CIAR_API_KEY, else the development key."""
+    if given:
+        return given
+    if app is not None:
+        from services.schemas import AppConfig
+
+        keys = AppConfig(**app["args"]).all_api_keys()
+        if keys:
+            return keys[0]
+    return os.environ.get("CIAR_API_KEY", DEV_KEY)
+
+
 def wait_healthy(url: str, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
     last = None
@@ -256,11 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.weights is not None:
         app["args"]["weights_dir"] = os.path.abspath(args.weights)
     if args.api_key is not None:
-        app["args"]["api_keys"] = [args.api_key]
-    from services.schemas import AppConfig
-
-    keys = AppConfig(**app["args"]).all_api_keys() if args.host is None else []
-    api_key = args.api_key or (keys[0] if keys else os.environ.get("CIAR_API_KEY", "ciar-dev-key"))
+        use_key(app, args.api_key)
+    api_key = client_key(app if args.host is None else None, args.api_key)
 
     cluster = None
     t_start = time.time()

@@ -261,11 +261,11 @@ class Ingress:
             yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})
 
 
-def _session_secret(cfg: AppConfig, keys: list[str]) -> str:
+def _session_secret(cfg: AppConfig, key_hashes: list[str]) -> str:
     """Signs session tokens; shared by the application's verifier replicas and stable across re-deploys of the same
     config (so a user_config change reconfigures replicas instead of restarting them)."""
     return os.environ.get(SESSION_SECRET_ENV) or hashlib.sha256(
-        ("ciar-session|" + "|".join(sorted(keys)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
+        ("ciar-session|" + "|".join(sorted(key_hashes)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
 
 
 def _verifier(cfg: AppConfig, secret: str):
@@ -285,11 +285,11 @@ def _verifier(cfg: AppConfig, secret: str):
 def build_app(args: dict | None = None) -> serve.Application:
     """Builder the Serve YAML points at (`import_path: services.app:build_app`)."""
     cfg = AppConfig(**(args or {}))
-    keys = cfg.all_api_keys()
-    if not keys and not cfg.allow_unauthenticated:
-        raise ValueError("no API keys configured: set api_keys in serve_config.yaml or $CIAR_API_KEYS "
-                         "(comma-separated), or allow_unauthenticated: true for a private test cluster")
-    verifier = _verifier(cfg, _session_secret(cfg, keys))
+    key_hashes = cfg.key_digests()
+    if not key_hashes and not cfg.allow_unauthenticated:
+        raise ValueError("no API keys configured: set api_key_sha256 (or api_keys) in serve_config.yaml or "
+                         "$CIAR_API_KEYS (comma-separated), or allow_unauthenticated: true for a private test cluster")
+    verifier = _verifier(cfg, _session_secret(cfg, key_hashes))
     device = serve.deployment(Device).options(
         name="Device",
         num_replicas=cfg.devices,
@@ -299,7 +299,6 @@ def build_app(args: dict | None = None) -> serve.Application:
         ray_actor_options={"num_cpus": cfg.device_num_cpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(cfg.weights_dir, verifier)
-    key_hashes = [hashlib.sha256(k.encode()).hexdigest() for k in keys]
     return Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
@@ -310,4 +309,4 @@ def build_app(args: dict | None = None) -> serve.Application:
 def build_verifier_app(args: dict | None = None) -> serve.Application:
     """The verifier pool alone (benchmarks.serving; a cloud-only deployment that devices outside Ray would call)."""
     cfg = AppConfig(**{"allow_unauthenticated": True, **(args or {})})
-    return _verifier(cfg, _session_secret(cfg, cfg.all_api_keys()))
+    return _verifier(cfg, _session_secret(cfg, cfg.key_digests()))

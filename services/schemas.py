@@ -7,6 +7,7 @@
 """
 
 # No `from __future__ import annotations`: FastAPI and pydantic must see the classes themselves.
+import hashlib
 import math
 import os
 from typing import Literal
@@ -97,7 +98,10 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     weights_dir: str | None = Field(None, description="weights folder (default: shipped weights/scenes-v1)")
-    api_keys: list[str] = Field(default_factory=list, description="accepted bearer keys (plus $CIAR_API_KEYS)")
+    api_keys: list[str] = Field(default_factory=list, description="accepted bearer keys (plus $CIAR_API_KEYS); "
+                                "Ray Serve logs builder args when it deploys: prefer api_key_sha256 or the env var")
+    api_key_sha256: list[str] = Field(default_factory=list, description="accepted keys by their SHA-256 hex digest "
+                                      "(a config that holds no key)")
     # device fleet: each replica is one simulated phone generating one image at a time
     devices: int = Field(4, ge=1, le=1024)
     device_num_cpus: float = Field(0.2, gt=0.0)
@@ -127,6 +131,23 @@ class AppConfig(BaseModel):
                 raise ValueError("api keys must be at least 8 characters with no whitespace")
         return v
 
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        for d in v:
+            if len(d) != 64 or any(c not in "0123456789abcdef" for c in d.lower()):
+                raise ValueError(f"api_key_sha256 entries must be 64 hex digits (sha256 of a key), got {d[:12]!r}...")
+        return [d.lower() for d in v]
+
     def all_api_keys(self) -> list[str]:
+        """The plaintext keys: the config's and $CIAR_API_KEYS'."""
         env = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
         return list(dict.fromkeys(self.api_keys + env))
+
+    def key_digests(self) -> list[str]:
+        """SHA-256 hex digests of every accepted key (what the ingress compares against)."""
+        return list(dict.fromkeys([key_digest(k) for k in self.all_api_keys()] + self.api_key_sha256))
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

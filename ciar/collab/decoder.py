@@ -141,7 +141,9 @@ def method_config(method: str, **overrides) -> CollabConfig:
         "topk": dict(gate="topk"),
     }[method]
     rule = overrides.pop("rule", None)
-    cfg = replace(base, **preset, **overrides)
+    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
+        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")
+    cfg = replace(base, **{**preset, **overrides})  # an override wins over the preset (e.g. code's prefix_rate)
     if rule is not None:
         cfg = replace(cfg, rule=rule if isinstance(rule, RuleConfig) else RuleConfig(**rule))
     return cfg.validate()

@@ -97,7 +97,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams,
         probs = torch.zeros_like(logits)
         return probs.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     if params.temperature != 1.0:
-        logits = logits / params.temperature
+        # shifted so the largest logit is 0 first: a tiny temperature then gives -inf, never inf - inf = NaN
+        # (and at least float32's smallest normal number, so that it does not round to 0 in the division)
+        t = max(params.temperature, torch.finfo(logits.dtype).tiny)
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / t
 
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]

@@ -207,3 +207,12 @@ def test_realtime_wait_spends_exactly_the_accounted_time_and_reports_progress(ti
     assert math.isclose(sum(waited), st.comm_s + st.device_s * (2.0 / 3.0), rel_tol=1e-6)
     assert st.comm_s >= st.cloud_requests * 2 * 0.050  # 4G: 50 ms RTT per transmission
     assert progress[-1] == st.total_tokens and progress == sorted(progress) and len(progress) >= 4
+
+
+def test_method_config_overrides_win_over_presets():
+    """A request may override any preset field (found by fuzzing the HTTP API: this used to raise TypeError)."""
+    assert method_config("code", prefix_rate=0.5).prefix_rate == 0.5
+    assert method_config("eagle", inter_enhance=True).gate == "always"
+    assert method_config("cloud", prefix_rate=1.0).prefix_rate == 1.0
+    with pytest.raises(ValueError, match="cloud"):
+        method_config("cloud", prefix_rate=0.2)

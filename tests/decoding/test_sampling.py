@@ -208,3 +208,14 @@ def test_sample_matches_distribution_chi_square():
     expected = target[:4].double() / target[:4].double().sum() * n
     stat, pvalue = chisquare(counts[:4].numpy(), expected.numpy())
     assert pvalue > 1e-3, (stat, pvalue)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-30, 1e-8])
+def test_tiny_temperature_is_a_distribution_not_nan(temperature):
+    """A temperature far below float32's range divides the logits to +-inf; shifted first, no NaN appears and the
+    argmax keeps (nearly) all the mass (found by fuzzing the HTTP API)."""
+    logits = torch.tensor([[2.0, -1.0, 3.5, 3.0], [0.0, 0.0, -5.0, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, top_p=0.9, top_k=3))
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))
+    assert probs.argmax(-1).tolist() == [2, 3] and probs.max(-1).values.min() > 0.99

@@ -143,10 +143,15 @@ def test_figures_from_the_locust_csv(tmp_path):
 
 
 def test_runner_reads_the_serve_config_and_overrides():
-    from loadtests.run import apply_overrides, load_app_config
+    from loadtests.run import apply_overrides, client_key, load_app_config, use_key
+    from services.schemas import key_digest
 
     app = load_app_config(os.path.join(REPO, "serve_config.yaml"))
-    assert app["import_path"] == "services.app:build_app" and app["args"]["api_keys"] == ["ciar-dev-key"]
+    assert app["import_path"] == "services.app:build_app" and "api_keys" not in app["args"]
+    assert app["args"]["api_key_sha256"] == [key_digest("ciar-dev-key")]  # the config holds no plaintext key
+    assert client_key(app) == "ciar-dev-key" and client_key(app, "given-key-123") == "given-key-123"
+    use_key(app, "other-key-0123")
+    assert app["args"]["api_key_sha256"] == [key_digest("other-key-0123")] and app["args"]["api_keys"] == []
     assert app["user_configs"]["Verifier"]["max_batch_size"] == 16 and "tau" in app["user_configs"]["Device"]
     apply_overrides(app, ["Device.tau=0.05", "Verifier.batch_wait_timeout_s=0.02", "args.devices=2"])
     assert app["user_configs"]["Device"]["tau"] == 0.05 and app["args"]["devices"] == 2

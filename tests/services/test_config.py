@@ -1,6 +1,7 @@
 """Config, schema and routing logic of the Serve application, without starting Ray (fast unit tests), plus the
 shipped YAML files parsed and built into real Serve applications."""
 
+import hashlib
 import json
 import os
 
@@ -60,6 +61,22 @@ def test_api_keys_from_config_and_env(monkeypatch):
     assert cfg.all_api_keys() == ["file-key-0001", "env-key-000001", "env-key-000002"]
     with pytest.raises(ValidationError, match="api keys"):
         AppConfig(api_keys=["short"])
+    d = hashlib.sha256(b"hashed-key-0001").hexdigest()
+    cfg = AppConfig(api_keys=["file-key-0001"], api_key_sha256=[d.upper()])
+    assert cfg.key_digests() == [hashlib.sha256(k.encode()).hexdigest() for k in cfg.all_api_keys()] + [d]
+    with pytest.raises(ValidationError, match="64 hex"):
+        AppConfig(api_key_sha256=["abc"])
+
+
+def test_a_config_may_hold_digests_only(monkeypatch):
+    """The ingress compares digests: a config with api_key_sha256 alone builds, and its ingress gets that digest
+    (tests/services/test_app.py runs the cluster this way, with real HTTP requests)."""
+    from services.app import build_app
+
+    monkeypatch.delenv("CIAR_API_KEYS", raising=False)
+    d = hashlib.sha256(b"digest-only-key-1").hexdigest()
+    app = build_app({"api_key_sha256": [d]})
+    assert app._bound_deployment.init_args[1] == [d]
 
 
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
