@@ -261,11 +261,14 @@ class Ingress:
             yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})
 
 
-def _session_secret(cfg: AppConfig, key_hashes: list[str]) -> str:
+def _session_secret(cfg: AppConfig) -> str:
     """Signs session tokens; shared by the application's verifier replicas and stable across re-deploys of the same
-    config (so a user_config change reconfigures replicas instead of restarting them)."""
+    config (so a user_config change reconfigures replicas instead of restarting them). $CIAR_SESSION_SECRET when set
+    (production: from the cluster's Secret); else derived from the plaintext keys ($CIAR_API_KEYS / api_keys), else
+    from the key digests, which sit in the config and Serve's logs: fine for a laptop, not for production."""
+    material = cfg.all_api_keys() or cfg.key_digests()
     return os.environ.get(SESSION_SECRET_ENV) or hashlib.sha256(
-        ("ciar-session|" + "|".join(sorted(key_hashes)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
+        ("ciar-session|" + "|".join(sorted(material)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
 
 
 def _verifier(cfg: AppConfig, secret: str):
@@ -289,7 +292,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     if not key_hashes and not cfg.allow_unauthenticated:
         raise ValueError("no API keys configured: set api_key_sha256 (or api_keys) in serve_config.yaml or "
                          "$CIAR_API_KEYS (comma-separated), or allow_unauthenticated: true for a private test cluster")
-    verifier = _verifier(cfg, _session_secret(cfg, key_hashes))
+    verifier = _verifier(cfg, _session_secret(cfg))
     device = serve.deployment(Device).options(
         name="Device",
         num_replicas=cfg.devices,
@@ -309,4 +312,4 @@ def build_app(args: dict | None = None) -> serve.Application:
 def build_verifier_app(args: dict | None = None) -> serve.Application:
     """The verifier pool alone (benchmarks.serving; a cloud-only deployment that devices outside Ray would call)."""
     cfg = AppConfig(**{"allow_unauthenticated": True, **(args or {})})
-    return _verifier(cfg, _session_secret(cfg, cfg.key_digests()))
+    return _verifier(cfg, _session_secret(cfg))
