@@ -5,7 +5,7 @@
     python -m benchmarks.collab --table 2 ...     # gates (U vs entropy / softmax / random) at CIAR's cloud-call rate
     python -m benchmarks.collab --table 3 ...     # discrete top-k set uncertainty (k = 100..400) vs continuous U
     python -m benchmarks.collab --table 8 ...     # 5G / 4G / WiFi latency breakdown
-    python -m benchmarks.collab --sweep tau --values 0.1,0.2,0.3,0.5 ...   # also: rho, span, depth, heads
+    python -m benchmarks.collab --sweep tau --values 0.1,0.2,0.3,0.5 ...   # also: rho, span, depth, heads, cascade
 
 Prompts: `--captions FILE` (MS-COCO captions layout, e.g. from `python -m ciar.data.scenes export`; a
 `labels.json` and `images/` beside it enable the probe fidelity and FID), or by default the first
@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ciar.collab.decoder import METHODS
 from ciar.collab.device import DeviceModel
+from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats
 from ciar.data import scenes
@@ -195,7 +196,8 @@ def main(argv=None) -> int:
                    help="multiply measured cloud compute (emulate a larger cloud model; 1 = as measured)")
     p.add_argument("--calib-prompts", type=int, default=16)
     p.add_argument("--table", type=int, choices=[1, 2, 3, 8], default=1)
-    p.add_argument("--sweep", choices=["tau", "rho", "span", "depth", "heads"], default=None)
+    p.add_argument("--sweep", choices=["tau", "rho", "span", "depth", "heads", "cascade"], default=None,
+                   help="cascade: CASCADE's cosine-similarity threshold (RuleConfig.cascade_threshold)")
     p.add_argument("--values", default=None, help="comma list for --sweep (depth: layer counts; heads: counts)")
     p.add_argument("--combine", default="ensemble", choices=["ensemble", "voting"], help="for --sweep heads")
     p.add_argument("--no-inter-enhance-ablation", action="store_true",
@@ -240,7 +242,10 @@ def main(argv=None) -> int:
             p.error("--sweep needs --values")
         title = f"Sweep of {args.sweep}"
         for v in vals:
-            if args.sweep in ("tau", "rho", "span"):
+            if args.sweep == "cascade":
+                variants[f"cascade threshold={v}"] = ("cascade", {**common, "rule": RuleConfig(
+                    rule="cascade", cascade_threshold=float(v))}, None)
+            elif args.sweep in ("tau", "rho", "span"):
                 key = {"tau": "tau", "rho": "prefix_rate", "span": "span"}[args.sweep]
                 val = int(v) if key == "span" else float(v)
                 variants[f"ciar {args.sweep}={v}"] = ("ciar", {**ciar_ov, key: val}, None)
