@@ -85,12 +85,15 @@ class Client:
 
     def stream_and_disconnect(self, body: dict) -> dict:
         """Start a streamed generation, read its first event, and hang up."""
-        with self.requests.post(self.gen, json={**body, "stream": True}, headers=self.headers, stream=True,
-                                timeout=600) as r:
-            code = r.status_code
-            for line in r.iter_lines(decode_unicode=True):
-                if line.startswith("data: "):
-                    break
+        try:
+            with self.requests.post(self.gen, json={**body, "stream": True}, headers=self.headers, stream=True,
+                                    timeout=600) as r:
+                code = r.status_code
+                for line in r.iter_lines(decode_unicode=True):
+                    if line.startswith("data: "):
+                        break
+        except self.requests.RequestException as e:
+            return {"code": None, "error": type(e).__name__, "disconnected": True}
         return {"code": code, "disconnected": True}
 
 
