@@ -25,16 +25,11 @@ def export(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(export, tmp_path_factory):
+def run(export, tmp_path_factory, local_ray):
     out = str(tmp_path_factory.mktemp("eval"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    try:
-        assert evaluate.main(["--captions", export, "--methods", "cloud,ciar", "--limit", "8", "--out", out,
-                              "--param", f"tau={TAU}", "--shard-size", "4"]) == 0
-        yield out
-    finally:
-        ray.shutdown()
+    assert evaluate.main(["--captions", export, "--methods", "cloud,ciar", "--limit", "8", "--out", out,
+                          "--param", f"tau={TAU}", "--shard-size", "4"]) == 0
+    return out
 
 
 def test_parquet_summary_report(run):

@@ -31,17 +31,12 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def run(files, tmp_path_factory):
+def run(files, tmp_path_factory, local_ray):
     out = str(tmp_path_factory.mktemp("eval"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    try:
-        assert evaluate.main(["--captions", str(files / "captions_val2017.json"), "--methods", "cloud,ciar,eagle",
-                              "--model-config", str(files / "models.json"), "--out", out, "--param", "tau=0.05",
-                              "--shard-size", "2"]) == 0
-        yield out
-    finally:
-        ray.shutdown()
+    assert evaluate.main(["--captions", str(files / "captions_val2017.json"), "--methods", "cloud,ciar,eagle",
+                          "--model-config", str(files / "models.json"), "--out", out, "--param", "tau=0.05",
+                          "--shard-size", "2"]) == 0
+    return out
 
 
 def test_llamagen_path_runs_every_stage(run):
