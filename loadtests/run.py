@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         records = _read_jsonl(stats_path)
         responses = summarise_responses(records)
         if cluster is not None:
+            from services.schemas import AppConfig
+
             cfg = AppConfig(**app["args"])
             summary["verifier"] = cluster.verifier_stats(cfg.verifier_replicas)
             summary["metrics"] = cluster.metrics(want_ok=responses["images"])
