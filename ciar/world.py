@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ciar.decoding.sampling import SamplingParams
+from ciar.decoding.sampling import LLAMAGEN_T2I_DEFAULTS, SamplingParams
 from ciar.models.checkpoint import load_strict, read_model_file
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.vq import VQ_IGNORED_KEY_PREFIXES, VQConfig, VQModel
@@ -116,8 +116,6 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
                  sampling=sampling_from_extra(extra), device_model=device_model, projector=projector)
 
 
-# LlamaGen's text-to-image sampling defaults (its sample_t2i.py): CFG 7.5, temperature 1, top-k 1000, top-p 1
-LLAMAGEN_T2I_SAMPLING = SamplingParams(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
 LLAMAGEN_FILE_KEYS = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint")
 
 
@@ -169,7 +167,7 @@ def load_llamagen_world(files: dict, device: str | torch.device = "cpu") -> Worl
 
         projector = IntervalProjector.load(files["projector_checkpoint"], device=device)
     given = {k: files[k] for k in ("cfg_scale", "temperature", "top_k", "top_p") if k in files}
-    sampling = replace(LLAMAGEN_T2I_SAMPLING, **given).validate()
+    sampling = replace(LLAMAGEN_T2I_DEFAULTS, **given)  # validated on construction
     text = PrecomputedCaptions(cloud.config.cls_token_num, cloud.config.caption_dim)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text,
                  weights_dir=os.path.dirname(os.path.abspath(files["gpt_checkpoint"])), sampling=sampling,

@@ -37,7 +37,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config
+from loadtests.plan import percentile
+from loadtests.run import REPO, Cluster, apply_overrides, client_key, each_replica, free_port, load_app_config
 
 PROMPTS = ("a small red circle at the top on a gray background",
            "a large blue square at the center on a black background",
@@ -45,13 +46,6 @@ PROMPTS = ("a small red circle at the top on a gray background",
            "a medium purple star at the left on a gray background")
 NETWORKS = ("5g", "4g", "wifi")
 DEFAULT_SETS = ("Verifier.idle_timeout_s=10",)
-
-
-def _percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
 class Client:
@@ -151,7 +145,7 @@ def scenario_kill(client: Client, n: int, concurrency: int, kills: int, seed: in
     out = {**_count(hit), "identical_to_undisturbed": same, "resumes": sum(r.get("resumes", 0) for r in hit),
            "requests_resumed": sum(1 for r in hit if r.get("resumes")), "kills_at_s": done,
            "undisturbed": _count(base), "undisturbed_wall_s": round(base_s, 1), "wall_s": round(hit_s, 1),
-           "latency_s": {"p50": _percentile([r["latency_s"] for r in hit], 50),
+           "latency_s": {"p50": percentile([r["latency_s"] for r in hit], 50),
                          "max": max(r["latency_s"] for r in hit)}}
     out["ok"] = out["lost"] == 0 and out["undisturbed"]["lost"] == 0 and bool(done)
     return out
@@ -182,9 +176,9 @@ def scenario_overload(client: Client, burst: int, seed: int) -> dict:
     out = {"burst": burst, "ok_200": sum(r["code"] == 200 for r in res), "rejected_503": len(r503),
            "other": len(other), "other_codes": sorted({str(r["code"]) for r in other}),
            "retry_after_on_every_503": all(r.get("retry_after") for r in r503),
-           "latency_503_s": {"p50": _percentile([r["latency_s"] for r in r503], 50),
+           "latency_503_s": {"p50": percentile([r["latency_s"] for r in r503], 50),
                              "max": max((r["latency_s"] for r in r503), default=None)},
-           "latency_200_s": {"p50": _percentile([r["latency_s"] for r in res if r["code"] == 200], 50)},
+           "latency_200_s": {"p50": percentile([r["latency_s"] for r in res if r["code"] == 200], 50)},
            "wall_s": round(wall, 1)}
     out["ok"] = not other and bool(r503) and out["retry_after_on_every_503"]
     return out
@@ -195,12 +189,7 @@ def fleet_state(devices: int, app: str = "ciar") -> dict:
     from ray import serve
 
     h = serve.get_deployment_handle("Device", app_name=app)
-    seen: dict[str, dict] = {}
-    for _ in range(12 * devices):
-        st = h.state.remote().result(timeout_s=120)
-        seen[st["device_id"]] = st
-        if len(seen) >= devices:
-            break
+    seen = each_replica(lambda: h.state.remote().result(timeout_s=120), "device_id", devices, tries_per_replica=12)
     v = serve.get_deployment_handle("Verifier", app_name=app).stats.remote().result(timeout_s=60)
     keys = ("session_tokens", "batch_size_records", "tracked_sessions")
     return {"devices_seen": len(seen), "devices_busy": sum(s["busy"] for s in seen.values()),

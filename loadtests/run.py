@@ -123,6 +123,18 @@ def wait_healthy(url: str, timeout_s: float = 90.0) -> None:
     raise TimeoutError(f"{url}/healthz not answering after {timeout_s} s: {last}")
 
 
+def each_replica(call, id_key: str, replicas: int, tries_per_replica: int = 4) -> dict:
+    """Calls without a session id reach any replica: `call()` until `replicas` distinct ones have answered (or the
+    tries run out). -> {replica id (the answer's `id_key`): its answer}."""
+    seen: dict = {}
+    for _ in range(max(1, tries_per_replica * replicas)):
+        answer = call()
+        seen[answer[id_key]] = answer
+        if len(seen) >= replicas:
+            break
+    return seen
+
+
 class Cluster:
     """A local Ray instance + Serve + the application, started by (and only shut down by) this process."""
 
@@ -158,12 +170,7 @@ class Cluster:
         from ray import serve
 
         h = serve.get_deployment_handle("Verifier", app_name=APP_NAME)
-        seen = {}
-        for _ in range(max(1, 4 * replicas)):
-            st = h.stats.remote().result(timeout_s=60)
-            seen[st["replica_id"]] = st
-            if len(seen) >= replicas:
-                break
+        seen = each_replica(lambda: h.stats.remote().result(timeout_s=60), "replica_id", replicas)
         hist = merge_hists([s["batch_size_hist"] for s in seen.values()])
         return {"replicas_seen": len(seen), "batch_size_hist": hist, "mean_batch_size": hist_mean(hist),
                 "forward_passes": sum(hist.values()), "spans_verified": sum(s["spans_verified"] for s in seen.values()),

@@ -186,12 +186,8 @@ class EncodeCaptions:
         from ciar.text import CaptionBatch
 
         if self.t5:
-            embs = []
-            for i in batch["image_id"]:
-                path = os.path.join(self.t5, f"{int(i)}.npy")
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"t5_embeddings: no file {path} for image id {int(i)}")
-                embs.append(np.load(path))
+            # (main checked that every file exists before the pipeline started)
+            embs = [np.load(os.path.join(self.t5, f"{int(i)}.npy")) for i in batch["image_id"]]
             cap = CaptionBatch.from_precomputed(embs, self.length)
         else:
             cap = self.text.encode([str(c) for c in batch["caption"]])
@@ -220,9 +216,10 @@ class Generate:
             load_default_world(weights_dir, device=device)
         self.verifier = make_verifier(self.world, max_sessions=2)
         c = self.world.cloud.config
-        self.captions = PrecomputedCaptions(c.cls_token_num, c.caption_dim)  # stage 1's embeddings, by caption
-        if model_config:  # T5 captions only: a one-token stand-in for the warm-up
-            self.verifier.text = self.captions
+        # stage 1's embeddings, by caption: the real world's own (the verifier already reads them; a one-token
+        # stand-in for the warm-up), else a table swapped in for the text encoder after the warm-up
+        self.captions = self.world.text if model_config else PrecomputedCaptions(c.cls_token_num, c.caption_dim)
+        if model_config:
             self.captions.add("warm-up", torch.zeros(1, c.caption_dim))
         self.decoders = {m: make_decoder(self.world, self.verifier, m, network=network,
                                          **shared_knobs(m, overrides)) for m in methods}

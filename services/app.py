@@ -40,7 +40,7 @@ from ciar.collab.protocol import CloudUnreachableError
 from ciar.collab.verifier import CapacityError
 from ciar.text import CaptionTooLongError
 from services.device import Device
-from services.schemas import AppConfig, GenerationRequest
+from services.schemas import AppConfig, GenerationRequest, key_digest
 from services.verifier import Verifier
 
 logger = logging.getLogger("ray.serve")
@@ -123,7 +123,7 @@ class Ingress:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             return False
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        digest = bytes.fromhex(key_digest(key.strip()))
         return any(hmac.compare_digest(digest, h) for h in self.key_hashes)
 
     def _unauthorized(self) -> JSONResponse:

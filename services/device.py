@@ -27,7 +27,8 @@ import torch
 from ray import serve
 
 from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.protocol import (CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, VerifyReply,
+                                  VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
 from ciar.collab.verifier import SessionLostError
 from ciar.models.vq import tensor_to_images

@@ -58,7 +58,7 @@ def test_request_mix_and_tally():
                                                                                             "error": "Timeout"}]
     c = reliability._count(res)
     assert (c["attempted"], c["succeeded"], c["degraded"], c["lost"]) == (4, 2, 1, 2)
-    assert reliability._percentile([3.0, 1.0, 2.0], 50) == 2.0 and reliability._percentile([], 50) is None
+    assert reliability.percentile([3.0, 1.0, 2.0], 50) == 2.0 and reliability.percentile([], 50) is None
 
 
 @pytest.fixture(scope="module")

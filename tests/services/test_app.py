@@ -19,6 +19,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
+from loadtests.run import each_replica  # noqa: E402
 from services.deploy import deploy_config, patient_serve_env  # noqa: E402
 
 PORT = 8123
@@ -297,12 +298,7 @@ def test_link_drop_degrades_to_device_only_and_leaves_no_state(cluster):
     assert gone.status_code == 503 and gone.json()["error"]["type"] == "unavailable" and gone.headers["retry-after"]
     # every phone is idle and holds nothing; the verifier holds no session
     h = serve.get_deployment_handle("Device", app_name="ciar")
-    states = {}
-    for _ in range(12 * DEVICES):
-        one = h.state.remote().result(timeout_s=60)
-        states[one["device_id"]] = one
-        if len(states) == DEVICES:
-            break
+    states = each_replica(lambda: h.state.remote().result(timeout_s=60), "device_id", DEVICES, tries_per_replica=12)
     assert len(states) == DEVICES
     for one in states.values():
         assert (one["busy"], one["session_tokens"], one["batch_size_records"], one["tracked_sessions"]) == \
