@@ -8,6 +8,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# reference implementations the tests compare against, kept OFF sys.path: torch-fidelity's FID Inception
+# (installed without its torchvision dependency, for which no wheel exists beside the pinned CPU torch)
+REFERENCE := $(VENV)/reference
+REFERENCE_STAMP := $(REFERENCE)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
@@ -20,12 +24,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[serve,load,test]"
 	touch $(STAMP)
 
+$(REFERENCE_STAMP): | $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps --target $(REFERENCE) "torch-fidelity==0.4.0"
+	touch $(REFERENCE_STAMP)
+
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) $(REFERENCE_STAMP)
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(REFERENCE_STAMP)
 	$(BIN)/python -m pytest -m "slow" $(PYTEST_ARGS)
 
 # a busy laptop can miss Serve's 5 s proxy readiness check; give it a minute

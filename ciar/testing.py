@@ -80,11 +80,40 @@ def write_random_clip(folder: str, seed: int = 0) -> str:
     return folder
 
 
+def write_random_fid_inception(path: str, seed: int = 0, with_batch_counts: bool = True) -> str:
+    """RANDOM weights in the FID Inception file layout (tests only; a conversion's `num_batches_tracked` keys
+    included unless `with_batch_counts=False`). Batch-norm statistics are random too, so every op matters."""
+    from ciar.metrics.inception import FIDInceptionV3
+
+    g = torch.Generator().manual_seed(seed)
+    net = FIDInceptionV3()
+    state = {}
+    for k, v in net.state_dict().items():
+        if k.endswith("conv.weight"):
+            fan_in = v[0].numel()
+            v = torch.randn(v.shape, generator=g) * (2.0 / fan_in) ** 0.5
+        elif k.endswith("running_var"):
+            v = torch.rand(v.shape, generator=g) * 0.5 + 0.75
+        elif k.endswith(("running_mean", "bn.bias")):
+            v = torch.randn(v.shape, generator=g) * 0.1
+        elif k.endswith("bn.weight"):
+            v = torch.rand(v.shape, generator=g) * 0.5 + 0.75
+        else:  # fc
+            v = torch.randn(v.shape, generator=g) * 0.02
+        state[k] = v.contiguous()
+        if with_batch_counts and k.endswith("bn.running_var"):
+            state[k[:-len("running_var")] + "num_batches_tracked"] = torch.tensor(0, dtype=torch.long)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(state, path)
+    return path
+
+
 def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0) -> dict:
     """RANDOM-weight stand-ins for the real-model path's local files, in their real formats: a LlamaGen t2i GPT
     checkpoint (`{"model": state_dict}` .pt, LlamaGen's keys), a VQ-16 `.pt`, a CIAR device model for that GPT,
-    T5-style caption embeddings `t5/IMAGE_ID.npy` ([1, n, D]), a tiny CLIP folder and reference images
-    `images/IMAGE_ID.png`. -> the `--model-config` dict (paths relative to `folder`)."""
+    T5-style caption embeddings `t5/IMAGE_ID.npy` ([1, n, D]), a tiny CLIP folder, FID Inception-v3 weights
+    (`inception.pth`, the pt_inception layout) and reference images `images/IMAGE_ID.png`. -> the `--model-config`
+    dict (paths relative to `folder`)."""
     import numpy as np
     from PIL import Image
 
@@ -112,8 +141,9 @@ def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0
         Image.fromarray(rng.integers(0, 255, (40 + i % 3 * 8, 56, 3), dtype=np.uint8)).save(
             os.path.join(folder, "images", f"{i}.png"))
     write_random_clip(os.path.join(folder, "clip"), seed)
+    write_random_fid_inception(os.path.join(folder, "inception.pth"), seed)
     return {"gpt_checkpoint": "t2i_small.pt", "gpt_config": "GPT-B", "image_size": 64,
             "gpt_overrides": LLAMAGEN_SMALL_GPT, "vq_checkpoint": "vq_small.pt",
             "vq_overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in LLAMAGEN_SMALL_VQ.items()},
             "device_checkpoint": "device.safetensors", "t5_embeddings": "t5", "clip_model": "clip",
-            "reference_images": "images", "cfg_scale": 2.0, "top_k": 0}
+            "inception_weights": "inception.pth", "reference_images": "images", "cfg_scale": 2.0, "top_k": 0}

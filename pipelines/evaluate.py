@@ -26,8 +26,8 @@ an image grid (same captions across methods), and the wall time of each stage.
 
 Real-model path (`--model-config FILE`, see `read_model_config`): a LlamaGen t2i GPT and VQ tokenizer from local
 checkpoints (`ciar.world.load_llamagen_world`), a CIAR device model trained for that GPT, caption embeddings from
-LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with Inception-v3 from a local weights file against
-`reference_images` (needs torch-fidelity), and the CLIP score from a local CLIP folder; a missing file is named
+LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID Inception-v3 (`ciar.metrics.inception`) from a
+local weights file against `reference_images`, and the CLIP score from a local CLIP folder; a missing file is named
 before anything starts.
 
 Seeds: caption i is generated with seed `seed * 1000003 + i` by every method (as `benchmarks.collab`, so its
@@ -106,8 +106,8 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size (256 / 512), vq_checkpoint
     (vq_ds16_t2i.pt), device_checkpoint (a ciar device model trained for that GPT; needed by every method but
     cloud), projector_checkpoint (optional), t5_embeddings (folder of IMAGE_ID.npy caption embeddings [L, 2048]
-    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05 .pth: FID; needs the
-    torch-fidelity package), clip_model (a local transformers CLIP folder: CLIP score), reference_images (folder of
+    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05-6726825d.pth or torch-fidelity's copy:
+    FID, checked key by key here), clip_model (a local transformers CLIP folder: CLIP score), reference_images (folder of
     the captions' images, by file_name: FID references); sampling: cfg_scale, temperature, top_k, top_p
     (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config / vq_overrides for non-registry sizes.
     Relative paths are taken relative to the config file. Raises FileNotFoundError naming the first missing file,
@@ -138,12 +138,14 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     missing = [k for k in needed if k not in cfg]
     if missing:
         raise ValueError(f"{path}: the real-model path needs {missing}")
-    if "inception_weights" in cfg:
-        from torchmetrics.utilities.imports import _TORCH_FIDELITY_AVAILABLE
+    if "inception_weights" in cfg:  # a wrong file fails now, naming its keys, not after generation
+        from ciar.metrics.inception import FIDInceptionV3, read_inception_state
+        from ciar.models.checkpoint import load_strict
 
-        if not _TORCH_FIDELITY_AVAILABLE:
-            raise ValueError(f"{path}: inception_weights (FID) needs the torch-fidelity package, which is not "
-                             f"installed (`pip install torch-fidelity`; the weights still come from your file)")
+        try:
+            load_strict(FIDInceptionV3(), read_inception_state(cfg["inception_weights"]), what="FID Inception-v3")
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{path}: inception_weights = {cfg['inception_weights']!r}: {e}") from None
     return cfg
 
 
@@ -427,7 +429,7 @@ def reference_features(info: dict, rows: list[dict], weights_dir: str | None,
     with torch.no_grad():
         if model_config:  # real photos differ in size: one at a time (the extractor resizes to its input)
             for p in paths:
-                im = torch.from_numpy(np.asarray(Image.open(p).convert("RGB"))).permute(2, 0, 1)[None]
+                im = torch.from_numpy(np.array(Image.open(p).convert("RGB"))).permute(2, 0, 1)[None]
                 feats.append(features(im).cpu().numpy())
         else:
             imgs = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])

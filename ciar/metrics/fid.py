@@ -6,8 +6,8 @@
   Inception's pool3 features). Separate weights and seed from the attribute probe. Its values are on their
   own scale (a few hundredths between disjoint reference sets of 500): compare them only with each other,
   at equal set sizes, never with Inception FID numbers.
-- kind="inception": torchmetrics' Inception-v3 FID from a LOCAL weights file (needs `torch-fidelity`; nothing
-  is downloaded).
+- kind="inception": the standard FID Inception-v3 (`ciar.metrics.inception`, our implementation of the 2015
+  TensorFlow graph, bit-exact with torch-fidelity's) from a LOCAL weights file; nothing is downloaded.
 
     fid = make_fid("scenes", "weights/scenes-v1/fid_features.safetensors")
     fid_between(fid, real_uint8, fake_uint8)   # [N, H, W, 3] uint8 each -> float
@@ -175,8 +175,8 @@ def make_fid(kind: str = "scenes", weights_path: str | None = None, device: str 
     """A ready torchmetrics `FrechetInceptionDistance` (expects uint8 images [B, 3, H, W]; use `fid_between`).
 
     kind="scenes": `weights_path` is a `fid_features.safetensors` (default: weights/scenes-v1's).
-    kind="inception": `weights_path` is a LOCAL Inception-v3 FID weights file (torch-fidelity's
-    `pt_inception-2015-12-05` .pth); `feature` in (64, 192, 768, 2048). Nothing is ever downloaded.
+    kind="inception": `weights_path` is a LOCAL Inception-v3 FID weights file (`pt_inception-2015-12-05-6726825d.pth`
+    or torch-fidelity's copy of it); `feature` in (64, 192, 768, 2048). Nothing is ever downloaded.
     """
     from torchmetrics.image.fid import FrechetInceptionDistance
 
@@ -184,19 +184,13 @@ def make_fid(kind: str = "scenes", weights_path: str | None = None, device: str 
         net = load_feature_net(weights_path or _default_scene_weights())
         metric = FrechetInceptionDistance(feature=net, normalize=False, reset_real_features=True)
     elif kind == "inception":
-        from torchmetrics.utilities.imports import _TORCH_FIDELITY_AVAILABLE
+        from ciar.metrics.inception import load_fid_inception
 
-        if not _TORCH_FIDELITY_AVAILABLE:
-            raise ModuleNotFoundError(
-                "Inception FID needs the `torch-fidelity` package, which is not installed: "
-                "`pip install torch-fidelity` (weights still come from your local file; nothing is downloaded).")
         if not weights_path:
             raise ValueError("kind='inception' needs weights_path: a local Inception-v3 FID weights file "
                              "(e.g. pt_inception-2015-12-05-6726825d.pth); refusing to download one")
-        if not os.path.isfile(weights_path):
-            raise FileNotFoundError(f"Inception weights file not found: {weights_path}")
-        metric = FrechetInceptionDistance(feature=feature, normalize=False, reset_real_features=True,
-                                          feature_extractor_weights_path=weights_path)
+        net = load_fid_inception(weights_path, feature=feature)
+        metric = FrechetInceptionDistance(feature=net, normalize=False, reset_real_features=True)
     else:
         raise ValueError(f"unknown FID kind {kind!r}; expected 'scenes' or 'inception'")
     return metric.to(device)
@@ -234,14 +228,16 @@ def fid_between(fid_metric, real_uint8, fake_uint8, batch_size: int = 256) -> fl
 def feature_extractor(model_config: dict | None, weights_dir: str | None = None, device: str | torch.device = "cpu"):
     """The per-image FID feature function of an evaluation: uint8 [B, 3, H, W] -> float [B, F].
 
-    Scenes worlds (no `model_config`): the scenes feature net of `weights_dir`. The real-model path: Inception-v3
-    (torchmetrics' FID extractor, 2048-d pool features) from the local `inception_weights` file, or None when the
-    config names none (then no FID is reported)."""
+    Scenes worlds (no `model_config`): the scenes feature net of `weights_dir`. The real-model path: the FID
+    Inception-v3 (2048-d pool features) from the local `inception_weights` file, or None when the config names
+    none (then no FID is reported)."""
     if not model_config:
         path = os.path.join(weights_dir, "fid_features.safetensors") if weights_dir else _default_scene_weights()
         net = load_feature_net(path).to(device)
         return lambda imgs: net(imgs.to(device))
     if not model_config.get("inception_weights"):
         return None
-    net = make_fid("inception", model_config["inception_weights"], device=device).inception
-    return lambda imgs: net(imgs.to(device)).float()
+    from ciar.metrics.inception import load_fid_inception
+
+    net = load_fid_inception(model_config["inception_weights"], device=device)
+    return lambda imgs: net(imgs.to(device))

@@ -1,7 +1,8 @@
 """The evaluation's real-model path for real, on RANDOM-weight stand-ins in the real file formats: a LlamaGen-layout
 t2i checkpoint and VQ-16 `.pt`, a device model for that GPT, T5-style `IMAGE_ID.npy` caption embeddings, a local
-CLIP folder and reference images, named by a `--model-config` file (relative paths) over a COCO-layout captions
-file. Every Ray Data stage runs; the summary carries the CLIP score; missing files are named."""
+CLIP folder, FID Inception-v3 weights and reference images, named by a `--model-config` file (relative paths) over
+a COCO-layout captions file. Every Ray Data stage runs; the summary carries the CLIP score and the Inception FID;
+missing and wrong files are named."""
 
 import json
 import os
@@ -47,7 +48,8 @@ def test_llamagen_path_runs_every_stage(run):
     for m, r in s["methods"].items():
         assert r["num_samples"] == len(IDS)
         assert 0.0 <= r["clip_score"] <= 100.0  # CLIP score from the local folder
-        assert r["fid"] is None and r["fidelity"] is None  # no Inception weights given; no scene labels
+        assert r["fidelity"] is None  # no scene labels on the real-model path
+        assert np.isfinite(r["fid"]) and r["fid"] > 0  # Inception FID against the reference images
     assert s["methods"]["cloud"]["speedup"] == pytest.approx(1.0)
     assert s["methods"]["cloud"]["cloud_call_rate"] == 1.0 and s["methods"]["ciar"]["cloud_call_rate"] < 1.0
     rows = pd.concat([pd.read_parquet(os.path.join(run, "samples", f)) for f in os.listdir(os.path.join(run, "samples"))])
@@ -106,16 +108,18 @@ def test_device_checkpoint_needed_unless_cloud_only(files, tmp_path, capsys):
     assert evaluate.read_model_config(str(tmp_path / "m.json"), ["cloud"])["gpt_checkpoint"].endswith("t2i_small.pt")
 
 
-def test_inception_weights_need_torch_fidelity_or_a_named_file(files, tmp_path):
-    from torchmetrics.utilities.imports import _TORCH_FIDELITY_AVAILABLE
-
+def test_inception_weights_missing_or_wrong_are_named(files, tmp_path):
     cfg = json.load(open(files / "models.json"))
     cfg = {k: (os.path.join(files, v) if k in evaluate.MODEL_CONFIG_FILES else v) for k, v in cfg.items()}
     cfg["inception_weights"] = str(tmp_path / "pt_inception-2015-12-05-6726825d.pth")
     (tmp_path / "m.json").write_text(json.dumps(cfg))
     with pytest.raises(FileNotFoundError, match="inception_weights"):
         evaluate.read_model_config(str(tmp_path / "m.json"))
-    (tmp_path / "pt_inception-2015-12-05-6726825d.pth").write_bytes(b"")
-    if not _TORCH_FIDELITY_AVAILABLE:
-        with pytest.raises(ValueError, match="torch-fidelity"):
-            evaluate.read_model_config(str(tmp_path / "m.json"))
+    # a file of another network: refused before anything runs, with the file and its first keys named
+    import torch
+
+    torch.save({"conv1.weight": torch.zeros(8, 3, 3, 3)}, tmp_path / "pt_inception-2015-12-05-6726825d.pth")
+    with pytest.raises(ValueError, match=r"(?s)inception_weights.*unexpected keys \(1\): conv1.weight"):
+        evaluate.read_model_config(str(tmp_path / "m.json"))
+
+
