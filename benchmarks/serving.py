@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving --out serving.json [--sessions 16] [--span 4] [--duration 20] [--weights DIR]
         [--verifier-cpus 2 --verifier-threads 2]
+    python -m benchmarks.serving --offline --out verifier_core.json [--sessions 16] [--rounds 40]
 
 Starts Ray Serve in-process with the `Verifier` deployment alone (one replica, the shipped world unless
 --weights; session-affine router, as in the application), and drives `--sessions` concurrent device sessions
@@ -17,6 +18,13 @@ Each phase warms up for `--warmup` seconds, then counts replies for `--duration`
   {"batched_spans_per_s", "unbatched_spans_per_s", "ratio", "latency_ms": {"p50", "p99"}, ...}
 with the per-span latency percentiles of the batched phase (request sent -> reply received, at that load) and
 the replica's batch-size histogram of each phase.
+
+`--offline`: the verifier's core (`ciar.collab.verifier.CloudVerifier`, what the replica wraps) in this process,
+no Ray: the same sessions and spans, in rounds that alternate one batched `verify_batch` of all sessions with
+the same number of one-session calls, so both see the same cache lengths and machine state. It measures what
+batching buys in compute, without Serve's per-request cost and without a load generator sharing the cores.
+`--compare-gather` adds a third batched call per round with the keys copied out of the cache per layer (what the
+forward did before it read consecutive slots as views), for the ratio of the two.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import asyncio
 import json
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -94,6 +103,72 @@ async def _phase(h, args, vocab: int, n_tokens: int, sampling) -> dict:
             "mean_batch_size": sum(int(k) * v for k, v in hist.items()) / forwards if forwards else None}
 
 
+def offline(args, weights: str) -> dict:
+    """Batched vs one-at-a-time verification on the in-process CloudVerifier, interleaved round by round."""
+    from ciar.collab.protocol import OpenRequest, VerifyRequest
+    from ciar.collab.verifier import CloudVerifier
+    from ciar.world import load_default_world
+
+    torch.set_num_threads(args.verifier_threads)
+    world = load_default_world(weights)
+    verifier = CloudVerifier(world.cloud, world.text, max_sessions=args.sessions + 2, projector=world.projector)
+    vocab, n_tokens = world.cloud.config.vocab_size, world.cloud.config.block_size
+    q = torch.full((args.span, vocab), 1.0 / vocab)
+    empty = torch.zeros(0, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    ids = [f"bench-{i}" for i in range(args.sessions)]
+
+    def reopen():
+        for sid in ids:
+            if sid in verifier.sessions:
+                verifier.close(sid)
+        verifier.open_batch([OpenRequest(sid, PROMPTS[i % len(PROMPTS)], i, world.sampling, args.prefix,
+                                         want_caption=False) for i, sid in enumerate(ids)])
+
+    def requests():
+        return [VerifyRequest(sid, empty, torch.randint(0, vocab, (args.span,), generator=gen), q) for sid in ids]
+
+    def gathered(slots, batch):  # the forward's key read without zero-copy runs: one gathered copy per layer
+        return None if slots is not None else [(0, 0, batch)]
+
+    times = {"batched": [], "unbatched": [], "batched_gather": []}
+    spans = 3 if args.compare_gather else 2
+    reopen()
+    for r in range(args.rounds + 1):  # round 0 warms up
+        if not all(len(verifier.sessions[sid].tokens) + spans * (args.span + 1) <= n_tokens for sid in ids):
+            reopen()
+        t0 = time.perf_counter()
+        verifier.verify_batch(requests())
+        t1 = time.perf_counter()
+        for req in requests():
+            verifier.verify_batch([req])
+        t2 = time.perf_counter()
+        if args.compare_gather:
+            with mock.patch("ciar.models.gpt.kv_runs", gathered):
+                verifier.verify_batch(requests())
+            times["batched_gather"].append(time.perf_counter() - t2)
+        if r:
+            times["batched"].append(t1 - t0)
+            times["unbatched"].append(t2 - t1)
+    n = args.sessions
+    batched, unbatched = n * len(times["batched"]) / sum(times["batched"]), \
+        n * len(times["unbatched"]) / sum(times["unbatched"])
+    return {
+        "mode": "offline",
+        "batched_spans_per_s": batched, "unbatched_spans_per_s": unbatched, "ratio": batched / unbatched,
+        "latency_ms": {"p50": 1e3 * percentile(times["batched"], 50), "p99": 1e3 * percentile(times["batched"], 99)},
+        "unbatched_latency_ms": {"p50": 1e3 * percentile(times["unbatched"], 50) / n,
+                                 "p99": 1e3 * percentile(times["unbatched"], 99) / n},
+        "note": "latency_ms: one batched verify_batch of all sessions (every span's latency); unbatched: mean "
+                "per single-session call within a round",
+        **({"batched_gather_spans_per_s": n * args.rounds / sum(times["batched_gather"][1:]),
+            "runs_vs_gather": sum(times["batched_gather"][1:]) / sum(times["batched"])} if args.compare_gather else {}),
+        "setup": {"sessions": n, "span": args.span, "prefix": args.prefix, "rounds": args.rounds, "weights": weights,
+                  "cfg_scale": world.sampling.cfg_scale, "torch_threads": args.verifier_threads,
+                  "device": str(verifier.device)},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -107,9 +182,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--verifier-cpus", type=float, default=1.0)
     ap.add_argument("--verifier-threads", type=int, default=1, help="torch threads of the verifier replica")
     ap.add_argument("--tag", default="s")
+    ap.add_argument("--offline", action="store_true",
+                    help="measure the verifier core in this process (no Ray Serve), batched vs one at a time")
+    ap.add_argument("--rounds", type=int, default=40, help="--offline: measured rounds (each: 1 batched + N single)")
+    ap.add_argument("--compare-gather", action="store_true",
+                    help="--offline: also time each round's batch with the keys gathered per layer (the forward "
+                         "without zero-copy slot runs), side by side")
     args = ap.parse_args(argv)
-    if args.sessions < 1 or args.span < 1 or args.duration <= 0:
-        ap.error("--sessions and --span must be >= 1 and --duration > 0")
+    if args.sessions < 1 or args.span < 1 or args.duration <= 0 or args.rounds < 1:
+        ap.error("--sessions, --span and --rounds must be >= 1 and --duration > 0")
+    if args.offline:
+        from ciar.world import default_weights_dir
+
+        result = offline(args, os.path.abspath(args.weights) if args.weights else default_weights_dir())
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(json.dumps({k: v for k, v in result.items() if k.endswith(("spans_per_s", "ratio", "vs_gather"))},
+                         indent=2))
+        return result
 
     import ray
     from ray import serve

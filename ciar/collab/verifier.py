@@ -339,6 +339,16 @@ class CloudVerifier:
             n += len(s.slots)
         return rows
 
+    def _rows_by_slot(self, sessions: list[_Session]) -> list[list[int]]:
+        """Rows in slot order: sessions on neighbouring slots share one zero-copy key read in the forward
+        (`ciar.models.gpt.kv_runs`); a session's rows are its slots' order."""
+        rows: list[list[int]] = [[] for _ in sessions]
+        n = 0
+        for i in sorted(range(len(sessions)), key=lambda i: sessions[i].slots[0]):
+            rows[i] = list(range(n, n + len(sessions[i].slots)))
+            n += len(sessions[i].slots)
+        return rows
+
     def _probs(self, s: _Session, logits: torch.Tensor) -> torch.Tensor:
         """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
         if len(s.slots) == 2:
@@ -355,7 +365,7 @@ class CloudVerifier:
         embeddings to those feed entries (interval-feature injection). Does not touch `cache.lengths`.
         -> (logits [rows, width, V], hidden [rows, width, dim]), or (None, None) when every feed is empty."""
         c = self.config
-        n_rows = rows_of[-1][-1] + 1 if rows_of else 0
+        n_rows = sum(len(r) for r in rows_of)
         width = max((len(f) for f in feeds), default=0)
         if not width:
             return None, None
@@ -375,7 +385,9 @@ class CloudVerifier:
                 idx, add = extras[i]
                 for row in rows_of[i]:
                     extra[row, idx.to(self.device)] = add.to(extra.dtype)
-        kv_len = int(pos.max()) + 1
+        # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
+        # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
+        kv_len = max(c.cls_token_num + st + len(f) for st, f in zip(starts, feeds) if f)
         return self.cloud.decode(self.cache, tok.to(self.device), pos.to(self.device), slots.to(self.device),
                                  extra_emb=extra, kv_len=kv_len, return_hidden=True)
 
@@ -404,7 +416,7 @@ class CloudVerifier:
             starts.append(fed)
 
         # one ragged forward; the new tokens' projected interval features are added to their embeddings
-        rows_of = self._rows_of(sessions)
+        rows_of = self._rows_by_slot(sessions)
         extras = None
         if self.projector is not None and any(r.device_hidden is not None for r in requests):
             extras = []

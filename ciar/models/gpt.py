@@ -163,6 +163,27 @@ class FeedForward(nn.Module):
         return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
+def kv_runs(slots: torch.Tensor | None, batch: int) -> list[tuple[int, int, int]] | None:
+    """How a cached forward reads keys: [(first row, first slot, rows)] runs of rows on consecutive slots, or None
+    to gather rows one by one. `slots` None means rows 0..B-1 (one run).
+
+    A run's keys are a view of the cache; a gather copies [rows, kv_len, heads, head_dim] per layer, which on a CPU
+    costs more than the attention itself at long contexts. On CUDA the copy is cheap next to one kernel launch per
+    run, so only a single run skips it there."""
+    if slots is None:
+        return [(0, 0, batch)]
+    ids = slots.tolist()
+    runs = []
+    for row, slot in enumerate(ids):
+        if runs and slot == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([row, slot, 1])
+    if len(runs) > 1 and slots.device.type != "cpu":
+        return None
+    return [tuple(r) for r in runs]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -180,31 +201,42 @@ class Attention(nn.Module):
         k = apply_rotary_emb(k.view(b, t, self.n_kv_head, self.head_dim), freqs)
         return q, k, v.view(b, t, self.n_kv_head, self.head_dim)
 
-    def _out(self, q, keys, values, mask, is_causal=False):
-        """q: [B, T, H, D]; keys/values: [B, S, Hkv, D]; mask: [B, 1, T, S] bool or None."""
-        b, t = q.shape[:2]
+    def _attend(self, q, keys, values, mask, is_causal=False):
+        """q: [B, T, H, D]; keys/values: [B, S, Hkv, D]; mask: [B, 1, T, S] bool or None. -> [B, T, H, D]."""
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if self.n_kv_head != self.n_head:
             keys = keys.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             values = values.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=is_causal,
                                            dropout_p=self.cfg.attn_dropout_p if self.training else 0.0)
-        return self.resid_dropout(self.wo(o.transpose(1, 2).reshape(b, t, self.cfg.dim)))
+        return o.transpose(1, 2)
+
+    def _project(self, o):
+        b, t = o.shape[:2]
+        return self.resid_dropout(self.wo(o.reshape(b, t, self.cfg.dim)))
+
+    def _out(self, q, keys, values, mask, is_causal=False):
+        return self._project(self._attend(q, keys, values, mask, is_causal))
 
     def forward(self, x, freqs, mask):
         q, k, v = self._qkv(x, freqs)
         return self._out(q, k, v, mask, is_causal=mask is None)
 
-    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, slots, kv_len):
-        """Write this step's k/v at (slot, pos) and attend over the slot's first `kv_len` positions."""
+    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
+        """Write this step's k/v at (slot, pos) and attend over the slot's first `kv_len` positions.
+
+        `runs` [(first row, first slot, rows)] cover the batch in row order; each run's rows use consecutive
+        slots, so its keys are a view of the cache (no copy). `None`: gather every row's slot (`slot_idx[:, 0]`)."""
         q, k, v = self._qkv(x, freqs)
         k_cache[slot_idx, pos] = k.to(k_cache.dtype)
         v_cache[slot_idx, pos] = v.to(v_cache.dtype)
-        if slots is None:
-            keys, values = k_cache[: x.shape[0], :kv_len], v_cache[: x.shape[0], :kv_len]
-        else:
-            keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]
-        return self._out(q, keys.to(q.dtype), values.to(q.dtype), mask)
+        if runs is None:
+            slots = slot_idx[:, 0]
+            keys, values = k_cache[:, :kv_len].index_select(0, slots), v_cache[:, :kv_len].index_select(0, slots)
+            return self._out(q, keys.to(q.dtype), values.to(q.dtype), mask)
+        outs = [self._attend(q[r:r + n], k_cache[s:s + n, :kv_len].to(q.dtype), v_cache[s:s + n, :kv_len].to(q.dtype),
+                             mask[r:r + n]) for r, s, n in runs]
+        return self._project(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class TransformerBlock(nn.Module):
@@ -219,9 +251,9 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), freqs, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, slots, kv_len):
+    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
         h = x + self.attention.forward_cached(self.attention_norm(x), freqs, mask, k_cache, v_cache, slot_idx, pos,
-                                              slots, kv_len)
+                                              runs, kv_len)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -372,6 +404,7 @@ class GPT(nn.Module):
         freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
         rows = torch.arange(b, device=h.device) if slots is None else slots
         slot_idx = rows[:, None].expand(b, t)
+        runs = kv_runs(slots, b)
         key_pos = torch.arange(kv_len, device=h.device)
         valid = cache.key_valid[rows, :kv_len]  # [B, S]
         mask = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
@@ -379,7 +412,7 @@ class GPT(nn.Module):
         mask = mask.unsqueeze(1)  # [B, 1, T, S]
         h = self.tok_dropout(h)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, input_pos, slots, kv_len)
+            h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, input_pos, runs, kv_len)
         return self.norm(h)
 
     def prefill(self, cache: KVCache, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,

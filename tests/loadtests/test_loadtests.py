@@ -243,7 +243,10 @@ def test_short_run_against_a_random_world(tmp_path):
     assert s["requests"] >= 4 and s["failures"] == 0 and s["failure_ratio"] == 0.0
     assert s["requests_per_s"] > 0 and s["images_per_s"] == pytest.approx(s["requests_per_s"])
     lat = s["latency_ms"]
-    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"] + 1
+    # Locust keeps response times in buckets (1 / 10 / 100 / 1000 ms below 0.1 / 1 / 10 s / above), so a
+    # percentile can read up to half a bucket above the exact max
+    bucket = 1 if lat["max"] < 100 else 10 if lat["max"] < 1000 else 100 if lat["max"] < 10_000 else 1000
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"] + bucket / 2 + 1, lat
     assert all(name.startswith("generate ") and name != "generate 503" for name in s["by_name"])
     r = s["responses"]
     assert r["images"] == s["requests"] and r["status_counts"] == {"200": s["requests"]}

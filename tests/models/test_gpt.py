@@ -267,6 +267,37 @@ def test_token_by_token_decode_equals_full_forward(model, batch):
     assert want.std() > 0.5  # the comparison is not between near-constant logits
 
 
+def test_kv_runs_group_consecutive_slots():
+    from ciar.models.gpt import kv_runs
+
+    assert kv_runs(None, 4) == [(0, 0, 4)]
+    assert kv_runs(torch.tensor([4, 5, 0, 1, 2, 7]), 6) == [(0, 4, 2), (2, 0, 3), (5, 7, 1)]
+    assert kv_runs(torch.tensor([3, 2]), 2) == [(0, 3, 1), (1, 2, 1)]  # descending slots are separate runs
+
+
+@torch.no_grad()
+def test_scattered_slots_read_by_runs_or_gather_equal_full_forward(model, batch, monkeypatch):
+    """Rows on scattered cache slots (some consecutive, some not, out of order): the zero-copy run reads and the
+    per-layer gather give the same logits, equal to a full forward."""
+    import ciar.models.gpt as gpt_mod
+
+    cond, mask, idx = batch
+    want = full_logits(model, idx, cond, mask)
+    slots = torch.tensor([6, 7, 2])  # rows 0-1 one run, row 2 apart and before them
+
+    def decode_all():
+        cache = model.new_cache(8)
+        got = [model.prefill(cache, cond, mask, slots=slots)]
+        got.append(model.decode(cache, idx[:, :4], torch.arange(CLS, CLS + 4), slots)[:, :])
+        return torch.cat([got[0][:, None], got[1]], 1)
+
+    by_runs = decode_all()
+    monkeypatch.setattr(gpt_mod, "kv_runs", lambda s, b: None if s is not None else [(0, 0, b)])
+    by_gather = decode_all()
+    close(by_runs, want[:, :5])
+    close(by_gather, by_runs, atol=1e-6)
+
+
 @torch.no_grad()
 def test_padded_caption_content_is_ignored(model, batch):
     cond, mask, idx = batch
