@@ -191,25 +191,32 @@ class Ingress:
         from ray.serve.exceptions import BackPressureError
 
         cause = _cause(e)
-        if isinstance(e, BackPressureError) or isinstance(cause, BackPressureError):
-            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+
+        def caused_by(kind) -> bool:  # raised here, or the root cause of a wrapped (Ray) error
+            return isinstance(e, kind) or isinstance(cause, kind)
+
+        def counted(code: int) -> None:
+            self.m_requests.inc(tags={"method": req.method, "code": str(code)})
+
+        if caused_by(BackPressureError):
+            counted(503)
             return self._overloaded("all simulated devices are busy and the queue is full; retry later")
-        if isinstance(cause, CapacityError) or isinstance(e, CapacityError):
-            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+        if caused_by(CapacityError):
+            counted(503)
             return self._overloaded("the verifier pool has no free KV-cache slot; retry later")
-        if isinstance(cause, CloudUnreachableError) or isinstance(e, CloudUnreachableError):
-            self.m_requests.inc(tags={"method": req.method, "code": "503"})
+        if caused_by(CloudUnreachableError):
+            counted(503)
             return self._overloaded(f"the cloud is unreachable before the image could start: {cause}",
                                     kind="unavailable")
         if isinstance(e, asyncio.TimeoutError):
-            self.m_requests.inc(tags={"method": req.method, "code": "504"})
+            counted(504)
             self.m_errors.inc(tags={"kind": "timeout"})
             return error_body(504, f"generation did not finish within {self.timeout_s} s", kind="timeout")
-        if isinstance(cause, CaptionTooLongError) or isinstance(e, CaptionTooLongError):
-            self.m_requests.inc(tags={"method": req.method, "code": "422"})
+        if caused_by(CaptionTooLongError):
+            counted(422)
             return error_body(422, str(cause), field="prompt")
         logger.exception("generation failed: %s", type(e).__name__)
-        self.m_requests.inc(tags={"method": req.method, "code": "500"})
+        counted(500)
         self.m_errors.inc(tags={"kind": "internal"})
         return error_body(500, f"generation failed: {type(cause).__name__}", kind="internal")
 
