@@ -10,6 +10,10 @@ Two stages, both resumable:
    `--ckpt-every` steps in `--ckpt-dir`. Batches are drawn by a generator seeded with (seed, step), so a resumed run
    sees exactly the batches of an uninterrupted one.
 Writes `OUT/cloud.safetensors` (config + sampling defaults in the metadata) and `OUT/cloud.metrics.json`.
+
+`--init FILE` starts a NEW run (fresh optimizer and schedule) from the weights of an exported `cloud.safetensors`
+of the same config, e.g. to continue training the shipped model in stretches when its run directory is gone; the
+export records the file and the steps it had been trained for.
 """
 
 from __future__ import annotations
@@ -119,6 +123,19 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+def init_from(model, path: str, cfg: GPTConfig) -> dict:
+    """Load an exported cloud model's weights into `model` (its config must be `cfg`). -> {"file", "steps"}."""
+    from ciar.models.checkpoint import load_strict
+
+    state, kind, file_cfg, extra = read_model_file(path)
+    if kind != "gpt":
+        raise SystemExit(f"--init {path}: expected a cloud model file (kind 'gpt'), found {kind!r}")
+    if GPTConfig.from_dict(file_cfg) != cfg:
+        raise SystemExit(f"--init {path}: its config differs from --config/--set: {file_cfg} vs {cfg.to_dict()}")
+    load_strict(model, {k: v.float() for k, v in state.items()}, what="cloud model")
+    return {"file": os.path.abspath(path), "steps": (extra or {}).get("trained_steps")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.train_cloud", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="weights/scenes-v1")
@@ -142,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a GPTConfig field of --config, e.g. --set n_layer=2 (repeatable)")
+    p.add_argument("--init", default=None, metavar="FILE",
+                   help="start a new run from the weights of this cloud.safetensors (same config)")
     p.add_argument("--prepare-text-only", action="store_true",
                    help="only encode the captions (can run before the tokenizer exists), then exit")
     args = p.parse_args(argv)
@@ -174,6 +193,10 @@ def main(argv=None) -> int:
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
     start = load_training_state(ckpt, model=model, optimizer=opt)
+    init = None
+    if args.init and not start:
+        init = init_from(model, args.init, cfg)
+        print(f"initialised from {args.init} ({init['steps']} steps)")
     history = []
     hist_path = os.path.join(args.ckpt_dir, "history.json")
     if start and os.path.exists(hist_path):
@@ -185,6 +208,8 @@ def main(argv=None) -> int:
     def export(step):
         extra = {"sampling": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
                  "trained_steps": step, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed}
+        if args.init:
+            extra["init"] = init or {"file": args.init}
         save_model(model, os.path.join(args.out, "cloud.safetensors"), cfg.to_dict(), kind="gpt", extra=extra,
                    dtype=torch.float16)
 

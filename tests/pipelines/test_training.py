@@ -39,11 +39,11 @@ def tokenizer_dir(tmp_path_factory):
     return d
 
 
-def _run_cloud(out, ckpt, data, steps, stop_after=0):
+def _run_cloud(out, ckpt, data, steps, stop_after=0, extra=()):
     args = ["--out", str(out), "--num-train", "32", "--num-val", "8", "--steps", str(steps), "--batch-size", "4",
             "--ckpt-every", "1", "--eval-every", "2", "--export-every", "100", "--data-dir", str(data),
             "--ckpt-dir", str(ckpt), "--threads", "1", "--set", "n_layer=2", "--set", "dim=64", "--set", "n_head=4",
-            "--stop-after", str(stop_after)]
+            "--stop-after", str(stop_after), *extra]
     return train_cloud.main(args)
 
 
@@ -61,3 +61,22 @@ def test_cloud_resume_is_exact(tmp_path, tokenizer_dir):
     assert all(torch.equal(a[k], b[k]) for k in a)
     meta = read_model_file(str(tmp_path / "a" / "cloud.safetensors"))
     assert meta[1] == "gpt" and meta[2]["n_layer"] == 2 and "sampling" in meta[3]
+
+
+def test_cloud_init_starts_a_new_run_from_an_export(tmp_path, tokenizer_dir):
+    import shutil
+
+    for name in ("a", "b"):
+        shutil.copytree(tokenizer_dir, tmp_path / name)
+    data = tmp_path / "data"
+    _run_cloud(tmp_path / "a", tmp_path / "ca", data, steps=2)
+    first = str(tmp_path / "a" / "cloud.safetensors")
+    # a new run (own checkpoint dir) from that export: step 0 of the new run starts from its weights
+    _run_cloud(tmp_path / "b", tmp_path / "cb", data, steps=1, extra=["--init", first, "--lr", "0"])
+    a, b = _weights(first), _weights(str(tmp_path / "b" / "cloud.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # lr 0: the weights are the init's
+    extra = read_model_file(str(tmp_path / "b" / "cloud.safetensors"))[3]
+    assert extra["init"]["steps"] == 2 and extra["init"]["file"].endswith("cloud.safetensors")
+    # a file of another config is refused with both configs named
+    with pytest.raises(SystemExit, match="config differs"):
+        _run_cloud(tmp_path / "b", tmp_path / "cc", data, steps=1, extra=["--init", first, "--set", "n_layer=3"])
