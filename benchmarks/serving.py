@@ -146,13 +146,18 @@ def offline(args, weights: str) -> dict:
         if args.compare_gather:
             with mock.patch("ciar.models.gpt.kv_runs", gathered):
                 verifier.verify_batch(requests())
-            times["batched_gather"].append(time.perf_counter() - t2)
+        t3 = time.perf_counter()
         if r:
             times["batched"].append(t1 - t0)
             times["unbatched"].append(t2 - t1)
+            if args.compare_gather:
+                times["batched_gather"].append(t3 - t2)
     n = args.sessions
-    batched, unbatched = n * len(times["batched"]) / sum(times["batched"]), \
-        n * len(times["unbatched"]) / sum(times["unbatched"])
+
+    def spans_per_s(key: str) -> float:
+        return n * args.rounds / sum(times[key])
+
+    batched, unbatched = spans_per_s("batched"), spans_per_s("unbatched")
     return {
         "mode": "offline",
         "batched_spans_per_s": batched, "unbatched_spans_per_s": unbatched, "ratio": batched / unbatched,
@@ -161,8 +166,8 @@ def offline(args, weights: str) -> dict:
                                  "p99": 1e3 * percentile(times["unbatched"], 99) / n},
         "note": "latency_ms: one batched verify_batch of all sessions (every span's latency); unbatched: mean "
                 "per single-session call within a round",
-        **({"batched_gather_spans_per_s": n * args.rounds / sum(times["batched_gather"][1:]),
-            "runs_vs_gather": sum(times["batched_gather"][1:]) / sum(times["batched"])} if args.compare_gather else {}),
+        **({"batched_gather_spans_per_s": spans_per_s("batched_gather"),
+            "runs_vs_gather": sum(times["batched_gather"]) / sum(times["batched"])} if args.compare_gather else {}),
         "setup": {"sessions": n, "span": args.span, "prefix": args.prefix, "rounds": args.rounds, "weights": weights,
                   "cfg_scale": world.sampling.cfg_scale, "torch_threads": args.verifier_threads,
                   "device": str(verifier.device)},
@@ -195,12 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
         from ciar.world import default_weights_dir
 
         result = offline(args, os.path.abspath(args.weights) if args.weights else default_weights_dir())
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(json.dumps({k: v for k, v in result.items() if k.endswith(("spans_per_s", "ratio", "vs_gather"))},
-                         indent=2))
-        return result
+        return _save(result, args.out, ("batched_spans_per_s", "unbatched_spans_per_s", "ratio",
+                                        "batched_gather_spans_per_s", "runs_vs_gather"))
 
     import ray
     from ray import serve
@@ -253,11 +254,15 @@ def main(argv: list[str] | None = None) -> dict:
                   "torch_threads": args.verifier_threads,
                   "device": "cuda" if torch.cuda.is_available() else "cpu"},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    return _save(result, args.out, ("batched_spans_per_s", "unbatched_spans_per_s", "ratio", "latency_ms"))
+
+
+def _save(result: dict, path: str, shown: tuple[str, ...]) -> dict:
+    """Write the result JSON to `path` and print its headline fields."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    print(json.dumps({k: result[k] for k in ("batched_spans_per_s", "unbatched_spans_per_s", "ratio", "latency_ms")},
-                     indent=2))
+    print(json.dumps({k: result[k] for k in shown if k in result}, indent=2))
     return result
 
 

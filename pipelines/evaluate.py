@@ -26,9 +26,9 @@ an image grid (same captions across methods), and the wall time of each stage.
 
 Real-model path (`--model-config FILE`, see `read_model_config`): a LlamaGen t2i GPT and VQ tokenizer from local
 checkpoints (`ciar.world.load_llamagen_world`), a CIAR device model trained for that GPT, caption embeddings from
-LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID Inception-v3 (`ciar.metrics.inception`) from a
-local weights file against `reference_images`, and the CLIP score from a local CLIP folder; a missing file is named
-before anything starts.
+LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID Inception-v3
+(`ciar.metrics.inception`) from a local weights file against `reference_images`, and the CLIP score from a local
+CLIP folder; a missing file is named before anything starts.
 
 Seeds: caption i is generated with seed `seed * 1000003 + i` by every method (as `benchmarks.collab`, so its
 rows agree on the same prompts).
@@ -106,9 +106,9 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size (256 / 512), vq_checkpoint
     (vq_ds16_t2i.pt), device_checkpoint (a ciar device model trained for that GPT; needed by every method but
     cloud), projector_checkpoint (optional), t5_embeddings (folder of IMAGE_ID.npy caption embeddings [L, 2048]
-    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05-6726825d.pth or torch-fidelity's copy:
-    FID, checked key by key here), clip_model (a local transformers CLIP folder: CLIP score), reference_images (folder of
-    the captions' images, by file_name: FID references); sampling: cfg_scale, temperature, top_k, top_p
+    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05-6726825d.pth or
+    torch-fidelity's copy: FID, checked key by key here), clip_model (a local transformers CLIP folder: CLIP
+    score), reference_images (folder of the captions' images, by file_name: FID references); sampling: cfg_scale, temperature, top_k, top_p
     (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config / vq_overrides for non-registry sizes.
     Relative paths are taken relative to the config file. Raises FileNotFoundError naming the first missing file,
     ValueError for anything else wrong."""

@@ -123,8 +123,9 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def init_from(model, path: str, cfg: GPTConfig) -> dict:
-    """Load an exported cloud model's weights into `model` (its config must be `cfg`). -> {"file", "steps"}."""
+def init_from(path: str, cfg: GPTConfig, model=None) -> dict:
+    """Check that an exported cloud model file has config `cfg`, and load its weights into `model` when given (a
+    resumed run only checks). -> {"file", "steps"}: what the run's exports record."""
     from ciar.models.checkpoint import load_strict
 
     state, kind, file_cfg, extra = read_model_file(path)
@@ -132,7 +133,8 @@ def init_from(model, path: str, cfg: GPTConfig) -> dict:
         raise SystemExit(f"--init {path}: expected a cloud model file (kind 'gpt'), found {kind!r}")
     if GPTConfig.from_dict(file_cfg) != cfg:
         raise SystemExit(f"--init {path}: its config differs from --config/--set: {file_cfg} vs {cfg.to_dict()}")
-    load_strict(model, {k: v.float() for k, v in state.items()}, what="cloud model")
+    if model is not None:
+        load_strict(model, {k: v.float() for k, v in state.items()}, what="cloud model")
     return {"file": os.path.abspath(path), "steps": (extra or {}).get("trained_steps")}
 
 
@@ -193,9 +195,8 @@ def main(argv=None) -> int:
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
     start = load_training_state(ckpt, model=model, optimizer=opt)
-    init = None
-    if args.init and not start:
-        init = init_from(model, args.init, cfg)
+    init = init_from(args.init, cfg, model=None if start else model) if args.init else None
+    if init and not start:
         print(f"initialised from {args.init} ({init['steps']} steps)")
     history = []
     hist_path = os.path.join(args.ckpt_dir, "history.json")
@@ -208,8 +209,8 @@ def main(argv=None) -> int:
     def export(step):
         extra = {"sampling": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
                  "trained_steps": step, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed}
-        if args.init:
-            extra["init"] = init or {"file": args.init}
+        if init:
+            extra["init"] = init
         save_model(model, os.path.join(args.out, "cloud.safetensors"), cfg.to_dict(), kind="gpt", extra=extra,
                    dtype=torch.float16)
 

@@ -332,19 +332,16 @@ class CloudVerifier:
         return [self._open_reply(r, i, [], caption_emb, caption_mask, seconds, 1 + int(len(hist[i]) >= 2))
                 for i, r in enumerate(requests)]
 
-    def _rows_of(self, sessions: list[_Session]) -> list[list[int]]:
-        rows, n = [], 0
-        for s in sessions:
-            rows.append(list(range(n, n + len(s.slots))))
-            n += len(s.slots)
-        return rows
-
-    def _rows_by_slot(self, sessions: list[_Session]) -> list[list[int]]:
-        """Rows in slot order: sessions on neighbouring slots share one zero-copy key read in the forward
-        (`ciar.models.gpt.kv_runs`); a session's rows are its slots' order."""
+    def _rows_of(self, sessions: list[_Session], by_slot: bool = False) -> list[list[int]]:
+        """Batch rows of each session (one per CFG branch), consecutive per session: in session order, or with
+        `by_slot` in cache-slot order, so sessions on neighbouring slots share one zero-copy key read in the
+        forward (`ciar.models.gpt.kv_runs`)."""
+        order = range(len(sessions))
+        if by_slot:
+            order = sorted(order, key=lambda i: sessions[i].slots[0])
         rows: list[list[int]] = [[] for _ in sessions]
         n = 0
-        for i in sorted(range(len(sessions)), key=lambda i: sessions[i].slots[0]):
+        for i in order:
             rows[i] = list(range(n, n + len(sessions[i].slots)))
             n += len(sessions[i].slots)
         return rows
@@ -416,7 +413,7 @@ class CloudVerifier:
             starts.append(fed)
 
         # one ragged forward; the new tokens' projected interval features are added to their embeddings
-        rows_of = self._rows_by_slot(sessions)
+        rows_of = self._rows_of(sessions, by_slot=True)
         extras = None
         if self.projector is not None and any(r.device_hidden is not None for r in requests):
             extras = []

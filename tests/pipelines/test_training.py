@@ -77,6 +77,11 @@ def test_cloud_init_starts_a_new_run_from_an_export(tmp_path, tokenizer_dir):
     assert all(torch.equal(a[k], b[k]) for k in a)  # lr 0: the weights are the init's
     extra = read_model_file(str(tmp_path / "b" / "cloud.safetensors"))[3]
     assert extra["init"]["steps"] == 2 and extra["init"]["file"].endswith("cloud.safetensors")
+    # interrupted and resumed: the resumed run's exports still name the init and its steps
+    init_args = ["--init", first]
+    _run_cloud(tmp_path / "b", tmp_path / "cr", data, steps=2, stop_after=1, extra=init_args)
+    _run_cloud(tmp_path / "b", tmp_path / "cr", data, steps=2, extra=init_args)
+    assert read_model_file(str(tmp_path / "b" / "cloud.safetensors"))[3]["init"]["steps"] == 2
     # a file of another config is refused with both configs named
     with pytest.raises(SystemExit, match="config differs"):
         _run_cloud(tmp_path / "b", tmp_path / "cc", data, steps=1, extra=["--init", first, "--set", "n_layer=3"])
