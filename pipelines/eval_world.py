@@ -2,12 +2,16 @@
 
     python -m pipelines.eval_world --split heldout --n 200 --seed 0 --out runs/eval_world.json
     python -m pipelines.eval_world --split val --n 64 --sweep   # choose sampling defaults on val (not held-out)
+    python -m pipelines.eval_world --split val --n 64 --sweep --cfg-grid 1.5,2,3 --temperature-grid 1.0,0.9
 
 Reports, on `n` scenes of `split` (rendered references are the ground truth):
 - probe accuracy on the rendered references (validity of the instrument);
 - tokenizer: PSNR of reconstructions and probe accuracy on them;
 - cloud-only generation from the captions: attribute accuracy (probe), FID against the references,
   and a determinism check (the first captions generated twice with the same seeds give identical tokens).
+`--sweep` instead generates with every (CFG scale, temperature) of the grids and reports, per setting, the
+attribute accuracy with its per-attribute parts and the FID against the references (on a few dozen images FID is
+biased upwards; compare settings within one sweep, not with the full runs).
 """
 
 from __future__ import annotations
@@ -60,6 +64,16 @@ def reconstruct(world, images: np.ndarray, batch_size: int = 64):
     return torch.cat(recs).numpy(), torch.cat(psnr).mean().item()
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.eval_world", description=__doc__.split("\n")[0])
     p.add_argument("--split", default="heldout", choices=sorted(scenes.SPLITS))
@@ -71,6 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--sweep", action="store_true", help="grid over cfg-scale x temperature (generation only)")
+    p.add_argument("--cfg-grid", type=_floats, default=(1.0, 2.0, 3.0, 5.0), help="--sweep: CFG scales, e.g. 1.5,2,3")
+    p.add_argument("--temperature-grid", type=_floats, default=(1.0, 0.8, 0.6), help="--sweep: temperatures")
     p.add_argument("--out", default=None)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
@@ -91,19 +107,20 @@ def main(argv=None) -> int:
     )
     report: dict = {"split": args.split, "n": args.n, "seed": args.seed, "weights": world.weights_dir}
 
+    fid = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors"))
     if args.sweep:
         rows = []
-        for cfg_scale in (1.0, 2.0, 3.0, 5.0):
-            for temperature in (1.0, 0.8, 0.6):
-                sp = SamplingParams(cfg_scale=cfg_scale, temperature=temperature, top_k=params.top_k, top_p=params.top_p)
+        for cfg_scale in args.cfg_grid:
+            for temperature in args.temperature_grid:
+                sp = SamplingParams(cfg_scale=cfg_scale, temperature=temperature, top_k=params.top_k,
+                                    top_p=params.top_p)
                 gen, _ = generate_images(world, captions, seeds, sp, args.batch_size)
                 acc = attribute_accuracy(probe, gen, sc)
-                rows.append({"cfg_scale": cfg_scale, "temperature": temperature,
-                             "attribute_accuracy": acc["attribute_accuracy"]})
+                rows.append({"cfg_scale": cfg_scale, "temperature": temperature, **acc,
+                             "fid_vs_references": fid_between(fid, refs, gen)})
                 print(json.dumps(rows[-1]), flush=True)
         report["sweep"] = rows
     else:
-        fid = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors"))
         report["probe_on_references"] = attribute_accuracy(probe, refs, sc)
         recs, psnr = reconstruct(world, refs)
         report["tokenizer"] = {"psnr_db": psnr, "probe_on_reconstructions": attribute_accuracy(probe, recs, sc),
