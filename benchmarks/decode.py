@@ -12,7 +12,7 @@ Both sides do the same work per generation, timed end to end (image tokens per s
 Both sample with the project's `logits_to_probs` + `sample` and a seeded `torch.Generator`. Runs are
 interleaved (ours, hf, ours, hf, ...) after one untimed warm-up each; the median over repeats is reported.
 
-Weights: the shipped cloud model (`weights/scenes-v1/cloud.safetensors`) when it exists and fits the config,
+Weights: the shipped cloud model (`weights/scenes-v2/cloud.safetensors`) when it exists and fits the config,
 else a seeded random initialisation; the HF model gets a copy of the same weights (q|k|v split from `wqkv`), so
 both compute the same network up to the position encoding (2D RoPE vs Llama's 1D RoPE, identical cost class).
 """
@@ -32,7 +32,7 @@ from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from ciar.models.gpt import GPT, GPTConfig, build_gpt, gpt_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED_CLOUD = os.path.join(REPO, "weights", "scenes-v1", "cloud.safetensors")
+SHIPPED_CLOUD = os.path.join(REPO, "weights", "scenes-v2", "cloud.safetensors")
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -177,7 +177,7 @@ def offline(args, weights: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--weights", default=None, help="weights folder (default: the shipped weights/scenes-v1)")
+    ap.add_argument("--weights", default=None, help="weights folder (default: the shipped weights/scenes-v2)")
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--span", type=int, default=4)
     ap.add_argument("--prefix", type=int, default=9)

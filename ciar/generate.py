@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--span", type=int, default=None, help="collaborative methods: drafts per verification")
     p.add_argument("--prefix-rate", type=float, default=None, help="collaborative methods: cloud prefix fraction")
     p.add_argument("--network", default=None, help="collaborative methods: 5g | 4g | wifi | none")
-    p.add_argument("--weights", default=None, help="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v1)")
+    p.add_argument("--weights", default=None, help="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v2)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     return p

@@ -1,6 +1,6 @@
 """The default world: shipped tokenizer + cloud model + caption encoder, loaded in one call.
 
-    world = load_default_world()                       # weights/scenes-v1 of this repo, or $CIAR_WEIGHTS
+    world = load_default_world()                       # weights/scenes-v2 of this repo, or $CIAR_WEIGHTS
     world = load_default_world("path/to/weights", device="cuda")
     cap = world.text.encode(["a small red circle at the top on a gray background"])
 
@@ -24,7 +24,7 @@ from ciar.models.vq import VQ_IGNORED_KEY_PREFIXES, VQConfig, VQModel
 from ciar.text import TextEncoder
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v1")
+DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v2")
 WEIGHTS_ENV = "CIAR_WEIGHTS"
 # used when the cloud file carries no sampling defaults
 FALLBACK_SAMPLING = SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0)
@@ -51,7 +51,7 @@ class World:
 
 
 def default_weights_dir() -> str:
-    """$CIAR_WEIGHTS if set, else this repo's `weights/scenes-v1` (independent of the working directory)."""
+    """$CIAR_WEIGHTS if set, else this repo's `weights/scenes-v2` (independent of the working directory)."""
     return os.path.abspath(os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS_DIR)
 
 

@@ -97,7 +97,7 @@ class AppConfig(BaseModel):
     """Builder args (`serve_config.yaml` -> services.app:build_app)."""
 
     model_config = ConfigDict(extra="forbid")
-    weights_dir: str | None = Field(None, description="weights folder (default: shipped weights/scenes-v1)")
+    weights_dir: str | None = Field(None, description="weights folder (default: shipped weights/scenes-v2)")
     api_keys: list[str] = Field(default_factory=list, description="accepted bearer keys (plus $CIAR_API_KEYS); "
                                 "Ray Serve logs builder args when it deploys: prefer api_key_sha256 or the env var")
     api_key_sha256: list[str] = Field(default_factory=list, description="accepted keys by their SHA-256 hex digest "

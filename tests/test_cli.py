@@ -63,7 +63,7 @@ def test_world_fallback_sampling_env_var_and_missing_files(tmp_path, monkeypatch
     with pytest.raises(FileNotFoundError, match="tokenizer.safetensors"):
         load_default_world(str(tmp_path))
     monkeypatch.delenv(WEIGHTS_ENV)
-    assert default_weights_dir().endswith(os.path.join("weights", "scenes-v1"))
+    assert default_weights_dir().endswith(os.path.join("weights", "scenes-v2"))
     assert os.path.isabs(default_weights_dir())
 
 

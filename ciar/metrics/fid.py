@@ -9,7 +9,7 @@
 - kind="inception": the standard FID Inception-v3 (`ciar.metrics.inception`, our implementation of the 2015
   TensorFlow graph, bit-exact with torch-fidelity's) from a LOCAL weights file; nothing is downloaded.
 
-    fid = make_fid("scenes", "weights/scenes-v1/fid_features.safetensors")
+    fid = make_fid("scenes", "weights/scenes-v2/fid_features.safetensors")
     fid_between(fid, real_uint8, fake_uint8)   # [N, H, W, 3] uint8 each -> float
 
 How torchmetrics 1.9 feeds a custom module: `FrechetInceptionDistance(feature=module)` reads
@@ -167,14 +167,14 @@ def load_feature_net(path: str, device: str | torch.device = "cpu") -> SceneFeat
 
 def _default_scene_weights() -> str:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(repo, "weights", "scenes-v1", "fid_features.safetensors")
+    return os.path.join(repo, "weights", "scenes-v2", "fid_features.safetensors")
 
 
 def make_fid(kind: str = "scenes", weights_path: str | None = None, device: str | torch.device = "cpu",
              feature: int = 2048):
     """A ready torchmetrics `FrechetInceptionDistance` (expects uint8 images [B, 3, H, W]; use `fid_between`).
 
-    kind="scenes": `weights_path` is a `fid_features.safetensors` (default: weights/scenes-v1's).
+    kind="scenes": `weights_path` is a `fid_features.safetensors` (default: weights/scenes-v2's).
     kind="inception": `weights_path` is a LOCAL Inception-v3 FID weights file (`pt_inception-2015-12-05-6726825d.pth`
     or torch-fidelity's copy of it); `feature` in (64, 192, 768, 2048). Nothing is ever downloaded.
     """

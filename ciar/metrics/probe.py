@@ -4,7 +4,7 @@ A small CNN trained on rendered scenes (split "probe", every attribute combinati
 of the 3x3 grid, the object's shape (0 = empty, 1..4), colour and size, plus the background. It stands in for
 the CLIP score: `attribute_accuracy` checks every object a caption names against what the probe sees.
 
-    probe = load_probe("weights/scenes-v1/probe.safetensors")
+    probe = load_probe("weights/scenes-v2/probe.safetensors")
     report = attribute_accuracy(probe, images_uint8, scenes_or_labels)   # images [N, 48, 48, 3] uint8
     report["attribute_accuracy"]   # mean over (object, attribute) checks of shape/colour/size/position
 """
