@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ciar.world import load_default_world
 from pipelines import eval_world
 
 N = 6
@@ -26,11 +27,13 @@ def test_full_report_on_the_shipped_world(report):
     cloud = report["cloud"]
     assert cloud["deterministic"] is True
     assert 0.0 <= cloud["attribute_accuracy"]["attribute_accuracy"] <= 1.0
-    assert cloud["sampling"]["cfg_scale"] == 3.0  # the shipped file's sampling defaults
+    shipped = load_default_world().sampling  # no sampling flags: the shipped file's defaults
+    assert (cloud["sampling"]["cfg_scale"], cloud["sampling"]["temperature"]) == (shipped.cfg_scale,
+                                                                                    shipped.temperature)
     assert cloud["fid_vs_references"] > tok["fid_vs_references"] >= 0.0
 
 
-def test_sweep_reports_every_grid_point(tmp_path, capsys):
+def test_sweep_reports_every_grid_point(tmp_path):
     out = tmp_path / "sweep.json"
     assert eval_world.main(["--split", "val", "--n", "4", "--batch-size", "4", "--sweep", "--cfg-grid", "1,3",
                             "--temperature-grid", "0.9", "--out", str(out)]) == 0
@@ -40,7 +43,7 @@ def test_sweep_reports_every_grid_point(tmp_path, capsys):
         parts = {f"{a}_accuracy" for a in ("attribute", "shape", "color", "size", "position")}
         assert parts <= set(r)
         assert r["fid_vs_references"] >= 0.0
-    assert rows[0] != rows[1]  # different guidance, different images
+    assert rows[0]["fid_vs_references"] != rows[1]["fid_vs_references"]  # different guidance, different images
 
 
 def test_bad_grid_is_a_readable_error(capsys):
