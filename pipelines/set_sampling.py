@@ -5,7 +5,8 @@
 
 Fields not given keep their current value. The new defaults are validated (`SamplingParams`) before anything is
 written, and the file is replaced atomically, so a bad value leaves it as it was. `--chosen-by` records how the
-setting was chosen (`extra["sampling_chosen_by"]`), next to the file's other training facts.
+setting was chosen (`extra["sampling_chosen_by"]`, next to the file's other training facts); without it, an
+earlier note is dropped with the setting it described.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         old = sampling_from_extra(extra, args.path)
         given = {k: v for k, v in (("cfg_scale", args.cfg_scale), ("temperature", args.temperature),
                                    ("top_k", args.top_k), ("top_p", args.top_p)) if v is not None}
+        if not given:
+            raise ValueError("nothing to set: give --cfg-scale, --temperature, --top-k and/or --top-p")
         new = replace(old, **given)  # validates
     except (OSError, ValueError) as e:
         p.error(str(e))
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     with safe_open(args.path, framework="pt") as f:
         meta = dict(f.metadata())
     extra["sampling"] = asdict(new)
+    extra.pop("sampling_chosen_by", None)  # a note about the old setting would now be wrong
     if args.chosen_by:
         extra["sampling_chosen_by"] = args.chosen_by
     meta["extra"] = json.dumps(extra)

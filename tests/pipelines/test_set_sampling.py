@@ -34,11 +34,15 @@ def test_sets_defaults_and_keeps_everything_else(world_dir):
     assert all(before[k].dtype == after[k].dtype and before[k].equal(after[k]) for k in before)
     assert meta_after["kind"] == meta_before["kind"] and meta_after["config"] == meta_before["config"]
     assert json.loads(meta_after["extra"])["sampling_chosen_by"] == "val sweep"
+    assert set_sampling.main([path, "--temperature", "0.9"]) == 0  # a new setting without a note drops the old one
+    extra = json.loads(_meta(path)["extra"])
+    assert extra["sampling"]["temperature"] == 0.9 and "sampling_chosen_by" not in extra
 
 
 @pytest.mark.parametrize("args, message", [
     (["--cfg-scale", "0.5"], "cfg_scale must be >= 1"),
     (["--temperature", "-1"], "temperature must be >= 0"),
+    ([], "nothing to set"),
 ])
 def test_bad_value_is_an_error_and_the_file_is_unchanged(world_dir, args, message, capsys):
     path = f"{world_dir}/cloud.safetensors"
