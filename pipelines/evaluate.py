@@ -108,10 +108,10 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     cloud), projector_checkpoint (optional), t5_embeddings (folder of IMAGE_ID.npy caption embeddings [L, 2048]
     or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05-6726825d.pth or
     torch-fidelity's copy: FID, checked key by key here), clip_model (a local transformers CLIP folder: CLIP
-    score), reference_images (folder of the captions' images, by file_name: FID references); sampling: cfg_scale, temperature, top_k, top_p
-    (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config / vq_overrides for non-registry sizes.
-    Relative paths are taken relative to the config file. Raises FileNotFoundError naming the first missing file,
-    ValueError for anything else wrong."""
+    score), reference_images (folder of the captions' images, by file_name: FID references); sampling:
+    cfg_scale, temperature, top_k, top_p (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config /
+    vq_overrides for non-registry sizes. Relative paths are taken relative to the config file. Raises
+    FileNotFoundError naming the first missing file, ValueError for anything else wrong."""
     if not path:
         return {}
     if not os.path.isfile(path):

@@ -126,14 +126,15 @@ def parse_overrides(items: list[str]) -> dict:
 def init_from(path: str, cfg: GPTConfig, model=None) -> dict:
     """Check that an exported cloud model file has config `cfg`, and load its weights into `model` when given (a
     resumed run only checks). -> {"file", "steps"}: what the run's exports record."""
-    from ciar.models.checkpoint import load_strict
+    from ciar.models.checkpoint import load_strict, read_model_metadata
 
-    state, kind, file_cfg, extra = read_model_file(path)
+    kind, file_cfg, extra = read_model_metadata(path)  # the checks need no tensors
     if kind != "gpt":
         raise SystemExit(f"--init {path}: expected a cloud model file (kind 'gpt'), found {kind!r}")
     if GPTConfig.from_dict(file_cfg) != cfg:
         raise SystemExit(f"--init {path}: its config differs from --config/--set: {file_cfg} vs {cfg.to_dict()}")
     if model is not None:
+        state = read_model_file(path)[0]
         load_strict(model, {k: v.float() for k, v in state.items()}, what="cloud model")
     return {"file": os.path.abspath(path), "steps": (extra or {}).get("trained_steps")}
 
