@@ -132,12 +132,15 @@ def precompute_freqs_cis_2d(grid_size: int, head_dim: int, base: float, cls_toke
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; freqs: [B or 1, T, D // 2, 2] -> rotated x (interleaved pairs), same dtype."""
+    """x: [B, T, H, D]; freqs: [B or 1, T, D // 2, 2] -> rotated x (interleaved pairs), same dtype.
+
+    Each pair (a, b) becomes (a cos - b sin, b cos + a sin): one complex product per pair in float32 (the same
+    bits as the four real products, in a fifth of the kernel launches)."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, D/2, 2]
-    f = freqs.unsqueeze(2)  # [B, T, 1, D/2, 2]
-    out = torch.stack([xs[..., 0] * f[..., 0] - xs[..., 1] * f[..., 1],
-                       xs[..., 1] * f[..., 0] + xs[..., 0] * f[..., 1]], dim=-1)
-    return out.flatten(3).type_as(x)
+    if xs.stride(-1) != 1 or xs.storage_offset() % 2 or any(st % 2 for st in xs.stride()[:-1]):
+        xs = xs.contiguous()  # view_as_complex needs (re, im) pairs adjacent and pair-aligned
+    f = torch.view_as_complex(freqs.float().contiguous()).unsqueeze(2)  # [B, T, 1, D/2] complex
+    return torch.view_as_real(torch.view_as_complex(xs) * f).flatten(3).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +150,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
+        if x.dtype == torch.float32:  # the fused kernel gives the same bits as the three steps below in float32
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        xf = x.float()  # low precision: normalise in float32, round, then scale (LlamaGen's order)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
@@ -194,16 +199,17 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
 
     def _qkv(self, x, freqs):
+        """-> q [B, T, H, D], k and v [B, T, Hkv, D]; q and k rotated together (one RoPE pass over their heads)."""
         b, t, _ = x.shape
-        kv = self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([self.cfg.dim, kv, kv], dim=-1)
-        q = apply_rotary_emb(q.view(b, t, self.n_head, self.head_dim), freqs)
-        k = apply_rotary_emb(k.view(b, t, self.n_kv_head, self.head_dim), freqs)
-        return q, k, v.view(b, t, self.n_kv_head, self.head_dim)
+        h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.wqkv(x)  # [B, T, (H + 2 Hkv) D]
+        qk = apply_rotary_emb(qkv[..., : (h + hkv) * d].view(b, t, h + hkv, d), freqs)
+        q, k = qk.split([h, hkv], dim=2)
+        return q, k, qkv[..., (h + hkv) * d:].view(b, t, hkv, d)
 
     def _attend(self, q, keys, values, mask, is_causal=False):
-        """q: [B, T, H, D]; keys/values: [B, S, Hkv, D]; mask: [B, 1, T, S] bool or None. -> [B, T, H, D]."""
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        """q: [B, T, H, D]; keys/values: [B, Hkv, S, D]; mask: [B, 1, T, S] (bool, or additive float) or None.
+        -> [B, T, H, D]."""
         if self.n_kv_head != self.n_head:
             keys = keys.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             values = values.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
@@ -220,7 +226,7 @@ class Attention(nn.Module):
 
     def forward(self, x, freqs, mask):
         q, k, v = self._qkv(x, freqs)
-        return self._out(q, k, v, mask, is_causal=mask is None)
+        return self._out(q, k.transpose(1, 2), v.transpose(1, 2), mask, is_causal=mask is None)
 
     def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
         """Write this step's k/v at (slot, pos) and attend over the slot's first `kv_len` positions.
@@ -228,14 +234,15 @@ class Attention(nn.Module):
         `runs` [(first row, first slot, rows)] cover the batch in row order; each run's rows use consecutive
         slots, so its keys are a view of the cache (no copy). `None`: gather every row's slot (`slot_idx[:, 0]`)."""
         q, k, v = self._qkv(x, freqs)
-        k_cache[slot_idx, pos] = k.to(k_cache.dtype)
-        v_cache[slot_idx, pos] = v.to(v_cache.dtype)
+        k_cache[slot_idx, :, pos] = k.to(k_cache.dtype)  # [B, T, Hkv, D] into [slots, Hkv, max_seq, D]
+        v_cache[slot_idx, :, pos] = v.to(v_cache.dtype)
         if runs is None:
             slots = slot_idx[:, 0]
-            keys, values = k_cache[:, :kv_len].index_select(0, slots), v_cache[:, :kv_len].index_select(0, slots)
+            keys = k_cache[:, :, :kv_len].index_select(0, slots)
+            values = v_cache[:, :, :kv_len].index_select(0, slots)
             return self._out(q, keys.to(q.dtype), values.to(q.dtype), mask)
-        outs = [self._attend(q[r:r + n], k_cache[s:s + n, :kv_len].to(q.dtype), v_cache[s:s + n, :kv_len].to(q.dtype),
-                             mask[r:r + n]) for r, s, n in runs]
+        outs = [self._attend(q[r:r + n], k_cache[s:s + n, :, :kv_len].to(q.dtype),
+                             v_cache[s:s + n, :, :kv_len].to(q.dtype), mask[r:r + n]) for r, s, n in runs]
         return self._project(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
@@ -409,6 +416,9 @@ class GPT(nn.Module):
         valid = cache.key_valid[rows, :kv_len]  # [B, S]
         mask = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
             | (key_pos[None, None, :] == input_pos[:, :, None])
+        # additive float mask, built once for all layers (a bool mask is converted inside every attention call);
+        # the diagonal is always kept, so no row is fully masked
+        mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         mask = mask.unsqueeze(1)  # [B, 1, T, S]
         h = self.tok_dropout(h)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):

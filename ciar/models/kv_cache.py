@@ -1,6 +1,7 @@
 """Static KV cache: preallocated, written at explicit positions, rolled back by moving a position pointer.
 
-Layout per layer: k, v [slots, max_seq, n_kv_head, head_dim]. A *slot* is one sequence (a session, or one CFG
+Layout per layer: k, v [slots, n_kv_head, max_seq, head_dim] (heads before positions, as attention reads them:
+a slot's keys for one head are one contiguous block, so attention walks memory in order). A *slot* is one sequence (a session, or one CFG
 row of it). `key_valid` [slots, max_seq] marks caption padding (False) so padded caption tokens are never
 attended to; image positions are always valid. Nothing is ever copied for rollback: attention masks keys
 beyond each query's own position, so entries past a rolled-back pointer are invisible and get overwritten.
@@ -17,7 +18,7 @@ import torch
 class KVCache:
     def __init__(self, n_layer: int, slots: int, max_seq: int, n_kv_head: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        shape = (slots, max_seq, n_kv_head, head_dim)
+        shape = (slots, n_kv_head, max_seq, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
         self.key_valid = torch.ones(slots, max_seq, dtype=torch.bool, device=device)  # [slots, max_seq]

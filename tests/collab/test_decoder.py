@@ -117,8 +117,8 @@ def test_verifier_rollback_leaves_cache_identical_to_fresh_run(tiny_cloud, stub_
         assert all(v.cache.lengths[slot] == n for slot in s.slots)
         for layer in range(c.n_layer):
             for row, slot in enumerate(s.slots):
-                torch.testing.assert_close(v.cache.k[layer][slot, :n], fresh.k[layer][row, :n], atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(v.cache.v[layer][slot, :n], fresh.v[layer][row, :n], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v.cache.k[layer][slot, :, :n], fresh.k[layer][row, :, :n], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(v.cache.v[layer][slot, :, :n], fresh.v[layer][row, :, :n], atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()

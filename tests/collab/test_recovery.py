@@ -131,8 +131,8 @@ def test_resume_batch_rebuilds_cache_and_continues_identically(tiny_cloud, stub_
         assert [fresh.cache.lengths[s] for s in b.slots] == [n] * len(b.slots)
         for layer in range(c.n_layer):
             for sa, sb in zip(a.slots, b.slots):
-                torch.testing.assert_close(orig.cache.k[layer][sa, :n], fresh.cache.k[layer][sb, :n])
-                torch.testing.assert_close(orig.cache.v[layer][sa, :n], fresh.cache.v[layer][sb, :n])
+                torch.testing.assert_close(orig.cache.k[layer][sa, :, :n], fresh.cache.k[layer][sb, :, :n])
+                torch.testing.assert_close(orig.cache.v[layer][sa, :, :n], fresh.cache.v[layer][sb, :, :n])
     V = tiny_cloud.config.vocab_size
     for _ in range(3):
         vreqs = [VerifyRequest(sid, torch.randint(0, V, (1,), generator=g), torch.randint(0, V, (2,), generator=g),
