@@ -252,6 +252,11 @@ def main(argv=None) -> int:
             else:
                 name = f"device_l{v}" if args.sweep == "depth" else f"device_h{v}_{args.combine}"
                 path = os.path.join(world.weights_dir, f"{name}.safetensors")
+                dc = world.device_model.device_config
+                if int(v) == (dc.n_layer if args.sweep == "depth" else dc.num_heads) and not os.path.isfile(path):
+                    # the shipped device model (device.safetensors) is this point of the sweep
+                    variants[f"ciar {args.sweep}={v}"] = ("ciar", dict(ciar_ov), None)
+                    continue
                 if not os.path.isfile(path):
                     raise SystemExit(f"missing {path}: train it with `python -m pipelines.train_device --name {name} "
                                      + ("--n-layer " + v if args.sweep == "depth" else f"--num-heads {v} --combine "
