@@ -83,18 +83,26 @@ class InterHead(nn.Module):
         return centers.mean(dim=0), radii.mean(dim=0)
 
     @torch.no_grad()
-    def init_center_from(self, weight: torch.Tensor) -> None:
+    def init_center_from(self, weight: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """Copy the cloud's output layer weight [V, dim] into every head's center rows; radius starts at 0.5.
 
-        Center bias = 0, radius rows = 0, radius bias = softplus^{-1}(0.5) = log(exp(0.5) - 1).
+        Head 0: center rows = weight, center bias = 0, radius rows = 0, radius bias = softplus^{-1}(0.5). Heads
+        1.. start from the same point plus seeded noise (`generator`, else the global RNG): center rows
+        + N(0, (0.1 std(weight))^2), radius rows N(0, 0.02^2). Without it every head would get the same gradients
+        and stay a bit-for-bit copy of head 0, so an ensemble or a vote of heads would be one head.
         """
         V = self.vocab_size
         if tuple(weight.shape) != (V, self.dim):
             raise ValueError(f"expected an output weight of shape ({V}, {self.dim}), got {tuple(weight.shape)}")
         radius_bias = math.log(math.expm1(INIT_RADIUS))
-        for head in self.heads:
-            head.weight[:V].copy_(weight.to(head.weight))
-            head.weight[V:].zero_()
+        w = weight.detach().float().cpu()
+        for i, head in enumerate(self.heads):
+            center, radius = w.clone(), torch.zeros_like(w)
+            if i > 0:
+                center += torch.randn(w.shape, generator=generator) * (0.1 * float(w.std()))
+                radius += torch.randn(w.shape, generator=generator) * 0.02
+            head.weight[:V].copy_(center.to(head.weight))
+            head.weight[V:].copy_(radius.to(head.weight))
             head.bias[:V].zero_()
             head.bias[V:].fill_(radius_bias)
 

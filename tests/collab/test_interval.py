@@ -210,9 +210,17 @@ def test_inter_head_multi():
     assert cs.shape == (3, 4, 12) and rs.shape == (3, 4, 12)
     c, r = head(h)
     assert torch.allclose(c, cs.mean(0)) and torch.allclose(r, rs.mean(0))
-    head.init_center_from(torch.randn(12, 8))
+    w = torch.randn(12, 8)
+    head.init_center_from(w, generator=torch.Generator().manual_seed(0))
     cs, rs = head.forward_heads(h)
-    assert torch.allclose(cs[0], cs[2]) and torch.allclose(rs, torch.full_like(rs, 0.5))
+    # head 0 is the plain init (the single-head device's), the others start perturbed around it: identical heads
+    # would get identical gradients and stay copies forever (a 2-head ensemble trained that way was one head)
+    assert torch.allclose(cs[0], h @ w.T, atol=1e-5) and torch.allclose(rs[0], torch.full_like(rs[0], 0.5))
+    assert not torch.allclose(cs[1], cs[0]) and not torch.allclose(cs[1], cs[2]) and not torch.allclose(rs[1], rs[0])
+    assert (cs[1:] - cs[0]).abs().mean() < 0.5 * cs[0].abs().mean()  # a perturbation of the cloud's logits
+    other = InterHead(8, 12, num_heads=3, combine="voting")
+    other.init_center_from(w, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), other.state_dict().values()))
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_heads=0), dict(num_heads=6), dict(combine="max"),
