@@ -6,8 +6,10 @@
 
 Methods: `cloud` (the cloud model samples every token; the reference) and the collaborative methods of
 `ciar.collab.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
-which need the weights folder's `device.safetensors`; `--tau`, `--span`, `--prefix-rate` and `--network` set
-their knobs, and `--stats` then also holds the collaboration stats (cloud-call rate, requests, latency split).
+which need the weights folder's `device.safetensors`; `--gate`, `--tau`, `--burst`, `--span`, `--prefix-rate` and
+`--network` set their knobs (gate, tau and burst default to the device file's calibrated values,
+`python -m pipelines.calibrate`), and `--stats` then also holds the collaboration stats (cloud-call rate,
+requests, latency split).
 Sampling settings default to the
 weights folder's own (`cloud.safetensors` metadata); each flag overrides one field. The same prompt, seed,
 settings and device give a byte-identical PNG. `--stats` writes a JSON with the method, prompt, seed, number of
@@ -53,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (1 = all)")
-    p.add_argument("--tau", type=float, default=None, help="collaborative methods: gate threshold")
+    p.add_argument("--tau", type=float, default=None,
+                   help="collaborative methods: gate threshold (default: the device file's calibrated one)")
+    p.add_argument("--gate", default=None, help="ciar: the gate (default: the device file's calibrated gate)")
+    p.add_argument("--burst", type=int, default=None,
+                   help="ciar: cloud burst g after a rejection (default: the device file's)")
     p.add_argument("--span", type=int, default=None, help="collaborative methods: drafts per verification")
     p.add_argument("--prefix-rate", type=float, default=None, help="collaborative methods: cloud prefix fraction")
     p.add_argument("--network", default=None, help="collaborative methods: 5g | 4g | wifi | none")
@@ -136,7 +142,8 @@ def run(args: argparse.Namespace) -> dict:
         from ciar.collab.runtime import make_decoder, make_verifier
 
         knobs = {k: v for k, v in (("tau", args.tau), ("span", args.span), ("prefix_rate", args.prefix_rate),
-                                   ("network", args.network)) if v is not None}
+                                   ("network", args.network), ("gate", args.gate), ("burst", args.burst))
+                 if v is not None}
         try:
             dec = make_decoder(world, make_verifier(world, max_sessions=1), args.method, sampling=params, **knobs)
         except (ValueError, KeyError) as e:
@@ -184,8 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
-    print(f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s "
-          f"(method {args.method}, seed {args.seed})")
+    line = f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s " \
+           f"(method {args.method}, seed {args.seed})"
+    if "collab" in stats:
+        st, cf = stats["collab"]["stats"], stats["collab"]["config"]
+        line += (f"; cloud calls {100 * st['cloud_call_rate']:.1f} %, {st['cloud_requests']} cloud requests, "
+                 f"simulated latency {st['total_s']:.3f} s on {cf['network']} (gate {cf['gate']}, tau {cf['tau']}, "
+                 f"burst {cf['burst']})")
+    print(line)
     return 0
 
 

@@ -1,18 +1,27 @@
-"""Inter-DRO training of the device model (trunk + Inter-Head) against the frozen cloud, resumable.
+"""Distil the device model (trunk + Inter-Head) from the frozen cloud, on the cloud's own guided samples; resumable.
 
-    python -m pipelines.train_device --out weights/scenes-v1 --n-layer 1 --steps 1200 --batch-size 16 --seed 0
+    python -m pipelines.train_device --out weights/scenes-v2 --n-layer 1 --steps 6000 --batch-size 32 --seed 3 \
+        --data-dir data_cache/scenes-v2-s3
 
-Data: the tokenised train scenes of `pipelines.train_cloud` (built there, or here if missing). Each step draws a
-batch, drops captions with the cloud's `class_dropout_prob` (the same rows for cloud and device, so both the
-conditional and the unconditional branch are distilled: CFG-aware), runs the frozen cloud for its distributions
-q, and trains the device with `ciar.collab.losses.inter_dro_loss` (anchor, DRO-reweighted lower, center with
-KL(q || softmax(c)), upper). Labels y are the data tokens (`--labels data`) or draws from q (`--labels cloud`).
-Every loss term can be switched off (`--ablate lower` ...; paper Table 7). With several heads (`--num-heads`),
-every head gets its own loss.
+The device drafts from the *guided* cloud distribution (CFG -> temperature -> top-k/p), so that is what it is
+distilled towards (DESIGN.md section 4):
 
-The device starts from the cloud's first `--n-layer` layers (`DeviceModel.from_cloud`). Writes
-`OUT/device.safetensors` (or `--name`), `OUT/device.metrics.json`: validation CE, KL to the cloud, top-1
-agreement with the cloud, and how well each gate score predicts a disagreement (AUROC of U, entropy, 1 - max p).
+- **Data** (`--data onpolicy`, the default): token sequences the cloud sampled itself with the world's sampling
+  settings (`pipelines.onpolicy`, cached to disk, built here when missing) for captions of the scenes train split;
+  `--data data` uses the VQ codes of the rendered scenes instead (`pipelines.train_cloud.build_split`).
+- **Rows**: every sequence runs as a conditional and an unconditional row through the frozen cloud and the device,
+  as at decoding time, so the guided box and the guided distributions are the ones the deployed device sees.
+- **Objective** (`--objective`): `coverage` (ours, `ciar.collab.losses.distill_loss`): KL(guided cloud || guided
+  device) + a light conditional-row KL + the coverage (pinball) loss that trains the guided radius to hold the
+  cloud's log-probabilities; `inter-dro` (the paper): the same KL terms with the paper's Inter-DRO terms on the
+  guided box instead of coverage (labels = the sequence's tokens). `--ablate TERM` switches any term off
+  (Table 7: `--objective inter-dro --ablate lower` ...).
+
+The device starts from the cloud's first `--n-layer` layers (`DeviceModel.from_cloud`). Every `--eval-every` steps
+it is measured on on-policy **val** sequences under the deployed sampling settings (`evaluate`): guided KL and
+total variation to the cloud, top-1 agreement, coverage of the cloud's mass by the box, and each gate's AUROC for
+the positions where the device disagrees with the cloud and where the exact rule rejects its draft. Writes
+`OUT/NAME.safetensors` (with its training facts in the metadata) and `OUT/NAME.metrics.json` (the curves).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -28,105 +38,266 @@ from tqdm import tqdm
 
 from ciar.collab.device import DeviceConfig, DeviceModel
 from ciar.collab.gating import gate_scores
-from ciar.collab.interval import guided_interval
-from ciar.collab.losses import LOSS_TERMS, InterDROConfig, inter_dro_loss
+from ciar.collab.interval import guided_interval, interval_uncertainty
+from ciar.collab.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterDROConfig, distill_loss, guided_logp,
+                                truncate)
+from ciar.decoding.sampling import SamplingParams, logits_to_probs
+from ciar.metrics.ranking import auroc
 from ciar.world import load_default_world
 from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
-from pipelines.train_cloud import TokenisedScenes, build_split, get_batch
+from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
+
+OBJECTIVES = ("coverage", "inter-dro")
+EVAL_GATES = ("interval", "interval_margin", "lower", "entropy", "softmax", "draft")
 
 
-def auroc(scores: torch.Tensor, positive: torch.Tensor) -> float:
-    """Area under the ROC curve of `scores` for the boolean labels `positive` (ties count one half)."""
-    scores, positive = scores.double().flatten(), positive.flatten().bool()
-    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = torch.argsort(scores)
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
-    # average ranks over ties
-    uniq, inv = torch.unique(scores, return_inverse=True)
-    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks)
-    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, torch.ones_like(ranks))
-    ranks = (sums / counts)[inv]
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+def distill_config(objective: str, ablate: list[str], dro_eta: float = 1.0, kl_weight: float = 1.0) -> DistillConfig:
+    """The objective's DistillConfig with `ablate`d terms (DISTILL_TERMS, or LOSS_TERMS of the Inter-DRO part)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    cfg = DistillConfig() if objective == "coverage" else DistillConfig(coverage=0.0, inter_dro=1.0)
+    dro = InterDROConfig(dro_eta=dro_eta, kl_weight=0.0)  # the KL is distill's own term
+    for term in ablate:
+        if term in DISTILL_TERMS:
+            cfg = cfg.ablate(term)
+        elif term in LOSS_TERMS:
+            dro = dro.ablate(term)
+        else:
+            raise ValueError(f"unknown term {term!r}; known: {', '.join(DISTILL_TERMS + LOSS_TERMS)}")
+    return replace(cfg, kl=cfg.kl * kl_weight, dro=dro)
+
+
+def rows(tokens: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor, params: SamplingParams):
+    """A batch as the decoder runs it: [cond..., uncond...] rows with CFG, else the conditional rows alone.
+    -> (idx [R, N-1], emb [R, L, D], mask [R, L], drop [R] or None, number of row groups 2 or 1)."""
+    if not params.uses_cfg:
+        return tokens[:, :-1], emb, mask, None, 1
+    b = tokens.shape[0]
+    drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(tokens.device)
+    return tokens[:, :-1].repeat(2, 1), emb.repeat(2, 1, 1), mask.repeat(2, 1), drop, 2
+
+
+def split_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[G*B, N, V] -> [G, B*N, V]."""
+    return x.reshape(groups, -1, x.shape[-1])
+
+
+class SequenceSet:
+    """Token sequences [n, N] (on-policy or data codes) with their caption arrays and a teacher cache.
+
+    The teacher cache holds the cloud's `guided_logp` of every position, float16 [n, N, V] on disk
+    (`teacher_path`), filled on first use of a row (`teacher`): a sequence is seen many times over a long run and the
+    8-layer cloud's two CFG rows cost ~2x the 1-layer device's forward and backward, so each row pays for the cloud
+    once. Values are a pure function of the row, so a resumed run reads what it would have computed.
+    """
+
+    def __init__(self, tokens: np.ndarray, captions, dev, teacher_path: str | None = None, vocab_size: int = 0):
+        self.tokens, self.captions, self.dev, self.n = tokens, captions, dev, tokens.shape[0]
+        self.cache = self.filled = None
+        if teacher_path is not None:
+            mode = "r+" if os.path.exists(teacher_path) else "w+"
+            shape = (self.n, tokens.shape[1], vocab_size)
+            self.cache = np.lib.format.open_memmap(teacher_path, mode=mode, dtype=np.float16,
+                                                   shape=shape if mode == "w+" else None)
+            if self.cache.shape != shape:
+                raise ValueError(f"{teacher_path}: shape {self.cache.shape}, expected {shape}")
+            self.filled_path = teacher_path[:-4] + ".filled.npy"
+            self.filled = (np.load(self.filled_path) if os.path.exists(self.filled_path)
+                           else np.zeros(self.n, dtype=np.bool_))
+
+    def batch(self, idx: np.ndarray):
+        idx = np.sort(idx)
+        t = torch.from_numpy(self.tokens[idx].astype(np.int64)).to(self.dev)
+        emb = torch.from_numpy(self.captions.emb[idx].astype(np.float32)).to(self.dev)
+        mask = torch.from_numpy(self.captions.mask[idx]).to(self.dev)
+        return t, emb, mask
+
+    @torch.no_grad()
+    def teacher(self, cloud, idx: np.ndarray, params: SamplingParams) -> torch.Tensor:
+        """The cloud's guided log-probabilities of rows `idx` (sorted), [len(idx) * N, V] float32."""
+        idx = np.sort(idx)
+        if self.cache is None:
+            return _teacher_logp(cloud, *self.batch(idx), params)
+        missing = idx[~self.filled[idx]]
+        if len(missing):
+            self.cache[missing] = _teacher_logp(cloud, *self.batch(missing), params).view(
+                len(missing), self.tokens.shape[1], -1).cpu().numpy().astype(np.float16)
+            self.filled[missing] = True
+        return torch.from_numpy(self.cache[idx].astype(np.float32)).to(self.dev).flatten(0, 1)
+
+    def flush(self) -> None:
+        """Make the filled rows durable (called with each checkpoint)."""
+        if self.cache is not None:
+            self.cache.flush()
+            tmp = self.filled_path + ".tmp.npy"
+            np.save(tmp, self.filled)
+            os.replace(tmp, self.filled_path)
+
+
+def _teacher_logp(cloud, tokens, emb, mask, params: SamplingParams) -> torch.Tensor:
+    idx, e, m, drop, g = rows(tokens, emb, mask, params)
+    lc = split_rows(cloud(idx, e, m, drop=drop)[0], g)
+    return guided_logp(lc[0], lc[1] if g == 2 else None, params)
 
 
 @torch.no_grad()
-def evaluate(device_model: DeviceModel, cloud, data: TokenisedScenes, dev, n: int = 128, batch_size: int = 32) -> dict:
-    """Teacher-forced validation on the first n val scenes (conditional rows)."""
+def evaluate(device_model: DeviceModel, cloud, data: SequenceSet, params: SamplingParams, n: int = 256,
+             batch_size: int = 16, seed: int = 0) -> dict:
+    """Teacher-forced on the first n sequences of `data`, both CFG rows, under the deployed sampling `params`.
+
+    Per image position: p = the cloud's guided distribution, q = the device's (`logits_to_probs` of its centers),
+    the guided box (`guided_interval`), and a draft x ~ q (seeded). Labels: *disagreement* (argmax q != argmax p)
+    and *rejection* (the exact rule rejects x: a uniform draw above p(x)/q(x)). Gates: `interval` (the paper's U,
+    tight bounds), `interval_margin` (U after the paper's 1 % safety margin), `lower` (-log p_lo[x]), `entropy` and
+    `softmax` (of q), and for reference `draft` (1 - q(x), the drafted token's own probability, no box).
+    -> dict of the means and AUROCs.
+    """
+    was = device_model.training
     device_model.eval()
-    ce, kl, agree, count = 0.0, 0.0, 0.0, 0
-    scores = {"interval": [], "entropy": [], "softmax": []}
-    disagree = []
+    gen = torch.Generator().manual_seed(seed)
+    kl = tv = agree = covered = count = 0.0
+    scores = {g: [] for g in EVAL_GATES}
+    disagree, reject, radius = [], [], []
     for s in range(0, min(n, data.n), batch_size):
-        tokens, emb, mask = get_batch(data, np.arange(s, min(s + batch_size, n, data.n)), dev)
-        q = torch.softmax(cloud(tokens[:, :-1], emb, mask)[0], -1)  # [B, N, V]
-        out = device_model(tokens[:, :-1], emb, mask)
-        logp = torch.log_softmax(out.center, -1)
-        ce += float(torch.nn.functional.nll_loss(logp.flatten(0, 1), tokens.flatten(), reduction="sum"))
-        kl += float((q * (q.clamp_min(1e-12).log() - logp)).sum())
-        dis = out.center.argmax(-1) != q.argmax(-1)
+        tokens, emb, mask = data.batch(np.arange(s, min(s + batch_size, n, data.n)))
+        idx, e, m, drop, g = rows(tokens, emb, mask, params)
+        p = truncate(data.teacher(cloud, np.arange(s, s + len(tokens)), params), params)  # [M, V]
+        out = device_model(idx, e, m, drop=drop)
+        dc, dr = split_rows(out.center, g), split_rows(out.radius, g)
+        q = logits_to_probs(dc[0], params, uncond_logits=dc[1] if g == 2 else None)
+        temp = params.temperature or 1.0
+        if g == 2:
+            c, r = guided_interval(dc[0], dr[0], dc[1], dr[1], cfg_scale=params.cfg_scale, temperature=temp)
+        else:
+            c, r = guided_interval(dc[0], dr[0], temperature=temp)
+        logq = torch.log(q.clamp_min(1e-30))
+        kl += float(torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum())
+        tv += float(0.5 * (p - q).abs().sum())
+        dis = q.argmax(-1) != p.argmax(-1)
         agree += float((~dis).sum())
-        count += tokens.numel()
-        c, r = guided_interval(out.center.flatten(0, 1), out.radius.flatten(0, 1))
-        probs = torch.softmax(out.center.flatten(0, 1), -1)
-        scores["interval"].append(gate_scores("interval", center=c, radius=r))
-        scores["entropy"].append(gate_scores("entropy", probs=probs))
-        scores["softmax"].append(gate_scores("softmax", probs=probs))
-        disagree.append(dis.flatten())
-    device_model.train()
-    dis = torch.cat(disagree)
-    u = torch.cat(scores["interval"])
-    return {"val_ce": ce / count, "val_kl_to_cloud": kl / count, "top1_agreement_with_cloud": agree / count,
-            "auroc_disagreement": {k: auroc(torch.cat(v), dis) for k, v in scores.items()},
-            "u_quantiles": {str(q): float(torch.quantile(u, q)) for q in (0.1, 0.5, 0.7, 0.9)}}
+        count += p.shape[0]
+        x = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+        ratio = p.gather(-1, x[:, None]).squeeze(-1) / q.gather(-1, x[:, None]).squeeze(-1).clamp_min(1e-30)
+        rej = torch.rand(x.shape, generator=gen) >= ratio.clamp(max=1.0)
+        lg = torch.log_softmax(c, -1)
+        lp = torch.log(p.clamp_min(1e-30))
+        inside = ((lg - lp).abs() <= r) & (p > 0)
+        covered += float((inside * p).sum())
+        for chunk in torch.split(torch.arange(p.shape[0]), 1024):
+            cc, rr = c[chunk], r[chunk]
+            scores["interval"].append(gate_scores("interval", center=cc, radius=rr))
+            scores["interval_margin"].append(interval_uncertainty(cc, rr, margin=0.01))
+            scores["lower"].append(gate_scores("lower", center=cc, radius=rr, drafted=x[chunk]))
+        scores["entropy"].append(gate_scores("entropy", probs=q))
+        scores["softmax"].append(gate_scores("softmax", probs=q))
+        scores["draft"].append(1.0 - q.gather(-1, x[:, None]).squeeze(-1))
+        disagree.append(dis)
+        reject.append(rej)
+        radius.append(r.mean(-1))
+    device_model.train(was)
+    dis, rej = torch.cat(disagree), torch.cat(reject)
+    cat = {k: torch.cat(v) for k, v in scores.items()}
+    return {"val_kl_guided": kl / count, "val_tv_guided": tv / count, "top1_agreement": agree / count,
+            "rejection_rate": float(rej.float().mean()), "box_coverage_of_cloud_mass": covered / count,
+            "radius_mean": float(torch.cat(radius).mean()),
+            "auroc_disagreement": {k: auroc(v, dis) for k, v in cat.items()},
+            "auroc_rejection": {k: auroc(v, rej) for k, v in cat.items()},
+            "score_quantiles": {k: {str(qq): float(torch.quantile(v.double(), qq)) for qq in (0.5, 0.7, 0.9)}
+                                for k, v in cat.items() if k in ("interval", "lower")}}
+
+
+def load_sequences(kind: str, split: str, n: int, seed: int, data_dir: str, world, dev,
+                   teacher_cache: bool = True) -> SequenceSet:
+    """On-policy sequences of the world's cloud (built when missing) or the scenes' VQ codes, with captions and
+    the teacher cache next to them (named after the cloud file and the sampling settings)."""
+    tag = onpolicy_tag(os.path.join(world.weights_dir, "cloud.safetensors"), world.sampling)
+    vocab = world.cloud.config.vocab_size
+    if kind == "onpolicy":
+        caps = load_captions(data_dir, split, n, seed, world, dev)
+        toks = build_onpolicy(os.path.join(data_dir, "onpolicy"), split, caps, world.cloud, world.sampling, seed, tag)
+        return SequenceSet(toks.tokens, caps, dev, toks.path[:-4] + ".teacher.npy" if teacher_cache else None, vocab)
+    from pipelines.train_cloud import build_split
+
+    data = build_split(data_dir, split, n, seed, world.vq, world.text, world.cloud.config, dev)
+    path = os.path.join(data_dir, f"{split}_{n}_data_{tag}.teacher.npy") if teacher_cache else None
+    return SequenceSet(data.tokens, data, dev, path, vocab)
+
+
+def eval_only(args, world, dev) -> int:
+    """The gate AUROC table of one device file on on-policy sequences (the cloud's own samples, deployed CFG)."""
+    model = DeviceModel.load(args.eval_only, device=dev)
+    data = load_sequences("onpolicy", args.eval_split, args.eval_n, args.seed, args.data_dir, world, dev)
+    res = {"device_file": args.eval_only, "split": args.eval_split, "sequences": args.eval_n, "seed": args.seed,
+           "sampling": world.sampling.to_dict(),
+           **evaluate(model, world.cloud, data, world.sampling, n=args.eval_n)}
+    data.flush()
+    text = json.dumps(res, indent=2)
+    if args.eval_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.eval_out)), exist_ok=True)
+        with open(args.eval_out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.train_device", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v1")
+    p.add_argument("--out", default="weights/scenes-v2", help="world folder (read) and output folder")
     p.add_argument("--name", default="device", help="output file stem (OUT/NAME.safetensors)")
+    p.add_argument("--init", default=None, help="start from this device file (same depth and heads) instead of the "
+                   "cloud's first layers")
     p.add_argument("--n-layer", type=int, default=1)
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--combine", default="ensemble", choices=["ensemble", "voting"])
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--labels", default="data", choices=["data", "cloud"])
-    p.add_argument("--ablate", action="append", default=[], choices=list(LOSS_TERMS),
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--data", default="onpolicy", choices=["onpolicy", "data"])
+    p.add_argument("--objective", default="coverage", choices=OBJECTIVES)
+    p.add_argument("--ablate", action="append", default=[], choices=list(DISTILL_TERMS + LOSS_TERMS),
                    help="switch a loss term off (repeatable)")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--dro-eta", type=float, default=1.0)
-    p.add_argument("--num-train", type=int, default=30000)
+    p.add_argument("--num-train", type=int, default=12000)
     p.add_argument("--num-val", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", default="data_cache/scenes-v1")
+    p.add_argument("--eval-n", type=int, default=256, help="val sequences per evaluation")
+    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--data-dir", default="data_cache/scenes-v2-s3")
     p.add_argument("--ckpt-dir", default=None, help="default runs/<name>")
     p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--stop-after", type=int, default=0, help="stop after this many steps of this run (resume later)")
+    p.add_argument("--eval-only", default=None, metavar="DEVICE_FILE",
+                   help="no training: measure this device file on on-policy sequences of --eval-split (the gate "
+                        "AUROC table) and write --eval-out")
+    p.add_argument("--eval-split", default="val", choices=["val", "heldout"])
+    p.add_argument("--eval-out", default=None)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     dev = pick_device(args.device)
     ckpt_dir = args.ckpt_dir or os.path.join("runs", args.name)
+    loss_cfg = distill_config(args.objective, args.ablate, args.dro_eta, args.kl_weight)
 
     world = load_default_world(args.out, device=dev)
     cloud = world.cloud.eval().requires_grad_(False)
-    cfg = cloud.config
-    train = build_split(args.data_dir, "train", args.num_train, args.seed, world.vq, world.text, cfg, dev)
-    val = build_split(args.data_dir, "val", args.num_val, args.seed, world.vq, world.text, cfg, dev)
+    params = world.sampling
+    if args.eval_only:
+        return eval_only(args, world, dev)
+    train = load_sequences(args.data, "train", args.num_train, args.seed, args.data_dir, world, dev)
+    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev)
 
     dcfg = DeviceConfig(n_layer=args.n_layer, num_heads=args.num_heads, combine=args.combine)
     model = DeviceModel.from_cloud(cloud, dcfg).to(dev).train()
-    loss_cfg = InterDROConfig(kl_weight=args.kl_weight, dro_eta=args.dro_eta)
-    for term in args.ablate:
-        loss_cfg = loss_cfg.ablate(term)
+    if args.init:
+        init = DeviceModel.load(args.init, device=dev)
+        if init.device_config != dcfg or init.config != model.config:
+            raise SystemExit(f"--init {args.init}: its config {init.device_config} differs from this run's {dcfg}")
+        model.load_state_dict(init.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = os.path.join(ckpt_dir, "state.pt")
     start = load_training_state(ckpt, model=model, optimizer=opt)
@@ -134,32 +305,30 @@ def main(argv=None) -> int:
     history = json.load(open(hist_path)) if start and os.path.exists(hist_path) else []
     if start:
         print(f"resuming from step {start}")
-    print(f"device model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {dcfg}, {loss_cfg}")
+    print(f"device model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {dcfg}, {loss_cfg}, "
+          f"sampling {params}")
 
     def export(step: int) -> None:
         model.save(os.path.join(args.out, f"{args.name}.safetensors"), dtype=torch.float16, extra={
-            "trained_steps": step, "batch_size": args.batch_size, "labels": args.labels, "seed": args.seed,
-            "loss": vars(loss_cfg) if hasattr(loss_cfg, "__dict__") else str(loss_cfg)})
+            "trained_steps": step, "batch_size": args.batch_size, "data": args.data, "objective": args.objective,
+            "seed": args.seed, "loss": asdict(loss_cfg), "sampling": params.to_dict(),
+            "init": os.path.basename(args.init) if args.init else "cloud layers"})
 
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=args.name, dynamic_ncols=True)
     t0, ema = time.time(), None
     for step in bar:
         set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
         rng = np.random.default_rng([args.seed, step])
-        tokens, emb, mask = get_batch(train, rng.choice(train.n, args.batch_size, replace=False), dev)
-        drop = torch.from_numpy(rng.random(args.batch_size) < cfg.class_dropout_prob).to(dev)
-        with torch.no_grad():
-            q = torch.softmax(cloud(tokens[:, :-1], emb, mask, drop=drop)[0], -1)  # [B, N, V]
-            if args.labels == "cloud":
-                g = torch.Generator(device=q.device).manual_seed(args.seed * 1_000_003 + step)
-                y = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(tokens.shape)
-            else:
-                y = tokens
-        out = model(tokens[:, :-1], emb, mask, drop=drop, with_heads=args.num_heads > 1)
+        pick = rng.choice(train.n, args.batch_size, replace=False)
+        tokens, emb, mask = train.batch(pick)
+        logp = train.teacher(cloud, pick, params)  # [B*N, V]
+        idx, e, m, drop, g = rows(tokens, emb, mask, params)
+        out = model(idx, e, m, drop=drop, with_heads=args.num_heads > 1)
         heads = out.heads if out.heads is not None else (out.center[None], out.radius[None])
         loss, parts = 0.0, {}
         for c_h, r_h in zip(*heads):
-            l_h, parts = inter_dro_loss(c_h.flatten(0, 1), r_h.flatten(0, 1), y.flatten(), q.flatten(0, 1), loss_cfg)
+            l_h, parts = distill_loss(split_rows(c_h, g), split_rows(r_h, g), logp, params,
+                                      targets=tokens.flatten(), config=loss_cfg)
             loss = loss + l_h
         loss = loss / heads[0].shape[0]
         opt.zero_grad(set_to_none=True)
@@ -167,24 +336,26 @@ def main(argv=None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
+        bar.set_postfix(loss=f"{ema:.3f}", agree=f"{parts.get('agree', 0):.3f}", tv=f"{parts.get('tv', 0):.3f}")
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps:
-            history.append({"step": done, "train_loss_ema": ema, **{k: float(v) for k, v in parts.items()},
-                            **evaluate(model, cloud, val, dev)})
+            history.append({"step": done, "train_loss_ema": ema, "train_parts": parts,
+                            "seconds": time.time() - t0, **evaluate(model, cloud, val, params, n=args.eval_n)})
             print(json.dumps(history[-1]), flush=True)
         stopping = args.stop_after and done - start >= args.stop_after
         if done % args.ckpt_every == 0 or done == args.steps or stopping:
+            train.flush()
+            val.flush()
             save_training_state(ckpt, done, model=model, optimizer=opt)
             with open(hist_path, "w") as f:
                 json.dump(history, f)
-        if stopping:
             export(done)
+        if stopping:
             print(f"stopped after step {done}; run again to resume")
             return 0
     export(args.steps)
     metrics = {"command_args": vars(args), "params": sum(p_.numel() for p_ in model.parameters()),
-               "history": history, "train_seconds_this_run": time.time() - t0}
+               "history": history, "train_seconds_last_run": time.time() - t0}
     with open(os.path.join(args.out, f"{args.name}.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     print(json.dumps(history[-1] if history else {}))

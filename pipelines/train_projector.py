@@ -1,13 +1,16 @@
 """Train the interval-feature projector (CIAR's interval-enhanced decoding) with the cloud and device frozen.
 
-    python -m pipelines.train_projector --out weights/scenes-v1 --steps 400 --batch-size 16 --seed 0
+    python -m pipelines.train_projector --out weights/scenes-v2 --steps 400 --batch-size 16 --seed 3 \
+        --data-dir data_cache/scenes-v2-s3
 
 What it learns (our reading of the paper's "distribution alignment"; DESIGN.md section 4): during collaborative
 decoding the cloud catches up on tokens the device accepted locally, and those can differ from what the cloud
-would have chosen. Each training sequence is a data sequence in which every image token is, with probability
-`--local-rate`, replaced by a draw from the device's distribution at that position (teacher-forced device) and
-marked "accepted locally": those positions carry `proj(device hidden, interval features)` added to the cloud's
-input embedding. The loss is the frozen cloud's cross-entropy on the data tokens that were not replaced, i.e.
+would have chosen. Each training sequence is an on-policy cloud sequence (`--data onpolicy`, the device's
+distillation set; `--data data`: VQ codes of rendered scenes) in which every image token is, with probability
+`--local-rate`, replaced by a draw from the device's *guided* distribution at that position (teacher-forced
+device, both CFG rows, as deployed) and marked "accepted locally": those positions carry `proj(device hidden,
+interval features of the guided box)` added to the cloud's input embedding (both CFG rows, as the verifier adds
+it). The loss is the frozen cloud's guided cross-entropy on the tokens that were not replaced, i.e.
 the projector learns to tell the cloud how far to trust each locally accepted token so its predictions stay
 aligned. The output layer starts at zero (= "w/o Inter-Enhance"); validation reports the cloud's CE on
 corrupted sequences with and without the projector.
@@ -29,36 +32,47 @@ from tqdm import tqdm
 
 from ciar.collab.device import DeviceModel
 from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
+from ciar.collab.losses import guided_logp
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
+from ciar.decoding.sampling import logits_to_probs
 from ciar.world import load_default_world
 from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
-from pipelines.train_cloud import build_split, get_batch
+from pipelines.train_device import load_sequences, rows
 
 
-def corrupt(device_model: DeviceModel, tokens, emb, mask, drop, rate: float, gen: torch.Generator, top: int):
-    """-> (mixed tokens [B, N], local [B, N] bool, device hidden [B, N, d], features [B, N, F])."""
+def corrupt(device_model: DeviceModel, tokens, emb, mask, params, rate: float, gen: torch.Generator, top: int):
+    """Replace tokens by device draws as deployment makes them: both CFG rows, the *guided* draft distribution and
+    the guided box's interval features (what `CollabDecoder` sends). -> (mixed tokens [B, N], local [B, N] bool,
+    device hidden of the conditional rows [B, N, d], features [B, N, F])."""
     with torch.no_grad():
-        out = device_model(tokens[:, :-1], emb, mask, drop=drop)  # [B, N, ...]: position j predicts token j
-        center, radius = out.center, out.radius  # [B, N, V]
-        probs = torch.softmax(center, -1)
-        draws = torch.multinomial(probs.flatten(0, 1).cpu(), 1, generator=gen).view(tokens.shape).to(tokens.device)
+        idx, e, m, drop, g = rows(tokens, emb, mask, params)
+        out = device_model(idx, e, m, drop=drop)  # [G*B, N, ...]: position j predicts token j
+        b = tokens.shape[0]
+        cc, rc = out.center[:b], out.radius[:b]
+        cu, ru = (out.center[b:], out.radius[b:]) if g == 2 else (None, None)
+        q = logits_to_probs(cc, params, uncond_logits=cu)
+        draws = torch.multinomial(q.flatten(0, 1).cpu(), 1, generator=gen).view(tokens.shape).to(tokens.device)
         local = torch.rand(tokens.shape, generator=gen).to(tokens.device) < rate
         mixed = torch.where(local, draws, tokens)
-        c, r = guided_interval(center, radius)
+        c, r = guided_interval(cc, rc, cu, ru, cfg_scale=params.cfg_scale, temperature=params.temperature or 1.0)
         feats = interval_features(c, r, top=top)
-    return mixed, local, out.hidden, feats
+    return mixed, local, out.hidden[:b], feats
 
 
-def cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, drop):
-    """Cloud CE on the data tokens not replaced (position j+1 predicted from the mixed context up to j)."""
+def cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, params):
+    """The cloud's guided CE (both CFG rows, the projection added to both, as the verifier does) on the tokens that
+    were not replaced (position j+1 predicted from the mixed context up to j)."""
+    idx, e, m, drop, g = rows(mixed, emb, mask, params)
     extra = None
     if projector is not None:
         extra = projector(hidden, feats) * local[..., None].to(hidden.dtype)  # [B, N, dim]
-        extra = extra[:, :-1]
-    logits, _ = cloud(mixed[:, :-1], emb, mask, drop=drop, extra_emb=extra)  # [B, N, V]
-    keep = ~local  # targets that are data tokens
+        extra = extra[:, :-1].repeat(g, 1, 1)
+    logits, _ = cloud(idx, e, m, drop=drop, extra_emb=extra)  # [G*B, N, V]
+    b = mixed.shape[0]
+    logp = guided_logp(logits[:b], logits[b:] if g == 2 else None, params)
+    keep = ~local  # targets the device did not make
     keep[:, 0] = False  # token 0 has no context to align
-    return F.cross_entropy(logits[keep], tokens[keep])
+    return F.nll_loss(logp[keep], tokens[keep])
 
 
 def main(argv=None) -> int:
@@ -72,10 +86,11 @@ def main(argv=None) -> int:
     p.add_argument("--local-rate", type=float, default=0.7, help="fraction of tokens replaced by device draws")
     p.add_argument("--feature-top", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--num-train", type=int, default=30000)
+    p.add_argument("--data", default="onpolicy", choices=["onpolicy", "data"])
+    p.add_argument("--num-train", type=int, default=12000)
     p.add_argument("--num-val", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data-dir", default="data_cache/scenes-v1")
+    p.add_argument("--seed", type=int, default=3)
+    p.add_argument("--data-dir", default="data_cache/scenes-v2-s3")
     p.add_argument("--ckpt-dir", default="runs/projector")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--device", default="auto")
@@ -109,11 +124,12 @@ def main(argv=None) -> int:
         with_p, without = [], []
         with torch.no_grad():
             for s in range(0, n, 32):
-                tokens, emb, mask = get_batch(val, np.arange(s, min(s + 32, n)), dev)
-                mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, None, args.local_rate, gen,
+                tokens, emb, mask = val.batch(np.arange(s, min(s + 32, n)))
+                mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, params, args.local_rate, gen,
                                                       args.feature_top)
-                with_p.append(float(cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, None)))
-                without.append(float(cloud_ce(cloud, None, mixed, local, hidden, feats, tokens, emb, mask, None)))
+                with_p.append(float(cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask,
+                                             params)))
+                without.append(float(cloud_ce(cloud, None, mixed, local, hidden, feats, tokens, emb, mask, params)))
         projector.train()
         return {"val_ce_with_projector": float(np.mean(with_p)), "val_ce_without_projector": float(np.mean(without))}
 
@@ -122,12 +138,11 @@ def main(argv=None) -> int:
     for step in bar:
         set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
         rng = np.random.default_rng([args.seed, step])
-        tokens, emb, mask = get_batch(train, rng.choice(train.n, args.batch_size, replace=False), dev)
-        drop = torch.from_numpy(rng.random(args.batch_size) < cfg.class_dropout_prob).to(dev)
+        tokens, emb, mask = train.batch(rng.choice(train.n, args.batch_size, replace=False))
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, drop, args.local_rate, gen,
+        mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, params, args.local_rate, gen,
                                               args.feature_top)
-        loss = cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, drop)
+        loss = cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, params)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
@@ -139,8 +154,9 @@ def main(argv=None) -> int:
             save_training_state(ckpt, done, model=projector, optimizer=opt)
     metrics = {"command_args": vars(args), "steps": args.steps, **validate(),
                "train_seconds_this_run": time.time() - t0}
-    projector.save(os.path.join(args.out, "projector.safetensors"), extra={"trained_steps": args.steps,
-                                                                          "seed": args.seed})
+    projector.save(os.path.join(args.out, "projector.safetensors"), extra={
+        "trained_steps": args.steps, "seed": args.seed, "data": args.data, "device_file": args.device_file,
+        "features": "guided box, CFG rows as deployed; Omega and U_norm through log1p"})
     with open(os.path.join(args.out, "projector.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     print(json.dumps(metrics))

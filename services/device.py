@@ -141,7 +141,8 @@ class Device:
     def config_for(self, method: str, network: str, overrides: dict):
         live = self.live
         knobs = shared_knobs(method, {"network": network, "span": live.span, "device_slowdown": live.device_slowdown,
-                                      "tau": live.tau, "prefix_rate": live.prefix_rate})
+                                      "tau": live.tau, "gate": live.gate, "burst": live.burst,
+                                      "prefix_rate": live.prefix_rate})
         knobs.update(overrides)  # a request's own params apply as given
         return method_config(method, **knobs)
 
@@ -154,6 +155,7 @@ class Device:
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
                                 progress_every=self.live.preview_every)
+        cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job["session_id"]
         with self._busy:
             try:
@@ -168,6 +170,7 @@ class Device:
                                     "max": max(sizes) if sizes else None, "count": len(sizes)},
             "wall_s": time.perf_counter() - t0,
             "config": {"tau": cfg.tau, "span": cfg.span, "prefix_rate": cfg.prefix_rate, "gate": cfg.gate,
+                       "burst": cfg.burst,
                        "rule": cfg.rule.rule, "inter_enhance": cfg.inter_enhance,
                        "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime},
             "sampling": sampling.to_dict(),

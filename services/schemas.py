@@ -25,7 +25,10 @@ class MethodParams(BaseModel):
     """Per-request knobs; None keeps the deployment's live default (or the world's sampling default)."""
 
     model_config = ConfigDict(extra="forbid")
-    tau: float | None = Field(None, ge=0.0, le=1e6, description="uncertainty threshold (normalised U scale)")
+    tau: float | None = Field(None, ge=0.0, le=1e6, description=(
+        "ciar: gate threshold on the gate's own scale (default: the device model's calibrated one)"))
+    burst: int | None = Field(None, ge=0, le=256, description=(
+        "ciar: cloud burst, tokens the cloud samples itself after a rejection (default: the device model's)"))
     span: int | None = Field(None, ge=1, le=32, description="draft tokens per verification")
     prefix_rate: float | None = Field(None, ge=0.0, le=1.0, description="fraction of tokens the cloud makes first")
     inter_enhance: bool | None = Field(None, description="send interval features with locally accepted tokens")
@@ -39,7 +42,7 @@ class MethodParams(BaseModel):
         "and the result is marked degraded (stats.degraded)"))
 
     def collab_overrides(self) -> dict:
-        keys = ("tau", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after")
+        keys = ("tau", "burst", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def sampling_overrides(self) -> dict:
@@ -69,7 +72,10 @@ class DeviceLiveConfig(BaseModel):
     """Live defaults of the device fleet (Serve `user_config` -> `reconfigure`)."""
 
     model_config = ConfigDict(extra="forbid")
-    tau: float = Field(0.3, ge=0.0, description="CIAR uncertainty threshold")
+    tau: float | None = Field(None, ge=0.0, description=(
+        "CIAR gate threshold; null: the device model's calibrated one (its file's metadata, pipelines.calibrate)"))
+    gate: str | None = Field(None, description="CIAR gate; null: the device model's calibrated gate")
+    burst: int | None = Field(None, ge=0, le=256, description="cloud burst g; null: the device model's")
     span: int = Field(4, ge=1, le=32)
     prefix_rate: float = Field(0.06, ge=0.0, le=1.0)
     device_slowdown: float = Field(1.0, ge=1.0, le=100.0, description="simulated device compute factor")
@@ -78,9 +84,18 @@ class DeviceLiveConfig(BaseModel):
 
     @field_validator("tau")
     @classmethod
-    def _finite(cls, v: float) -> float:
-        if math.isnan(v):
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and math.isnan(v):
             raise ValueError("tau must not be NaN")
+        return v
+
+    @field_validator("gate")
+    @classmethod
+    def _known_gate(cls, v: str | None) -> str | None:
+        from ciar.collab.gating import GATES
+
+        if v is not None and v not in GATES:
+            raise ValueError(f"gate must be one of {GATES}")
         return v
 
 

@@ -1,6 +1,6 @@
 """The device side of collaborative decoding: CIAR and every baseline through one loop and one stats struct.
 
-    decoder = CollabDecoder(device_model, InProcessCloud(verifier), method_config("ciar", tau=0.3))
+    decoder = CollabDecoder(device_model, InProcessCloud(verifier), method_config("ciar"), world.sampling)
     result = decoder.generate("a small red circle at the top on a gray background", seed=0)
     result.tokens   # [N] int64 image tokens;  result.stats  # GenerationStats (ciar.collab.stats)
 
@@ -8,17 +8,21 @@ One generation (DESIGN.md sections 2 and 4):
 1. *open*: the cloud encodes the caption, generates the first ceil(prefix_rate * N) tokens itself (prefix
    injection) and returns them with the caption embeddings;
 2. the device prefills its cache and drafts token by token from its Inter-Head centers (post-guidance, through
-   `logits_to_probs`); the gate scores each draft (U of the guided interval for CIAR; entropy / max-prob /
+   `logits_to_probs`, quantised to the float16 it sends: `quantize_draft`); the gate scores each draft (the
+   device file's calibrated gate for CIAR: -log p_lo of the drafted token, or the paper's U; entropy / max-prob /
    random / top-k set for the baselines). score <= tau: the token is *accepted locally* (committed at once);
 3. score > tau: the device drafts a *span* of `span` tokens starting with the uncertain one and sends the cloud
    the locally accepted tokens since the last exchange (with their interval features when interval-enhanced
    decoding is on) plus the span and its draft distributions;
-4. the cloud catches up, verifies with the session's acceptance rule and answers (accepted n, next token); the
-   device commits span[:n] + [next], rolls its cache back to the accepted prefix and feeds the rest.
+4. the cloud catches up, verifies with the session's acceptance rule and answers (accepted n, next token); with a
+   cloud burst (g > 0) a reply after a rejection also carries up to g tokens the cloud sampled itself (exact cloud
+   tokens, a cloud step each, no round trip: escalations cluster). The device commits span[:n] + [next] + burst,
+   rolls its cache back to the accepted prefix and feeds the rest.
 
 Methods (`METHODS`, the same names in the CLI, the benchmark and the HTTP API):
   cloud   - cloud-only: the cloud generates all N tokens (prefix_rate 1);
-  ciar    - interval gate U, exact acceptance, interval-enhanced catch-up;
+  ciar    - an interval gate (the device file's calibrated gate, tau and burst), exact acceptance,
+            interval-enhanced catch-up;
   eagle   - EAGLE-2-style speculative decoding with chain drafts: every token is drafted in a span and verified;
   lantern - as eagle with LANTERN's relaxed acceptance;
   cascade - as eagle with CASCADE's context-aware relaxation;
@@ -52,11 +56,13 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from ciar.collab.defaults import CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
-from ciar.collab.protocol import CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest
+from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
+                                  quantize_draft)
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 
@@ -67,17 +73,20 @@ GATE_SEED_OFFSET = 2 << 32
 
 @dataclass
 class CollabConfig:
-    """Every knob of collaborative decoding (defaults: CIAR as in the paper, tau on the normalised U scale)."""
+    """Every knob of collaborative decoding. `gate`, `tau`, `burst` and `burst_entropy` left at None come from the
+    device model's calibrated defaults (`resolve`, `ciar.collab.defaults`): a threshold is a property of the weights."""
 
     method: str = "ciar"
     prefix_rate: float = 0.06  # rho: fraction of the N tokens the cloud generates first
-    gate: str = "interval"  # one of ciar.collab.gating.GATES, or "always" (verify every token) / "never"
-    tau: float = 0.30  # escalate when gate score > tau (the gate's own scale; see ciar.collab.gating)
+    gate: str | None = None  # ciar.collab.gating.GATES, "always" (verify every token) / "never"; None: the device's
+    tau: float | None = None  # escalate when gate score > tau (the gate's own scale); None: the device's calibrated
     span: int = 4  # draft tokens per verification, the uncertain one included
     rule: RuleConfig = field(default_factory=RuleConfig)
+    burst: int | None = None  # cloud burst: after a rejection the cloud samples up to this many more tokens (0: off)
+    burst_entropy: float | None = None  # adaptive burst: stop once the cloud's entropy / log V <= this (0: fixed g)
     inter_enhance: bool = True  # send interval features with locally accepted tokens (off: "w/o Inter-Enhance")
     topk: int = 200  # set size of the "topk" gate
-    margin: float = 0.01  # InterFuse safety margin
+    margin: float = 0.0  # InterFuse safety margin before the gate scores (0: the tight bounds, see gating)
     feature_top: int = 8  # interval_features(top=...) for the projector
     device_slowdown: float = 1.0  # device compute time = measured time x this factor
     cloud_slowdown: float = 1.0  # cloud compute time = reported time x this factor (emulates a larger cloud model)
@@ -90,12 +99,17 @@ class CollabConfig:
             raise ValueError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
         if not 0.0 <= self.prefix_rate <= 1.0:
             raise ValueError(f"prefix_rate must be in [0, 1], got {self.prefix_rate}")
-        if self.gate not in GATES + ("always", "never"):
+        if self.gate is not None and self.gate not in GATES + ("always", "never"):
             raise ValueError(f"unknown gate {self.gate!r}; known: {', '.join(GATES + ('always', 'never'))}")
         if not (isinstance(self.span, int) and self.span >= 1):
             raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
-        if math.isnan(self.tau):
+        if self.tau is not None and math.isnan(self.tau):
             raise ValueError("tau must not be NaN")
+        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
+                                       or self.burst < 0):
+            raise ValueError(f"burst must be an integer >= 0, got {self.burst!r}")
+        if self.burst_entropy is not None and not 0.0 <= self.burst_entropy <= 1.0:
+            raise ValueError(f"burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
         if not self.device_slowdown > 0:
             raise ValueError(f"device_slowdown must be > 0, got {self.device_slowdown}")
         if not self.cloud_slowdown > 0:
@@ -106,18 +120,42 @@ class CollabConfig:
         get_profile(self.network)
         return self
 
+    def resolve(self, defaults: CIARDefaults | None) -> "CollabConfig":
+        """Fill the knobs left at None from a device's calibrated defaults (or the built-in ones: gate "interval",
+        burst 0). A gate that scores positions needs a threshold: ValueError when neither the config nor the
+        device file has one for it."""
+        d = defaults or CIARDefaults()
+        gate = self.gate if self.gate is not None else d.gate
+        tau = self.tau if self.tau is not None else d.taus.get(gate)
+        out = replace(self, gate=gate, tau=tau,
+                      burst=self.burst if self.burst is not None else d.burst,
+                      burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy)
+        if gate in GATES and tau is None:
+            raise ValueError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call rate) "
+                             f"or write the device's calibrated thresholds with `python -m pipelines.calibrate`")
+        return out.validate()
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["rule"] = dict(vars(self.rule))
         return d
 
 
+GATED_METHODS = ("ciar", "entropy", "softmax", "random", "topk")  # CIAR with its own or a baseline gate
+
+
 def shared_knobs(method: str, knobs: dict) -> dict:
-    """The subset of fleet- or run-wide knobs that `method` takes: the threshold only for "ciar" (every other gate
-    has its own score scale), the prefix rate not for "cloud" and "code" (there it is the method itself)."""
-    out = dict(knobs)
+    """The subset of fleet- or run-wide knobs that `method` takes: the gate and its threshold only for "ciar" (every
+    other gate has its own score scale), the cloud burst only for CIAR and its gate variants (the other baselines
+    run as their papers do), the prefix rate not for "cloud" and "code" (there it is the method itself); knobs set
+    to None are left out (the method's preset or the device's calibrated default applies)."""
+    out = {k: v for k, v in knobs.items() if v is not None}
     if method != "ciar":
         out.pop("tau", None)
+        out.pop("gate", None)
+    if method not in GATED_METHODS:
+        out.pop("burst", None)
+        out.pop("burst_entropy", None)
     if method in ("cloud", "code"):
         out.pop("prefix_rate", None)
     return out
@@ -128,13 +166,14 @@ def method_config(method: str, **overrides) -> CollabConfig:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     base = CollabConfig(method=method)
+    no_burst = dict(burst=0, burst_entropy=0.0)  # the baselines as their papers run them
     preset: dict = {
-        "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False),
+        "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **no_burst),
         "ciar": {},
-        "eagle": dict(gate="always", inter_enhance=False),
-        "lantern": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="lantern")),
-        "cascade": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="cascade")),
-        "code": dict(prefix_rate=0.3, gate="never", inter_enhance=False),
+        "eagle": dict(gate="always", inter_enhance=False, **no_burst),
+        "lantern": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="lantern"), **no_burst),
+        "cascade": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="cascade"), **no_burst),
+        "code": dict(prefix_rate=0.3, gate="never", inter_enhance=False, **no_burst),
         "entropy": dict(gate="entropy"),
         "softmax": dict(gate="softmax"),
         "random": dict(gate="random"),
@@ -179,15 +218,16 @@ class CollabDecoder:
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,
                  sampling: SamplingParams, num_tokens: int | None = None,
                  wait: Callable[[float], None] | None = None, progress_every: int = 12):
-        """`wait`: when given (e.g. `time.sleep`), simulated time is spent for real: each message waits for its
-        uplink before it is sent and for its downlink after the reply, and device compute is stretched by
-        `device_slowdown` (a simulated device in a live cluster). Without it, time is only accounted.
+        """`config`'s gate / tau / burst left at None are filled from the device model's calibrated defaults
+        (`CollabConfig.resolve`). `wait`: when given (e.g. `time.sleep`), simulated time is spent for real: each
+        message waits for its uplink before it is sent and for its downlink after the reply, and device compute is
+        stretched by `device_slowdown` (a simulated device in a live cluster). Without it, time is only accounted.
         `progress_every`: `generate(on_progress=...)` is called each time this many more tokens are decided."""
         self.wait = wait
         self.progress_every = max(1, int(progress_every))
         self.device_model = device.eval() if device is not None else None
         self.client = client
-        self.config = config.validate()
+        self.config = config.validate().resolve(getattr(device, "ciar_defaults", None))
         self.sampling = sampling.validate()
         self.num_tokens = num_tokens
         if config.method != "cloud" and device is None:
@@ -227,7 +267,7 @@ class CollabDecoder:
             who = ["cloud"] * len(tokens)
             progress(tokens, stats)
             if drafting:
-                self._draft_loop(reply, tokens, who, n_total, seed, sid, stats, net, progress)
+                _Generation(self, reply, tokens, who, n_total, seed, sid, stats, net, progress).run()
         finally:
             self.client.close(sid)  # also after a link loss (frees local state; a real device sends it later)
         stats.total_tokens = len(tokens)
@@ -260,126 +300,6 @@ class CollabDecoder:
         stats.cloud_s += cloud_s
         return reply
 
-    # ------------------------------------------------------------------ device loop
-    def _draft_loop(self, reply, tokens: list[int], who: list[str], n_total: int, seed: int, sid: str,
-                    stats: GenerationStats, net: NetworkModel, progress: "_Progress") -> None:
-        cfg, params, dev = self.config, self.sampling, self.device_model
-        c = dev.config
-        wdev = dev.gpt.tok_embeddings.weight
-        clock = _Clock(cfg.device_slowdown, self.wait)
-        gen = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
-        gate_gen = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)
-        cfg_rows = params.uses_cfg
-        voting = dev.device_config.num_heads > 1 and dev.device_config.combine == "voting"
-
-        with clock:
-            emb = reply.caption_emb.to(wdev.device, wdev.dtype).unsqueeze(0)
-            mask = reply.caption_mask.to(wdev.device).unsqueeze(0)
-            if cfg_rows:
-                emb, mask = emb.expand(2, -1, -1), mask.expand(2, -1)
-                drop = torch.tensor([False, True], device=wdev.device)
-            else:
-                drop = None
-            rows = emb.shape[0]
-            cache = dev.new_cache(rows)
-            slots = torch.arange(rows, device=wdev.device)
-            out = dev.prefill(cache, emb, mask, drop, slots, with_heads=voting)
-            stats.device_forward_passes += 1
-            if tokens:
-                out = self._feed(cache, tokens, 0, rows, voting)
-                stats.device_forward_passes += 1
-            cur = _last(out)
-
-        pending: list[int] = []
-        pend_hidden: list[torch.Tensor] = []
-        pend_feat: list[torch.Tensor] = []
-        offline = False  # the cloud became unreachable: the device decides the rest alone
-        while len(tokens) < n_total:
-            i = len(tokens)
-            progress(tokens, stats)
-            with clock:
-                q, x, score = self._draft_one(cur, gen, gate_gen, score_it=not offline)
-                escalate = not offline and (cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau))
-                if not escalate:
-                    tokens.append(x)
-                    who.append("device")
-                    stats.device_tokens += 1
-                    stats.degraded_tokens += int(offline)
-                    pending.append(x)
-                    if cfg.inter_enhance and not offline:
-                        center, radius = self._guided(cur)
-                        pend_hidden.append(cur.hidden[0])
-                        pend_feat.append(interval_features(center, radius, top=cfg.feature_top))
-                    if len(tokens) < n_total:
-                        cur = _last(self._feed(cache, [x], i, rows, voting))
-                        stats.device_forward_passes += 1
-                    continue
-                # a span: the uncertain draft and up to span-1 more, each drawn from the device
-                k = min(cfg.span, n_total - i)
-                span, span_q = [x], [q]
-                for j in range(1, k):
-                    cur = _last(self._feed(cache, [span[-1]], i + j - 1, rows, voting))
-                    stats.device_forward_passes += 1
-                    qj, xj, _ = self._draft_one(cur, gen, gate_gen, score_it=False)
-                    span.append(xj)
-                    span_q.append(qj)
-                send_feat = cfg.inter_enhance and pending
-                req = VerifyRequest(
-                    sid, torch.tensor(pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
-                    torch.stack(span_q).to(torch.float16),
-                    torch.stack(pend_hidden).float().cpu() if send_feat else None,
-                    torch.stack(pend_feat).float().cpu() if send_feat else None)
-            try:
-                rep = self._exchange(stats, net, req.nbytes(self.client.vocab_size), lambda: self.client.verify(req))
-            except CloudUnreachableError:
-                if not cfg.fallback:
-                    raise
-                # keep the drafted span (the device's own samples) and go on alone
-                offline = True
-                stats.degraded = 1
-                tokens.extend(span)
-                who.extend(["device"] * k)
-                stats.device_tokens += k
-                stats.degraded_tokens += k
-                if len(tokens) < n_total:
-                    with clock:  # span[:k-1] are in the cache already
-                        cur = _last(self._feed(cache, [span[-1]], i + k - 1, rows, voting))
-                        stats.device_forward_passes += 1
-                continue
-            stats.cloud_requests += 1
-            stats.cloud_forward_passes += rep.forward_passes
-            stats.verifications += 1
-            stats.resumes += int(getattr(rep, "resumed", False))
-            stats.drafted += k
-            stats.accepted += rep.num_accepted
-            n = rep.num_accepted
-            new = span[:n] + [rep.next_token]
-            new = new[: n_total - i]
-            tokens.extend(new)
-            who.extend(["cloud"] * len(new))
-            stats.cloud_tokens += len(new)
-            pending, pend_hidden, pend_feat = [], [], []
-            if len(tokens) < n_total:
-                with clock:
-                    keep = i + min(n, k - 1)  # span[:k-1] were fed; the accepted ones stay in the cache
-                    for r in range(rows):
-                        cache.rollback(r, c.cls_token_num + keep)
-                    cur = _last(self._feed(cache, tokens[keep:], keep, rows, voting))
-                    stats.device_forward_passes += 1
-        stats.device_s += clock.seconds * cfg.device_slowdown
-
-    def _feed(self, cache, toks: list[int], start: int, rows: int, voting: bool):
-        """Feed image tokens toks (indices start..) to the device cache; -> DeviceOutput of the last position."""
-        dev = self.device_model
-        c = dev.config
-        w = dev.gpt.tok_embeddings.weight
-        t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(rows, -1)
-        pos0 = c.cls_token_num + start
-        pos = torch.arange(pos0, pos0 + len(toks), device=w.device)
-        out = dev.decode(cache, t, pos, kv_len=pos0 + len(toks), with_heads=voting)
-        for r in range(rows):
-            cache.lengths[r] = pos0 + len(toks)
-        return out
 
     def _guided(self, cur):
         """Guided interval (center, radius) [V] of the current position (cond row 0, uncond row 1 with CFG); with
@@ -390,44 +310,205 @@ class CollabDecoder:
                                    cfg_scale=p.cfg_scale, temperature=p.temperature or 1.0)
         return guided_interval(cur.center[0], cur.radius[0], temperature=p.temperature or 1.0)
 
+
     def _draft_one(self, cur, gen, gate_gen, score_it: bool = True):
-        """-> (q [V] post-guidance draft distribution, drawn token, gate score)."""
+        """-> (q [V] float16 draft distribution as sent, drawn token, gate score). The token is drawn from the float16
+        values, normalised (`quantize_draft`), so the cloud judges it by exactly the distribution it came from."""
         cfg, p = self.config, self.sampling
-        if p.uses_cfg:
-            q = logits_to_probs(cur.center[0], p, uncond_logits=cur.center[1])
-        else:
-            q = logits_to_probs(cur.center[0], p)
-        x = int(sample(q.unsqueeze(0), gen)[0])
+        q32 = logits_to_probs(cur.center[0], p, uncond_logits=cur.center[1] if p.uses_cfg else None)
+        q, q_used = quantize_draft(q32)
+        x = int(sample(q_used.unsqueeze(0), gen)[0])
         score = 0.0
         if score_it and cfg.gate in GATES:
             if cfg.gate == "random":
-                score = float(gate_scores("random", probs=q.unsqueeze(0), generator=gate_gen)[0])
+                score = float(gate_scores("random", probs=q_used.unsqueeze(0), generator=gate_gen)[0])
             elif cfg.gate in ("entropy", "softmax"):
-                score = float(gate_scores(cfg.gate, probs=q.unsqueeze(0))[0])
+                score = float(gate_scores(cfg.gate, probs=q_used.unsqueeze(0))[0])
             else:
-                score = self._interval_score(cur)
+                score = self._interval_score(cur, x)
         return q, x, score
 
-    def _interval_score(self, cur) -> float:
+
+    def _interval_score(self, cur, x: int) -> float:
         cfg, p = self.config, self.sampling
         dev = self.device_model
+        drafted = torch.tensor([x])
         if dev.device_config.num_heads > 1 and dev.device_config.combine == "voting":
             centers, radii = cur.heads  # [H, rows, V]
             votes = 0
             for h in range(centers.shape[0]):
-                if p.uses_cfg:
-                    c_, r_ = guided_interval(centers[h, 0], radii[h, 0], centers[h, 1], radii[h, 1],
-                                             cfg_scale=p.cfg_scale, temperature=p.temperature or 1.0)
-                else:
-                    c_, r_ = guided_interval(centers[h, 0], radii[h, 0], temperature=p.temperature or 1.0)
+                c_, r_ = self._guided(_HeadView(centers[h], radii[h]))
                 s = float(gate_scores(cfg.gate, center=c_.unsqueeze(0), radius=r_.unsqueeze(0), topk=cfg.topk,
-                                      margin=cfg.margin)[0])
+                                      margin=cfg.margin, drafted=drafted)[0])
                 votes += s > cfg.tau
             # majority of heads says "uncertain" -> a score above tau, else below
             return math.inf if votes * 2 > centers.shape[0] else -math.inf
         center, radius = self._guided(cur)
         return float(gate_scores(cfg.gate, center=center.unsqueeze(0), radius=radius.unsqueeze(0), topk=cfg.topk,
-                                 margin=cfg.margin)[0])
+                                 margin=cfg.margin, drafted=drafted)[0])
+
+
+class _Generation:
+    """One generation's device-side state after the open: the committed tokens and who decided each, the tokens
+    accepted locally since the last exchange (with their projector inputs), the device's KV cache and its output at
+    the current position, and the stats. `run` drafts until the image is complete; each step either accepts a
+    token locally or sends a span (`send_span`) and commits the cloud's answer (`commit`); a lost link switches to
+    device-only decoding (`go_offline`)."""
+
+    def __init__(self, decoder: CollabDecoder, reply, tokens: list[int], who: list[str], n_total: int, seed: int,
+                 sid: str, stats: GenerationStats, net: NetworkModel, progress: "_Progress"):
+        self.d, self.cfg, self.params, self.dev = decoder, decoder.config, decoder.sampling, decoder.device_model
+        self.tokens, self.who, self.n_total, self.sid = tokens, who, n_total, sid
+        self.stats, self.net, self.progress = stats, net, progress
+        self.clock = _Clock(self.cfg.device_slowdown, decoder.wait)
+        self.gen = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
+        self.gate_gen = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)
+        dc = self.dev.device_config
+        self.voting = dc.num_heads > 1 and dc.combine == "voting"
+        self.pending: list[int] = []  # accepted locally since the last exchange
+        self.pend_hidden: list[torch.Tensor] = []
+        self.pend_feat: list[torch.Tensor] = []
+        self.offline = False  # the cloud became unreachable: the device decides the rest alone
+        w = self.dev.gpt.tok_embeddings.weight
+        with self.clock:
+            emb = reply.caption_emb.to(w.device, w.dtype).unsqueeze(0)
+            mask = reply.caption_mask.to(w.device).unsqueeze(0)
+            drop = None
+            if self.params.uses_cfg:
+                emb, mask = emb.expand(2, -1, -1), mask.expand(2, -1)
+                drop = torch.tensor([False, True], device=w.device)
+            self.rows = emb.shape[0]
+            self.cache = self.dev.new_cache(self.rows)
+            out = self.dev.prefill(self.cache, emb, mask, drop, torch.arange(self.rows, device=w.device),
+                                   with_heads=self.voting)
+            stats.device_forward_passes += 1
+            if tokens:
+                out = self.feed(tokens, 0)
+            self.cur = _last(out)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        cfg = self.cfg
+        while len(self.tokens) < self.n_total:
+            self.progress(self.tokens, self.stats)
+            with self.clock:
+                q, x, score = self.d_draft(self.cur, score_it=not self.offline)
+                escalate = not self.offline and (cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau))
+                if not escalate:
+                    self.accept_local(x)
+                    continue
+                span, span_q = self.draft_span(x, q)
+            self.send_span(span, span_q)
+        self.stats.device_s += self.clock.seconds * cfg.device_slowdown
+
+    def accept_local(self, x: int) -> None:
+        """Commit a draft the gate let through (and keep its projector inputs for the next exchange)."""
+        i = len(self.tokens)
+        self.tokens.append(x)
+        self.who.append("device")
+        self.stats.device_tokens += 1
+        self.stats.degraded_tokens += int(self.offline)
+        self.pending.append(x)
+        if self.cfg.inter_enhance and not self.offline:
+            center, radius = self.d._guided(self.cur)
+            self.pend_hidden.append(self.cur.hidden[0])
+            self.pend_feat.append(interval_features(center, radius, top=self.cfg.feature_top))
+        if len(self.tokens) < self.n_total:
+            self.cur = _last(self.feed([x], i))
+
+    def draft_span(self, x: int, q: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+        """The uncertain draft x and up to span-1 more, each drawn from the device (span[:-1] are fed)."""
+        i = len(self.tokens)
+        k = min(self.cfg.span, self.n_total - i)
+        span, span_q = [x], [q]
+        for j in range(1, k):
+            self.cur = _last(self.feed([span[-1]], i + j - 1))
+            qj, xj, _ = self.d_draft(self.cur, score_it=False)
+            span.append(xj)
+            span_q.append(qj)
+        return span, span_q
+
+    def send_span(self, span: list[int], span_q: list[torch.Tensor]) -> None:
+        """Send the pending tokens and the span; commit the reply, or go offline when the cloud is unreachable."""
+        cfg = self.cfg
+        send_feat = cfg.inter_enhance and self.pending
+        req = VerifyRequest(
+            self.sid, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
+            torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
+            torch.stack(self.pend_hidden).float().cpu() if send_feat else None,
+            torch.stack(self.pend_feat).float().cpu() if send_feat else None,
+            burst=cfg.burst, burst_entropy=cfg.burst_entropy)
+        client = self.d.client
+        try:
+            rep = self.d._exchange(self.stats, self.net, req.nbytes(client.vocab_size), lambda: client.verify(req))
+        except CloudUnreachableError:
+            if not cfg.fallback:
+                raise
+            self.go_offline(span)
+            return
+        self.commit(span, rep)
+
+    def commit(self, span: list[int], rep) -> None:
+        """Commit span[:n] + [next] + burst tokens, roll the device cache back to the accepted prefix, feed the rest."""
+        st, i, k = self.stats, len(self.tokens), len(span)
+        st.cloud_requests += 1
+        st.cloud_forward_passes += rep.forward_passes
+        st.verifications += 1
+        st.resumes += int(getattr(rep, "resumed", False))
+        st.drafted += k
+        st.accepted += rep.num_accepted
+        n = rep.num_accepted
+        burst = rep.burst_tokens.tolist() if getattr(rep, "burst_tokens", None) is not None else []
+        new = (span[:n] + [rep.next_token] + burst)[: self.n_total - i]
+        st.burst_tokens += max(0, len(new) - n - 1)
+        self.tokens.extend(new)
+        self.who.extend(["cloud"] * len(new))
+        st.cloud_tokens += len(new)
+        self.pending, self.pend_hidden, self.pend_feat = [], [], []
+        if len(self.tokens) < self.n_total:
+            with self.clock:
+                keep = i + min(n, k - 1)  # span[:k-1] were fed; the accepted ones stay in the cache
+                for r in range(self.rows):
+                    self.cache.rollback(r, self.dev.config.cls_token_num + keep)
+                self.cur = _last(self.feed(self.tokens[keep:], keep))
+
+    def go_offline(self, span: list[int]) -> None:
+        """The cloud is unreachable: keep the drafted span (the device's own samples) and go on alone."""
+        st, k = self.stats, len(span)
+        i = len(self.tokens)
+        self.offline = True
+        st.degraded = 1
+        self.tokens.extend(span)
+        self.who.extend(["device"] * k)
+        st.device_tokens += k
+        st.degraded_tokens += k
+        if len(self.tokens) < self.n_total:
+            with self.clock:  # span[:k-1] are in the cache already
+                self.cur = _last(self.feed([span[-1]], i + k - 1))
+
+    # ------------------------------------------------------------------ device model
+    def feed(self, toks: list[int], start: int):
+        """Feed image tokens toks (indices start..) to the device cache; -> DeviceOutput (all fed positions)."""
+        self.stats.device_forward_passes += 1
+        dev = self.dev
+        w = dev.gpt.tok_embeddings.weight
+        t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(self.rows, -1)
+        pos0 = dev.config.cls_token_num + start
+        pos = torch.arange(pos0, pos0 + len(toks), device=w.device)
+        out = dev.decode(self.cache, t, pos, kv_len=pos0 + len(toks), with_heads=self.voting)
+        self.cache.set_length(range(self.rows), pos0 + len(toks))
+        return out
+
+    def d_draft(self, cur, score_it: bool = True):
+        return self.d._draft_one(cur, self.gen, self.gate_gen, score_it=score_it)
+
+
+@dataclass
+class _HeadView:
+    """One Inter-Head's rows, shaped like a DeviceOutput for `_guided`."""
+
+    center: torch.Tensor  # [rows, V]
+    radius: torch.Tensor  # [rows, V]
 
 
 class _Progress:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn as nn
 
+from ciar.collab.defaults import CIARDefaults
 from ciar.collab.interval import InterHead
 from ciar.models.checkpoint import load_strict, read_model_file, save_model
 from ciar.models.gpt import GPT, GPTConfig
@@ -65,6 +66,8 @@ class DeviceModel(nn.Module):
         self.gpt = GPT(replace(gpt_config, n_layer=dc.n_layer, lm_head=False))
         self.inter_head = InterHead(gpt_config.dim, gpt_config.vocab_size, num_heads=dc.num_heads,
                                     combine=dc.combine, max_radius=dc.max_radius)
+        self.ciar_defaults: CIARDefaults | None = None  # calibrated gate / tau / burst (`load` reads the file's)
+        self.extra: dict = {}  # the file's training facts (`load`)
 
     @property
     def config(self) -> GPTConfig:
@@ -121,10 +124,12 @@ class DeviceModel(nn.Module):
 
     @classmethod
     def load(cls, path: str, device: str | torch.device = "cpu") -> "DeviceModel":
-        state, kind, cfg, _ = read_model_file(path)
+        state, kind, cfg, extra = read_model_file(path)
         if kind != DEVICE_KIND:
             raise ValueError(f"{path}: expected a {DEVICE_KIND!r} file, found kind {kind!r}")
         model = cls(GPTConfig.from_dict(cfg["gpt"]), DeviceConfig.from_dict(cfg["device"]))
         load_strict(model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()},
                     what=f"device model ({path})")
+        model.ciar_defaults = CIARDefaults.from_extra(extra, source=path)
+        model.extra = extra
         return model.to(device).eval()

@@ -3,13 +3,28 @@
 Every gate maps a batch of next-token predictions to one score per row, higher = more uncertain; the decoder
 escalates a position to the cloud when score > tau.
 
-    cfg = GateConfig(kind="interval", tau=0.30).validate()
-    s = gate_scores(cfg.kind, center=center, radius=radius, margin=cfg.margin)   # center/radius [B, V] -> [B]
+    cfg = GateConfig(kind="lower", tau=2.0).validate()
+    s = gate_scores(cfg.kind, center=center, radius=radius, drafted=x)   # center/radius [B, V], x [B] -> [B]
     escalate = s > cfg.tau
+
+Thresholds are the gate's own scale and depend on the device model: the calibrated tau (and gate) of a shipped
+device travel in its file's metadata (`ciar.collab.defaults`), written by `python -m pipelines.calibrate`.
+Interval gates score the tight InterFuse bounds *before* the paper's safety margin (margin 0 by default): the
+margin rescales p_lo / p_hi by up to ~1 % of their sum, which at small radii is larger than the widths it should
+measure and inverts U's ranking.
+
+Why "lower" beside the paper's U: U = Omega * sigma is largest when the width is spread over a few tokens and falls
+again when it spreads over many, so it ranks broad, very uncertain positions below near-ties (measured on
+scenes-v2: even an oracle box ranks disagreements with AUROC ~0.76 under U, ~0.85 under 1 - p_lo[top]). The "lower"
+gate is monotone in the drafted token's worst-case probability p_lo[x]: it escalates exactly the drafts that the box
+cannot vouch for, whatever the shape of the rest of the distribution. It is reported as -log p_lo[x] (not
+1 - p_lo[x]) because a wide box drives p_lo to ~1e-7, where 1 - p_lo saturates in float32; the ranking is the same.
 
 | kind       | inputs          | score                                                         | scale          |
 |------------|-----------------|---------------------------------------------------------------|----------------|
-| "interval" | center, radius  | normalised U = Omega^2 * kappa (ciar.collab.interval)         | >= 0; tau 0.30 |
+| "interval" | center, radius  | normalised U = Omega^2 * kappa (ciar.collab.interval), paper  | >= 0           |
+| "lower"    | center, radius, | -log p_lo[x]: the drafted token x's lower probability bound   | >= 0 (nats)    |
+|            | drafted         | (InterFuse); high when x may be improbable anywhere in the box|                |
 | "entropy"  | probs           | Shannon entropy / log V (Entropy-Lens-style)                  | [0, 1]         |
 | "softmax"  | probs           | 1 - max p (SoftmaxCorr: maximum softmax probability)          | [0, 1 - 1/V]   |
 | "random"   | generator (+B)  | uniform draw per row                                          | [0, 1)         |
@@ -22,10 +37,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ciar.collab.interval import inter_fuse, interval_uncertainty
 
-GATES = ("interval", "entropy", "softmax", "random", "topk")
+GATES = ("interval", "lower", "entropy", "softmax", "random", "topk")
+INTERVAL_GATES = ("interval", "lower", "topk")  # gates that read the device's logit box
 
 
 @dataclass
@@ -33,9 +50,9 @@ class GateConfig:
     """Which gate scores a position, its threshold tau (escalate when score > tau), and the gate's knobs."""
 
     kind: str = "interval"
-    tau: float = 0.30
+    tau: float | None = None  # the gate's own scale; None: the device's calibrated value (ciar.collab.defaults)
     topk: int = 200  # k of the "topk" gate (paper Table 3: 100..400)
-    margin: float = 0.01  # InterFuse safety margin of the "interval" and "topk" gates
+    margin: float = 0.0  # InterFuse safety margin applied before scoring (0: the tight bounds)
 
     def validate(self) -> "GateConfig":
         """Raise ValueError naming the field when a value is out of range; returns self."""
@@ -43,8 +60,8 @@ class GateConfig:
             raise ValueError(f"kind must be one of {GATES}, got {self.kind!r}")
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {self.topk!r}")
-        if not isinstance(self.tau, (int, float)) or math.isnan(self.tau):
-            raise ValueError(f"tau must be a number (not NaN), got {self.tau!r}")
+        if self.tau is not None and (not isinstance(self.tau, (int, float)) or math.isnan(self.tau)):
+            raise ValueError(f"tau must be a number (not NaN) or None, got {self.tau!r}")
         if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
             raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
         return self
@@ -70,7 +87,7 @@ def softmax_score(probs: torch.Tensor) -> torch.Tensor:
     return 1.0 - probs.float().amax(dim=-1)
 
 
-def topk_score(center: torch.Tensor, radius: torch.Tensor, topk: int = 200, margin: float = 0.01) -> torch.Tensor:
+def topk_score(center: torch.Tensor, radius: torch.Tensor, topk: int = 200, margin: float = 0.0) -> torch.Tensor:
     """Discrete solution-set uncertainty over the k largest centers; center, radius [B, V] -> [B].
 
     InterFuse over the restricted set gives [p_lo, p_hi] [B, k]; token i is a feasible winner iff
@@ -91,18 +108,37 @@ def topk_score(center: torch.Tensor, radius: torch.Tensor, topk: int = 200, marg
     return (n_feasible - 1.0 + frac) / k
 
 
+def lower_score(center: torch.Tensor, radius: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """-log p_lo[x]: center, radius [B, V], drafted [B] int64 -> [B] >= 0 (inf where x is masked out).
+
+    p_lo[x] = exp(c_x - r_x) / (exp(c_x - r_x) + sum_{j != x} exp(c_j + r_j)), the tight InterFuse lower bound, is
+    evaluated for the drafted token alone (O(V), one log-sum-exp), without materialising the whole bound vector.
+    """
+    c, r = torch.broadcast_tensors(center.double(), radius.double().clamp(min=0.0))
+    x = drafted.reshape(-1, 1).to(c.device)
+    log_lo_x = (c - r).gather(-1, x).squeeze(-1)
+    hi = c + r
+    rest = torch.logsumexp(hi.scatter(-1, x, -math.inf), dim=-1)  # log sum_{j != x} exp(c_j + r_j)
+    score = -F.logsigmoid(log_lo_x - rest)  # -log(lo_x / (lo_x + rest)), exact in log space
+    return torch.where(torch.isfinite(log_lo_x), score, torch.full_like(score, math.inf)).float()
+
+
 def gate_scores(kind: str, *, center: torch.Tensor | None = None, radius: torch.Tensor | None = None,
                 probs: torch.Tensor | None = None, generator: torch.Generator | None = None, topk: int = 200,
-                margin: float = 0.01) -> torch.Tensor:
+                margin: float = 0.0, drafted: torch.Tensor | None = None) -> torch.Tensor:
     """One uncertainty score per row, [B] float32, higher = more uncertain (escalate when score > tau).
 
     center, radius: [B, V] logit box (guided and temperature-scaled); probs: [B, V] the draft distribution;
+    drafted: [B] the drafted tokens (the "lower" gate);
     generator: CPU torch.Generator of the "random" gate. See the module docstring for each gate's scale.
     Unknown kind or a missing input -> ValueError naming it.
     """
     if kind == "interval":
         _need(kind, center=center, radius=radius)
         return interval_uncertainty(center, radius, margin=margin).float()
+    if kind == "lower":
+        _need(kind, center=center, radius=radius, drafted=drafted)
+        return lower_score(center, radius, drafted)  # the tight bound: no safety margin
     if kind == "entropy":
         _need(kind, probs=probs)
         return entropy_score(probs)

@@ -9,7 +9,7 @@ softmax(l) over the box; the uncertainty score summarises how wide those bounds 
     center, radius = head(hidden)                          # [B, V] each, float32
     c, r = guided_interval(center_cond, radius_cond, center_uncond, radius_uncond, cfg_scale=3.0)
     p_lo, p_hi = inter_fuse(c, r)                          # [B, V]; 0 <= p_lo <= p_hi <= 1
-    u = interval_uncertainty(c, r)                         # [B], normalised scale; escalate when u > tau (0.30)
+    u = interval_uncertainty(c, r)                         # [B], normalised scale; escalate when u > tau
 
 Uncertainty scale. With delta = p_hi - p_lo [V], Omega = sum(delta) (the L1 volume of the box) and sigma the
 population std of delta over V, the raw score is U = Omega * sigma. For a fixed Omega, sigma is largest when all
@@ -17,7 +17,11 @@ the width sits on one token (one-hot delta): sigma_max(Omega) = Omega * sqrt(V -
 
     U_norm = U * V / sqrt(V - 1) = Omega^2 * kappa,   kappa = sigma / sigma_max(Omega) in [0, 1]
 
-does not grow with the vocabulary size; CIAR's threshold tau (default 0.30) lives on this scale.
+does not grow with the vocabulary size: no factor of V. It still depends on the model: the paper's tau 0.30 on this
+scale escalated every token of the scenes-v2 device (its calibrated tau was ~1312), because the score follows the
+radius the device learned. So no tau is built in: a device's calibrated thresholds travel in its file's metadata
+(`ciar.collab.defaults`, written by `python -m pipelines.calibrate`). Gates score the tight bounds, before the
+safety margin (`inter_fuse(margin=0)`), see `ciar.collab.gating`.
 """
 
 from __future__ import annotations

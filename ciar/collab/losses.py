@@ -84,3 +84,150 @@ def inter_dro_loss(center: torch.Tensor, radius: torch.Tensor, targets: torch.Te
         total = total + config.radius_reg * r.mean()
     parts["radius_mean"] = r.mean().detach()
     return total, {k: float(v.detach()) for k, v in parts.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distillation against the *guided* cloud, with a coverage-trained interval (DESIGN.md section 4, "what we measured")
+# ---------------------------------------------------------------------------------------------------------------
+
+DISTILL_TERMS = ("kl", "cond_kl", "coverage", "inter_dro")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Weights of `distill_loss`'s terms; any of DISTILL_TERMS can be switched off with `ablate`.
+
+    kl        KL(guided cloud || guided device), the main term: the distribution the device drafts from
+    cond_kl   KL(cloud cond row || device cond row), an optional anchor for the conditional row (needs the cloud's
+              conditional logits, which the teacher cache does not keep; off by default)
+    coverage  pinball loss of the guided radius against the device's log-probability error (the box should hold the
+              cloud's guided log-probabilities of the tokens that carry mass; width beyond the error is penalised)
+    inter_dro the paper's Inter-DRO terms (`inter_dro_loss`) on the guided box, labels = the on-policy tokens
+    """
+
+    kl: float = 1.0
+    cond_kl: float = 0.0
+    coverage: float = 1.0
+    inter_dro: float = 0.0
+    coverage_level: float = 0.8  # alpha: the radius learns the alpha-quantile of |log p_cloud - log p_device|
+    tail_weight: float = 0.05  # share of each row's coverage weight spread uniformly over the vocabulary
+    dro: InterDROConfig = InterDROConfig()
+
+    def __post_init__(self):
+        for name in DISTILL_TERMS + ("tail_weight",):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DistillConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.coverage_level < 1.0:
+            raise ValueError(f"DistillConfig.coverage_level must be in (0, 1), got {self.coverage_level}")
+
+    def ablate(self, term: str) -> "DistillConfig":
+        if term not in DISTILL_TERMS:
+            raise ValueError(f"unknown distillation term {term!r}; known: {', '.join(DISTILL_TERMS)}")
+        return replace(self, **{term: 0.0})
+
+
+def _kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row for p [M, V] (zeros allowed) and log q [M, V] (finite where p > 0) -> [M]."""
+    return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
+
+
+def coverage_loss(center: torch.Tensor, radius: torch.Tensor, cloud_logp: torch.Tensor, level: float = 0.8,
+                  tail_weight: float = 0.05) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Pinball (quantile) loss that trains the radius to cover the cloud; all inputs [M, V], -> (scalar, parts).
+
+    e_i = |log softmax(c)_i - log p_cloud_i| is the device's log-probability error on token i (the center is
+    detached: the box is trained around the center, not the other way round). The pinball loss
+    rho_alpha(e - r) = max(alpha (e - r), (alpha - 1)(e - r)) is minimised by r = the alpha-quantile of e given the
+    device's state, so alpha is the coverage the box aims at and (1 - alpha) (r - e)_+ is its width penalty. If every
+    token's log-probability lies in its box, the cloud's logit vector lies in [c - r, c + r] (logits are defined up to
+    a constant), so p_cloud lies inside InterFuse's bounds. Tokens are weighted by their mass under the cloud and the
+    device ((p + q) / 2) plus `tail_weight` spread uniformly; tokens the cloud gives zero probability (top-k/p
+    truncation) are left out (no finite box covers them).
+    """
+    logq = torch.log_softmax(center.detach().float(), dim=-1)
+    live = torch.isfinite(cloud_logp)
+    lp = torch.where(live, cloud_logp.float(), logq)
+    err = (logq - lp).abs()
+    diff = err - radius.float()
+    pin = torch.maximum(level * diff, (level - 1.0) * diff)
+    V = center.shape[-1]
+    w = 0.5 * (lp.exp() * live + logq.exp()) * (1.0 - tail_weight) + tail_weight / V
+    w = w * live
+    loss = (w * pin).sum(-1).mean()
+    inside = ((err <= radius.float()) & live).float()
+    covered_mass = (inside * lp.exp() * live).sum(-1).mean()
+    return loss, {"coverage_of_cloud_mass": covered_mass.detach()}
+
+
+def guided_logp(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None, params) -> torch.Tensor:
+    """The cloud's guided, temperature-scaled, *untruncated* log-distribution [..., V] float32 (CFG -> temperature;
+    top-k/p are left to `truncate`). logits_to_probs(cond, params, uncond) == truncate(guided_logp(...), params)."""
+    from ciar.decoding.sampling import guide
+
+    lg = cond_logits.float()
+    if uncond_logits is not None and params.uses_cfg:
+        lg = guide(lg, uncond_logits.float(), params.cfg_scale)
+    return torch.log_softmax(lg / (params.temperature or 1.0), dim=-1)
+
+
+def truncate(logp: torch.Tensor, params) -> torch.Tensor:
+    """Guided log-probs [..., V] -> the sampling distribution after top-k/p (`logits_to_probs` without CFG and
+    temperature, which `guided_logp` applied)."""
+    from ciar.decoding.sampling import SamplingParams, logits_to_probs
+
+    if not (params.top_k or params.top_p < 1.0):
+        return logp.float().exp()
+    return logits_to_probs(logp, SamplingParams(top_k=params.top_k, top_p=params.top_p))
+
+
+def distill_loss(dev_c: torch.Tensor, dev_r: torch.Tensor, cloud_logp: torch.Tensor, params,
+                 targets: torch.Tensor | None = None, config: DistillConfig = DistillConfig(),
+                 cloud_cond_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Distil the device towards the guided cloud; -> (scalar loss, parts as floats).
+
+    dev_c, dev_r: [2, M, V] device center / radius of the conditional (0) and unconditional (1) rows, or [1, M, V]
+    without CFG; cloud_logp [M, V]: the cloud's `guided_logp` (computed live or read from the teacher cache);
+    params: the world's SamplingParams; targets [M]: the on-policy tokens (labels of the optional Inter-DRO terms);
+    cloud_cond_logits [M, V]: the cloud's conditional row (only for the `cond_kl` term).
+
+    The guided device box is `guided_interval` of its rows (the box the deployed gate sees); the cloud's sampling
+    distribution p = truncate(cloud_logp) is the KL target, its untruncated log-probabilities the coverage target.
+    """
+    from ciar.collab.interval import guided_interval
+
+    temp = params.temperature or 1.0
+    if dev_c.shape[0] == 2 and params.uses_cfg:
+        c_g, r_g = guided_interval(dev_c[0], dev_r[0], dev_c[1], dev_r[1], cfg_scale=params.cfg_scale,
+                                   temperature=temp)
+    else:
+        c_g, r_g = guided_interval(dev_c[0], dev_r[0], temperature=temp)
+    p = truncate(cloud_logp, params)
+    logq = torch.log_softmax(c_g, dim=-1)
+    parts: dict[str, torch.Tensor] = {}
+    total = c_g.sum() * 0.0
+    if config.kl:
+        parts["kl"] = _kl(p, logq).mean()
+        total = total + config.kl * parts["kl"]
+    if config.cond_kl:
+        if cloud_cond_logits is None:
+            raise ValueError("the cond_kl term needs cloud_cond_logits (the cloud's conditional row)")
+        pc = torch.softmax(cloud_cond_logits.float(), dim=-1)
+        parts["cond_kl"] = _kl(pc, torch.log_softmax(dev_c[0].float(), dim=-1)).mean()
+        total = total + config.cond_kl * parts["cond_kl"]
+    if config.coverage:
+        parts["coverage"], extra = coverage_loss(c_g, r_g, cloud_logp.float(), config.coverage_level,
+                                                 config.tail_weight)
+        parts.update(extra)
+        total = total + config.coverage * parts["coverage"]
+    if config.inter_dro:
+        if targets is None:
+            raise ValueError("the inter_dro term needs targets (the on-policy tokens)")
+        dro, _ = inter_dro_loss(c_g, r_g, targets, p, config.dro)
+        parts["inter_dro"] = dro
+        total = total + config.inter_dro * dro
+    with torch.no_grad():
+        q = logq.exp()
+        parts["tv"] = 0.5 * (p - q).abs().sum(-1).mean()
+        parts["agree"] = (p.argmax(-1) == q.argmax(-1)).float().mean()
+        parts["radius_mean"] = r_g.mean()
+    return total, {k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in parts.items()}

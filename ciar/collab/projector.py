@@ -29,9 +29,21 @@ class ProjectorConfig:
     feature_dim: int = 20  # interval_feature_dim(top) of ciar.collab.interval
     feature_top: int = 8  # the `top` the features were computed with
     hidden: int = 256
+    standardize: bool = False  # log1p of the features' Omega and U_norm columns before the LayerNorm (files since v3)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def standardize_features(features: torch.Tensor, top: int) -> torch.Tensor:
+    """`interval_features` [..., 2 top + 4] -> the same with Omega and U_norm replaced by log1p of themselves.
+
+    Raw Omega is O(1..V) and U_norm runs into the thousands while every other entry (and the hidden state) is O(1):
+    one LayerNorm over the concatenation then sees almost nothing but U. log1p brings both to O(1..10)."""
+    out = features.clone()
+    for j in (2 * top, 2 * top + 2):  # Omega, U_norm (layout of ciar.collab.interval.interval_features)
+        out[..., j] = torch.log1p(features[..., j].clamp(min=0.0))
+    return out
 
 
 class IntervalProjector(nn.Module):
@@ -46,7 +58,10 @@ class IntervalProjector(nn.Module):
         nn.init.zeros_(self.fc2.bias)
 
     def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """hidden [..., device_dim], features [..., feature_dim] -> [..., cloud_dim] (dtype of fc1)."""
+        """hidden [..., device_dim], features [..., feature_dim] (`interval_features` as the device sends them)
+        -> [..., cloud_dim] (dtype of fc1)."""
+        if self.config.standardize:
+            features = standardize_features(features, self.config.feature_top)
         x = torch.cat([hidden.to(self.fc1.weight.dtype), features.to(self.fc1.weight.dtype)], dim=-1)
         return self.fc2(self.act(self.fc1(self.norm(x))))
 

@@ -9,7 +9,9 @@ Vocabulary (used everywhere in `ciar.collab`): a *session* is one image being ge
 the ones both sides agree on; tokens *accepted locally* by the device (uncertainty <= tau) are committed on the
 device at once and reach the cloud with the next VerifyRequest as `new_tokens` (the cloud's *catch-up*); a
 *span* holds the *draft* tokens the device wants verified; the cloud answers with the number *accepted* and one
-*next token* (recovered at the first rejection, or a bonus token after a fully accepted span).
+*next token* (recovered at the first rejection, or a bonus token after a fully accepted span). With a *cloud burst*
+(`VerifyRequest.burst` = g > 0) a reply after a rejection also carries up to g *burst tokens*: the cloud's own
+samples after the next token, exact cloud tokens that cost a cloud step each and no round trip.
 
 `CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
 it with direct calls (tests, benchmarks, CLI); the Ray implementation lives in `services/`. Payload sizes follow
@@ -30,6 +32,23 @@ import torch
 
 from ciar.collab.stats import HEADER_BYTES, feature_bytes, token_bytes
 from ciar.decoding.sampling import SamplingParams
+
+
+def quantize_draft(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft distribution as it travels: q [..., V] float32 -> (q_sent float16, q_used float32).
+
+    The device sends q as float16 (`VerifyRequest.draft_probs`) and must draw its token from exactly the distribution
+    the cloud will judge it by, so it draws from `q_used = draft_distribution(q_sent)`: the float16 values, normalised.
+    A token whose probability underflows to 0 in float16 can then never be drawn (no infinite p/q ratio), and the
+    exact rule stays lossless with respect to what the cloud sees."""
+    q_sent = q.to(torch.float16)
+    return q_sent, draft_distribution(q_sent)
+
+
+def draft_distribution(q_sent: torch.Tensor) -> torch.Tensor:
+    """float16 draft probabilities as sent [..., V] -> the normalised float32 distribution both sides use."""
+    q = q_sent.float()
+    return q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 class CloudUnreachableError(ConnectionError):
@@ -86,9 +105,11 @@ class VerifyRequest:
     draft_probs: torch.Tensor  # [k, V] the device's post-guidance draft distributions q (sent as float16)
     device_hidden: torch.Tensor | None = None  # [m, d_device] projector inputs (interval-enhanced decoding)
     features: torch.Tensor | None = None  # [m, F] interval features of the new tokens
+    burst: int = 0  # cloud burst: after a rejection the cloud samples up to this many more tokens itself
+    burst_entropy: float = 0.0  # ... and stops early once its next distribution's entropy / log V is below this
 
     def nbytes(self, vocab_size: int) -> int:
-        n = HEADER_BYTES + token_bytes(int(self.new_tokens.numel()) + int(self.draft_tokens.numel()), vocab_size)
+        n = HEADER_BYTES + 2 + token_bytes(int(self.new_tokens.numel()) + int(self.draft_tokens.numel()), vocab_size)
         n += int(self.draft_probs.numel()) * 2
         if self.device_hidden is not None:
             n += feature_bytes(int(self.device_hidden.shape[0]), int(self.device_hidden.shape[-1]))
@@ -107,9 +128,18 @@ class VerifyReply:
     batch_size: int  # sessions verified in that forward
     forward_passes: int = 1
     resumed: bool = False  # the client re-created the session before this reply (cloud_s / forward_passes include it)
+    burst_tokens: torch.Tensor | None = None  # [g] int64 the cloud's own samples after next_token (cloud burst)
+    vocab_size: int = 0  # for the burst tokens' encoding
+
+    @property
+    def num_burst(self) -> int:
+        return 0 if self.burst_tokens is None else int(self.burst_tokens.numel())
 
     def nbytes(self) -> int:
-        return HEADER_BYTES + 8
+        n = HEADER_BYTES + 8
+        if self.num_burst:
+            n += token_bytes(self.num_burst, self.vocab_size)
+        return n
 
 
 @dataclass

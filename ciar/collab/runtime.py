@@ -1,7 +1,7 @@
 """Wiring for in-process collaborative decoding on a loaded world (CLI, benchmarks, tests).
 
     verifier = make_verifier(world)                          # cloud side: cloud model + projector + codebook
-    decoder = make_decoder(world, verifier, "ciar", tau=0.3)  # device side, talking to it in-process
+    decoder = make_decoder(world, verifier, "ciar")          # device side; gate / tau / burst from the device file
     result = decoder.generate(prompt, seed=0)
 """
 

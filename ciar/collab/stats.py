@@ -58,6 +58,7 @@ class GenerationStats:
     prefix_tokens: int = 0
     cloud_tokens: int = 0
     device_tokens: int = 0
+    burst_tokens: int = 0  # cloud tokens sampled in cloud bursts (part of cloud_tokens)
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0

@@ -47,8 +47,10 @@ from dataclasses import dataclass
 import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
+from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
-from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, RuleConfig, VerifyReply, VerifyRequest
+from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, RuleConfig, VerifyReply, VerifyRequest,
+                                  draft_distribution)
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
@@ -266,8 +268,7 @@ class CloudVerifier:
                                        kv_len=pos + 1)[:, -1]
             passes += 1
         for s in sessions:
-            for slot in s.slots:
-                self.cache.lengths[slot] = c.cls_token_num + max(len(s.tokens) - 1, 0)
+            self.cache.set_length(s.slots, c.cls_token_num + max(len(s.tokens) - 1, 0))
         seconds = time.perf_counter() - t0
         return [self._open_reply(r, i, sessions[i].tokens, caption_emb, caption_mask, seconds,
                                  passes if r.prefix_len else 1) for i, r in enumerate(requests)]
@@ -326,8 +327,7 @@ class CloudVerifier:
                       if inj is not None and inj.positions.numel() else None for inj in injected]
         self._ragged_decode(sessions, [h[:-1] for h in hist], [0] * len(sessions), rows_of, extras)
         for s in sessions:
-            for slot in s.slots:
-                self.cache.lengths[slot] = c.cls_token_num + max(len(s.tokens) - 1, 0)
+            self.cache.set_length(s.slots, c.cls_token_num + max(len(s.tokens) - 1, 0))
         seconds = time.perf_counter() - t0
         return [self._open_reply(r, i, [], caption_emb, caption_mask, seconds, 1 + int(len(hist[i]) >= 2))
                 for i, r in enumerate(requests)]
@@ -401,6 +401,10 @@ class CloudVerifier:
             k, m = int(r.draft_tokens.numel()), int(r.new_tokens.numel())
             if r.draft_probs.shape[0] != k or (k and r.draft_probs.shape[-1] != self.vocab_size):
                 raise SessionError(f"draft_probs must be [{k}, {self.vocab_size}], got {tuple(r.draft_probs.shape)}")
+            if isinstance(r.burst, bool) or not isinstance(r.burst, int) or r.burst < 0:
+                raise SessionError(f"burst must be an integer >= 0, got {r.burst!r}")
+            if not 0.0 <= float(r.burst_entropy) <= 1.0:
+                raise SessionError(f"burst_entropy must be in [0, 1], got {r.burst_entropy!r}")
             if len(s.tokens) + m + k > c.block_size:
                 raise SessionError(f"session {r.session_id!r}: {len(s.tokens)} committed + {m} new + {k} drafts "
                                    f"exceeds the {c.block_size} image tokens")
@@ -448,11 +452,46 @@ class CloudVerifier:
             s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
             s.first_logits = None
             s.last_used = now
-            for slot in s.slots:
-                self.cache.lengths[slot] = c.cls_token_num + len(s.tokens) - 1
+            self.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
             replies.append((r.session_id, n, z, bool(out.recovered[0])))
+        bursts, steps = self._burst(requests, sessions, [rec for *_, rec in replies])
         seconds = time.perf_counter() - t0
-        return [VerifyReply(sid, n, z, rec, seconds, len(requests)) for sid, n, z, rec in replies]
+        return [VerifyReply(sid, n, z, rec, seconds, len(requests), forward_passes=1 + st,
+                            burst_tokens=torch.tensor(b, dtype=torch.long) if b else None, vocab_size=self.vocab_size)
+                for (sid, n, z, rec), b, st in zip(replies, bursts, steps)]
+
+    def _burst(self, requests: list[VerifyRequest], sessions: list[_Session], recovered: list[bool]
+               ) -> tuple[list[list[int]], int]:
+        """Cloud burst: after a rejection (the reply's next token was recovered), the session's cloud keeps sampling
+        up to `request.burst` tokens itself, one batched step for every bursting session of this batch per token,
+        stopping a session early when its next distribution's normalised entropy falls to `burst_entropy` or below
+        (the device can take over there) or at the last image token. Draws continue the session's generator after
+        the acceptance rule's, so they depend only on (seed, position, inputs). Leaves the cache invariant intact
+        (the last burst token committed, not fed). -> (burst tokens per request, burst forwards per request)."""
+        c = self.config
+        out: list[list[int]] = [[] for _ in requests]
+        steps = [0] * len(requests)
+        live = [i for i, (r, s, rec) in enumerate(zip(requests, sessions, recovered))
+                if rec and r.burst > 0 and len(s.tokens) < c.block_size]
+        while live:
+            sub = [sessions[i] for i in live]
+            rows_of = self._rows_of(sub, by_slot=True)
+            logits, _ = self._ragged_decode(sub, [[s.tokens[-1]] for s in sub], [len(s.tokens) - 1 for s in sub],
+                                            rows_of)
+            still = []
+            for j, i in enumerate(live):
+                s, r = sessions[i], requests[i]
+                steps[i] += 1
+                p = self._probs(s, logits[rows_of[j], -1])  # [V]
+                if r.burst_entropy > 0 and float(entropy_score(p.unsqueeze(0))[0]) <= r.burst_entropy:
+                    continue  # confident cloud: hand back to the device (this step's forward is spent)
+                s.tokens.append(int(sample(p.unsqueeze(0), s.generator)[0]))
+                out[i].append(s.tokens[-1])
+                self.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
+                if len(out[i]) < r.burst and len(s.tokens) < c.block_size:
+                    still.append(i)
+            live = still
+        return out, steps
 
     def _judge(self, s: _Session, r: VerifyRequest, p: torch.Tensor, tgt_hidden: torch.Tensor | None):
         k = int(r.draft_tokens.numel())
@@ -465,7 +504,7 @@ class CloudVerifier:
             kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
             kwargs["target_hidden"] = None if tgt_hidden is None else tgt_hidden.unsqueeze(0)
             kwargs["token_embeddings"] = self.cloud.output.weight
-        q = r.draft_probs.to(self.device, torch.float32).reshape(1, k, -1) if k else \
+        q = draft_distribution(r.draft_probs.to(self.device)).reshape(1, k, -1) if k else \
             torch.zeros(1, 0, self.vocab_size, device=self.device)
         return verify_span(rule.rule, r.draft_tokens.to(self.device).reshape(1, k), q, p.unsqueeze(0),
                            s.generator, **kwargs)

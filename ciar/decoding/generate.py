@@ -84,6 +84,5 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
             logits = model.decode(cache, step_in, positions[i:i + 1], kv_len=pos + 1)[:, -1]  # [rows, V]
     finally:
         model.train(was_training)
-    for r in range(rows):
-        cache.lengths[r] = c.cls_token_num + n - 1
+    cache.set_length(range(rows), c.cls_token_num + n - 1)
     return (tokens, probs_out) if return_probs else tokens

@@ -101,3 +101,19 @@ def read_model_file(path: str) -> tuple[dict[str, torch.Tensor], str, dict, dict
     """-> (state dict, kind, config dict, extra dict) of a file written by `save_model`."""
     kind, config, extra = read_model_metadata(path)
     return load_file(path), kind, config, extra
+
+
+def update_extra(path: str, set_items: dict, drop: tuple[str, ...] = ()) -> dict:
+    """Rewrite the `extra` metadata of a file written by `save_model` (keys in `set_items` set, keys in `drop`
+    removed), tensors bit for bit, atomically (temp file + rename). -> the new extra dict."""
+    kind, config, extra = read_model_metadata(path)
+    with safe_open(path, framework="pt") as f:
+        meta = dict(f.metadata())
+    for k in drop:
+        extra.pop(k, None)
+    extra.update(set_items)
+    meta["extra"] = json.dumps(extra)
+    tmp = path + ".tmp"
+    save_file(load_file(path), tmp, metadata=meta)
+    os.replace(tmp, path)
+    return extra

@@ -447,8 +447,7 @@ class GPT(nn.Module):
             cache.key_valid[rows] = True
         pos = torch.arange(c.cls_token_num, device=cond.device)
         h = self.forward_cached(cache, self.embed_condition(cond, drop), pos, slots, kv_len=c.cls_token_num)
-        for r in rows:
-            cache.lengths[r] = c.cls_token_num
+        cache.set_length(rows, c.cls_token_num)
         h = h[:, -1]
         logits = self.logits(h)
         return (logits, h) if return_hidden else logits
@@ -459,7 +458,7 @@ class GPT(nn.Module):
         """Feed image tokens [B, T] at positions input_pos ([T] or [B, T]); -> logits [B, T, V].
 
         `extra_emb` [B, T, dim] is added to the token embeddings (interval-feature injection of CIAR).
-        The caller updates `cache.lengths`.
+        The caller records the committed length (`cache.set_length`): only it knows which fed tokens it keeps.
         """
         e = self.tok_embeddings(tokens)
         if extra_emb is not None:

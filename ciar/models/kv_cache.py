@@ -6,8 +6,9 @@ row of it). `key_valid` [slots, max_seq] marks caption padding (False) so padded
 attended to; image positions are always valid. Nothing is ever copied for rollback: attention masks keys
 beyond each query's own position, so entries past a rolled-back pointer are invisible and get overwritten.
 
-`lengths` is a host-side list of how many positions of each slot hold committed tokens; the decoding code
-keeps it (no device sync in the hot loop).
+`lengths` is a host-side list of how many positions of each slot hold committed tokens (no device sync in the
+hot loop); it changes only through the cache's own methods: `set_length` after a forward wrote positions,
+`rollback` to drop a suffix, `reset` to free slots.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class KVCache:
         for s in range(self.slots) if slots is None else slots:
             self.lengths[s] = 0
             self.key_valid[s] = True
+
+    def set_length(self, slots, length: int) -> None:
+        """Slots `slots` (an int or an iterable of ints) now hold `length` committed positions (after a forward
+        wrote them, or a session's state was rebuilt)."""
+        if not 0 <= length <= self.max_seq:
+            raise ValueError(f"length must be in [0, {self.max_seq}], got {length}")
+        for s in [slots] if isinstance(slots, int) else slots:
+            self.lengths[s] = length
 
     def rollback(self, slot: int, length: int) -> None:
         """Keep the first `length` positions of `slot` (moves the pointer; copies nothing)."""

@@ -415,3 +415,25 @@ def test_bad_inputs_raise():
 def test_bad_configs_raise(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_float16_drafts_are_drawn_from_what_is_sent_and_stay_exact():
+    """`quantize_draft`: the device draws from the float16 values it sends (normalised), so a draft probability
+    that underflows in float16 is never drawn (no infinite p/q), and the exact rule's output follows p."""
+    from ciar.collab.protocol import draft_distribution, quantize_draft
+
+    V = 6
+    q32 = torch.tensor([0.5, 0.3, 0.2 - 2e-8, 1e-8, 1e-8, 0.0])  # two entries below float16's smallest subnormal
+    q_sent, q_used = quantize_draft(q32)
+    assert q_sent.dtype == torch.float16 and q_used.dtype == torch.float32
+    assert q_used[3] == 0 and q_used[4] == 0 and abs(float(q_used.sum()) - 1) < 1e-6
+    assert torch.equal(draft_distribution(q_sent), q_used)
+    p = torch.tensor([0.1, 0.1, 0.1, 0.3, 0.3, 0.1])
+    g = torch.Generator().manual_seed(0)
+    n = 40_000
+    drafts = torch.multinomial(q_used.expand(n, V), 1, replacement=True, generator=g)  # [n, 1]
+    assert not (drafts == 3).any() and not (drafts == 4).any()
+    out = verify_span("exact", drafts, q_used.expand(n, 1, V), p.expand(n, 2, V), g)
+    first = torch.where(out.num_accepted == 1, drafts[:, 0], out.next_token)
+    freq = torch.bincount(first, minlength=V).float() / n
+    assert torch.allclose(freq, p, atol=0.01), freq  # 4 sigma of a binomial at n = 40k is ~0.01

@@ -23,8 +23,9 @@ def make_inputs(seed: int, B: int, V: int, scale: float = 5.0, rmax: float = 2.0
        topk=st.sampled_from([1, 5, 100, 400]))
 def test_every_gate_shape(seed, B, V, kind, topk):
     center, radius, probs = make_inputs(seed, B, V)
+    drafted = torch.randint(0, V, (B,), generator=torch.Generator().manual_seed(seed))
     s = gate_scores(kind, center=center, radius=radius, probs=probs, generator=torch.Generator().manual_seed(seed),
-                    topk=topk)
+                    topk=topk, drafted=drafted)
     assert s.shape == (B,) and s.dtype == torch.float32 and torch.isfinite(s).all()
     assert (s >= 0).all()
     if kind in ("entropy", "softmax", "random", "topk"):
@@ -102,8 +103,44 @@ def test_bad_inputs():
 
 def test_gate_config():
     cfg = GateConfig()
-    assert cfg.validate() is cfg and cfg.kind == "interval" and cfg.tau == 0.30
+    assert cfg.validate() is cfg and cfg.kind == "interval" and cfg.tau is None and cfg.margin == 0.0
     for bad in (dict(kind="nope"), dict(topk=0), dict(tau=math.nan)):
         with pytest.raises(ValueError):
             GateConfig(**bad).validate()
     assert GateConfig(kind="topk", tau=math.inf).validate().kind == "topk"
+
+
+def test_lower_gate_is_minus_log_of_the_interfuse_lower_bound():
+    from ciar.collab.interval import inter_fuse
+
+    center, radius, _ = make_inputs(3, 16, 50)
+    x = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(1))
+    p_lo, _ = inter_fuse(center, radius, margin=0.0)
+    want = -torch.log(p_lo.double().gather(-1, x[:, None]).squeeze(-1))
+    got = gate_scores("lower", center=center, radius=radius, drafted=x)
+    assert torch.allclose(got.double(), want, rtol=1e-5)
+
+
+def test_lower_gate_is_monotone_in_the_box():
+    """A wider radius on the drafted token, or a lower center, can only raise the score; a zero box is -log q(x)."""
+    center = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    x = torch.tensor([0])
+    zero = gate_scores("lower", center=center, radius=torch.zeros_like(center), drafted=x)
+    assert torch.allclose(zero, -torch.log_softmax(center, -1)[:, 0], atol=1e-6)
+    prev = zero
+    for r in (0.1, 0.5, 1.0, 2.0):
+        s = gate_scores("lower", center=center, radius=torch.full_like(center, r), drafted=x)
+        assert (s > prev).all()
+        prev = s
+    # a masked-out draft (center -inf) is infinitely uncertain, and tiny p_lo do not saturate
+    masked = gate_scores("lower", center=torch.tensor([[-math.inf, 0.0]]), radius=torch.zeros(1, 2),
+                         drafted=torch.tensor([0]))
+    assert torch.isinf(masked).all()
+    wide = gate_scores("lower", center=center, radius=torch.full_like(center, 8.0), drafted=x)
+    assert torch.isfinite(wide).all() and wide.item() > 10
+
+
+def test_lower_gate_needs_the_draft():
+    center, radius, _ = make_inputs(0, 2, 5)
+    with pytest.raises(ValueError, match="drafted"):
+        gate_scores("lower", center=center, radius=radius)

@@ -38,7 +38,7 @@ def test_network_model_drops_after_n_messages():
 
 @pytest.mark.parametrize("method", ["ciar", "eagle"])
 def test_link_drop_mid_generation_finishes_on_the_device(tiny_cloud, tiny_device, stub_text, median_tau, method):
-    tau = {"tau": median_tau} if method == "ciar" else {}
+    tau = {"tau": median_tau} if method == "ciar" else {"gate": "always"}  # eagle-like: every token verified
     ref, _, _ = decode(tiny_cloud, tiny_device, stub_text, network="5g", **tau)
     assert ref.stats.verifications >= 3 and ref.stats.degraded == 0
     # open = 2 messages, each verify 2 more: the link goes down on the third verify's uplink
@@ -70,7 +70,7 @@ def test_link_down_before_the_open_reply_fails_and_leaves_nothing(tiny_cloud, ti
     verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     client = RecoveringClient(InProcessCloud(verifier))
     with pytest.raises(CloudUnreachableError):
-        decode(tiny_cloud, tiny_device, stub_text, client=client, link_drop_after=drop_after)
+        decode(tiny_cloud, tiny_device, stub_text, client=client, link_drop_after=drop_after, tau=1.0)
     assert verifier.num_sessions == 0 and not client._sessions
 
 

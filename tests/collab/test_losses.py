@@ -71,3 +71,68 @@ def test_ignore_index_and_validation():
         InterDROConfig(dro_eta=0)
     with pytest.raises(ValueError):
         inter_dro_loss(c, r[:, :3], y)
+
+
+# ---------------------------------------------------------------------------- distillation + coverage
+
+
+def test_coverage_radius_learns_the_quantile_of_the_error():
+    """Minimising the pinball loss over a free radius gives the alpha-quantile of the device's log-prob error."""
+    from ciar.collab.losses import coverage_loss
+
+    g = torch.Generator().manual_seed(0)
+    M, V = 2000, 4
+    center = torch.zeros(M, V)  # device: uniform
+    noise = torch.randn(M, V, generator=g) * torch.tensor([0.2, 0.5, 1.0, 2.0])  # per-token error scales
+    cloud_logp = torch.log_softmax(noise, -1)
+    err = (torch.log_softmax(center, -1) - cloud_logp).abs()
+    for level in (0.5, 0.8):
+        r = torch.zeros(1, V, requires_grad=True)
+        opt = torch.optim.Adam([r], lr=0.05)
+        for _ in range(600):
+            loss, _ = coverage_loss(center, r.expand(M, V), cloud_logp, level=level, tail_weight=1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        want = torch.quantile(err, level, dim=0)
+        assert torch.allclose(r.detach()[0], want, atol=0.08), (r, want)
+        assert (r.detach()[0].diff() > 0).all()  # a noisier token gets a wider box
+
+
+def test_coverage_gradient_depends_on_the_cloud_unlike_inter_dro():
+    """The radius gradient of Inter-DRO's CE(c+r) + CE(c-r) is label-free; coverage's follows where the device errs."""
+    from ciar.collab.losses import coverage_loss
+
+    center = torch.tensor([[2.0, 1.0, 0.0]])
+    grads = []
+    for cloud in ([2.0, 1.0, 0.0], [0.0, 1.0, 2.0]):  # the device right, then wrong
+        r = torch.full((1, 3), 0.5, requires_grad=True)
+        coverage_loss(center, r, torch.log_softmax(torch.tensor([cloud]), -1))[0].backward()
+        grads.append(r.grad.clone())
+    assert (grads[0] > 0).all()  # right everywhere: shrink every radius
+    assert grads[1][0, 0] < 0 and grads[1][0, 2] < 0  # wrong on tokens 0 and 2: widen them
+
+
+def test_distill_loss_is_zero_kl_at_the_cloud_and_follows_cfg():
+    from ciar.collab.losses import DistillConfig, distill_loss, guided_logp, truncate
+    from ciar.decoding.sampling import SamplingParams, logits_to_probs
+
+    g = torch.Generator().manual_seed(1)
+    M, V = 5, 7
+    lc = torch.randn(2, M, V, generator=g)
+    params = SamplingParams(cfg_scale=1.5, temperature=0.8, top_k=4)
+    logp = guided_logp(lc[0], lc[1], params)
+    assert torch.allclose(truncate(logp, params), logits_to_probs(lc[0], params, uncond_logits=lc[1]), atol=1e-6)
+    # a device whose rows equal the cloud's has zero KL (no truncation: with top-k the KL to the truncated cloud
+    # also asks the device to keep its mass inside the cloud's top-k) and full agreement
+    params = SamplingParams(cfg_scale=1.5, temperature=0.8)
+    logp = guided_logp(lc[0], lc[1], params)
+    loss, parts = distill_loss(lc.clone(), torch.full((2, M, V), 0.3), logp, params)
+    assert parts["kl"] < 1e-5 and parts["agree"] == 1.0 and parts["tv"] < 1e-5
+    off, parts_off = distill_loss(lc.flip(-1), torch.full((2, M, V), 0.3), logp, params)
+    assert parts_off["kl"] > 0.1 and off > loss
+    with pytest.raises(ValueError, match="cond_kl"):
+        distill_loss(lc, torch.zeros(2, M, V), logp, params, config=DistillConfig(cond_kl=1.0))
+    with pytest.raises(ValueError):
+        DistillConfig(coverage_level=1.0)
+    assert DistillConfig().ablate("coverage").coverage == 0.0

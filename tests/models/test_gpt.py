@@ -319,8 +319,7 @@ def test_chunks_at_per_row_positions_after_rollback(model, batch):
     for r, s in enumerate(starts):
         draft[r, s:] = (draft[r, s:] + 1) % V
     model.decode(cache, draft, torch.arange(CLS, CLS + 10))
-    for r in range(3):
-        cache.lengths[r] = CLS + 10
+    cache.set_length(range(3), CLS + 10)
     for r, s in enumerate(starts):
         cache.rollback(r, CLS + s)
     with pytest.raises(ValueError):
@@ -332,7 +331,7 @@ def test_chunks_at_per_row_positions_after_rollback(model, batch):
         got = model.decode(cache, chunk, pos)
         for r, s in enumerate(starts):
             close(got[r], want[r, s + 1:s + 1 + t])
-            cache.lengths[r] = CLS + s + t
+            cache.set_length(r, CLS + s + t)
         starts = [s + t for s in starts]
 
 

@@ -12,3 +12,16 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shipped_world_copy(tmp_path_factory):
+    """A world folder with the shipped cloud model and tokenizer (the device pipelines read their cloud from it)."""
+    import shutil
+
+    from ciar.world import DEFAULT_WEIGHTS_DIR
+
+    d = tmp_path_factory.mktemp("world")
+    for name in ("cloud.safetensors", "tokenizer.safetensors"):
+        shutil.copy(f"{DEFAULT_WEIGHTS_DIR}/{name}", d / name)
+    return d

@@ -85,3 +85,53 @@ def test_cloud_init_starts_a_new_run_from_an_export(tmp_path, tokenizer_dir):
     # a file of another config is refused with both configs named
     with pytest.raises(SystemExit, match="config differs"):
         _run_cloud(tmp_path / "b", tmp_path / "cc", data, steps=1, extra=["--init", first, "--set", "n_layer=3"])
+
+
+def _run_device(world, out_name, ckpt, data, steps, stop_after=0, extra=()):
+    from pipelines import train_device
+
+    args = ["--out", str(world), "--name", out_name, "--num-train", "8", "--num-val", "4", "--eval-n", "4",
+            "--steps", str(steps), "--batch-size", "2", "--ckpt-every", "1", "--eval-every", "2", "--data-dir",
+            str(data), "--ckpt-dir", str(ckpt), "--threads", "1", "--stop-after", str(stop_after), *extra]
+    return train_device.main(args)
+
+
+def test_device_distillation_on_policy_resumes_exactly(tmp_path, shipped_world_copy):
+    """On-policy sequences from the real cloud, the teacher cache filled on first use, and an interrupted run that
+    ends bit-identical to an uninterrupted one; the metrics hold the gates' AUROCs under the deployed CFG."""
+    data = tmp_path / "data"
+    _run_device(shipped_world_copy, "a", tmp_path / "ca", data, steps=3)
+    _run_device(shipped_world_copy, "b", tmp_path / "cb", data, steps=3, stop_after=2)
+    assert torch.load(tmp_path / "cb" / "state.pt", weights_only=False)["step"] == 2
+    _run_device(shipped_world_copy, "b", tmp_path / "cb", data, steps=3)
+    a = _weights(shipped_world_copy / "a.safetensors")
+    b = _weights(shipped_world_copy / "b.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    hist = json.load(open(shipped_world_copy / "a.metrics.json"))["history"]
+    last = hist[-1]
+    assert set(last["auroc_rejection"]) >= {"interval", "lower", "entropy", "softmax"}
+    assert 0 < last["top1_agreement"] <= 1 and last["val_kl_guided"] > 0
+    extra = read_model_file(str(shipped_world_copy / "a.safetensors"))[3]
+    assert extra["data"] == "onpolicy" and extra["objective"] == "coverage" and extra["sampling"]["cfg_scale"] > 1
+    # the on-policy sequences are the cloud's own samples: the same file serves both runs
+    import glob
+
+    files = sorted(glob.glob(str(data / "onpolicy" / "train_8_*")))
+    assert [f.rsplit("_", 1)[-1].split(".", 1)[1] for f in files] == ["done", "npy", "teacher.filled.npy",
+                                                                        "teacher.npy"]
+
+
+def test_device_inter_dro_objective_and_eval_only(tmp_path, shipped_world_copy):
+    from pipelines import train_device
+
+    data = tmp_path / "data"
+    _run_device(shipped_world_copy, "d", tmp_path / "cd", data, steps=1,
+                extra=["--objective", "inter-dro", "--ablate", "lower"])
+    out = tmp_path / "auroc.json"
+    train_device.main(["--out", str(shipped_world_copy), "--eval-only", str(shipped_world_copy / "d.safetensors"),
+                       "--eval-split", "val", "--eval-n", "4", "--num-val", "4", "--data-dir", str(data),
+                       "--threads", "1", "--eval-out", str(out)])
+    res = json.load(open(out))
+    assert res["split"] == "val" and "lower" in res["auroc_disagreement"]
+    with pytest.raises(ValueError, match="unknown term"):
+        train_device.distill_config("coverage", ["nope"])

@@ -1,8 +1,8 @@
-"""Threshold calibration of benchmarks.collab: the bisection behind --target-rate and the Table 2/3 gate matching."""
+"""Threshold calibration (ciar.collab.calibration): the bisection behind --target-rate, pipelines.calibrate and the gate matching."""
 
 import math
 
-from benchmarks.collab import bisect_threshold
+from ciar.collab.calibration import bisect_threshold
 
 
 def _rate_of(scores):

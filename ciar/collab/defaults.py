@@ -1,0 +1,61 @@
+"""CIAR's weight-dependent defaults: the calibrated gate, threshold and cloud burst of a device model, in its file.
+
+    d = CIARDefaults.from_extra(extra)            # extra = the device file's metadata (DeviceModel.load keeps it)
+    cfg = method_config("ciar").resolve(d)        # tau / gate / burst left unset -> the device's calibrated values
+
+A gate's threshold tau lives on the gate's own score scale and depends on the device model (its radius, its
+calibration), so a number in code or config turns CIAR into something else as soon as the weights change: the
+scenes-v2 device needed tau ~1312 on the normalised-U scale where the paper's 0.30 escalated every token. The
+calibration command (`python -m pipelines.calibrate`) measures, on **val** prompts, the tau of every gate that
+gives the target cloud-call rate and writes them here under extra["ciar"]; every entry point (CLI, benchmarks,
+evaluation, the Serve device fleet with `tau: null`) uses them unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+EXTRA_KEY = "ciar"
+
+
+@dataclass(frozen=True)
+class CIARDefaults:
+    gate: str = "interval"  # CIAR's gate (ciar.collab.gating.GATES)
+    taus: dict = field(default_factory=dict)  # gate -> calibrated tau at `target_rate` (CIAR's gate and baselines)
+    burst: int = 0  # cloud burst g (ciar.collab.protocol.VerifyRequest.burst)
+    burst_entropy: float = 0.0  # adaptive burst stop (0: fixed g)
+    target_rate: float | None = None  # the cloud-call rate the taus were calibrated to
+    calibration: dict = field(default_factory=dict)  # prompts, seed, measured rates, the command
+
+    def __post_init__(self):
+        from ciar.collab.gating import GATES
+
+        if self.gate not in GATES:
+            raise ValueError(f"ciar defaults: gate must be one of {GATES}, got {self.gate!r}")
+        for g, t in self.taus.items():
+            if g not in GATES or not isinstance(t, (int, float)) or math.isnan(t):
+                raise ValueError(f"ciar defaults: bad calibrated threshold {g!r}: {t!r}")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 0:
+            raise ValueError(f"ciar defaults: burst must be an integer >= 0, got {self.burst!r}")
+        if not 0.0 <= self.burst_entropy <= 1.0:
+            raise ValueError(f"ciar defaults: burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
+
+    @property
+    def tau(self) -> float | None:
+        """The calibrated threshold of CIAR's own gate (None if not calibrated)."""
+        return self.taus.get(self.gate)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_extra(extra: dict | None, source: str = "device file") -> "CIARDefaults | None":
+        """extra["ciar"] of a device file -> CIARDefaults, or None when the file carries none."""
+        given = (extra or {}).get(EXTRA_KEY)
+        if given is None:
+            return None
+        try:
+            return CIARDefaults(**given)
+        except TypeError as e:
+            raise ValueError(f"{source}: bad '{EXTRA_KEY}' metadata: {e}") from None

@@ -1,0 +1,87 @@
+"""Calibrate a device model's CIAR defaults on val prompts and write them into its file (like set_sampling).
+
+    python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --target-rate 0.3
+
+For every gate (`--gates`, default: all but the slow top-k set gate) the threshold tau that gives `--target-rate`
+cloud calls on `--prompts` **val** prompts is found by bisection over real generations
+(`ciar.collab.calibration`), with the same span, prefix rate and cloud burst as CIAR runs with. The device file's
+metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, target_rate, calibration}
+(`ciar.collab.defaults.CIARDefaults`), tensors bit for bit, written atomically. Every entry point (the CLI,
+`benchmarks.collab`, `pipelines.evaluate`, the Serve device fleet with `tau: null`) uses it unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from ciar.collab.calibration import calibrate_tau, val_prompts
+from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
+from ciar.collab.device import DeviceModel
+from ciar.collab.gating import GATES
+from ciar.collab.runtime import make_verifier
+from ciar.models.checkpoint import update_extra
+from ciar.world import load_default_world
+
+DEFAULT_GATES = tuple(g for g in GATES if g != "topk")  # the top-k set gate is O(k^2) per token: on request only
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelines.calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("device", help="device model file to calibrate (its folder is the world unless --weights)")
+    p.add_argument("--weights", default=None, help="world folder (default: the device file's folder)")
+    p.add_argument("--gate", default="lower", choices=GATES, help="CIAR's own gate (default: lower)")
+    p.add_argument("--gates", default=",".join(DEFAULT_GATES), help="gates to calibrate (comma list)")
+    p.add_argument("--target-rate", type=float, default=0.3)
+    p.add_argument("--burst", type=int, default=0, help="cloud burst g CIAR runs with (0: the paper's CIAR)")
+    p.add_argument("--burst-entropy", type=float, default=0.0)
+    p.add_argument("--prompts", type=int, default=32, help="val prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dry-run", action="store_true", help="print the result, leave the file as it is")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gates = [g.strip() for g in args.gates.split(",") if g.strip()]
+    bad = [g for g in gates if g not in GATES]
+    if bad:
+        p.error(f"unknown gates {bad}; known: {', '.join(GATES)}")
+    if args.gate not in gates:
+        gates.insert(0, args.gate)
+    if not 0.0 < args.target_rate < 1.0:
+        p.error("--target-rate must be in (0, 1)")
+    if not os.path.isfile(args.device):
+        p.error(f"device file not found: {args.device}")
+
+    world = load_default_world(args.weights or os.path.dirname(os.path.abspath(args.device)))
+    device = DeviceModel.load(args.device)
+    verifier = make_verifier(world)
+    prompts = val_prompts(args.prompts, args.seed)
+    knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy}
+    t0 = time.time()
+    taus, rates = {}, {}
+    for g in gates:
+        th = calibrate_tau(world, verifier, "ciar", {**knobs, "gate": g}, args.target_rate, prompts, args.seed,
+                           device_model=device)
+        taus[g], rates[g] = th["tau"], th["calibration_rate"]
+        print(f"{g}: tau {th['tau']:.6g} -> cloud-call rate {th['calibration_rate']:.4f} on {len(prompts)} val "
+              f"prompts", file=sys.stderr)
+    defaults = CIARDefaults(gate=args.gate, taus=taus, burst=args.burst, burst_entropy=args.burst_entropy,
+                            target_rate=args.target_rate, calibration={
+                                "prompts": f"scenes:val[10000:{10000 + len(prompts)}]:seed={args.seed}",
+                                "measured_rates": rates, "seconds": round(time.time() - t0, 1),
+                                "command": "python -m pipelines.calibrate " + " ".join(argv or sys.argv[1:])})
+    if args.dry_run:
+        print(defaults.to_dict())
+        return 0
+    update_extra(args.device, {EXTRA_KEY: defaults.to_dict()})
+    print(f"{args.device}: ciar defaults {defaults.to_dict()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
