@@ -331,7 +331,7 @@ def main(argv=None) -> int:
             if m in ("entropy", "softmax", "random", "topk"):
                 # each gate has its own score scale: calibrated to the same target cloud-call rate as CIAR (never
                 # CIAR's tau); without --target-rate, the method's preset threshold
-                ov = {k: v for k, v in ciar_ov.items() if k != "tau"}
+                ov = {k: v for k, v in ciar_ov.items() if k not in ("tau", "gate")}
                 if args.target_rate is not None:
                     th = calibrate_tau(world, verifier, m, ov, args.target_rate, cal, args.seed)
                     report["gate_thresholds"][m] = th
@@ -358,7 +358,8 @@ def main(argv=None) -> int:
         report["gate_thresholds"] = {}
         for g, extra in gates:
             name = {"topk": f"topk k={extra.get('topk')}", "ciar": f"ciar gate={extra.get('gate')}"}.get(g, g)
-            ov = {k: v for k, v in {**ciar_ov, **extra}.items() if k != "tau"}
+            ov = {k: v for k, v in {**{k: v for k, v in ciar_ov.items() if k != "gate"}, **extra}.items()
+                  if k != "tau"}
             th = calibrate_tau(world, verifier, g, ov, rate, cal, args.seed)
             report["gate_thresholds"][name] = th
             variants[name] = (g, {**ov, "tau": th["tau"]}, None)
@@ -378,9 +379,11 @@ def main(argv=None) -> int:
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors")) if ps.scenes is not None else None
     fid_net = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors")) \
         if ps.references is not None else None
-    if args.sweep == "cloud-cost":
+    md_extra = ""
+    if args.sweep == "cloud-cost" or (args.table == 1 and not args.sweep):
         rows = summarize(results, "cloud", world, ps, probe, fid_net)
-        report["cloud_cost_sweep"] = cloud_cost_sweep(results, [float(v) for v in vals], args.network)
+        factors = [float(v) for v in vals] if args.sweep else [1, 2, 5, 10, 20, 50]
+        report["cloud_cost_sweep"] = cloud_cost_sweep(results, factors, args.network)
         md_extra = cloud_cost_markdown(report["cloud_cost_sweep"])
     elif args.table == 8:
         rows = {}
@@ -394,7 +397,7 @@ def main(argv=None) -> int:
                          for name, (m, ov, dev) in variants.items()}
     report["seconds"] = time.time() - t0
     md = markdown(rows, title)
-    if args.sweep == "cloud-cost":
+    if md_extra:
         md += "\n" + md_extra
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -2,7 +2,7 @@
 
     python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --target-rate 0.3
 
-For every gate (`--gates`, default: all but the slow top-k set gate) the threshold tau that gives `--target-rate`
+For every gate (`--gates`, default: all; `--jobs N` runs N gates at once) the threshold tau that gives `--target-rate`
 cloud calls on `--prompts` **val** prompts is found by bisection over real generations
 (`ciar.collab.calibration`), with the same span, prefix rate and cloud burst as CIAR runs with. The device file's
 metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, target_rate, calibration}
@@ -27,7 +27,18 @@ from ciar.collab.runtime import make_verifier
 from ciar.models.checkpoint import update_extra
 from ciar.world import load_default_world
 
-DEFAULT_GATES = tuple(g for g in GATES if g != "topk")  # the top-k set gate is O(k^2) per token: on request only
+DEFAULT_GATES = GATES
+
+
+def _calibrate_gate(job: tuple) -> tuple[str, dict]:
+    """One gate's bisection (a worker process of `--jobs`, or in-process)."""
+    weights, device_path, gate, knobs, target, prompts, seed, threads = job
+    torch.set_num_threads(threads)
+    world = load_default_world(weights)
+    device = DeviceModel.load(device_path)
+    th = calibrate_tau(world, make_verifier(world), "ciar", {**knobs, "gate": gate}, target, prompts, seed,
+                       device_model=device)
+    return gate, th
 
 
 def main(argv=None) -> int:
@@ -42,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="val prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=1, help="gates calibrated in parallel processes")
     p.add_argument("--dry-run", action="store_true", help="print the result, leave the file as it is")
     args = p.parse_args(argv)
     if args.threads:
@@ -57,16 +69,21 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.device):
         p.error(f"device file not found: {args.device}")
 
-    world = load_default_world(args.weights or os.path.dirname(os.path.abspath(args.device)))
-    device = DeviceModel.load(args.device)
-    verifier = make_verifier(world)
+    weights = args.weights or os.path.dirname(os.path.abspath(args.device))
     prompts = val_prompts(args.prompts, args.seed)
     knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy}
     t0 = time.time()
+    jobs = [(weights, args.device, g, knobs, args.target_rate, prompts, args.seed, args.threads) for g in gates]
+    if args.jobs > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            results = list(pool.map(_calibrate_gate, jobs))
+    else:
+        results = [_calibrate_gate(j) for j in jobs]
     taus, rates = {}, {}
-    for g in gates:
-        th = calibrate_tau(world, verifier, "ciar", {**knobs, "gate": g}, args.target_rate, prompts, args.seed,
-                           device_model=device)
+    for g, th in results:
         taus[g], rates[g] = th["tau"], th["calibration_rate"]
         print(f"{g}: tau {th['tau']:.6g} -> cloud-call rate {th['calibration_rate']:.4f} on {len(prompts)} val "
               f"prompts", file=sys.stderr)

@@ -12,9 +12,9 @@ distilled towards (DESIGN.md section 4):
 - **Rows**: every sequence runs as a conditional and an unconditional row through the frozen cloud and the device,
   as at decoding time, so the guided box and the guided distributions are the ones the deployed device sees.
 - **Objective** (`--objective`): `coverage` (ours, `ciar.collab.losses.distill_loss`): KL(guided cloud || guided
-  device) + a light conditional-row KL + the coverage (pinball) loss that trains the guided radius to hold the
-  cloud's log-probabilities; `inter-dro` (the paper): the same KL terms with the paper's Inter-DRO terms on the
-  guided box instead of coverage (labels = the sequence's tokens). `--ablate TERM` switches any term off
+  device) + the coverage loss that trains the guided radius to hold the cloud's log-probabilities of the tokens
+  that carry mass, at a price per unit of width; `inter-dro` (the paper): the same KL with the paper's Inter-DRO
+  terms on the guided box instead of coverage (labels = the sequence's tokens). `--ablate TERM` switches any term off
   (Table 7: `--objective inter-dro --ablate lower` ...).
 
 The device starts from the cloud's first `--n-layer` layers (`DeviceModel.from_cloud`). Every `--eval-every` steps
@@ -223,6 +223,33 @@ def load_sequences(kind: str, split: str, n: int, seed: int, data_dir: str, worl
     return SequenceSet(data.tokens, data, dev, path, vocab)
 
 
+def plot_history(history: list[dict], path: str, title: str = "") -> None:
+    """The card's curves (PNG): guided KL / TV / top-1 agreement, and each gate's AUROC for rejections and for
+    disagreements, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for key, label in (("val_kl_guided", "KL(guided cloud || guided device)"), ("val_tv_guided", "total variation"),
+                       ("top1_agreement", "top-1 agreement")):
+        ax[0].plot(steps, [h[key] for h in history], marker="o", label=label)
+    ax[0].set_xlabel("step")
+    ax[0].legend()
+    for i, which in ((1, "auroc_rejection"), (2, "auroc_disagreement")):
+        for gate in history[-1][which]:
+            ax[i].plot(steps, [h[which][gate] for h in history], marker=".", label=gate)
+        ax[i].set_title(f"{which.replace('_', ' ')} (val, deployed CFG)")
+        ax[i].set_xlabel("step")
+        ax[i].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def eval_only(args, world, dev) -> int:
     """The gate AUROC table of one device file on on-policy sequences (the cloud's own samples, deployed CFG)."""
     model = DeviceModel.load(args.eval_only, device=dev)
@@ -358,6 +385,9 @@ def main(argv=None) -> int:
                "history": history, "train_seconds_last_run": time.time() - t0}
     with open(os.path.join(args.out, f"{args.name}.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
+    if history:
+        plot_history(history, os.path.join(args.out, f"{args.name}.curves.png"), f"{args.name}: {args.objective}, "
+                     f"{args.n_layer} layer(s), {args.steps} steps x {args.batch_size}")
     print(json.dumps(history[-1] if history else {}))
     return 0
 

@@ -105,12 +105,14 @@ def main(argv=None) -> int:
     cloud = world.cloud.eval().requires_grad_(False)
     device_model = DeviceModel.load(os.path.join(args.out, args.device_file), device=dev).requires_grad_(False)
     cfg = cloud.config
-    train = build_split(args.data_dir, "train", args.num_train, args.seed, world.vq, world.text, cfg, dev)
-    val = build_split(args.data_dir, "val", args.num_val, args.seed, world.vq, world.text, cfg, dev)
+    params = world.sampling
+    train = load_sequences(args.data, "train", args.num_train, args.seed, args.data_dir, world, dev,
+                           teacher_cache=False)
+    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev, teacher_cache=False)
 
     pcfg = ProjectorConfig(device_dim=device_model.config.dim, cloud_dim=cfg.dim,
                            feature_dim=interval_feature_dim(args.feature_top), feature_top=args.feature_top,
-                           hidden=args.hidden)
+                           hidden=args.hidden, standardize=True)
     projector = IntervalProjector(pcfg).to(dev).train()
     opt = torch.optim.AdamW(projector.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
 
     def validate(n: int = 128) -> dict:
         projector.eval()
+        n = min(n, val.n)
         gen = torch.Generator().manual_seed(12345)
         with_p, without = [], []
         with torch.no_grad():

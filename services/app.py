@@ -36,6 +36,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.decoder import method_config
+from ciar.collab.defaults import UncalibratedError
 from ciar.collab.protocol import CloudUnreachableError
 from ciar.collab.verifier import CapacityError
 from ciar.text import CaptionTooLongError
@@ -215,6 +216,9 @@ class Ingress:
         if caused_by(CaptionTooLongError):
             counted(422)
             return error_body(422, str(cause), field="prompt")
+        if caused_by(UncalibratedError):
+            counted(422)
+            return error_body(422, str(cause), field="params.tau")
         logger.exception("generation failed: %s", type(e).__name__)
         counted(500)
         self.m_errors.inc(tags={"kind": "internal"})

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ciar.collab.defaults import CIARDefaults
+from ciar.collab.defaults import CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
@@ -131,7 +131,7 @@ class CollabConfig:
                       burst=self.burst if self.burst is not None else d.burst,
                       burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy)
         if gate in GATES and tau is None:
-            raise ValueError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call rate) "
+            raise UncalibratedError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call rate) "
                              f"or write the device's calibrated thresholds with `python -m pipelines.calibrate`")
         return out.validate()
 

@@ -19,6 +19,11 @@ from dataclasses import asdict, dataclass, field
 EXTRA_KEY = "ciar"
 
 
+class UncalibratedError(ValueError):
+    """A gate that scores positions has no threshold: none given, and the device file calibrated none for it
+    (the API answers 422 naming `params.tau`)."""
+
+
 @dataclass(frozen=True)
 class CIARDefaults:
     gate: str = "interval"  # CIAR's gate (ciar.collab.gating.GATES)

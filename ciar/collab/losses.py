@@ -100,8 +100,8 @@ class DistillConfig:
     kl        KL(guided cloud || guided device), the main term: the distribution the device drafts from
     cond_kl   KL(cloud cond row || device cond row), an optional anchor for the conditional row (needs the cloud's
               conditional logits, which the teacher cache does not keep; off by default)
-    coverage  pinball loss of the guided radius against the device's log-probability error (the box should hold the
-              cloud's guided log-probabilities of the tokens that carry mass; width beyond the error is penalised)
+    coverage  `coverage_loss` of the guided box: it should hold the cloud's guided log-probabilities of the tokens
+              that carry mass, at a price per unit of width
     inter_dro the paper's Inter-DRO terms (`inter_dro_loss`) on the guided box, labels = the on-policy tokens
     """
 
@@ -109,16 +109,13 @@ class DistillConfig:
     cond_kl: float = 0.0
     coverage: float = 1.0
     inter_dro: float = 0.0
-    coverage_level: float = 0.8  # alpha: the radius learns the alpha-quantile of |log p_cloud - log p_device|
-    tail_weight: float = 0.05  # share of each row's coverage weight spread uniformly over the vocabulary
+    coverage_width: float = 0.1  # price of the box's log(S_hi / S_lo) (see `coverage_loss`)
     dro: InterDROConfig = InterDROConfig()
 
     def __post_init__(self):
-        for name in DISTILL_TERMS + ("tail_weight",):
+        for name in DISTILL_TERMS + ("coverage_width",):
             if getattr(self, name) < 0:
                 raise ValueError(f"DistillConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.coverage_level < 1.0:
-            raise ValueError(f"DistillConfig.coverage_level must be in (0, 1), got {self.coverage_level}")
 
     def ablate(self, term: str) -> "DistillConfig":
         if term not in DISTILL_TERMS:
@@ -131,32 +128,38 @@ def _kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
 
 
-def coverage_loss(center: torch.Tensor, radius: torch.Tensor, cloud_logp: torch.Tensor, level: float = 0.8,
-                  tail_weight: float = 0.05) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Pinball (quantile) loss that trains the radius to cover the cloud; all inputs [M, V], -> (scalar, parts).
+def coverage_loss(center: torch.Tensor, radius: torch.Tensor, cloud_logp: torch.Tensor, width: float = 0.1
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Coverage of the cloud by the box, with a width penalty; all inputs [M, V] -> (scalar, parts).
 
-    e_i = |log softmax(c)_i - log p_cloud_i| is the device's log-probability error on token i (the center is
-    detached: the box is trained around the center, not the other way round). The pinball loss
-    rho_alpha(e - r) = max(alpha (e - r), (alpha - 1)(e - r)) is minimised by r = the alpha-quantile of e given the
-    device's state, so alpha is the coverage the box aims at and (1 - alpha) (r - e)_+ is its width penalty. If every
-    token's log-probability lies in its box, the cloud's logit vector lies in [c - r, c + r] (logits are defined up to
-    a constant), so p_cloud lies inside InterFuse's bounds. Tokens are weighted by their mass under the cloud and the
-    device ((p + q) / 2) plus `tail_weight` spread uniformly; tokens the cloud gives zero probability (top-k/p
-    truncation) are left out (no finite box covers them).
+    e_i = |log softmax(c)_i - log p_cloud_i| is the device's log-probability error on token i. Per row
+
+        L = sum_i w_i (e_i - r_i)_+  +  width * [logsumexp(c + r) - logsumexp(c - r)],   w_i = (p_i + q_i) / 2
+
+    The first term asks the box to hold the cloud's log-probability of the tokens that carry mass (under either
+    model). The second prices width by what it does to InterFuse's bounds: log(S_hi / S_lo), the log-ratio of the
+    box's largest and smallest partition sums, so widening token i costs ~ width * (its share of S_hi + of S_lo).
+    At the optimum w_i P(e_i > r_i) = width (softmax(c + r)_i + softmax(c - r)_i): a token's coverage rises with
+    its mass, and a token the device over-estimates (the cloud gives it ~0) cannot buy a huge symmetric box that
+    would inflate every other token's bounds (with a per-token price instead, ~40 tokens per row reached the radius
+    clamp and p_lo of a likely draft fell to ~1e-9). Only the radius is trained here (the center is detached). If
+    every token's log-probability lies in its box, the cloud's logit vector lies in [c - r, c + r] (logits are
+    defined up to a constant), so p_cloud lies inside InterFuse's bounds. Tokens the cloud gives zero probability
+    (top-k/p truncation) are left out of the first term.
     """
-    logq = torch.log_softmax(center.detach().float(), dim=-1)
+    c = center.detach().float()
+    logq = torch.log_softmax(c, dim=-1)
     live = torch.isfinite(cloud_logp)
     lp = torch.where(live, cloud_logp.float(), logq)
     err = (logq - lp).abs()
-    diff = err - radius.float()
-    pin = torch.maximum(level * diff, (level - 1.0) * diff)
-    V = center.shape[-1]
-    w = 0.5 * (lp.exp() * live + logq.exp()) * (1.0 - tail_weight) + tail_weight / V
-    w = w * live
-    loss = (w * pin).sum(-1).mean()
-    inside = ((err <= radius.float()) & live).float()
+    r = radius.float()
+    w = 0.5 * (lp.exp() * live + logq.exp()) * live
+    miss = (w * (err - r).clamp(min=0.0)).sum(-1)
+    spread = torch.logsumexp(c + r, dim=-1) - torch.logsumexp(c - r, dim=-1)
+    loss = (miss + width * spread).mean()
+    inside = ((err <= r) & live).float()
     covered_mass = (inside * lp.exp() * live).sum(-1).mean()
-    return loss, {"coverage_of_cloud_mass": covered_mass.detach()}
+    return loss, {"coverage_of_cloud_mass": covered_mass.detach(), "box_log_spread": spread.mean().detach()}
 
 
 def guided_logp(cond_logits: torch.Tensor, uncond_logits: torch.Tensor | None, params) -> torch.Tensor:
@@ -215,8 +218,7 @@ def distill_loss(dev_c: torch.Tensor, dev_r: torch.Tensor, cloud_logp: torch.Ten
         parts["cond_kl"] = _kl(pc, torch.log_softmax(dev_c[0].float(), dim=-1)).mean()
         total = total + config.cond_kl * parts["cond_kl"]
     if config.coverage:
-        parts["coverage"], extra = coverage_loss(c_g, r_g, cloud_logp.float(), config.coverage_level,
-                                                 config.tail_weight)
+        parts["coverage"], extra = coverage_loss(c_g, r_g, cloud_logp.float(), config.coverage_width)
         parts.update(extra)
         total = total + config.coverage * parts["coverage"]
     if config.inter_dro:

@@ -60,11 +60,14 @@ def run_pair(tiny_cloud, tiny_device, stub_text, mode, projector=None, seed=11, 
     return ref, got, flaky, client
 
 
-@pytest.mark.parametrize("mode", ["replace", "evict"])
-def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, median_tau):
+@pytest.mark.parametrize("mode,burst", [("replace", 0), ("evict", 0), ("replace", 3)])
+def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, burst, median_tau):
+    """... also with a cloud burst: the burst tokens are part of the committed history the device re-sends."""
     ref, got, flaky, client = run_pair(tiny_cloud, tiny_device, stub_text, mode, tau=median_tau,
-                                       span=3)
-    assert ref.stats.verifications >= 3 and ref.stats.device_tokens > 0  # the loss happens mid-session
+                                       span=3, burst=burst)
+    assert (ref.stats.burst_tokens > 0) == (burst > 0)
+    assert ref.stats.verifications >= 3  # the loss happens mid-session
+    assert ref.stats.device_tokens > 0 or burst  # (the random tiny device escalates right after each burst)
     assert torch.equal(got.tokens, ref.tokens)
     assert got.stats.resumes == 1 and ref.stats.resumes == 0 and client.resumes == 1
     assert len(flaky.resume_calls) == 1

@@ -135,3 +135,24 @@ def test_device_inter_dro_objective_and_eval_only(tmp_path, shipped_world_copy):
     assert res["split"] == "val" and "lower" in res["auroc_disagreement"]
     with pytest.raises(ValueError, match="unknown term"):
         train_device.distill_config("coverage", ["nope"])
+
+
+def test_projector_trains_on_guided_features_of_a_device(tmp_path, shipped_world_copy):
+    """The projector pipeline on the real cloud and a device file: on-policy sequences, guided features, a file
+    with standardised inputs and both validation figures."""
+    import shutil
+
+    from ciar.collab.projector import IntervalProjector
+    from ciar.world import DEFAULT_WEIGHTS_DIR
+    from pipelines import train_projector
+
+    world = tmp_path / "w"
+    shutil.copytree(shipped_world_copy, world)
+    shutil.copy(f"{DEFAULT_WEIGHTS_DIR}/device.safetensors", world / "device.safetensors")
+    assert train_projector.main(["--out", str(world), "--steps", "1", "--batch-size", "2", "--num-train", "8",
+                                 "--num-val", "4", "--data-dir", str(tmp_path / "data"), "--ckpt-dir",
+                                 str(tmp_path / "ck"), "--threads", "1"]) == 0
+    proj = IntervalProjector.load(str(world / "projector.safetensors"))
+    assert proj.config.standardize
+    m = json.load(open(world / "projector.metrics.json"))
+    assert m["val_ce_with_projector"] > 0 and m["val_ce_without_projector"] > 0
