@@ -1,7 +1,7 @@
 """Large-scale evaluation with Ray Data over MS-COCO-format captions: every method on the same captions and seeds.
 
     python -m pipelines.evaluate --captions DIR/captions.json --methods cloud,ciar,lantern,code,eagle --limit 500 \
-        --out runs/eval [--param tau=1312] [--network 5g] [--seed 0] [--model-config FILE]
+        --out runs/eval [--param tau=T] [--network 5g] [--seed 0] [--model-config FILE]
 
 Captions: the real `captions_val2017.json` layout (`images` + `annotations`; the first caption of each image, in
 image-id order) or a scenes export (`python -m ciar.data.scenes export ...`, whose `labels.json` and `images/`

@@ -98,7 +98,9 @@ def test_ciar_png_deterministic_and_equal_to_in_process(cluster):
 
 def test_json_response_and_every_method(cluster):
     for method in ("cloud", "eagle", "code", "entropy"):
-        r = post({"prompt": PROMPT, "seed": 1, "method": method, "network": "wifi"})
+        # the random world's device carries no calibrated thresholds: the entropy gate gets one per request
+        params = {"tau": 0.5} if method == "entropy" else {}
+        r = post({"prompt": PROMPT, "seed": 1, "method": method, "network": "wifi", "params": params})
         assert r.status_code == 200, r.text
         j = r.json()
         assert base64.b64decode(j["data"][0]["b64_json"])[:8] == b"\x89PNG\r\n\x1a\n"
@@ -262,6 +264,12 @@ def test_overload_answers_503_with_retry_after(cluster):
 
 def replica_actors(kind: str) -> set[str]:
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if kind in a["name"]}
+
+
+def test_uncalibrated_gate_is_a_422_naming_the_threshold(cluster):
+    r = post({"prompt": PROMPT, "seed": 1, "method": "softmax", "network": "wifi"})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "params.tau"
+    assert "pipelines.calibrate" in r.json()["error"]["message"]
 
 
 def test_reconfigure_changes_tau_live(cluster):
