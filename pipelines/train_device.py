@@ -40,7 +40,7 @@ from ciar.collab.device import DeviceConfig, DeviceModel
 from ciar.collab.gating import gate_scores
 from ciar.collab.interval import guided_interval, interval_uncertainty
 from ciar.collab.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterDROConfig, distill_loss, guided_logp,
-                                truncate)
+                                kl_rows, truncate)
 from ciar.decoding.sampling import SamplingParams, logits_to_probs
 from ciar.metrics.ranking import auroc
 from ciar.world import load_default_world
@@ -171,7 +171,7 @@ def evaluate(device_model: DeviceModel, cloud, data: SequenceSet, params: Sampli
         else:
             c, r = guided_interval(dc[0], dr[0], temperature=temp)
         logq = torch.log(q.clamp_min(1e-30))
-        kl += float(torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum())
+        kl += float(kl_rows(p, logq).sum())
         tv += float(0.5 * (p - q).abs().sum())
         dis = q.argmax(-1) != p.argmax(-1)
         agree += float((~dis).sum())

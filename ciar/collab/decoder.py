@@ -300,7 +300,6 @@ class CollabDecoder:
         stats.cloud_s += cloud_s
         return reply
 
-
     def _guided(self, cur):
         """Guided interval (center, radius) [V] of the current position (cond row 0, uncond row 1 with CFG); with
         greedy sampling (temperature 0) the box is taken at temperature 1."""
@@ -309,7 +308,6 @@ class CollabDecoder:
             return guided_interval(cur.center[0], cur.radius[0], cur.center[1], cur.radius[1],
                                    cfg_scale=p.cfg_scale, temperature=p.temperature or 1.0)
         return guided_interval(cur.center[0], cur.radius[0], temperature=p.temperature or 1.0)
-
 
     def _draft_one(self, cur, gen, gate_gen, score_it: bool = True):
         """-> (q [V] float16 draft distribution as sent, drawn token, gate score). The token is drawn from the float16
@@ -327,7 +325,6 @@ class CollabDecoder:
             else:
                 score = self._interval_score(cur, x)
         return q, x, score
-
 
     def _interval_score(self, cur, x: int) -> float:
         cfg, p = self.config, self.sampling
@@ -458,7 +455,7 @@ class _Generation:
         st.drafted += k
         st.accepted += rep.num_accepted
         n = rep.num_accepted
-        burst = rep.burst_tokens.tolist() if getattr(rep, "burst_tokens", None) is not None else []
+        burst = rep.burst_tokens.tolist() if rep.num_burst else []
         new = (span[:n] + [rep.next_token] + burst)[: self.n_total - i]
         st.burst_tokens += max(0, len(new) - n - 1)
         self.tokens.extend(new)

@@ -123,7 +123,7 @@ class DistillConfig:
         return replace(self, **{term: 0.0})
 
 
-def _kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+def kl_rows(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """KL(p || q) per row for p [M, V] (zeros allowed) and log q [M, V] (finite where p > 0) -> [M]."""
     return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
 
@@ -209,13 +209,13 @@ def distill_loss(dev_c: torch.Tensor, dev_r: torch.Tensor, cloud_logp: torch.Ten
     parts: dict[str, torch.Tensor] = {}
     total = c_g.sum() * 0.0
     if config.kl:
-        parts["kl"] = _kl(p, logq).mean()
+        parts["kl"] = kl_rows(p, logq).mean()
         total = total + config.kl * parts["kl"]
     if config.cond_kl:
         if cloud_cond_logits is None:
             raise ValueError("the cond_kl term needs cloud_cond_logits (the cloud's conditional row)")
         pc = torch.softmax(cloud_cond_logits.float(), dim=-1)
-        parts["cond_kl"] = _kl(pc, torch.log_softmax(dev_c[0].float(), dim=-1)).mean()
+        parts["cond_kl"] = kl_rows(pc, torch.log_softmax(dev_c[0].float(), dim=-1)).mean()
         total = total + config.cond_kl * parts["cond_kl"]
     if config.coverage:
         parts["coverage"], extra = coverage_loss(c_g, r_g, cloud_logp.float(), config.coverage_width)

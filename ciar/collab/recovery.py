@@ -124,7 +124,7 @@ class RecoveringClient:
             t.positions.extend(range(len(t.tokens), len(t.tokens) + m))
             t.hidden.append(request.device_hidden.detach().cpu())
             t.features.append(request.features.detach().cpu())
-        burst = reply.burst_tokens.tolist() if getattr(reply, "burst_tokens", None) is not None else []
+        burst = reply.burst_tokens.tolist() if reply.num_burst else []
         t.tokens.extend(request.new_tokens.tolist() + request.draft_tokens[:reply.num_accepted].tolist()
                         + [int(reply.next_token)] + burst)
 
