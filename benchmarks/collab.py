@@ -2,6 +2,7 @@
 
     python -m benchmarks.collab --methods all --num-prompts 200 --network 5g --seed 0 --out runs/collab.json
     python -m benchmarks.collab --captions DIR/captions.json ...        # prompts from a COCO-format export
+    python -m benchmarks.collab --world llamagen.yaml --captions captions_val2017.json ...  # a LlamaGen world
     python -m benchmarks.collab --table 2 ...     # gates (U vs entropy / softmax / random) at CIAR's cloud-call rate
     python -m benchmarks.collab --table 3 ...     # discrete top-k set uncertainty (k = 100..400) vs continuous U
     python -m benchmarks.collab --table 8 ...     # 5G / 4G / WiFi latency breakdown
@@ -55,7 +56,8 @@ from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats
 from ciar.data import scenes
-from ciar.world import load_default_world
+from ciar.world import load_world
+from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 
 
 @dataclass
@@ -72,21 +74,31 @@ def load_prompts(captions: str | None, n: int, seed: int, split: str = "heldout"
         return PromptSet([s.caption for s in sc], sc, refs, f"scenes:{split}:seed={seed}")
     from PIL import Image
 
-    with open(captions) as f:
-        coco = json.load(f)
-    anns = sorted(coco["annotations"], key=lambda a: a["image_id"])[:n]
-    if not anns:
-        raise SystemExit(f"{captions}: no annotations")
+    from ciar.data.coco import CaptionsError, read_coco_captions
+
+    try:
+        anns = read_coco_captions(captions, limit=n)  # the first caption of each image, as pipelines.evaluate
+    except CaptionsError as e:
+        raise SystemExit(f"error: {e}") from None
     root = os.path.dirname(os.path.abspath(captions))
     labels_path = os.path.join(root, "labels.json")
     sc = refs = None
     if os.path.isfile(labels_path):
         labels = json.load(open(labels_path))
         sc = [scenes.Scene.from_labels(labels[str(a["image_id"])]) for a in anns]
-        files = {im["id"]: im["file_name"] for im in coco["images"]}
-        refs = np.stack([np.asarray(Image.open(os.path.join(root, "images", files[a["image_id"]])).convert("RGB"))
+        refs = np.stack([np.asarray(Image.open(os.path.join(root, "images", a["file_name"])).convert("RGB"))
                          for a in anns])
     return PromptSet([a["caption"] for a in anns], sc, refs, captions)
+
+
+def calibration_prompts(spec, captions: str | None, n_eval: int, n: int, seed: int) -> list[str]:
+    """Prompts a threshold may be calibrated on, never the evaluated ones: the scenes val split, or (another world)
+    the captions file's annotations after the first `n_eval`."""
+    if isinstance(spec, ScenesWorldSpec):
+        return [s.caption for s in scenes.batch("val", 10_000, n, seed)[1]]
+    from ciar.data.coco import read_coco_captions
+
+    return [r["caption"] for r in read_coco_captions(captions, limit=n, offset=n_eval)]
 
 
 def run_variants(world, verifier, variants: dict, prompts: list[str], seed: int, desc: str = "generate"):
@@ -221,7 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("--captions", default=None, help="COCO captions.json (default: held-out scenes)")
     p.add_argument("--network", default="5g")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", default=None)
+    add_world_arguments(p)
     p.add_argument("--tau", type=float, default=None,
                    help="CIAR threshold on its gate's scale (default: the device file's calibrated one)")
     p.add_argument("--gate", default=None, help="CIAR's gate (default: the device file's calibrated gate)")
@@ -249,12 +261,16 @@ def main(argv=None) -> int:
     if args.num_prompts <= 0:
         p.error("--num-prompts must be positive")
 
-    world = load_default_world(args.weights)
-    if world.device_model is None:
-        raise SystemExit(f"{world.weights_dir} has no device.safetensors; run `python -m pipelines.train_device`")
+    try:
+        spec = read_world(world_from_args(args), need_device=True, need_text=True)
+    except WorldSpecError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not isinstance(spec, ScenesWorldSpec) and not args.captions:
+        raise SystemExit("error: a LlamaGen world needs --captions (a COCO-format captions file)")
+    world = load_world(spec)
     verifier = make_verifier(world)
     ps = load_prompts(args.captions, args.num_prompts, args.seed)
-    cal = [s.caption for s in scenes.batch("val", 10_000, args.calib_prompts, args.seed)[1]]
+    cal = calibration_prompts(spec, args.captions, args.num_prompts, args.calib_prompts, args.seed)
     common = {"network": args.network, "device_slowdown": args.device_slowdown,
               "cloud_slowdown": args.cloud_slowdown}
     if args.span:
@@ -376,9 +392,11 @@ def main(argv=None) -> int:
     from ciar.metrics.fid import make_fid
     from ciar.metrics.probe import load_probe
 
-    probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors")) if ps.scenes is not None else None
+    scenes_world = isinstance(spec, ScenesWorldSpec)  # the probe and FID features belong to the scenes world
+    probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors")) \
+        if ps.scenes is not None and scenes_world else None
     fid_net = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors")) \
-        if ps.references is not None else None
+        if ps.references is not None and scenes_world else None
     md_extra = ""
     if args.sweep == "cloud-cost" or (args.table == 1 and not args.sweep):
         rows = summarize(results, "cloud", world, ps, probe, fid_net)

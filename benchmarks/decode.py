@@ -1,7 +1,7 @@
 """Cloud-only decoding throughput: our GPT (static KV cache) next to a Hugging Face Llama of the same size.
 
     python -m benchmarks.decode --out decode.json [--batch-sizes 1,16] [--tokens 144] [--repeats 3] \
-        [--threads 1] [--config scenes-cloud] [--device cpu|cuda] [--override dim=64,n_layer=2]
+        [--threads 1] [--config scenes-cloud | --world llamagen.yaml] [--device cpu|cuda] [--override dim=64,n_layer=2]
 
 Both sides do the same work per generation, timed end to end (image tokens per second = batch * tokens / s):
 - ours: `ciar.decoding.generate.generate_cloud` with `cfg_scale=1.0` (B rows): prefill of the `cls_token_num`
@@ -139,7 +139,10 @@ def _timed(fn, device: torch.device) -> float:
 
 # ---------------------------------------------------------------------------------------------- benchmark
 def run_benchmark(config: str = "scenes-cloud", batch_sizes=(1, 16), tokens: int | None = None, repeats: int = 3,
-                  threads: int = 1, device: str = "cpu", overrides: dict | None = None, seed: int = 0) -> dict:
+                  threads: int = 1, device: str = "cpu", overrides: dict | None = None, seed: int = 0,
+                  world: str | dict | None = None) -> dict:
+    """`world` (a world file / dict, `ciar.world_spec`): benchmark that world's cloud GPT (a LlamaGen checkpoint)
+    instead of `config`."""
     import transformers
 
     overrides = overrides or {}
@@ -147,7 +150,13 @@ def run_benchmark(config: str = "scenes-cloud", batch_sizes=(1, 16), tokens: int
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model, weights = load_ours(config, overrides, seed, dev)
+        if world is not None:
+            from ciar.world import load_world_cloud
+
+            model, weights = load_world_cloud(world, dev)
+            config = f"world:{weights}"
+        else:
+            model, weights = load_ours(config, overrides, seed, dev)
         hf = hf_llama_like(model)
         cfg = model.config
         tokens = cfg.block_size if tokens is None else tokens
@@ -212,12 +221,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--config", default="scenes-cloud")
+    ap.add_argument("--world", default=None, help="a world file (ciar.world_spec): benchmark its cloud GPT, e.g. a "
+                                                  "LlamaGen-XL checkpoint (instead of --config)")
     ap.add_argument("--override", default="", help="GPTConfig overrides, e.g. dim=64,n_layer=2,n_head=4")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     result = run_benchmark(args.config, [int(b) for b in args.batch_sizes.split(",")], args.tokens, args.repeats,
-                           args.threads, args.device, _parse_overrides(args.override), args.seed)
+                           args.threads, args.device, _parse_overrides(args.override), args.seed, world=args.world)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,8 +1,9 @@
-"""Generate one image from a caption with the default world (or any weights folder).
+"""Generate one image from a caption with the default world, another weights folder, or a LlamaGen world file
+(`--world`, `ciar.world_spec`: LlamaGen GPT + VQ + a local T5 folder + the device model trained for that GPT).
 
     python -m ciar.generate --prompt "a small red circle at the top on a gray background" --method cloud \
         --seed 0 --out out.png [--stats out.json] [--cfg-scale 3 --temperature 1 --top-k 0 --top-p 1] \
-        [--weights DIR] [--device cpu|cuda] [--threads N]
+        [--world FILE | --weights DIR] [--device cpu|cuda] [--threads N]
 
 Methods: `cloud` (the cloud model samples every token; the reference) and the collaborative methods of
 `ciar.collab.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
@@ -29,6 +30,8 @@ import json
 import os
 import sys
 import time
+
+from ciar.world_spec import add_world_arguments, world_from_args
 
 # the same names as ciar.collab.decoder.METHODS (kept literal so bad arguments fail before importing torch)
 METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--span", type=int, default=None, help="collaborative methods: drafts per verification")
     p.add_argument("--prefix-rate", type=float, default=None, help="collaborative methods: cloud prefix fraction")
     p.add_argument("--network", default=None, help="collaborative methods: 5g | 4g | wifi | none")
-    p.add_argument("--weights", default=None, help="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v2)")
+    add_world_arguments(p)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     return p
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.vq import tensor_to_images
     from ciar.text import CaptionTooLongError
-    from ciar.world import load_default_world
+    from ciar.world import load_world
 
     try:
         SamplingParams(**overrides)  # checks the given fields before anything is loaded
@@ -122,7 +125,8 @@ def run(args: argparse.Namespace) -> dict:
 
     hf_logging.disable_progress_bar()  # keep stderr for our own messages
     try:
-        world = load_default_world(args.weights, device=args.device)
+        world = load_world(world_from_args(args), device=args.device, need_device=args.method != "cloud",
+                           need_text=True)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
     params = dataclasses.replace(world.sampling, **overrides)

@@ -39,6 +39,7 @@ class World:
     sampling: SamplingParams  # the world's default sampling settings
     device_model: "DeviceModel | None" = None  # CIAR device model (device.safetensors), if shipped
     projector: "IntervalProjector | None" = None  # interval-feature projector (projector.safetensors), if shipped
+    cloud_file: str | None = None  # the file the cloud GPT came from (names caches of its samples)
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -81,8 +82,10 @@ def sampling_from_extra(extra: dict, source: str = "cloud.safetensors") -> Sampl
         raise ValueError(f"{source}: bad sampling defaults: {e}") from None
 
 
-def load_default_world(weights_dir: str | None = None, device: str | torch.device = "cpu") -> World:
-    """Load tokenizer, cloud model and text encoder from `weights_dir` (default: `default_weights_dir()`).
+def load_default_world(weights_dir: str | None = None, device: str | torch.device = "cpu",
+                       device_file: str | None = None, projector_file: str | None = None) -> World:
+    """Load tokenizer, cloud model and text encoder from `weights_dir` (default: `default_weights_dir()`), and the
+    device model / projector when present (`device_file` / `projector_file`: another file than the folder's).
 
     Raises FileNotFoundError naming the missing file, or CheckpointMismatchError if a file does not fit its model.
     """
@@ -104,74 +107,138 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
         raise ValueError(f"the text encoder gives {text.dim}-d embeddings but the cloud model expects "
                          f"caption_dim={cloud.config.caption_dim}")
     device_model = projector = None
-    if os.path.isfile(os.path.join(weights_dir, "device.safetensors")):
+    device_file = device_file or os.path.join(weights_dir, "device.safetensors")
+    projector_file = projector_file or os.path.join(weights_dir, "projector.safetensors")
+    if os.path.isfile(device_file):
         from ciar.collab.device import DeviceModel
 
-        device_model = DeviceModel.load(os.path.join(weights_dir, "device.safetensors"), device=device)
-    if os.path.isfile(os.path.join(weights_dir, "projector.safetensors")):
+        device_model = DeviceModel.load(device_file, device=device)
+    if os.path.isfile(projector_file):
         from ciar.collab.projector import IntervalProjector
 
-        projector = IntervalProjector.load(os.path.join(weights_dir, "projector.safetensors"), device=device)
+        projector = IntervalProjector.load(projector_file, device=device)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
-                 sampling=sampling_from_extra(extra), device_model=device_model, projector=projector)
+                 sampling=sampling_from_extra(extra), device_model=device_model, projector=projector,
+                 cloud_file=os.path.join(weights_dir, "cloud.safetensors"))
 
 
-LLAMAGEN_FILE_KEYS = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint")
+def load_world(source=None, device: str | torch.device = "cpu", need_device: bool = False,
+               need_text: bool = False) -> World:
+    """Load the world a description names (`ciar.world_spec.read_world`: a YAML / JSON file, a dict, a parsed spec,
+    or None for the shipped scenes world). `need_device`: refuse a world without a CIAR device model; `need_text`:
+    refuse a LlamaGen world that cannot encode new captions (no `text_encoder`). Every named file is checked first."""
+    from ciar.world_spec import ScenesWorldSpec, read_world
+
+    spec = read_world(source, need_device=need_device, need_text=need_text)
+    if isinstance(spec, ScenesWorldSpec):
+        return load_default_world(spec.weights_dir(), device=device,
+                                  device_file=spec.file("device.safetensors", spec.device_checkpoint),
+                                  projector_file=spec.file("projector.safetensors", spec.projector_checkpoint))
+    return load_llamagen_world(spec, device=device)
 
 
-def load_llamagen_world(files: dict, device: str | torch.device = "cpu") -> World:
-    """The real-model path: a LlamaGen text-to-image GPT and VQ tokenizer from local checkpoint files, plus a CIAR
-    device model (and optionally a projector) trained for that GPT. `files` (e.g. `--model-config` of
-    `pipelines.evaluate`):
+def load_world_cloud(source=None, device: str | torch.device = "cpu") -> tuple[GPT, str]:
+    """Only the cloud GPT of a world (a throughput benchmark needs nothing else) -> (GPT in eval mode, its file)."""
+    from ciar.models.gpt import load_llamagen_gpt
+    from ciar.world_spec import ScenesWorldSpec, read_world
 
-        gpt_checkpoint   LlamaGen t2i checkpoint (.pt / .safetensors), gpt_config "GPT-XL" (registry name),
-                         image_size 256 (or 512), gpt_overrides {...} (config fields, for non-registry sizes)
-        vq_checkpoint    LlamaGen vq_ds16_t2i.pt, vq_config "VQ-16", vq_overrides {...}
-        device_checkpoint   a ciar device model (`DeviceModel.save`) for this GPT (same vocabulary and grid)
-        projector_checkpoint  optional interval-feature projector
-        cfg_scale, temperature, top_k, top_p   sampling (default: LlamaGen's 7.5 / 1.0 / 1000 / 1.0)
+    spec = read_world(source)
+    if isinstance(spec, ScenesWorldSpec):
+        state, config, _ = _read(spec.weights_dir(), "cloud.safetensors", "gpt")
+        cloud = GPT(GPTConfig.from_dict(config))
+        load_strict(cloud, state, what="cloud model (cloud.safetensors)")
+        path = os.path.join(spec.weights_dir(), "cloud.safetensors")
+    else:
+        path = spec.path(spec.gpt_checkpoint)
+        cloud = load_llamagen_gpt(path, spec.gpt_config, image_size=spec.image_size, downsample=spec.downsample,
+                                  **spec.gpt_overrides)
+    return cloud.to(torch.device(device)).eval(), path
 
-    Captions come precomputed (T5): `world.text` is a `PrecomputedCaptions` to fill. Raises FileNotFoundError naming
-    a missing file and CheckpointMismatchError naming mismatched keys."""
+
+def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = True) -> World:
+    """The real-model path: a LlamaGen text-to-image GPT and VQ tokenizer from local checkpoint files, a runtime T5
+    caption encoder (`text_encoder`, `ciar.t5.T5CaptionEncoder`) or precomputed T5 features (`t5_embeddings`:
+    `world.text` is then a `PrecomputedCaptions` to fill), and the CIAR device model (and projector) trained for that
+    GPT. `spec`: a `LlamaGenWorldSpec`, or its dict (the evaluation's flat `--model-config` too). Raises
+    WorldSpecError naming a missing file or a mismatch (vocabulary, grid, caption width), CheckpointMismatchError
+    naming mismatched keys. `text=False` skips the caption encoder (a trainer that reads cached captions)."""
     from ciar.models.gpt import load_llamagen_gpt
     from ciar.models.vq import load_llamagen_vq
     from ciar.text import PrecomputedCaptions
+    from ciar.world_spec import LlamaGenWorldSpec, WorldSpecError, read_world
 
-    for key in LLAMAGEN_FILE_KEYS:
-        if key in files and not os.path.isfile(files[key]):
-            raise FileNotFoundError(f"{key}: file not found: {files[key]}")
-    for key in ("gpt_checkpoint", "vq_checkpoint"):
-        if key not in files:
-            raise ValueError(f"the LlamaGen world needs {key}")
+    if not isinstance(spec, LlamaGenWorldSpec):
+        spec = read_world({"kind": "llamagen", **spec} if isinstance(spec, dict) and "kind" not in spec else spec)
+        if not isinstance(spec, LlamaGenWorldSpec):
+            raise WorldSpecError(f"expected a LlamaGen world, got {spec.describe()}")
     device = torch.device(device)
-    image_size = int(files.get("image_size", 256))
-    cloud = load_llamagen_gpt(files["gpt_checkpoint"], files.get("gpt_config", "GPT-XL"), image_size=image_size,
-                              **files.get("gpt_overrides", {}))
-    vq = load_llamagen_vq(files["vq_checkpoint"], files.get("vq_config", "VQ-16"),
-                          **{"image_size": image_size, **files.get("vq_overrides", {})})
-    if vq.config.codebook_size != cloud.config.vocab_size:
-        raise ValueError(f"the tokenizer has {vq.config.codebook_size} codes but the GPT predicts "
-                         f"{cloud.config.vocab_size}")
+    cloud = load_llamagen_gpt(spec.path(spec.gpt_checkpoint), spec.gpt_config, image_size=spec.image_size,
+                              downsample=spec.downsample, **spec.gpt_overrides)
+    vq = _llamagen_vq(spec, cloud.config)
     device_model = projector = None
-    if files.get("device_checkpoint"):
-        from ciar.collab.device import DeviceModel
-
-        device_model = DeviceModel.load(files["device_checkpoint"], device=device)
-        dc, cc = device_model.config, cloud.config
-        if (dc.vocab_size, dc.block_size, dc.cls_token_num) != (cc.vocab_size, cc.block_size, cc.cls_token_num):
-            raise ValueError(f"{files['device_checkpoint']}: the device model (vocab {dc.vocab_size}, "
-                             f"{dc.block_size} tokens, {dc.cls_token_num} caption positions) does not fit the GPT "
-                             f"(vocab {cc.vocab_size}, {cc.block_size} tokens, {cc.cls_token_num} caption positions)")
-    if files.get("projector_checkpoint"):
+    if spec.device_checkpoint:
+        device_model = _llamagen_device(spec, cloud.config, device)
+    if spec.projector_checkpoint:
         from ciar.collab.projector import IntervalProjector
 
-        projector = IntervalProjector.load(files["projector_checkpoint"], device=device)
-    given = {k: files[k] for k in ("cfg_scale", "temperature", "top_k", "top_p") if k in files}
-    sampling = replace(LLAMAGEN_T2I_DEFAULTS, **given)  # validated on construction
-    text = PrecomputedCaptions(cloud.config.cls_token_num, cloud.config.caption_dim)
-    return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text,
-                 weights_dir=os.path.dirname(os.path.abspath(files["gpt_checkpoint"])), sampling=sampling,
-                 device_model=device_model, projector=projector)
+        projector = IntervalProjector.load(spec.path(spec.projector_checkpoint), device=device)
+    caption_dim, positions = cloud.config.caption_dim, cloud.config.cls_token_num
+    if text and spec.text_encoder:
+        from ciar.t5 import T5CaptionEncoder
+
+        enc = T5CaptionEncoder(spec.path(spec.text_encoder), max_length=spec.text_max_length or positions,
+                               device=device, dtype=spec.text_dtype)
+        if enc.dim != caption_dim:
+            raise WorldSpecError(f"text_encoder: {spec.text_encoder} gives {enc.dim}-d caption embeddings but the "
+                                 f"GPT's caption projector takes caption_dim={caption_dim}")
+        if enc.max_length > positions:
+            raise WorldSpecError(f"text_max_length: {enc.max_length} tokens > the GPT's {positions} caption positions")
+    else:
+        enc = PrecomputedCaptions(positions, caption_dim)
+    return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=enc,
+                 weights_dir=os.path.dirname(spec.path(spec.gpt_checkpoint)), sampling=llamagen_sampling(spec),
+                 device_model=device_model, projector=projector, cloud_file=spec.path(spec.gpt_checkpoint))
+
+
+def llamagen_sampling(spec) -> SamplingParams:
+    """LlamaGen's t2i defaults (7.5 / 1.0 / 1000 / 1.0) with the world file's `sampling` on top (validated)."""
+    from ciar.world_spec import WorldSpecError
+
+    try:
+        return replace(LLAMAGEN_T2I_DEFAULTS, **spec.sampling.given())
+    except ValueError as e:
+        raise WorldSpecError(f"sampling: {e}") from None
+
+
+def _llamagen_vq(spec, gpt_cfg: GPTConfig) -> VQModel:
+    from ciar.models.vq import load_llamagen_vq
+    from ciar.world_spec import WorldSpecError
+
+    vq = load_llamagen_vq(spec.path(spec.vq_checkpoint), spec.vq_config,
+                          **{"image_size": spec.image_size, **spec.vq_overrides})
+    if vq.config.codebook_size != gpt_cfg.vocab_size:
+        raise WorldSpecError(f"vq_checkpoint: the tokenizer has {vq.config.codebook_size} codes but the GPT predicts "
+                             f"{gpt_cfg.vocab_size}")
+    grid = vq.config.image_size // vq.config.downsample
+    if grid * grid != gpt_cfg.block_size:
+        raise WorldSpecError(f"vq_checkpoint: the tokenizer's {grid}x{grid} grid at {vq.config.image_size}px does not "
+                             f"fit the GPT's {gpt_cfg.block_size} image tokens (image_size / downsample)")
+    return vq
+
+
+def _llamagen_device(spec, gpt_cfg: GPTConfig, device) -> "DeviceModel":
+    from ciar.collab.device import DeviceModel
+    from ciar.world_spec import WorldSpecError
+
+    dm = DeviceModel.load(spec.path(spec.device_checkpoint), device=device)
+    dc = dm.config
+    if (dc.vocab_size, dc.block_size, dc.cls_token_num, dc.caption_dim) != \
+            (gpt_cfg.vocab_size, gpt_cfg.block_size, gpt_cfg.cls_token_num, gpt_cfg.caption_dim):
+        raise WorldSpecError(
+            f"device_checkpoint: {spec.device_checkpoint}: the device model (vocab {dc.vocab_size}, {dc.block_size} "
+            f"tokens, {dc.cls_token_num} x {dc.caption_dim} caption) does not fit the GPT (vocab {gpt_cfg.vocab_size}, "
+            f"{gpt_cfg.block_size} tokens, {gpt_cfg.cls_token_num} x {gpt_cfg.caption_dim} caption)")
+    return dm
 
 
 @dataclass
@@ -186,22 +253,27 @@ class DeviceSide:
     weights_dir: str
 
 
-def load_device_side(weights_dir: str | None = None, device: str | torch.device = "cpu") -> DeviceSide:
-    """Load only the device half of a world (a simulated phone in the Serve cluster)."""
+def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSide:
+    """Load only the device half of a world (a simulated phone in the Serve cluster): the device model, the VQ
+    decoder and the sampling defaults. `world`: anything `ciar.world_spec.read_world` takes (a weights folder too)."""
     from ciar.collab.device import DeviceModel
     from ciar.models.checkpoint import read_model_metadata
+    from ciar.world_spec import ScenesWorldSpec, read_world
 
-    weights_dir = os.path.abspath(weights_dir) if weights_dir else default_weights_dir()
-    path = os.path.join(weights_dir, "device.safetensors")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"missing weight file device.safetensors in {weights_dir} (train one with "
-                                f"`python -m pipelines.train_device`)")
-    state, config, _ = _read(weights_dir, "tokenizer.safetensors", "vq")
-    vq = VQModel(VQConfig.from_dict(config))
-    load_strict(vq, state, ignore_prefixes=VQ_IGNORED_KEY_PREFIXES, what="tokenizer (tokenizer.safetensors)")
+    spec = read_world(world, need_device=True)
     device = torch.device(device)
-    device_model = DeviceModel.load(path, device=device)
-    _, _, extra = read_model_metadata(os.path.join(weights_dir, "cloud.safetensors"))
-    return DeviceSide(vq=vq.to(device).eval(), device_model=device_model, sampling=sampling_from_extra(extra),
+    if isinstance(spec, ScenesWorldSpec):
+        weights_dir = spec.weights_dir()
+        state, config, _ = _read(weights_dir, "tokenizer.safetensors", "vq")
+        vq = VQModel(VQConfig.from_dict(config))
+        load_strict(vq, state, ignore_prefixes=VQ_IGNORED_KEY_PREFIXES, what="tokenizer (tokenizer.safetensors)")
+        device_model = DeviceModel.load(spec.file("device.safetensors", spec.device_checkpoint), device=device)
+        _, _, extra = read_model_metadata(os.path.join(weights_dir, "cloud.safetensors"))
+        sampling = sampling_from_extra(extra)
+    else:
+        gpt_cfg = spec.gpt_cfg()
+        vq = _llamagen_vq(spec, gpt_cfg)
+        device_model = _llamagen_device(spec, gpt_cfg, device)
+        sampling, weights_dir = llamagen_sampling(spec), os.path.dirname(spec.path(spec.device_checkpoint))
+    return DeviceSide(vq=vq.to(device).eval(), device_model=device_model, sampling=sampling,
                       num_tokens=device_model.config.block_size, weights_dir=weights_dir)
-

@@ -1,6 +1,7 @@
 """Calibrate a device model's CIAR defaults on val prompts and write them into its file (like set_sampling).
 
     python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --target-rate 0.3
+    python -m pipelines.calibrate --world llamagen.yaml --captions val_captions.json --gate lower --burst 4
 
 For every gate (`--gates`, default: all; `--jobs N` runs N gates at once) the threshold tau that gives `--target-rate`
 cloud calls on `--prompts` **val** prompts is found by bisection over real generations
@@ -8,6 +9,8 @@ cloud calls on `--prompts` **val** prompts is found by bisection over real gener
 metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, target_rate, calibration}
 (`ciar.collab.defaults.CIARDefaults`), tensors bit for bit, written atomically. Every entry point (the CLI,
 `benchmarks.collab`, `pipelines.evaluate`, the Serve device fleet with `tau: null`) uses it unless told otherwise.
+A LlamaGen world (`--world`, `ciar.world_spec`) calibrates its `device_checkpoint` on `--captions` (a COCO-format
+file of val captions, the first `--prompts` annotations by image id).
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES
 from ciar.collab.runtime import make_verifier
 from ciar.models.checkpoint import update_extra
-from ciar.world import load_default_world
+from ciar.world import load_world
+from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 
 DEFAULT_GATES = GATES
 
 
 def _calibrate_gate(job: tuple) -> tuple[str, dict]:
     """One gate's bisection (a worker process of `--jobs`, or in-process)."""
-    weights, device_path, gate, knobs, target, prompts, seed, threads = job
+    world_src, device_path, gate, knobs, target, prompts, seed, threads = job
     torch.set_num_threads(threads)
-    world = load_default_world(weights)
+    world = load_world(world_src)
     device = DeviceModel.load(device_path)
     th = calibrate_tau(world, make_verifier(world), "ciar", {**knobs, "gate": gate}, target, prompts, seed,
                        device_model=device)
@@ -43,8 +47,12 @@ def _calibrate_gate(job: tuple) -> tuple[str, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.calibrate", description=__doc__.split("\n")[0])
-    p.add_argument("device", help="device model file to calibrate (its folder is the world unless --weights)")
-    p.add_argument("--weights", default=None, help="world folder (default: the device file's folder)")
+    p.add_argument("device", nargs="?", default=None,
+                   help="device model file to calibrate (default: the world's; its folder is the scenes world unless "
+                        "--weights / --world)")
+    add_world_arguments(p)
+    p.add_argument("--captions", default=None, help="COCO-format val captions (needed by a LlamaGen world; default "
+                                                    "for the scenes world: its val split)")
     p.add_argument("--gate", default="lower", choices=GATES, help="CIAR's own gate (default: lower)")
     p.add_argument("--gates", default=",".join(DEFAULT_GATES), help="gates to calibrate (comma list)")
     p.add_argument("--target-rate", type=float, default=0.3)
@@ -66,11 +74,29 @@ def main(argv=None) -> int:
         gates.insert(0, args.gate)
     if not 0.0 < args.target_rate < 1.0:
         p.error("--target-rate must be in (0, 1)")
-    if not os.path.isfile(args.device):
+    if args.device is not None and not os.path.isfile(args.device):
         p.error(f"device file not found: {args.device}")
+    source = world_from_args(args)
+    if source is None and args.device is not None:
+        source = os.path.dirname(os.path.abspath(args.device))  # the device file's folder is its scenes world
+    try:
+        spec = read_world(source, need_device=args.device is None, need_text=True)
+    except WorldSpecError as e:
+        p.error(str(e))
+    if args.device is None:
+        args.device = spec.file("device.safetensors", spec.device_checkpoint) if isinstance(spec, ScenesWorldSpec) \
+            else spec.path(spec.device_checkpoint)
+    if args.captions:
+        from ciar.data.coco import read_coco_captions
 
-    weights = args.weights or os.path.dirname(os.path.abspath(args.device))
-    prompts = val_prompts(args.prompts, args.seed)
+        prompts = [r["caption"] for r in read_coco_captions(args.captions, limit=args.prompts)]
+        where = f"{args.captions}[:{len(prompts)}]"
+    elif isinstance(spec, ScenesWorldSpec):
+        prompts = val_prompts(args.prompts, args.seed)
+        where = f"scenes:val[10000:{10000 + len(prompts)}]:seed={args.seed}"
+    else:
+        p.error("a LlamaGen world calibrates on --captions (a COCO-format file of val captions)")
+    weights = source
     knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy}
     t0 = time.time()
     jobs = [(weights, args.device, g, knobs, args.target_rate, prompts, args.seed, args.threads) for g in gates]
@@ -89,7 +115,7 @@ def main(argv=None) -> int:
               f"prompts", file=sys.stderr)
     defaults = CIARDefaults(gate=args.gate, taus=taus, burst=args.burst, burst_entropy=args.burst_entropy,
                             target_rate=args.target_rate, calibration={
-                                "prompts": f"scenes:val[10000:{10000 + len(prompts)}]:seed={args.seed}",
+                                "prompts": where,
                                 "measured_rates": rates, "seconds": round(time.time() - t0, 1),
                                 "command": "python -m pipelines.calibrate " + " ".join(argv or sys.argv[1:])})
     if args.dry_run:

@@ -1,7 +1,7 @@
 """Large-scale evaluation with Ray Data over MS-COCO-format captions: every method on the same captions and seeds.
 
     python -m pipelines.evaluate --captions DIR/captions.json --methods cloud,ciar,lantern,code,eagle --limit 500 \
-        --out runs/eval [--param tau=T] [--network 5g] [--seed 0] [--model-config FILE]
+        --out runs/eval [--param tau=T] [--network 5g] [--seed 0] [--world FILE]
 
 Captions: the real `captions_val2017.json` layout (`images` + `annotations`; the first caption of each image, in
 image-id order) or a scenes export (`python -m ciar.data.scenes export ...`, whose `labels.json` and `images/`
@@ -24,8 +24,9 @@ Aggregation (driver): OUT/summary.json `{"methods": {NAME: {...}}}` with the fie
 latency split, bytes) and OUT/report.md with PNG plots: quality-vs-speedup frontier, latency split per method,
 an image grid (same captions across methods), and the wall time of each stage.
 
-Real-model path (`--model-config FILE`, see `read_model_config`): a LlamaGen t2i GPT and VQ tokenizer from local
-checkpoints (`ciar.world.load_llamagen_world`), a CIAR device model trained for that GPT, caption embeddings from
+Real-model path (`--world FILE`, a LlamaGen world of `ciar.world_spec`; the older flat `--model-config` JSON is
+read the same way): a LlamaGen t2i GPT and VQ tokenizer from local checkpoints (`ciar.world.load_llamagen_world`),
+a CIAR device model trained for that GPT, captions encoded by the world's T5 folder (`text_encoder`) or read from
 LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID Inception-v3
 (`ciar.metrics.inception`) from a local weights file against `reference_images`, and the CLIP score from a local
 CLIP folder; a missing file is named before anything starts.
@@ -44,47 +45,19 @@ import time
 
 import numpy as np
 
+from ciar.data.coco import CaptionsError, read_coco_captions  # noqa: F401 - CaptionsError: main's error type
+
 STATS_FIELDS = ("total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "drafted", "accepted",
                 "verifications", "cloud_requests", "cloud_forward_passes", "device_forward_passes", "bytes_up",
                 "bytes_down", "device_s", "cloud_s", "comm_s", "images", "resumes")
 
 
 # ---------------------------------------------------------------------------------------------- captions
-class CaptionsError(ValueError):
-    pass
-
-
 def read_captions(path: str, limit: int | None, seed: int) -> tuple[list[dict], dict]:
-    """COCO captions JSON -> rows {index, image_id, caption, seed, file_name} (+ info on references)."""
-    if not os.path.isfile(path):
-        raise CaptionsError(f"captions file not found: {path}")
-    try:
-        with open(path) as f:
-            coco = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CaptionsError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(coco, dict) or not isinstance(coco.get("annotations"), list) \
-            or not isinstance(coco.get("images"), list):
-        raise CaptionsError(f"{path}: expected the MS-COCO captions layout, an object with 'images' and "
-                            f"'annotations' lists")
-    files = {}
-    for im in coco["images"]:
-        if not isinstance(im, dict) or "id" not in im:
-            raise CaptionsError(f"{path}: every entry of 'images' needs an 'id'")
-        files[im["id"]] = im.get("file_name")
-    first: dict = {}
-    for k, a in enumerate(coco["annotations"]):
-        if not isinstance(a, dict) or "image_id" not in a or not isinstance(a.get("caption"), str):
-            raise CaptionsError(f"{path}: annotation {k} needs 'image_id' and a string 'caption'")
-        if a["image_id"] not in files:
-            raise CaptionsError(f"{path}: annotation {k} names image_id {a['image_id']!r}, which is not in 'images'")
-        if a["image_id"] not in first and a["caption"].strip():
-            first[a["image_id"]] = a["caption"].strip()
-    ids = sorted(first)[: limit if limit else None]
-    if not ids:
-        raise CaptionsError(f"{path}: no captions")
-    rows = [{"index": i, "image_id": int(iid), "caption": first[iid], "seed": seed * 1_000_003 + i,
-             "file_name": files[iid] or ""} for i, iid in enumerate(ids)]
+    """COCO captions JSON (`ciar.data.coco`: the first caption of each image, by image id) -> rows {index, image_id,
+    caption, seed, file_name} (+ info on references)."""
+    rows = [{"index": i, **r, "seed": seed * 1_000_003 + i}
+            for i, r in enumerate(read_coco_captions(path, limit=limit))]
     root = os.path.dirname(os.path.abspath(path))
     labels_path = os.path.join(root, "labels.json")
     info = {"root": root, "labels": None}
@@ -95,49 +68,35 @@ def read_captions(path: str, limit: int | None, seed: int) -> tuple[list[dict], 
 
 
 # ---------------------------------------------------------------------------------------------- model config
-MODEL_CONFIG_FILES = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint", "t5_embeddings",
-                      "inception_weights", "clip_model", "reference_images")
-MODEL_CONFIG_SETTINGS = ("gpt_config", "gpt_overrides", "image_size", "vq_config", "vq_overrides", "cfg_scale",
-                         "temperature", "top_k", "top_p")
+# the path-valued fields of a world file (relative to the file; absolute in `read_model_config`'s answer)
+MODEL_CONFIG_FILES = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint",
+                      "inception_weights", "text_encoder", "t5_embeddings", "clip_model", "reference_images")
 
 
 def read_model_config(path: str | None, methods: list[str] | None = None) -> dict:
-    """The real-model path: a JSON file naming local files (nothing is downloaded). Keys:
-    gpt_checkpoint (LlamaGen t2i .pt), gpt_config (e.g. "GPT-XL"), image_size (256 / 512), vq_checkpoint
-    (vq_ds16_t2i.pt), device_checkpoint (a ciar device model trained for that GPT; needed by every method but
-    cloud), projector_checkpoint (optional), t5_embeddings (folder of IMAGE_ID.npy caption embeddings [L, 2048]
-    or [1, L, 2048] from LlamaGen's T5 script), inception_weights (pt_inception-2015-12-05-6726825d.pth or
-    torch-fidelity's copy: FID, checked key by key here), clip_model (a local transformers CLIP folder: CLIP
-    score), reference_images (folder of the captions' images, by file_name: FID references); sampling:
-    cfg_scale, temperature, top_k, top_p (LlamaGen's defaults 7.5 / 1.0 / 1000 / 1.0); gpt_overrides / vq_config /
-    vq_overrides for non-registry sizes. Relative paths are taken relative to the config file. Raises
-    FileNotFoundError naming the first missing file, ValueError for anything else wrong."""
+    """The evaluation's world (`ciar.world_spec`): a world file (YAML / JSON), or the older flat `--model-config`
+    JSON (read as a LlamaGen world). -> {} for a scenes world (its weights come from --weights), else the LlamaGen
+    world as a dict with absolute paths: gpt_checkpoint, vq_checkpoint, device_checkpoint (needed by every method
+    but cloud), captions from `text_encoder` (runtime T5) or `t5_embeddings` (IMAGE_ID.npy features from LlamaGen's
+    script), and the metric files inception_weights (pt_inception-2015-12-05-6726825d.pth or torch-fidelity's
+    copy: FID, checked key by key here), clip_model (a local CLIP folder) and reference_images (the captions'
+    images by file_name). Raises FileNotFoundError / ValueError naming the field."""
+    from ciar.world_spec import LlamaGenWorldSpec, WorldSpecError, read_world, spec_dict
+
     if not path:
         return {}
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--model-config file not found: {path}")
+        raise FileNotFoundError(f"world file not found: {path}")
+    need_device = any(m != "cloud" for m in methods or ["ciar"])
     try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    unknown = sorted(set(cfg) - set(MODEL_CONFIG_FILES) - set(MODEL_CONFIG_SETTINGS))
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(MODEL_CONFIG_FILES + MODEL_CONFIG_SETTINGS)}")
-    base = os.path.dirname(os.path.abspath(path))
-    for key in MODEL_CONFIG_FILES:
-        if key in cfg:
-            cfg[key] = os.path.join(base, cfg[key])
-            if not os.path.exists(cfg[key]):
-                raise FileNotFoundError(f"{path}: {key} = {cfg[key]!r} does not exist")
-    needed = ["gpt_checkpoint", "vq_checkpoint", "t5_embeddings"]
-    if any(m != "cloud" for m in methods or ["ciar"]):
-        needed.append("device_checkpoint")
-    missing = [k for k in needed if k not in cfg]
-    if missing:
-        raise ValueError(f"{path}: the real-model path needs {missing}")
+        spec = read_world(path, need_device=need_device)
+    except WorldSpecError as e:
+        raise (FileNotFoundError if "not found" in str(e) else ValueError)(str(e)) from None
+    if not isinstance(spec, LlamaGenWorldSpec):
+        return {}
+    if not (spec.t5_embeddings or spec.text_encoder):
+        raise ValueError(f"{path}: the captions need text_encoder (a local T5 folder) or t5_embeddings")
+    cfg = spec_dict(spec)
     if "inception_weights" in cfg:  # a wrong file fails now, naming its keys, not after generation
         from ciar.metrics.inception import FIDInceptionV3, read_inception_state
         from ciar.models.checkpoint import load_strict
@@ -152,10 +111,9 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
 def caption_length(model_config: dict, weights_dir: str | None) -> int:
     """Caption positions of the cloud model (the padded length stage 1 produces)."""
     if model_config:
-        from ciar.models.gpt import gpt_config
+        from ciar.world_spec import read_world
 
-        name = model_config.get("gpt_config", "GPT-XL")
-        return gpt_config(name, **model_config.get("gpt_overrides", {})).cls_token_num
+        return read_world(model_config, check=False).gpt_cfg().cls_token_num
     from ciar.models.checkpoint import read_model_metadata
     from ciar.world import default_weights_dir
 
@@ -179,7 +137,12 @@ class EncodeCaptions:
         device = _threads()
         self.t5 = model_config.get("t5_embeddings")
         self.length = caption_length(model_config, weights_dir)
-        if not self.t5:
+        if not self.t5 and model_config.get("text_encoder"):  # runtime T5 (flan-t5-xl) on the stage's GPU when there is one
+            from ciar.t5 import T5CaptionEncoder
+
+            self.text = T5CaptionEncoder(model_config["text_encoder"], max_length=self.length, device=device,
+                                         dtype=model_config.get("text_dtype", "float32"))
+        elif not self.t5:
             from ciar.text import TextEncoder
 
             self.text = TextEncoder(max_length=self.length, device=device)
@@ -214,7 +177,8 @@ class Generate:
         from ciar.world import load_llamagen_world
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.world = load_llamagen_world(model_config, device=device) if model_config else \
+        # captions arrive as stage 1's embeddings: no caption encoder here (text=False)
+        self.world = load_llamagen_world(model_config, device=device, text=False) if model_config else \
             load_default_world(weights_dir, device=device)
         self.verifier = make_verifier(self.world, max_sessions=2)
         c = self.world.cloud.config
@@ -514,7 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="cloud,ciar", help="comma list of ciar.collab methods")
     ap.add_argument("--limit", type=int, default=None, help="first N captions (by image id)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model-config", default=None, help="JSON naming local files for the real-model path")
+    ap.add_argument("--world", default=None, help="world file (ciar.world_spec): a LlamaGen world with its T5 folder "
+                                                  "or features and metric files (default: the shipped scenes world)")
+    ap.add_argument("--model-config", default=None, help="the older flat JSON of the real-model path (read as a "
+                                                         "LlamaGen world; use --world)")
     ap.add_argument("--param", action="append", default=[], help="CollabConfig override key=value (repeatable)")
     ap.add_argument("--network", default="5g")
     ap.add_argument("--seed", type=int, default=0)
@@ -535,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             method_config(m, network=args.network, **shared_knobs(m, overrides))
         rows, info = read_captions(args.captions, args.limit, args.seed)
-        model_config = read_model_config(args.model_config, methods)
-        if model_config:
+        model_config = read_model_config(args.world or args.model_config, methods)
+        if model_config.get("t5_embeddings"):
             missing = [r["image_id"] for r in rows
                        if not os.path.isfile(os.path.join(model_config["t5_embeddings"], f"{r['image_id']}.npy"))]
             if missing:

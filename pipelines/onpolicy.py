@@ -1,6 +1,8 @@
 """On-policy token sequences: images the frozen cloud samples itself, with the world's sampling settings, on disk.
 
     python -m pipelines.onpolicy --split train --n 12000 --seed 3 --data-dir data_cache/scenes-v2-s3
+    python -m pipelines.onpolicy --world llamagen.yaml --captions captions_train2017.json --split train --n 20000 \
+        --data-dir data_cache/llamagen-xl       # a LlamaGen world: COCO captions encoded by its T5 (resumable)
 
 The device drafts from the *guided* cloud distribution, so it is distilled on the prefixes the cloud actually
 produces under CFG (DESIGN.md section 4), not on VQ codes of rendered images. This stage samples one image per
@@ -32,8 +34,15 @@ from ciar.models.gpt import GPT
 CHUNK = 32  # captions per generation batch (fastest per image on 2 CPU cores: 4.7 img/s vs 3.1 at 64, 1 thread)
 
 
+DIGEST_LIMIT = 256 << 20  # larger files (a LlamaGen-XL checkpoint) are named by path, size and mtime, not bytes
+
+
 def file_digest(path: str, n: int = 12) -> str:
     h = hashlib.sha256()
+    st = os.stat(path)
+    if st.st_size > DIGEST_LIMIT:
+        h.update(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+        return h.hexdigest()[:n]
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
@@ -100,19 +109,42 @@ def build_onpolicy(root: str, split: str, captions, cloud: GPT, params: Sampling
     return out
 
 
-def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev):
-    """The caption arrays of one scenes split (the "text" stage of `pipelines.train_cloud.build_split`)."""
-    from pipelines.train_cloud import build_split
+def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, captions: str | None = None):
+    """The caption arrays of one split: the scenes split (the "text" stage of `pipelines.train_cloud.build_split`),
+    or with `captions` (a COCO-format file) its first `n` images' captions encoded by the world's caption encoder
+    (a LlamaGen world's T5), resumable in chunks."""
+    from pipelines.train_cloud import TokenisedScenes, build_split
 
-    return build_split(data_dir, split, n, seed, None, world.text, world.cloud.config, dev)
+    if captions is None:
+        return build_split(data_dir, split, n, seed, None, world.text, world.cloud.config, dev)
+    from ciar.data.coco import read_coco_captions
+
+    texts = [r["caption"] for r in read_coco_captions(captions, limit=n)]
+    if len(texts) < n:
+        raise ValueError(f"{captions}: {len(texts)} captions, {n} asked for the {split} split")
+    cfg = world.cloud.config
+    data = TokenisedScenes(data_dir, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+")
+    start, chunk = data.progress("text"), 64
+    bar = tqdm(total=n, initial=start, desc=f"captions {split}", dynamic_ncols=True, disable=start >= n)
+    for s in range(start, n, chunk):
+        cap = world.text.encode(texts[s:s + chunk])
+        data.emb[s:s + len(cap)] = cap.emb.cpu().numpy().astype(np.float16)
+        data.mask[s:s + len(cap)] = cap.mask.cpu().numpy()
+        data.mark("text", s + len(cap))
+        bar.update(len(cap))
+    bar.close()
+    return data
 
 
 def main(argv=None) -> int:
-    from ciar.world import load_default_world
+    from ciar.world import load_world
+    from ciar.world_spec import ScenesWorldSpec, add_world_arguments, read_world, world_from_args
     from pipelines.common import pick_device
 
     p = argparse.ArgumentParser(prog="python -m pipelines.onpolicy", description=__doc__.split("\n")[0])
-    p.add_argument("--weights", default=None, help="world folder (default: the shipped one or $CIAR_WEIGHTS)")
+    add_world_arguments(p)
+    p.add_argument("--captions", default=None, help="COCO-format captions of this split (a LlamaGen world; default: "
+                                                    "the scenes split)")
     p.add_argument("--split", default="train", choices=["train", "val", "heldout"])
     p.add_argument("--n", type=int, default=12000)
     p.add_argument("--seed", type=int, default=3, help="scene data seed and generation seed")
@@ -123,9 +155,12 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = pick_device(args.device)
-    world = load_default_world(args.weights, device=dev)
-    caps = load_captions(args.data_dir, args.split, args.n, args.seed, world, dev)
-    tag = onpolicy_tag(os.path.join(world.weights_dir, "cloud.safetensors"), world.sampling)
+    spec = read_world(world_from_args(args), need_text=True)
+    if args.captions is None and not isinstance(spec, ScenesWorldSpec):
+        p.error("a LlamaGen world samples on --captions (a COCO-format captions file)")
+    world = load_world(spec, device=dev)
+    caps = load_captions(args.data_dir, args.split, args.n, args.seed, world, dev, args.captions)
+    tag = onpolicy_tag(world.cloud_file, world.sampling)
     out = build_onpolicy(os.path.join(args.data_dir, "onpolicy"), args.split, caps, world.cloud, world.sampling,
                          args.seed, tag)
     print(f"{out.path}: {out.done} sequences")

@@ -27,6 +27,7 @@ the positions where the device disagrees with the cloud and where the exact rule
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -43,7 +44,8 @@ from ciar.collab.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterD
                                 kl_rows, truncate)
 from ciar.decoding.sampling import SamplingParams, logits_to_probs
 from ciar.metrics.ranking import auroc
-from ciar.world import load_default_world
+from ciar.world import load_world
+from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
 from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
 
@@ -207,15 +209,18 @@ def evaluate(device_model: DeviceModel, cloud, data: SequenceSet, params: Sampli
 
 
 def load_sequences(kind: str, split: str, n: int, seed: int, data_dir: str, world, dev,
-                   teacher_cache: bool = True) -> SequenceSet:
+                   teacher_cache: bool = True, captions: str | None = None) -> SequenceSet:
     """On-policy sequences of the world's cloud (built when missing) or the scenes' VQ codes, with captions and
-    the teacher cache next to them (named after the cloud file and the sampling settings)."""
-    tag = onpolicy_tag(os.path.join(world.weights_dir, "cloud.safetensors"), world.sampling)
+    the teacher cache next to them (named after the cloud file and the sampling settings). `captions`: a
+    COCO-format file whose first `n` captions this split samples on (a LlamaGen world; default: the scenes split)."""
+    tag = onpolicy_tag(world.cloud_file, world.sampling)
     vocab = world.cloud.config.vocab_size
     if kind == "onpolicy":
-        caps = load_captions(data_dir, split, n, seed, world, dev)
+        caps = load_captions(data_dir, split, n, seed, world, dev, captions)
         toks = build_onpolicy(os.path.join(data_dir, "onpolicy"), split, caps, world.cloud, world.sampling, seed, tag)
         return SequenceSet(toks.tokens, caps, dev, toks.path[:-4] + ".teacher.npy" if teacher_cache else None, vocab)
+    if captions is not None:
+        raise ValueError("--data data (VQ codes of images) exists for the scenes world only; use --data onpolicy")
     from pipelines.train_cloud import build_split
 
     data = build_split(data_dir, split, n, seed, world.vq, world.text, world.cloud.config, dev)
@@ -253,7 +258,8 @@ def plot_history(history: list[dict], path: str, title: str = "") -> None:
 def eval_only(args, world, dev) -> int:
     """The gate AUROC table of one device file on on-policy sequences (the cloud's own samples, deployed CFG)."""
     model = DeviceModel.load(args.eval_only, device=dev)
-    data = load_sequences("onpolicy", args.eval_split, args.eval_n, args.seed, args.data_dir, world, dev)
+    data = load_sequences("onpolicy", args.eval_split, args.eval_n, args.seed, args.data_dir, world, dev,
+                          captions=args.val_captions)
     res = {"device_file": args.eval_only, "split": args.eval_split, "sequences": args.eval_n, "seed": args.seed,
            "sampling": world.sampling.to_dict(),
            **evaluate(model, world.cloud, data, world.sampling, n=args.eval_n)}
@@ -269,7 +275,16 @@ def eval_only(args, world, dev) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.train_device", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v2", help="world folder (read) and output folder")
+    p.add_argument("--out", default="weights/scenes-v2", help="output folder (and the scenes world read, unless "
+                                                              "--world / --weights)")
+    add_world_arguments(p)
+    p.add_argument("--captions", default=None, help="COCO-format training captions (a LlamaGen world)")
+    p.add_argument("--val-captions", default=None, help="COCO-format val captions (a LlamaGen world)")
+    p.add_argument("--teacher-cache", default="auto", choices=["auto", "on", "off"],
+                   help="keep the cloud's guided log-probs on disk (auto: when the cache is <= 16 GB; a LlamaGen "
+                        "vocabulary of 16384 codes makes it 8 MB per sequence)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="bfloat16 autocast (auto: on CUDA)")
     p.add_argument("--name", default="device", help="output file stem (OUT/NAME.safetensors)")
     p.add_argument("--init", default=None, help="start from this device file (same depth and heads) instead of the "
                    "cloud's first layers")
@@ -310,13 +325,30 @@ def main(argv=None) -> int:
     ckpt_dir = args.ckpt_dir or os.path.join("runs", args.name)
     loss_cfg = distill_config(args.objective, args.ablate, args.dro_eta, args.kl_weight)
 
-    world = load_default_world(args.out, device=dev)
+    try:
+        spec = read_world(world_from_args(args) or args.out, need_text=True)
+    except WorldSpecError as e:
+        p.error(str(e))
+    scenes_world = isinstance(spec, ScenesWorldSpec)
+    if not scenes_world and not ((args.captions or args.eval_only) and args.val_captions):
+        p.error("a LlamaGen world distils on --captions and --val-captions (COCO-format files; --eval-only reads "
+                "--val-captions)")
+    world = load_world(spec, device=dev)
     cloud = world.cloud.eval().requires_grad_(False)
     params = world.sampling
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if (args.amp == "bf16" or args.amp == "auto" and
+                                                             dev.type == "cuda") else contextlib.nullcontext()
     if args.eval_only:
         return eval_only(args, world, dev)
-    train = load_sequences(args.data, "train", args.num_train, args.seed, args.data_dir, world, dev)
-    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev)
+    cfg = cloud.config
+    per_seq = cfg.block_size * cfg.vocab_size * 2  # float16 bytes of one sequence's teacher log-probs
+    cache = args.teacher_cache == "on" or (args.teacher_cache == "auto" and
+                                            per_seq * (args.num_train + args.num_val) <= 16 << 30)
+    os.makedirs(args.out, exist_ok=True)
+    train = load_sequences(args.data, "train", args.num_train, args.seed, args.data_dir, world, dev, cache,
+                           None if scenes_world else args.captions)
+    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev, cache,
+                         None if scenes_world else args.val_captions)
 
     dcfg = DeviceConfig(n_layer=args.n_layer, num_heads=args.num_heads, combine=args.combine)
     model = DeviceModel.from_cloud(cloud, dcfg).to(dev).train()
@@ -338,7 +370,7 @@ def main(argv=None) -> int:
     def export(step: int) -> None:
         model.save(os.path.join(args.out, f"{args.name}.safetensors"), dtype=torch.float16, extra={
             "trained_steps": step, "batch_size": args.batch_size, "data": args.data, "objective": args.objective,
-            "seed": args.seed, "loss": asdict(loss_cfg), "sampling": params.to_dict(),
+            "seed": args.seed, "loss": asdict(loss_cfg), "sampling": params.to_dict(), "world": spec.describe(),
             "init": os.path.basename(args.init) if args.init else "cloud layers"})
 
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=args.name, dynamic_ncols=True)
@@ -348,9 +380,10 @@ def main(argv=None) -> int:
         rng = np.random.default_rng([args.seed, step])
         pick = rng.choice(train.n, args.batch_size, replace=False)
         tokens, emb, mask = train.batch(pick)
-        logp = train.teacher(cloud, pick, params)  # [B*N, V]
-        idx, e, m, drop, g = rows(tokens, emb, mask, params)
-        out = model(idx, e, m, drop=drop, with_heads=args.num_heads > 1)
+        with amp:
+            logp = train.teacher(cloud, pick, params).float()  # [B*N, V]
+            idx, e, m, drop, g = rows(tokens, emb, mask, params)
+            out = model(idx, e, m, drop=drop, with_heads=args.num_heads > 1)
         heads = out.heads if out.heads is not None else (out.center[None], out.radius[None])
         loss, parts = 0.0, {}
         for c_h, r_h in zip(*heads):

@@ -35,7 +35,8 @@ from ciar.collab.interval import guided_interval, interval_feature_dim, interval
 from ciar.collab.losses import guided_logp
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.decoding.sampling import logits_to_probs
-from ciar.world import load_default_world
+from ciar.world import load_world
+from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
 from pipelines.train_device import load_sequences, rows
 
@@ -77,8 +78,13 @@ def cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, p
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.train_projector", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v1")
-    p.add_argument("--device-file", default="device.safetensors")
+    p.add_argument("--out", default="weights/scenes-v2", help="output folder (and the scenes world read, unless "
+                                                              "--world / --weights)")
+    add_world_arguments(p)
+    p.add_argument("--device-file", default=None, help="device model (default: the world's; a relative path is "
+                                                       "taken in --out)")
+    p.add_argument("--captions", default=None, help="COCO-format training captions (a LlamaGen world)")
+    p.add_argument("--val-captions", default=None, help="COCO-format val captions (a LlamaGen world)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -101,14 +107,24 @@ def main(argv=None) -> int:
     seed_everything(args.seed)
     dev = pick_device(args.device)
 
-    world = load_default_world(args.out, device=dev)
+    try:
+        spec = read_world(world_from_args(args) or args.out, need_device=args.device_file is None, need_text=True)
+    except WorldSpecError as e:
+        p.error(str(e))
+    llamagen = not isinstance(spec, ScenesWorldSpec)
+    if llamagen and not (args.captions and args.val_captions):
+        p.error("a LlamaGen world trains on --captions and --val-captions (COCO-format files)")
+    world = load_world(spec, device=dev)
     cloud = world.cloud.eval().requires_grad_(False)
-    device_model = DeviceModel.load(os.path.join(args.out, args.device_file), device=dev).requires_grad_(False)
+    device_model = (world.device_model if args.device_file is None else
+                    DeviceModel.load(os.path.join(args.out, args.device_file), device=dev)).requires_grad_(False)
     cfg = cloud.config
     params = world.sampling
+    os.makedirs(args.out, exist_ok=True)
     train = load_sequences(args.data, "train", args.num_train, args.seed, args.data_dir, world, dev,
-                           teacher_cache=False)
-    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev, teacher_cache=False)
+                           teacher_cache=False, captions=args.captions if llamagen else None)
+    val = load_sequences("onpolicy", "val", args.num_val, args.seed, args.data_dir, world, dev, teacher_cache=False,
+                         captions=args.val_captions if llamagen else None)
 
     pcfg = ProjectorConfig(device_dim=device_model.config.dim, cloud_dim=cfg.dim,
                            feature_dim=interval_feature_dim(args.feature_top), feature_top=args.feature_top,
@@ -158,7 +174,7 @@ def main(argv=None) -> int:
     metrics = {"command_args": vars(args), "steps": args.steps, **validate(),
                "train_seconds_this_run": time.time() - t0}
     projector.save(os.path.join(args.out, "projector.safetensors"), extra={
-        "trained_steps": args.steps, "seed": args.seed, "data": args.data, "device_file": args.device_file,
+        "trained_steps": args.steps, "seed": args.seed, "data": args.data, "device_file": args.device_file or "the world's device model",
         "features": "guided box, CFG rows as deployed; Omega and U_norm through log1p"})
     with open(os.path.join(args.out, "projector.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)

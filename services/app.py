@@ -279,10 +279,11 @@ def _session_secret(cfg: AppConfig) -> str:
     from the key digests, which sit in the config and Serve's logs: fine for a laptop, not for production."""
     material = cfg.all_api_keys() or cfg.key_digests()
     return os.environ.get(SESSION_SECRET_ENV) or hashlib.sha256(
-        ("ciar-session|" + "|".join(sorted(material)) + "|" + str(cfg.weights_dir)).encode()).hexdigest()
+        ("ciar-session|" + "|".join(sorted(material)) + "|" + json.dumps(cfg.world_dict(), sort_keys=True)).encode()
+    ).hexdigest()
 
 
-def _verifier(cfg: AppConfig, secret: str):
+def _verifier(cfg: AppConfig, secret: str, world: dict):
     scale = {"autoscaling_config": cfg.verifier_autoscaling} if cfg.verifier_autoscaling else \
         {"num_replicas": cfg.verifier_replicas}
     return serve.deployment(Verifier).options(
@@ -293,7 +294,7 @@ def _verifier(cfg: AppConfig, secret: str):
         request_router_config=RequestRouterConfig(request_router_class="services.routing:SessionAffinityRouter"),
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(cfg.weights_dir, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)
+    ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)
 
 
 def build_app(args: dict | None = None) -> serve.Application:
@@ -303,7 +304,11 @@ def build_app(args: dict | None = None) -> serve.Application:
     if not key_hashes and not cfg.allow_unauthenticated:
         raise ValueError("no API keys configured: set api_key_sha256 (or api_keys) in serve_config.yaml or "
                          "$CIAR_API_KEYS (comma-separated), or allow_unauthenticated: true for a private test cluster")
-    verifier = _verifier(cfg, _session_secret(cfg))
+    try:
+        world = cfg.world_dict()
+    except ValueError as e:
+        raise ValueError(f"world: {e}") from None
+    verifier = _verifier(cfg, _session_secret(cfg), world)
     device = serve.deployment(Device).options(
         name="Device",
         num_replicas=cfg.devices,
@@ -312,7 +317,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         user_config=cfg.device.model_dump(),
         ray_actor_options={"num_cpus": cfg.device_num_cpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(cfg.weights_dir, verifier)
+    ).bind(world, verifier)
     return Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,

@@ -122,9 +122,9 @@ class Device:
     """One simulated phone. `generate(job)` -> {"tokens", "png", "stats"}; `generate_stream(job)` yields progress
     events ({"event": "progress", ...} with an optional preview PNG) and finally {"event": "result", ...}."""
 
-    def __init__(self, weights_dir: str | None, verifier, live: dict | None = None):
+    def __init__(self, world: dict | str | None, verifier, live: dict | None = None):
         torch.set_num_threads(1)
-        self.side = load_device_side(weights_dir)
+        self.side = load_device_side(world)  # the device model and the VQ decoder of the served world
         self.live = DeviceLiveConfig(**(live or {}))
         try:
             self.device_id = serve.get_replica_context().replica_id.unique_id

@@ -112,7 +112,11 @@ class AppConfig(BaseModel):
     """Builder args (`serve_config.yaml` -> services.app:build_app)."""
 
     model_config = ConfigDict(extra="forbid")
-    weights_dir: str | None = Field(None, description="weights folder (default: shipped weights/scenes-v2)")
+    world: str | dict | None = Field(None, description="the world served (ciar.world_spec): a world file (YAML / "
+                                     "JSON) or its fields inline, e.g. a LlamaGen world (GPT, VQ, T5 folder, device "
+                                     "model); default: the shipped scenes world")
+    weights_dir: str | None = Field(None, description="shorthand for a scenes world: a weights folder in the shipped "
+                                    "layout (default: weights/scenes-v2)")
     api_keys: list[str] = Field(default_factory=list, description="accepted bearer keys (plus $CIAR_API_KEYS); "
                                 "Ray Serve logs builder args when it deploys: prefer api_key_sha256 or the env var")
     api_key_sha256: list[str] = Field(default_factory=list, description="accepted keys by their SHA-256 hex digest "
@@ -137,6 +141,13 @@ class AppConfig(BaseModel):
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0.0)
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
     request_timeout_s: float = Field(300.0, gt=0.0)
+
+    def world_dict(self) -> dict:
+        """The served world, validated now (every file checked, the missing one named) and handed to the replicas as
+        a dict with absolute paths."""
+        from ciar.world_spec import read_world, spec_dict, world_source
+
+        return spec_dict(read_world(world_source(self.world, self.weights_dir), need_device=True, need_text=True))
 
     @field_validator("api_keys")
     @classmethod

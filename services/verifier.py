@@ -34,7 +34,7 @@ from ray import serve
 
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.verifier import CloudVerifier, SessionError
-from ciar.world import load_default_world
+from ciar.world import load_world
 from services.schemas import VerifierLiveConfig
 
 
@@ -43,11 +43,13 @@ def session_token(secret: str, session_id: str, device_id: str) -> str:
 
 
 class Verifier:
-    def __init__(self, weights_dir: str | None, max_sessions: int, secret: str, live: dict | None = None,
+    def __init__(self, world: dict | str | None, max_sessions: int, secret: str, live: dict | None = None,
                  threads: int = 1):
+        """`world`: the served world (`ciar.world_spec`; the builder passes it validated, as a dict); the GPT, the
+        caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here."""
         torch.set_num_threads(threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        world = load_default_world(weights_dir, device=device)
+        world = load_world(world, device=device)
         self.live = VerifierLiveConfig(**(live or {}))
         self.core = CloudVerifier(world.cloud, world.text, max_sessions=max_sessions, projector=world.projector,
                                   codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s)

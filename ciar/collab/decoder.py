@@ -309,9 +309,10 @@ class CollabDecoder:
                                    cfg_scale=p.cfg_scale, temperature=p.temperature or 1.0)
         return guided_interval(cur.center[0], cur.radius[0], temperature=p.temperature or 1.0)
 
-    def _draft_one(self, cur, gen, gate_gen, score_it: bool = True):
+    def _draft_one(self, cur, gen, gate_gen, score_it: bool = True, box: Callable[[], tuple] | None = None):
         """-> (q [V] float16 draft distribution as sent, drawn token, gate score). The token is drawn from the float16
-        values, normalised (`quantize_draft`), so the cloud judges it by exactly the distribution it came from."""
+        values, normalised (`quantize_draft`), so the cloud judges it by exactly the distribution it came from.
+        `box()`: the guided interval of `cur` (a cache of `_guided(cur)`, shared with the projector's features)."""
         cfg, p = self.config, self.sampling
         q32 = logits_to_probs(cur.center[0], p, uncond_logits=cur.center[1] if p.uses_cfg else None)
         q, q_used = quantize_draft(q32)
@@ -323,10 +324,10 @@ class CollabDecoder:
             elif cfg.gate in ("entropy", "softmax"):
                 score = float(gate_scores(cfg.gate, probs=q_used.unsqueeze(0))[0])
             else:
-                score = self._interval_score(cur, x)
+                score = self._interval_score(cur, x, box or (lambda: self._guided(cur)))
         return q, x, score
 
-    def _interval_score(self, cur, x: int) -> float:
+    def _interval_score(self, cur, x: int, box: Callable[[], tuple]) -> float:
         cfg, p = self.config, self.sampling
         dev = self.device_model
         drafted = torch.tensor([x])
@@ -340,7 +341,7 @@ class CollabDecoder:
                 votes += s > cfg.tau
             # majority of heads says "uncertain" -> a score above tau, else below
             return math.inf if votes * 2 > centers.shape[0] else -math.inf
-        center, radius = self._guided(cur)
+        center, radius = box()
         return float(gate_scores(cfg.gate, center=center.unsqueeze(0), radius=radius.unsqueeze(0), topk=cfg.topk,
                                  margin=cfg.margin, drafted=drafted)[0])
 
@@ -366,6 +367,7 @@ class _Generation:
         self.pend_hidden: list[torch.Tensor] = []
         self.pend_feat: list[torch.Tensor] = []
         self.offline = False  # the cloud became unreachable: the device decides the rest alone
+        self._box: tuple | None = None  # (cur, guided center, guided radius): the box of `cur`, computed once
         w = self.dev.gpt.tok_embeddings.weight
         with self.clock:
             emb = reply.caption_emb.to(w.device, w.dtype).unsqueeze(0)
@@ -389,7 +391,7 @@ class _Generation:
         while len(self.tokens) < self.n_total:
             self.progress(self.tokens, self.stats)
             with self.clock:
-                q, x, score = self.d_draft(self.cur, score_it=not self.offline)
+                q, x, score = self.d_draft(score_it=not self.offline)
                 escalate = not self.offline and (cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau))
                 if not escalate:
                     self.accept_local(x)
@@ -407,7 +409,7 @@ class _Generation:
         self.stats.degraded_tokens += int(self.offline)
         self.pending.append(x)
         if self.cfg.inter_enhance and not self.offline:
-            center, radius = self.d._guided(self.cur)
+            center, radius = self.box()
             self.pend_hidden.append(self.cur.hidden[0])
             self.pend_feat.append(interval_features(center, radius, top=self.cfg.feature_top))
         if len(self.tokens) < self.n_total:
@@ -420,7 +422,7 @@ class _Generation:
         span, span_q = [x], [q]
         for j in range(1, k):
             self.cur = _last(self.feed([span[-1]], i + j - 1))
-            qj, xj, _ = self.d_draft(self.cur, score_it=False)
+            qj, xj, _ = self.d_draft(score_it=False)
             span.append(xj)
             span_q.append(qj)
         return span, span_q
@@ -496,8 +498,16 @@ class _Generation:
         self.cache.set_length(range(self.rows), pos0 + len(toks))
         return out
 
-    def d_draft(self, cur, score_it: bool = True):
-        return self.d._draft_one(cur, self.gen, self.gate_gen, score_it=score_it)
+    def d_draft(self, score_it: bool = True):
+        """Draft at the current position: (q as sent, token, gate score)."""
+        return self.d._draft_one(self.cur, self.gen, self.gate_gen, score_it=score_it, box=self.box)
+
+    def box(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The guided interval (center, radius) of the current position, computed once per position (the gate and
+        the projector's features both read it)."""
+        if self._box is None or self._box[0] is not self.cur:
+            self._box = (self.cur, *self.d._guided(self.cur))
+        return self._box[1], self._box[2]
 
 
 @dataclass

@@ -1,0 +1,292 @@
+"""One description of a world for every entry point: the embedded scenes world, or a LlamaGen world from local files.
+
+    spec = read_world("worlds/llamagen-xl-stage1.yaml")   # a YAML / JSON file, a dict, or None (the shipped world)
+    world = load_world(spec, device="cuda")                # ciar.world.World: GPT, VQ, caption encoder, device model
+    side = load_device_half(spec)                          # what a phone loads: device model + VQ decoder
+
+A world file is small and validated (pydantic, unknown keys refused, every named file checked before anything loads,
+the missing one named with its field). Relative paths are taken relative to the file. Two kinds:
+
+    kind: scenes                      # the default: nothing to configure
+    weights: weights/scenes-v2        # optional: another folder in the shipped layout ($CIAR_WEIGHTS otherwise)
+    device_checkpoint: device_l2.safetensors   # optional: another device model (relative to the weights folder)
+
+    kind: llamagen                    # LlamaGen t2i GPT + VQ + runtime T5 (flan-t5-xl), as the seeds run CIAR
+    gpt_checkpoint: /models/t2i_XL_stage1_256.pt
+    gpt_config: GPT-XL                # ciar.models.gpt.GPT_CONFIGS name; gpt_overrides {...} for other sizes
+    image_size: 256
+    vq_checkpoint: /models/vq_ds16_t2i.pt
+    text_encoder: /models/flan-t5-xl  # a local transformers T5 folder, encoded at runtime on the verifier
+    text_dtype: bfloat16
+    device_checkpoint: /models/ciar/device.safetensors        # trained for this GPT (pipelines.train_device)
+    projector_checkpoint: /models/ciar/projector.safetensors  # optional
+    sampling: {cfg_scale: 7.5, temperature: 1.0, top_k: 1000, top_p: 1.0}
+
+The evaluation's metric files (`t5_embeddings`, `inception_weights`, `clip_model`, `reference_images`) may sit in a
+LlamaGen world too; the flat `--model-config` JSON of `pipelines.evaluate` (no `kind`, sampling keys at the top level)
+is read as a LlamaGen world. The calibrated CIAR defaults (gate, tau, burst) travel in the device file's metadata.
+No Ray imports here: the Serve deployments pass the parsed dict through their builder args.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+SAMPLING_KEYS = ("cfg_scale", "temperature", "top_k", "top_p")
+TEXT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class WorldSpecError(ValueError):
+    """A world description that cannot be used: the message names the file and the field."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    base_dir: str | None = Field(None, description="folder relative paths are taken from (the world file's)")
+
+    def path(self, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = os.path.expanduser(value)
+        return os.path.abspath(value if os.path.isabs(value) or not self.base_dir
+                               else os.path.join(self.base_dir, value))
+
+
+class SamplingSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cfg_scale: float | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def given(self) -> dict:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class ScenesWorldSpec(_Spec):
+    """The embedded world: a weights folder in the shipped layout (tokenizer, cloud, device, projector)."""
+
+    kind: Literal["scenes"] = "scenes"
+    weights: str | None = Field(None, description="weights folder (default: $CIAR_WEIGHTS or weights/scenes-v2)")
+    device_checkpoint: str | None = Field(None, description="device model file (default: the folder's "
+                                                            "device.safetensors); relative to the weights folder")
+    projector_checkpoint: str | None = Field(None, description="projector file (default: the folder's "
+                                                               "projector.safetensors); relative to the weights folder")
+
+    def weights_dir(self) -> str:
+        from ciar.world import default_weights_dir
+
+        return self.path(self.weights) if self.weights else default_weights_dir()
+
+    def file(self, name: str, override: str | None) -> str:
+        """A file of the weights folder (an override is relative to that folder)."""
+        if override is None:
+            return os.path.join(self.weights_dir(), name)
+        override = os.path.expanduser(override)
+        return override if os.path.isabs(override) else os.path.join(self.weights_dir(), override)
+
+    def check(self, need_device: bool = False) -> None:
+        folder = self.weights_dir()
+        if not os.path.isdir(folder):
+            raise WorldSpecError(f"weights: weights folder not found: {folder}")
+        for field, name in (("weights", "tokenizer.safetensors"), ("weights", "cloud.safetensors")):
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise WorldSpecError(f"{field}: {folder} has no {name}")
+        for field in ("device_checkpoint", "projector_checkpoint"):
+            given = getattr(self, field)
+            if given is not None and not os.path.isfile(self.file("", given)):
+                raise WorldSpecError(f"{field}: file not found: {self.file('', given)}")
+        if need_device and not os.path.isfile(self.file("device.safetensors", self.device_checkpoint)):
+            raise WorldSpecError(f"device_checkpoint: this needs a device model, and there is none at "
+                                 f"{self.file('device.safetensors', self.device_checkpoint)} (train one with "
+                                 f"`python -m pipelines.train_device`)")
+
+    def describe(self) -> str:
+        return f"scenes world {self.weights_dir()}"
+
+
+class LlamaGenWorldSpec(_Spec):
+    """A LlamaGen text-to-image GPT and VQ tokenizer from local checkpoint files, a runtime T5 caption encoder
+    (or precomputed T5 features, evaluation only), and the CIAR device model trained for that GPT."""
+
+    kind: Literal["llamagen"] = "llamagen"
+    gpt_checkpoint: str
+    gpt_config: str = "GPT-XL"
+    gpt_overrides: dict[str, Any] = Field(default_factory=dict)
+    image_size: int = Field(256, ge=16)
+    downsample: int = Field(16, ge=1)
+    vq_checkpoint: str
+    vq_config: str = "VQ-16"
+    vq_overrides: dict[str, Any] = Field(default_factory=dict)
+    text_encoder: str | None = Field(None, description="local transformers T5 folder (flan-t5-xl), encoded at runtime")
+    text_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    text_max_length: int | None = Field(None, ge=1, description="T5 tokens (default: the GPT's cls_token_num, 120)")
+    device_checkpoint: str | None = None
+    projector_checkpoint: str | None = None
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    # evaluation-only files (pipelines.evaluate)
+    t5_embeddings: str | None = Field(None, description="folder of IMAGE_ID.npy T5 features (LlamaGen's script)")
+    inception_weights: str | None = None
+    clip_model: str | None = None
+    reference_images: str | None = None
+
+    FILES: ClassVar[tuple] = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint",
+                              "inception_weights")
+    FOLDERS: ClassVar[tuple] = ("text_encoder", "t5_embeddings", "clip_model", "reference_images")
+
+    @field_validator("gpt_config")
+    @classmethod
+    def _known_gpt(cls, v: str) -> str:
+        from ciar.models.gpt import GPT_CONFIGS
+
+        if v not in GPT_CONFIGS:
+            raise ValueError(f"unknown GPT config {v!r}; known: {sorted(GPT_CONFIGS)}")
+        return v
+
+    def check(self, need_device: bool = False, need_text: bool = False) -> None:
+        for field in self.FILES:
+            value = getattr(self, field)
+            if value is not None and not os.path.isfile(self.path(value)):
+                raise WorldSpecError(f"{field}: file not found: {self.path(value)}")
+        for field in self.FOLDERS:
+            value = getattr(self, field)
+            if value is not None and not os.path.isdir(self.path(value)):
+                raise WorldSpecError(f"{field}: folder not found: {self.path(value)}")
+        if need_device and self.device_checkpoint is None:
+            raise WorldSpecError("device_checkpoint: this needs a device model, the CIAR device model trained for "
+                                 "the GPT (python -m pipelines.train_device --world FILE)")
+        if need_text and self.text_encoder is None:
+            raise WorldSpecError("text_encoder: encoding new captions needs a local T5 folder (flan-t5-xl); "
+                                 "t5_embeddings only serve the COCO evaluation")
+
+    def gpt_cfg(self):
+        """The GPT's config as the checkpoint will be built (no file is read)."""
+        from ciar.models.gpt import gpt_config
+
+        grid = self.image_size // self.downsample
+        return gpt_config(self.gpt_config, **{"block_size": grid * grid, **self.gpt_overrides})
+
+    def describe(self) -> str:
+        return f"LlamaGen world {self.gpt_config} {os.path.basename(self.gpt_checkpoint)} @ {self.image_size}px"
+
+
+WorldSpec = Annotated[Union[ScenesWorldSpec, LlamaGenWorldSpec], Field(discriminator="kind")]
+_ADAPTER = TypeAdapter(WorldSpec)
+
+
+def _legacy(d: dict) -> dict:
+    """`pipelines.evaluate --model-config` JSON (flat sampling keys, no kind) -> a llamagen world dict."""
+    d = dict(d)
+    if "kind" not in d:
+        d["kind"] = "llamagen" if "gpt_checkpoint" in d else "scenes"
+    if d["kind"] == "llamagen":
+        flat = {k: d.pop(k) for k in SAMPLING_KEYS if k in d}
+        if flat:
+            d["sampling"] = {**flat, **(d.get("sampling") or {})}
+    return d
+
+
+def read_world(source: "str | dict | BaseModel | None" = None, check: bool = True, need_device: bool = False,
+               need_text: bool = False):
+    """A world description from a YAML / JSON file path, a weights folder (a scenes world), a dict (builder args) or
+    None (the shipped scenes world);
+    `check` verifies every named file exists. Raises WorldSpecError naming the file and the field."""
+    if isinstance(source, (ScenesWorldSpec, LlamaGenWorldSpec)):
+        spec, where = source, "world"
+    else:
+        where = "world"
+        if source is None:
+            data: dict = {"kind": "scenes"}
+        elif isinstance(source, str) and os.path.isdir(source):  # a weights folder in the shipped layout
+            data = {"kind": "scenes", "weights": os.path.abspath(source)}
+        elif isinstance(source, str):
+            where = source
+            if not os.path.isfile(source):
+                raise WorldSpecError(f"world file not found: {source}")
+            data = _read_file(source)
+            data.setdefault("base_dir", os.path.dirname(os.path.abspath(source)))
+        elif isinstance(source, dict):
+            data = dict(source)
+        else:
+            raise WorldSpecError(f"a world is a file path, a dict or None, not {type(source).__name__}")
+        try:
+            spec = _ADAPTER.validate_python(_legacy(data))
+        except ValidationError as e:
+            raise WorldSpecError(f"{where}: " + "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'][1:]) or err['loc'][0]}: {err['msg']}"
+                for err in e.errors())) from None
+    if check:
+        try:
+            if isinstance(spec, LlamaGenWorldSpec):
+                spec.check(need_device=need_device, need_text=need_text)
+            else:
+                spec.check(need_device=need_device)
+        except WorldSpecError as e:
+            raise WorldSpecError(f"{where}: {e}") from None
+    return spec
+
+
+def _read_file(path: str) -> dict:
+    with open(path) as f:
+        text = f.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - YAML and JSON raise their own error types
+        raise WorldSpecError(f"{path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
+                             f"{e}") from None
+    if not isinstance(data, dict):
+        raise WorldSpecError(f"{path}: expected a mapping of world fields")
+    return data
+
+
+def world_source(world: "str | dict | None" = None, weights: str | None = None) -> "str | dict | None":
+    """An entry point's `--world FILE` (or inline dict) / `--weights DIR` pair -> what `read_world` takes (both is
+    an error)."""
+    if world and weights:
+        raise WorldSpecError("give --world or --weights, not both (a scenes world file names its weights folder)")
+    if weights:
+        return {"kind": "scenes", "weights": os.path.abspath(weights)}
+    return world
+
+
+def spec_dict(spec) -> dict:
+    """A parsed world as a plain dict with absolute paths (no base_dir): what the Serve builder hands its replicas,
+    valid wherever they run from."""
+    if isinstance(spec, ScenesWorldSpec):
+        d = {"kind": "scenes", "weights": spec.weights_dir()}
+        for field, name in (("device_checkpoint", "device.safetensors"),
+                            ("projector_checkpoint", "projector.safetensors")):
+            if getattr(spec, field) is not None:
+                d[field] = spec.file(name, getattr(spec, field))
+        return d
+    d = spec.model_dump(exclude_none=True, exclude={"base_dir"})
+    for field in spec.FILES + spec.FOLDERS:
+        if field in d:
+            d[field] = spec.path(d[field])
+    return d
+
+
+def add_world_arguments(parser) -> None:
+    """`--world FILE` and `--weights DIR` (a scenes world's folder), the same on every entry point."""
+    parser.add_argument("--world", default=None,
+                        help="world file (YAML / JSON, ciar.world_spec): a LlamaGen world (GPT, VQ, T5 folder, device "
+                             "model) or a scenes world (default: the shipped scenes world)")
+    parser.add_argument("--weights", default=None,
+                        help="a weights folder in the shipped layout (a scenes world; default: $CIAR_WEIGHTS or "
+                             "weights/scenes-v2)")
+
+
+def world_from_args(args) -> "str | dict | None":
+    """The world an entry point's parsed `--world` / `--weights` name (what `read_world` / `load_world` take)."""
+    return world_source(getattr(args, "world", None), getattr(args, "weights", None))
