@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -54,7 +53,7 @@ from ciar.collab.decoder import METHODS
 from ciar.collab.device import DeviceModel
 from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
-from ciar.collab.stats import GenerationStats
+from ciar.collab.stats import GenerationStats, methods_markdown, summarize_method
 from ciar.data import scenes
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
@@ -180,50 +179,17 @@ def quality(world, tokens: torch.Tensor, ps: PromptSet, probe, fid_net) -> dict:
 
 
 def summarize(results: dict, base: str, world, ps: PromptSet, probe, fid_net) -> dict:
+    """`ciar.collab.stats.summarize_method` per variant, plus the paper-profile pricing and the quality columns."""
     rows = {}
     base_total = np.mean([s.total_s for s in results[base][1]]) if base in results else None
     base_paper = priced(sum(results[base][1], GenerationStats()), len(results[base][1]), PAPER_PROFILE) \
         if base in results else None
     for name, (tokens, stats) in results.items():
-        total = sum(stats, GenerationStats())
-        n = len(stats)
-        lat = {"device": total.device_s / n, "cloud": total.cloud_s / n, "comm": total.comm_s / n,
-               "total": total.total_s / n}
-        rows[name] = {
-            "speedup": (base_total / lat["total"]) if base_total else None,
-            "speedup_paper_profile": (base_paper / priced(total, n, PAPER_PROFILE)) if base_paper else None,
-            "latency_paper_profile_s": priced(total, n, PAPER_PROFILE),
-            "steps_compression": total.steps_compression,
-            "cloud_call_rate": total.cloud_call_rate,
-            "cloud_requests": total.cloud_requests / n,
-            "cloud_forward_passes": total.cloud_forward_passes / n,
-            "burst_tokens": total.burst_tokens / n,
-            "acceptance_rate": _num(total.acceptance_rate),
-            "mean_accepted_length": _num(total.mean_accepted_length),
-            **quality(world, tokens, ps, probe, fid_net),
-            "latency_s": lat,
-            "bytes_up": total.bytes_up / n, "bytes_down": total.bytes_down / n,
-        }
+        paper = priced(sum(stats, GenerationStats()), len(stats), PAPER_PROFILE)
+        rows[name] = {**summarize_method(stats, base_total),
+                      "speedup_paper_profile": (base_paper / paper) if base_paper else None,
+                      "latency_paper_profile_s": paper, **quality(world, tokens, ps, probe, fid_net)}
     return rows
-
-
-def _num(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
-
-
-def markdown(rows: dict, title: str) -> str:
-    head = ("| Method | Fidelity (↑) | FID (↓) | Speedup | Speedup, paper profile (sim.) | Steps | Cloud call | "
-            "Requests | Accept | Device s | Cloud s | Comm s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
-    lines = [f"### {title}\n", head]
-    for name, r in rows.items():
-        lat = r["latency_s"]
-        lines.append(f"| {name} | {f(r['fidelity'], '.4f')} | {f(r['fid'], '.3f')} | x{f(r['speedup'], '.2f')} | "
-                     f"x{f(r.get('speedup_paper_profile'), '.2f')} | "
-                     f"x{r['steps_compression']:.2f} | {100 * r['cloud_call_rate']:.2f}% | {r['cloud_requests']:.1f} | "
-                     f"{f(r['acceptance_rate'], '.3f')} | {lat['device']:.4f} | {lat['cloud']:.4f} | "
-                     f"{lat['comm']:.4f} |\n")
-    return "".join(lines)
 
 
 def main(argv=None) -> int:
@@ -414,7 +380,7 @@ def main(argv=None) -> int:
     report["configs"] = {name: make_decoder(world, verifier, m, device_model=dev, **ov).config.to_dict()
                          for name, (m, ov, dev) in variants.items()}
     report["seconds"] = time.time() - t0
-    md = markdown(rows, title)
+    md = methods_markdown(rows, title)
     if md_extra:
         md += "\n" + md_extra
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

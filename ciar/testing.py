@@ -147,3 +147,39 @@ def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0
             "vq_overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in LLAMAGEN_SMALL_VQ.items()},
             "device_checkpoint": "device.safetensors", "t5_embeddings": "t5", "clip_model": "clip",
             "inception_weights": "inception.pth", "reference_images": "images", "cfg_scale": 2.0, "top_k": 0}
+
+
+TINY_T5_WORDS = ("a an the of on in at with and to by next near two three small large big red blue green yellow white "
+                 "black orange brown pink purple gray man woman dog cat bus car street city park plate table glass "
+                 "kitchen giraffe tree laptop desk window children kite kites beach frisbee pasta wine surfboard wave "
+                 "refrigerator parked play plays standing rides flying sitting tall wooden sunny photo number circle "
+                 "square triangle top bottom left right middle background").split()
+
+
+def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads: int = 2, seed: int = 0) -> str:
+    """A tiny RANDOM-weight `T5EncoderModel` and a real fast tokenizer (T5's special tokens <pad>=0, </s>=1, <unk>=2,
+    an EOS appended to every caption; a word-level vocabulary built in code, no sentencepiece, no network), saved
+    with `save_pretrained` into `folder` so `AutoTokenizer` / `T5EncoderModel.from_pretrained(folder)` load them as
+    a real flan-t5 folder. -> folder."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for w in TINY_T5_WORDS + [c for c in "abcdefghijklmnopqrstuvwxyz0123456789.,"]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                                   padding_side="right", model_max_length=512)
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // num_heads, d_ff=2 * d_model,
+                   num_layers=num_layers, num_heads=num_heads, relative_attention_num_buckets=8,
+                   feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    model = T5EncoderModel(cfg).eval()
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

@@ -45,11 +45,8 @@ import time
 
 import numpy as np
 
-from ciar.data.coco import CaptionsError, read_coco_captions  # noqa: F401 - CaptionsError: main's error type
-
-STATS_FIELDS = ("total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "drafted", "accepted",
-                "verifications", "cloud_requests", "cloud_forward_passes", "device_forward_passes", "bytes_up",
-                "bytes_down", "device_s", "cloud_s", "comm_s", "images", "resumes")
+from ciar.collab.stats import STATS_FIELDS, GenerationStats, summarize_method
+from ciar.data.coco import CaptionsError, read_coco_captions
 
 
 # ---------------------------------------------------------------------------------------------- captions
@@ -334,9 +331,7 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
         n = len(s)
         if not n:
             continue
-        tot = {k: float(s[k].sum()) for k in STATS_FIELDS}
-        lat = {"device": tot["device_s"] / n, "cloud": tot["cloud_s"] / n, "comm": tot["comm_s"] / n}
-        lat["total"] = lat["device"] + lat["cloud"] + lat["comm"]
+        stats = [GenerationStats.from_dict(r) for r in s[list(STATS_FIELDS)].to_dict("records")]
         fid = None
         if ref_features is not None and n >= 2:
             f = np.stack(s["fid_features"].to_numpy()).astype(np.float64)
@@ -346,19 +341,10 @@ def summarize(samples, methods: list[str], ref_features: np.ndarray | None) -> d
         checks = float(s["fidelity_checks"].sum())
         clip = s["clip_score"].dropna() if "clip_score" in s else []
         rows[m] = {
-            "num_samples": n,
-            "speedup": base_total / lat["total"] if base_total else None,
-            "steps_compression": (tot["total_tokens"] / tot["cloud_forward_passes"]
-                                  if tot["cloud_forward_passes"] else None),
-            "cloud_call_rate": tot["cloud_tokens"] / tot["total_tokens"] if tot["total_tokens"] else None,
-            "cloud_requests": tot["cloud_requests"] / n,
-            "acceptance_rate": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
-            "mean_accepted_length": 1 + tot["accepted"] / tot["verifications"] if tot["verifications"] else None,
+            **summarize_method(stats, base_total),
             "fidelity": float(s["fidelity_correct"].sum()) / checks if checks else None,
             "fid": fid,
             "clip_score": float(clip.mean()) if len(clip) else None,
-            "latency_s": lat,
-            "bytes_up": tot["bytes_up"] / n, "bytes_down": tot["bytes_down"] / n,
             "wall_s_per_image": float(s["wall_s"].mean()),
         }
     return {"methods": rows}
@@ -410,7 +396,7 @@ def write_report(out: str, summary: dict, samples, methods: list[str], runs: lis
     import matplotlib.pyplot as plt
     from PIL import Image
 
-    from benchmarks.collab import markdown
+    from ciar.collab.stats import methods_markdown
 
     rows = summary["methods"]
     plots = os.path.join(out, "plots")
@@ -456,7 +442,7 @@ def write_report(out: str, summary: dict, samples, methods: list[str], runs: lis
 
     lines = [f"# Evaluation report\n\nCaptions: `{args.captions}` ({int(samples['index'].nunique())} captions), "
              f"methods: {', '.join(methods)}, network: {args.network}, seed: {args.seed}, params: {args.param}\n\n",
-             markdown(rows, "Methods side by side (speedup vs cloud-only from the per-sample latencies)"),
+             methods_markdown(rows, "Methods side by side (speedup vs cloud-only from the per-sample latencies)"),
              *(["\n| Method | CLIP score (↑) |\n|---|---|\n"]
                + [f"| {m} | {r['clip_score']:.2f} |\n" for m, r in rows.items() if r.get("clip_score") is not None]
                if any(r.get("clip_score") is not None for r in rows.values()) else []),

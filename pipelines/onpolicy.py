@@ -6,7 +6,7 @@
 
 The device drafts from the *guided* cloud distribution, so it is distilled on the prefixes the cloud actually
 produces under CFG (DESIGN.md section 4), not on VQ codes of rendered images. This stage samples one image per
-caption of a `TokenisedScenes` split (captions embedded by `pipelines.train_cloud.build_split`'s "text" stage) with
+caption of a `TokenisedScenes` split (captions embedded by `pipelines.data.build_split`'s "text" stage) with
 `ciar.decoding.generate_cloud` and writes the tokens into a memory-mapped array next to the captions:
 
     DATA_DIR/onpolicy/{split}_{n}_{tag}.npy      tokens [n, N] int16
@@ -110,10 +110,10 @@ def build_onpolicy(root: str, split: str, captions, cloud: GPT, params: Sampling
 
 
 def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, captions: str | None = None):
-    """The caption arrays of one split: the scenes split (the "text" stage of `pipelines.train_cloud.build_split`),
+    """The caption arrays of one split: the scenes split (the "text" stage of `pipelines.data.build_split`),
     or with `captions` (a COCO-format file) its first `n` images' captions encoded by the world's caption encoder
     (a LlamaGen world's T5), resumable in chunks."""
-    from pipelines.train_cloud import TokenisedScenes, build_split
+    from pipelines.data import TokenisedScenes, build_split
 
     if captions is None:
         return build_split(data_dir, split, n, seed, None, world.text, world.cloud.config, dev)

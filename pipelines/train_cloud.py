@@ -25,79 +25,13 @@ import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from ciar.data import scenes
+from pipelines.data import TokenisedScenes, build_split, get_batch  # noqa: F401 - TokenisedScenes: re-exported
 from ciar.models.checkpoint import read_model_file, save_model
 from ciar.models.gpt import GPTConfig, build_gpt, gpt_config
-from ciar.models.vq import VQConfig, VQModel, images_to_tensor
+from ciar.models.vq import VQConfig, VQModel
 from ciar.text import TextEncoder
-from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
-
-
-class TokenisedScenes:
-    """Memory-mapped tokens [N, n_tok] int16, caption embeddings [N, L, D] float16 and masks [N, L] bool."""
-
-    def __init__(self, root: str, split: str, n: int, n_tok: int, cap_len: int, cap_dim: int, mode: str = "r"):
-        os.makedirs(root, exist_ok=True)
-        self.root, self.split, self.n = root, split, n
-        if mode == "w+" and os.path.exists(os.path.join(root, f"{split}_{n}_tokens.npy")):
-            mode = "r+"
-
-        def mm(name, dtype, shape):
-            return np.lib.format.open_memmap(os.path.join(root, f"{split}_{n}_{name}.npy"), mode=mode, dtype=dtype,
-                                             shape=shape if mode == "w+" else None)
-
-        self.tokens = mm("tokens", np.int16, (n, n_tok))
-        self.emb = mm("emb", np.float16, (n, cap_len, cap_dim))
-        self.mask = mm("mask", np.bool_, (n, cap_len))
-
-    def _done_path(self, stage: str) -> str:
-        return os.path.join(self.root, f"{self.split}_{self.n}.{stage}.done")
-
-    def progress(self, stage: str) -> int:
-        path = self._done_path(stage)
-        return int(open(path).read()) if os.path.exists(path) else 0
-
-    def mark(self, stage: str, done: int) -> None:
-        for a in (self.tokens, self.emb, self.mask):
-            a.flush()
-        with open(self._done_path(stage), "w") as f:
-            f.write(str(done))
-
-
-@torch.no_grad()
-def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=512) -> TokenisedScenes:
-    """Fill the arrays of one split: caption embeddings ("text" stage, needs only the text encoder) and image
-    tokens ("tokens" stage, needs the tokenizer); either may be None to skip its stage."""
-    data = TokenisedScenes(root, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+")
-    for stage, model in (("text", text), ("tokens", vq)):
-        start = data.progress(stage)
-        if model is None or start >= n:
-            continue
-        bar = tqdm(total=n, initial=start, desc=f"{stage} {split}", dynamic_ncols=True)
-        for s in range(start, n, chunk):
-            k = min(chunk, n - s)
-            if stage == "tokens":
-                images, _ = scenes.batch(split, s, k, seed)
-                _, codes = vq.encode(images_to_tensor(images).to(device))
-                data.tokens[s:s + k] = codes.flatten(1).cpu().numpy().astype(np.int16)
-            else:
-                cap = text.encode([scenes.scene_at(split, i, seed).caption for i in range(s, s + k)])
-                data.emb[s:s + k] = cap.emb.numpy().astype(np.float16)
-                data.mask[s:s + k] = cap.mask.numpy()
-            data.mark(stage, s + k)
-            bar.update(k)
-        bar.close()
-    return data
-
-
-def get_batch(data: TokenisedScenes, idx: np.ndarray, device):
-    idx = np.sort(idx)
-    tokens = torch.from_numpy(data.tokens[idx].astype(np.int64)).to(device)
-    emb = torch.from_numpy(data.emb[idx].astype(np.float32)).to(device)
-    mask = torch.from_numpy(data.mask[idx]).to(device)
-    return tokens, emb, mask
+from pipelines.common import TrainingLoop, pick_device, seed_everything
 
 
 @torch.no_grad()
@@ -194,19 +128,6 @@ def main(argv=None) -> int:
     no_decay = [p_ for n, p_ in model.named_parameters() if p_.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    ckpt = os.path.join(args.ckpt_dir, "state.pt")
-    start = load_training_state(ckpt, model=model, optimizer=opt)
-    init = init_from(args.init, cfg, model=None if start else model) if args.init else None
-    if init and not start:
-        print(f"initialised from {args.init} ({init['steps']} steps)")
-    history = []
-    hist_path = os.path.join(args.ckpt_dir, "history.json")
-    if start and os.path.exists(hist_path):
-        history = json.load(open(hist_path))
-    if start:
-        print(f"resuming from step {start}")
-    print(f"cloud model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {cfg}")
-
     def export(step):
         extra = {"sampling": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
                  "trained_steps": step, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed}
@@ -215,11 +136,17 @@ def main(argv=None) -> int:
         save_model(model, os.path.join(args.out, "cloud.safetensors"), cfg.to_dict(), kind="gpt", extra=extra,
                    dtype=torch.float16)
 
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="cloud", dynamic_ncols=True)
+    loop = TrainingLoop(args.ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc="cloud",
+                        objects={"model": model, "optimizer": opt}, ckpt_every=args.ckpt_every,
+                        eval_every=args.eval_every, evaluate=lambda: {"val_loss": val_loss(model, val, device)},
+                        export=export, export_every=args.export_every, stop_after=args.stop_after)
+    # a new run may start from an exported model; a resumed one (the loop restored its state) only checks the file
+    init = init_from(args.init, cfg, model=None if loop.start else model) if args.init else None
+    if init and not loop.start:
+        print(f"initialised from {args.init} ({init['steps']} steps)")
+    print(f"cloud model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {cfg}")
     model.train()
-    t0, ema = time.time(), None
-    for step in bar:
-        set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
+    for step in loop:
         rng = np.random.default_rng([args.seed, step])
         tokens, emb, mask = get_batch(train, rng.choice(train.n, args.batch_size, replace=False), device)
         drop = torch.from_numpy(rng.random(args.batch_size) < cfg.class_dropout_prob).to(device)
@@ -228,25 +155,11 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            history.append({"step": done, "train_loss_ema": ema, "val_loss": val_loss(model, val, device)})
-            print(json.dumps(history[-1]), flush=True)
-        stopping = args.stop_after and done - start >= args.stop_after
-        if done % args.ckpt_every == 0 or done == args.steps or stopping:
-            save_training_state(ckpt, done, model=model, optimizer=opt)
-            with open(hist_path, "w") as f:
-                json.dump(history, f)
-        if done % args.export_every == 0 or done == args.steps or stopping:
-            export(done)
-        if stopping:
-            print(f"stopped after step {done}; run again to resume")
-            return 0
-    export(args.steps)
+        loop.log(loss.item())
+    if loop.stopped:
+        return 0
     metrics = {"steps": args.steps, "batch_size": args.batch_size, "num_train": args.num_train, "seed": args.seed,
-               "history": history, "train_seconds_this_run": time.time() - t0}
+               "history": loop.history, "train_seconds_this_run": time.time() - loop.t0}
     with open(os.path.join(args.out, "cloud.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     print(json.dumps({k: v for k, v in metrics.items() if k != "history"}))

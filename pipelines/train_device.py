@@ -8,7 +8,7 @@ distilled towards (DESIGN.md section 4):
 
 - **Data** (`--data onpolicy`, the default): token sequences the cloud sampled itself with the world's sampling
   settings (`pipelines.onpolicy`, cached to disk, built here when missing) for captions of the scenes train split;
-  `--data data` uses the VQ codes of the rendered scenes instead (`pipelines.train_cloud.build_split`).
+  `--data data` uses the VQ codes of the rendered scenes instead (`pipelines.data.build_split`).
 - **Rows**: every sequence runs as a conditional and an unconditional row through the frozen cloud and the device,
   as at decoding time, so the guided box and the guided distributions are the ones the deployed device sees.
 - **Objective** (`--objective`): `coverage` (ours, `ciar.collab.losses.distill_loss`): KL(guided cloud || guided
@@ -35,7 +35,6 @@ from dataclasses import asdict, replace
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ciar.collab.device import DeviceConfig, DeviceModel
 from ciar.collab.gating import gate_scores
@@ -46,7 +45,7 @@ from ciar.decoding.sampling import SamplingParams, logits_to_probs
 from ciar.metrics.ranking import auroc
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
-from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+from pipelines.common import TrainingLoop, pick_device, seed_everything
 from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
 
 OBJECTIVES = ("coverage", "inter-dro")
@@ -221,7 +220,7 @@ def load_sequences(kind: str, split: str, n: int, seed: int, data_dir: str, worl
         return SequenceSet(toks.tokens, caps, dev, toks.path[:-4] + ".teacher.npy" if teacher_cache else None, vocab)
     if captions is not None:
         raise ValueError("--data data (VQ codes of images) exists for the scenes world only; use --data onpolicy")
-    from pipelines.train_cloud import build_split
+    from pipelines.data import build_split
 
     data = build_split(data_dir, split, n, seed, world.vq, world.text, world.cloud.config, dev)
     path = os.path.join(data_dir, f"{split}_{n}_data_{tag}.teacher.npy") if teacher_cache else None
@@ -358,14 +357,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"--init {args.init}: its config {init.device_config} differs from this run's {dcfg}")
         model.load_state_dict(init.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = os.path.join(ckpt_dir, "state.pt")
-    start = load_training_state(ckpt, model=model, optimizer=opt)
-    hist_path = os.path.join(ckpt_dir, "history.json")
-    history = json.load(open(hist_path)) if start and os.path.exists(hist_path) else []
-    if start:
-        print(f"resuming from step {start}")
-    print(f"device model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {dcfg}, {loss_cfg}, "
-          f"sampling {params}")
 
     def export(step: int) -> None:
         model.save(os.path.join(args.out, f"{args.name}.safetensors"), dtype=torch.float16, extra={
@@ -373,10 +364,17 @@ def main(argv=None) -> int:
             "seed": args.seed, "loss": asdict(loss_cfg), "sampling": params.to_dict(), "world": spec.describe(),
             "init": os.path.basename(args.init) if args.init else "cloud layers"})
 
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc=args.name, dynamic_ncols=True)
-    t0, ema = time.time(), None
-    for step in bar:
-        set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
+    def flush() -> None:
+        train.flush()
+        val.flush()
+
+    loop = TrainingLoop(ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc=args.name,
+                        objects={"model": model, "optimizer": opt}, ckpt_every=args.ckpt_every,
+                        eval_every=args.eval_every, evaluate=lambda: evaluate(model, cloud, val, params, n=args.eval_n),
+                        export=export, before_checkpoint=flush, stop_after=args.stop_after)
+    print(f"device model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {dcfg}, {loss_cfg}, "
+          f"sampling {params}")
+    for step in loop:
         rng = np.random.default_rng([args.seed, step])
         pick = rng.choice(train.n, args.batch_size, replace=False)
         tokens, emb, mask = train.batch(pick)
@@ -395,27 +393,12 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}", agree=f"{parts.get('agree', 0):.3f}", tv=f"{parts.get('tv', 0):.3f}")
-        done = step + 1
-        if done % args.eval_every == 0 or done == args.steps:
-            history.append({"step": done, "train_loss_ema": ema, "train_parts": parts,
-                            "seconds": time.time() - t0, **evaluate(model, cloud, val, params, n=args.eval_n)})
-            print(json.dumps(history[-1]), flush=True)
-        stopping = args.stop_after and done - start >= args.stop_after
-        if done % args.ckpt_every == 0 or done == args.steps or stopping:
-            train.flush()
-            val.flush()
-            save_training_state(ckpt, done, model=model, optimizer=opt)
-            with open(hist_path, "w") as f:
-                json.dump(history, f)
-            export(done)
-        if stopping:
-            print(f"stopped after step {done}; run again to resume")
-            return 0
-    export(args.steps)
+        loop.log(loss.item(), parts)
+    if loop.stopped:
+        return 0
+    history = loop.history
     metrics = {"command_args": vars(args), "params": sum(p_.numel() for p_ in model.parameters()),
-               "history": history, "train_seconds_last_run": time.time() - t0}
+               "history": history, "train_seconds_last_run": time.time() - loop.t0}
     with open(os.path.join(args.out, f"{args.name}.metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     if history:

@@ -28,7 +28,6 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from ciar.collab.device import DeviceModel
 from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
@@ -37,7 +36,7 @@ from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.decoding.sampling import logits_to_probs
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
-from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+from pipelines.common import TrainingLoop, pick_device, seed_everything
 from pipelines.train_device import load_sequences, rows
 
 
@@ -131,10 +130,6 @@ def main(argv=None) -> int:
                            hidden=args.hidden, standardize=True)
     projector = IntervalProjector(pcfg).to(dev).train()
     opt = torch.optim.AdamW(projector.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    ckpt = os.path.join(args.ckpt_dir, "state.pt")
-    start = load_training_state(ckpt, model=projector, optimizer=opt)
-    if start:
-        print(f"resuming from step {start}")
 
     def validate(n: int = 128) -> dict:
         projector.eval()
@@ -152,10 +147,9 @@ def main(argv=None) -> int:
         projector.train()
         return {"val_ce_with_projector": float(np.mean(with_p)), "val_ce_without_projector": float(np.mean(without))}
 
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="projector", dynamic_ncols=True)
-    t0, ema = time.time(), None
-    for step in bar:
-        set_lr(opt, cosine_lr(step, args.steps, args.lr, args.warmup))
+    loop = TrainingLoop(args.ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc="projector",
+                        objects={"model": projector, "optimizer": opt}, ckpt_every=args.ckpt_every)
+    for step in loop:
         rng = np.random.default_rng([args.seed, step])
         tokens, emb, mask = train.batch(rng.choice(train.n, args.batch_size, replace=False))
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
@@ -166,13 +160,9 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
         opt.step()
-        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{ema:.3f}")
-        done = step + 1
-        if done % args.ckpt_every == 0 or done == args.steps:
-            save_training_state(ckpt, done, model=projector, optimizer=opt)
+        loop.log(loss.item())
     metrics = {"command_args": vars(args), "steps": args.steps, **validate(),
-               "train_seconds_this_run": time.time() - t0}
+               "train_seconds_this_run": time.time() - loop.t0}
     projector.save(os.path.join(args.out, "projector.safetensors"), extra={
         "trained_steps": args.steps, "seed": args.seed, "data": args.data, "device_file": args.device_file or "the world's device model",
         "features": "guided box, CFG rows as deployed; Omega and U_norm through log1p"})

@@ -184,12 +184,22 @@ def test_exactly_one_gpu_worker_group_and_verifier_on_one_gpu(rayservice, app_ar
     assert max_gpu_pods >= app_args["verifier_autoscaling"]["max_replicas"]
 
 
-def test_weights_volume_mounted_read_only_at_weights_dir(rayservice, app_args):
+def _world_paths(app_args) -> list[str]:
+    from ciar.world_spec import read_world, spec_dict
+
+    d = spec_dict(read_world(app_args["world"], check=False))
+    return [v for v in d.values() if isinstance(v, str) and v.startswith("/")]
+
+
+def test_models_volume_mounted_read_only_under_every_world_file(rayservice, app_args):
+    paths = _world_paths(app_args)
+    assert len(paths) >= 4  # GPT, VQ, T5 folder, device model
     for group, spec, _ in _pod_specs(rayservice):
         vols = {v["name"]: v for v in spec.get("volumes", [])}
         for c in spec["containers"]:
-            mounts = [m for m in c.get("volumeMounts", []) if m["mountPath"] == app_args["weights_dir"]]
-            assert len(mounts) == 1, f"{group}: weights not mounted at {app_args['weights_dir']}"
+            mounts = [m for m in c.get("volumeMounts", [])
+                      if all(p.startswith(m["mountPath"].rstrip("/") + "/") for p in paths)]
+            assert len(mounts) == 1, f"{group}: the world's files {paths} are not under one mount"
             assert mounts[0].get("readOnly") is True
             pvc = vols[mounts[0]["name"]]["persistentVolumeClaim"]
             assert pvc["claimName"] == "ciar-weights" and pvc.get("readOnly") is True
@@ -223,7 +233,8 @@ def test_ray_up_config_validates(app_args):
     setup = "\n".join(raw["setup_commands"])
     assert '"torch==2.13.0"' in setup and "[serve]" in setup
     assert setup.index("torch==2.13.0") < setup.index("[serve]"), "torch is installed first"
-    assert app_args["weights_dir"] in setup
+    mount = os.path.commonpath(_world_paths(app_args)).split("/")[:3]  # /mnt/models
+    assert "/".join(mount) in setup
     for cmds in (raw["head_start_ray_commands"], raw["worker_start_ray_commands"]):
         assert any("ciar.env" in c and "ray start" in c for c in cmds), "secrets exported into ray start"
     with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
@@ -245,7 +256,7 @@ def test_dockerfile_installs_like_the_makefile():
     torch_at = body.index('pip install "${TORCH_SPEC}"')
     project_at = body.index('pip install -e ".[serve]"')
     assert torch_at < project_at, "torch is installed before the project"
-    for folder in ("ciar", "services", "pipelines", "benchmarks", "loadtests", "weights"):
+    for folder in ("ciar", "services", "pipelines", "benchmarks", "loadtests", "weights", "worlds"):
         assert re.search(rf"^COPY {folder} \./{folder}$", body, re.M), f"{folder}/ not copied"
     assert "serve_config.yaml" in body and "serve_config.gpu.yaml" in body
     user = [ln for ln in lines if ln.startswith("USER ")]
@@ -274,12 +285,20 @@ def _deployments(app, out=None):
     return out
 
 
-def test_build_app_accepts_rayservice_args(app_args, monkeypatch):
+def test_build_app_accepts_rayservice_args(app_args, monkeypatch, tmp_path):
+    from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files
+    from ciar.world_spec import read_world, spec_dict
     from services.app import build_app
 
     monkeypatch.setenv("CIAR_API_KEYS", "test-key-0123456789,test-key-abcdefghij")
     monkeypatch.setenv("CIAR_SESSION_SECRET", "test-session-secret")
-    app = build_app(dict(app_args))
+    # the world's files live on the cluster's volume: the same fields over tiny RANDOM files in the real layout
+    cfg = write_random_llamagen_files(str(tmp_path), [1])
+    world = {**app_args["world"], "base_dir": str(tmp_path), "text_dtype": "float32",
+             "text_encoder": make_tiny_t5(str(tmp_path / "t5"), d_model=LLAMAGEN_SMALL_GPT["caption_dim"]),
+             **{k: cfg[k] for k in ("gpt_checkpoint", "gpt_config", "gpt_overrides", "image_size", "vq_checkpoint",
+                                    "vq_overrides", "device_checkpoint")}}
+    app = build_app({**app_args, "world": world})
     deps = _deployments(app)
     assert set(deps) == {"Ingress", "Device", "Verifier"}
     ingress, device, verifier = deps["Ingress"], deps["Device"], deps["Verifier"]
@@ -288,7 +307,7 @@ def test_build_app_accepts_rayservice_args(app_args, monkeypatch):
     assert device.num_replicas == app_args["devices"]
     assert device.ray_actor_options["num_cpus"] == app_args["device_num_cpus"]
     assert verifier.ray_actor_options["num_gpus"] == 1
-    assert verifier.init_args[0] == app_args["weights_dir"]
+    assert verifier.init_args[0] == spec_dict(read_world(world)) == device.init_args[0]  # absolute, validated
     assert "test-session-secret" in verifier.init_args
 
 

@@ -79,10 +79,23 @@ def test_a_config_may_hold_digests_only(monkeypatch):
     assert app._bound_deployment.init_args[1] == [d]
 
 
+@pytest.fixture(scope="module")
+def tiny_llamagen_world(tmp_path_factory):
+    """A LlamaGen world of RANDOM-weight files in the real layout (what the GPU config's world is, in small)."""
+    from ciar.testing import write_random_llamagen_files
+
+    root = tmp_path_factory.mktemp("llamagen")
+    cfg = write_random_llamagen_files(str(root), [1])
+    keep = ("gpt_checkpoint", "gpt_config", "gpt_overrides", "image_size", "vq_checkpoint", "vq_overrides",
+            "device_checkpoint", "t5_embeddings")
+    return {"kind": "llamagen", "base_dir": str(root), **{k: cfg[k] for k in keep}}
+
+
 @pytest.mark.parametrize("name", ["serve_config.yaml", "serve_config.gpu.yaml"])
-def test_shipped_serve_configs_build(name, monkeypatch):
+def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     from ray.serve.schema import ServeDeploySchema
 
+    from ciar.world_spec import LlamaGenWorldSpec, read_world
     from services.app import build_app
 
     with open(os.path.join(REPO, name)) as f:
@@ -91,7 +104,20 @@ def test_shipped_serve_configs_build(name, monkeypatch):
     (app,) = raw["applications"]
     assert app["import_path"] == "services.app:build_app"
     monkeypatch.setenv("CIAR_API_KEYS", "k8s-secret-key-01")  # the GPU config takes its keys from the environment
-    built = build_app(app["args"])  # validates every arg; builds the deployment graph without starting Ray
+    args = dict(app["args"])
+    if "gpu" in name:
+        # the LlamaGen-XL world of worlds/llamagen-xl-stage1.yaml, field for field; its files live on the cluster's
+        # models volume, so the build checks them and names the first one missing ...
+        with open(os.path.join(REPO, "worlds", "llamagen-xl-stage1.yaml")) as f:
+            assert args["world"] == yaml.safe_load(f)
+        assert isinstance(read_world(args["world"], check=False), LlamaGenWorldSpec)
+        with pytest.raises(ValueError, match="world: .*gpt_checkpoint: file not found: /mnt/models/llamagen/"):
+            build_app(args)
+        args["world"] = tiny_llamagen_world  # ... and the same application builds on a world whose files exist
+        with pytest.raises(ValueError, match="text_encoder: encoding new captions needs a local T5 folder"):
+            build_app(args)  # a served world must encode new captions: precomputed T5 features are not enough
+        args["world"] = {**tiny_llamagen_world, "text_encoder": make_tiny_t5_folder(tiny_llamagen_world)}
+    built = build_app(args)  # validates every arg; builds the deployment graph without starting Ray
     assert built is not None
     live = {d["name"]: d["user_config"] for d in app["deployments"]}
     assert set(live) == {"Device", "Verifier"}
@@ -99,6 +125,16 @@ def test_shipped_serve_configs_build(name, monkeypatch):
     VerifierLiveConfig(**live["Verifier"])
     cfg = AppConfig(**app["args"])
     assert cfg.verifier_num_gpus == (1 if "gpu" in name else 0)
+
+
+def make_tiny_t5_folder(world: dict) -> str:
+    """A tiny RANDOM T5 encoder of the world's caption width, saved with save_pretrained (ciar.testing)."""
+    from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5
+
+    folder = os.path.join(world["base_dir"], "t5-tiny")
+    if not os.path.isdir(folder):
+        make_tiny_t5(folder, d_model=LLAMAGEN_SMALL_GPT["caption_dim"])
+    return folder
 
 
 def test_no_keys_is_refused(monkeypatch):
