@@ -9,7 +9,7 @@ the missing one named with its field). Relative paths are taken relative to the 
 
     kind: scenes                      # the default: nothing to configure
     weights: weights/scenes-v2        # optional: another folder in the shipped layout ($CIAR_WEIGHTS otherwise)
-    device_checkpoint: device_l2.safetensors   # optional: another device model (relative to the weights folder)
+    device_checkpoint: device_l1.safetensors   # optional: another device model (relative to the weights folder)
 
     kind: llamagen                    # LlamaGen t2i GPT + VQ + runtime T5 (flan-t5-xl), as the seeds run CIAR
     gpt_checkpoint: /models/t2i_XL_stage1_256.pt

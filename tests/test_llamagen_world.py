@@ -134,3 +134,11 @@ def test_evaluation_encodes_captions_with_the_worlds_t5(files):
     assert out["caption_emb"].shape == tuple(want.emb.shape)
     assert np.allclose(out["caption_emb"].astype(np.float32), want.emb.numpy(), atol=1e-2)
     assert (out["caption_mask"] == want.mask.numpy()).all()
+
+
+def test_decode_benchmark_takes_the_worlds_gpt(files):
+    from benchmarks.decode import run_benchmark
+
+    res = run_benchmark(batch_sizes=(1,), tokens=4, repeats=1, world=files["world"])
+    assert res["meta"]["weights"] == os.path.join(files["root"], "models", "t2i_small.pt")
+    assert res["meta"]["model"]["vocab_size"] == 64 and res["batch_1"]["ours_tok_s"] > 0
