@@ -81,32 +81,92 @@ class OnPolicyTokens:
 
 
 @torch.no_grad()
+def sample_chunk(cloud: GPT, emb: np.ndarray, mask: np.ndarray, params: SamplingParams, seed: int, index: int,
+                 cache=None):
+    """One chunk of on-policy sequences: captions emb [k, L, D] / mask [k, L] -> tokens [k, N] int16, from the
+    chunk's own generator (`seed * 1_000_003 + index`), so any worker produces the same bytes. -> (tokens, cache)."""
+    dev = cloud.tok_embeddings.weight.device
+    k = emb.shape[0]
+    rows = 2 * k if params.uses_cfg else k
+    if cache is None or cache.slots < rows:
+        cache = cloud.new_cache(rows)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    toks = generate_cloud(cloud, torch.from_numpy(emb.astype(np.float32)).to(dev), torch.from_numpy(mask).to(dev),
+                          params, gen, cache=cache)
+    return toks.cpu().numpy().astype(np.int16), cache
+
+
 def build_onpolicy(root: str, split: str, captions, cloud: GPT, params: SamplingParams, seed: int, tag: str,
-                   chunk: int = CHUNK, progress: bool = True) -> OnPolicyTokens:
+                   chunk: int = CHUNK, progress: bool = True, workers: int = 0, world=None) -> OnPolicyTokens:
     """Sample one image per caption of `captions` (a TokenisedScenes: emb [n, L, D], mask [n, L]) with the cloud;
-    resumable (see the module docstring). -> OnPolicyTokens with every row done."""
+    resumable (see the module docstring). `workers` > 0: the chunks run on a Ray Data actor pool of that size (each
+    actor loads the cloud of `world`, a world source (None: the shipped one); one GPU each when the cluster has GPUs), and the driver writes
+    them in order as they arrive, so a large caption set spreads over a cluster and still resumes to the same bytes.
+    -> OnPolicyTokens with every row done."""
     n, n_tok = captions.n, cloud.config.block_size
     out = OnPolicyTokens(root, split, n, n_tok, tag)
     start = out.done
     if start % chunk and start < n:
         raise ValueError(f"{out.done_path}: {start} rows done is not a multiple of the chunk {chunk}")
-    dev = cloud.tok_embeddings.weight.device
     bar = tqdm(total=n, initial=start, desc=f"on-policy {split}", dynamic_ncols=True, disable=not progress)
-    cache = None
-    for s in range(start, n, chunk):
-        k = min(chunk, n - s)
-        emb = torch.from_numpy(captions.emb[s:s + k].astype(np.float32)).to(dev)
-        mask = torch.from_numpy(captions.mask[s:s + k]).to(dev)
-        rows = 2 * k if params.uses_cfg else k
-        if cache is None or cache.slots < rows:
-            cache = cloud.new_cache(rows)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + s // chunk)
-        toks = generate_cloud(cloud, emb, mask, params, gen, cache=cache)
-        out.tokens[s:s + k] = toks.cpu().numpy().astype(np.int16)
-        out.mark(s + k)
-        bar.update(k)
+    starts = list(range(start, n, chunk))
+    if workers and starts:
+        results = _ray_chunks(captions, starts, chunk, n, params, seed, world, workers)
+    else:
+        results = _local_chunks(captions, starts, chunk, n, cloud, params, seed)
+    for s, toks in results:
+        out.tokens[s:s + len(toks)] = toks
+        out.mark(s + len(toks))
+        bar.update(len(toks))
     bar.close()
     return out
+
+
+def _local_chunks(captions, starts, chunk, n, cloud, params, seed):
+    cache = None
+    for s in starts:
+        k = min(chunk, n - s)
+        toks, cache = sample_chunk(cloud, captions.emb[s:s + k], captions.mask[s:s + k], params, seed, s // chunk,
+                                   cache)
+        yield s, toks
+
+
+class _ChunkSampler:
+    """Ray Data stage: a batch of chunk starts -> their token rows (the actor loads the world's cloud once)."""
+
+    def __init__(self, world, emb_path: str, mask_path: str, params: dict, seed: int, chunk: int, n: int):
+        from ciar.world import load_world_cloud
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.set_num_threads(1)
+        self.cloud, _ = load_world_cloud(world, dev)
+        self.emb = np.load(emb_path, mmap_mode="r")
+        self.mask = np.load(mask_path, mmap_mode="r")
+        self.params, self.seed, self.chunk, self.n, self.cache = SamplingParams(**params), seed, chunk, n, None
+
+    def __call__(self, batch: dict) -> dict:
+        (s,) = batch["start"].tolist()  # batch_size=1: one chunk per call
+        k = min(self.chunk, self.n - s)
+        toks, self.cache = sample_chunk(self.cloud, self.emb[s:s + k], self.mask[s:s + k], self.params, self.seed,
+                                        s // self.chunk, self.cache)
+        return {"start": np.array([s]), "tokens": toks[None]}
+
+
+def _ray_chunks(captions, starts, chunk, n, params, seed, world, workers):
+    import ray
+
+    from ciar.world_spec import read_world, spec_dict
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # chunks come back in order: the driver's resume point stays exact
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    ds = ray.data.from_items([{"start": s} for s in starts]).map_batches(
+        _ChunkSampler, batch_size=1, num_gpus=gpus, compute=ray.data.ActorPoolStrategy(size=workers),
+        fn_constructor_kwargs={"world": spec_dict(read_world(world)), "emb_path": captions.emb.filename,
+                               "mask_path": captions.mask.filename, "params": params.to_dict(), "seed": seed,
+                               "chunk": chunk, "n": n})
+    for row in ds.iter_rows():
+        yield int(row["start"]), np.asarray(row["tokens"], dtype=np.int16)
 
 
 def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, captions: str | None = None):
@@ -138,7 +198,7 @@ def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, capt
 
 def main(argv=None) -> int:
     from ciar.world import load_world
-    from ciar.world_spec import ScenesWorldSpec, add_world_arguments, read_world, world_from_args
+    from ciar.world_spec import ScenesWorldSpec, add_world_arguments, read_world, spec_dict, world_from_args
     from pipelines.common import pick_device
 
     p = argparse.ArgumentParser(prog="python -m pipelines.onpolicy", description=__doc__.split("\n")[0])
@@ -151,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-dir", default="data_cache/scenes-v2-s3")
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="Ray Data actors sampling chunks in parallel (one GPU each "
+                                                          "on a GPU cluster; 0: in this process)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,7 +224,7 @@ def main(argv=None) -> int:
     caps = load_captions(args.data_dir, args.split, args.n, args.seed, world, dev, args.captions)
     tag = onpolicy_tag(world.cloud_file, world.sampling)
     out = build_onpolicy(os.path.join(args.data_dir, "onpolicy"), args.split, caps, world.cloud, world.sampling,
-                         args.seed, tag)
+                         args.seed, tag, workers=args.workers, world=spec_dict(spec))
     print(f"{out.path}: {out.done} sequences")
     return 0
 
