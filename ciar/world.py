@@ -163,7 +163,6 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
     WorldSpecError naming a missing file or a mismatch (vocabulary, grid, caption width), CheckpointMismatchError
     naming mismatched keys. `text=False` skips the caption encoder (a trainer that reads cached captions)."""
     from ciar.models.gpt import load_llamagen_gpt
-    from ciar.models.vq import load_llamagen_vq
     from ciar.text import PrecomputedCaptions
     from ciar.world_spec import LlamaGenWorldSpec, WorldSpecError, read_world
 

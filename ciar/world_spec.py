@@ -37,7 +37,6 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 SAMPLING_KEYS = ("cfg_scale", "temperature", "top_k", "top_p")
-TEXT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class WorldSpecError(ValueError):
