@@ -304,10 +304,7 @@ def build_app(args: dict | None = None) -> serve.Application:
     if not key_hashes and not cfg.allow_unauthenticated:
         raise ValueError("no API keys configured: set api_key_sha256 (or api_keys) in serve_config.yaml or "
                          "$CIAR_API_KEYS (comma-separated), or allow_unauthenticated: true for a private test cluster")
-    try:
-        world = cfg.world_dict()
-    except ValueError as e:
-        raise ValueError(f"world: {e}") from None
+    world = _world(cfg)
     verifier = _verifier(cfg, _session_secret(cfg), world)
     device = serve.deployment(Device).options(
         name="Device",
@@ -328,4 +325,12 @@ def build_app(args: dict | None = None) -> serve.Application:
 def build_verifier_app(args: dict | None = None) -> serve.Application:
     """The verifier pool alone (benchmarks.serving; a cloud-only deployment that devices outside Ray would call)."""
     cfg = AppConfig(**{"allow_unauthenticated": True, **(args or {})})
-    return _verifier(cfg, _session_secret(cfg))
+    return _verifier(cfg, _session_secret(cfg), _world(cfg))
+
+
+def _world(cfg: AppConfig) -> dict:
+    """The served world, validated (every file checked) before any replica starts."""
+    try:
+        return cfg.world_dict()
+    except ValueError as e:
+        raise ValueError(f"world: {e}") from None

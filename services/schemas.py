@@ -103,9 +103,21 @@ class VerifierLiveConfig(BaseModel):
     """Live settings of a verifier replica (Serve `user_config` -> `reconfigure`)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_batch_size: int = Field(16, ge=1, le=1024, description="spans verified in one forward pass, at most")
-    batch_wait_timeout_s: float = Field(0.005, ge=0.0, le=1.0, description="wait for more spans before a forward")
+    max_batch_size: int = Field(16, ge=1, le=1024, description="works (spans, decode steps, prefill chunks) in "
+                                "one forward pass, at most (1: no batching)")
+    batch_wait_timeout_s: float = Field(0.005, ge=0.0, le=1.0, description="an idle verifier waits this long for "
+                                        "more work before its first forward")
     idle_timeout_s: float = Field(60.0, gt=0.0, description="free a session's KV-cache slots after this idle time")
+    token_budget: int = Field(1024, ge=1, le=1 << 20, description="padded token positions (batch rows x width) "
+                              "per forward, at most (the first work of a step always runs)")
+    prefill_chunk: int = Field(64, ge=1, le=4096, description="longest prefill / history / catch-up chunk fed "
+                               "next to other work in one forward")
+
+    def scheduler(self):
+        from ciar.collab.engine import SchedulerConfig
+
+        return SchedulerConfig(token_budget=self.token_budget, max_works=self.max_batch_size,
+                               prefill_chunk=self.prefill_chunk)
 
 
 class AppConfig(BaseModel):

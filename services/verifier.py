@@ -1,11 +1,13 @@
 """Verifier deployment: the cloud model, one KV-cache slot pair per live session, spans of many sessions per forward.
 
-Thin over `ciar.collab.verifier.CloudVerifier`:
-  open(request, session_id=, device_id=)            -> (OpenReply, session token)   batched (serve.batch)
-  verify(request, session_id=, device_id=, token=)  -> VerifyReply                  batched: ONE forward per batch
+Thin over `ciar.collab.verifier.CloudVerifier` and its step engine (`ciar.collab.engine`): every call queues a
+work and awaits it; one loop runs the engine a forward at a time, each forward holding whatever is ready (spans,
+cloud-only and burst tokens, prefill chunks, resumed histories) of every session on this replica.
+  open(request, session_id=, device_id=)            -> (OpenReply, session token)   prefill + prefix tokens
+  verify(request, session_id=, device_id=, token=)  -> VerifyReply                  catch-up + span (+ burst)
   resume(request, history, injected, session_id=, ...) -> OpenReply                 re-create a lost session
   close(session_id=, device_id=, token=)
-  stats()                                           -> sessions, slots, batch-size histogram of this replica
+  stats()                                           -> sessions, slots, forwards, batch-size histogram
 
 Affinity: every call carries `session_id=` as a keyword argument, which `services.routing.SessionAffinityRouter`
 hashes to the replica holding that session's cache. A replica that lost the session (restart, idle eviction,
@@ -15,9 +17,11 @@ Ownership: the session token is HMAC(app secret, session id | device id), so any
 that a call comes from the device that opened the session, without shared state; another device (or a device
 without the token) gets a PermissionError.
 
-Batching runs on the replica's event loop (one batch at a time, so the cache needs no lock); the batch size and
-the wait for more spans are live settings (`user_config` -> `reconfigure`). The verify batch size of every
-forward is recorded (Prometheus histogram `ciar_verifier_batch_size` and `stats()`).
+The engine runs on the replica's event loop (one step at a time, so the cache needs no lock; a step's size is
+bounded by the token budget, and the loop yields between steps so arrivals join the next one). Works per step,
+the token budget and the wait for company when the engine is idle are live settings (`user_config` ->
+`reconfigure`). The works of every forward are recorded (Prometheus histogram `ciar_verifier_batch_size` and
+`stats()`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ import psutil
 import torch
 from ray import serve
 
+from ciar.collab.engine import KINDS, AsyncStepper
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, SessionError
+from ciar.collab.verifier import CloudVerifier, SessionError, VerifyWork
 from ciar.world import load_world
 from services.schemas import VerifierLiveConfig
 
@@ -52,10 +57,13 @@ class Verifier:
         world = load_world(world, device=device)
         self.live = VerifierLiveConfig(**(live or {}))
         self.core = CloudVerifier(world.cloud, world.text, max_sessions=max_sessions, projector=world.projector,
-                                  codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s)
+                                  codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s,
+                                  scheduler=self.live.scheduler())
+        self._steps_seen = 0
+        self.stepper = AsyncStepper(self.core.engine, self.live.batch_wait_timeout_s, self._on_step)
         self.vocab_size = self.core.vocab_size
         self._secret = secret
-        self.batch_hist: Counter[int] = Counter()  # verify batch size -> forwards
+        self.batch_hist: Counter[int] = Counter()  # works per forward -> forwards
         self.spans_verified = 0
         self.opened = self.resumed = 0
         self._evictor: asyncio.Task | None = None
@@ -68,7 +76,7 @@ class Verifier:
     def _metrics(self) -> None:
         from ray.serve import metrics
 
-        self.m_batch = metrics.Histogram("ciar_verifier_batch_size", description="spans verified per cloud forward",
+        self.m_batch = metrics.Histogram("ciar_verifier_batch_size", description="works (spans, decode steps, prefill chunks) per cloud forward",
                                          boundaries=[1, 2, 4, 8, 16, 32, 64, 128])
         self.m_spans = metrics.Counter("ciar_verifier_spans_total", description="spans verified")
         self.m_sessions = metrics.Gauge("ciar_verifier_sessions", description="open sessions (KV-cache slots)")
@@ -76,10 +84,8 @@ class Verifier:
 
     def reconfigure(self, config: dict) -> None:
         self.live = VerifierLiveConfig(**(config or {}))  # raises a ValidationError naming the field
-        self._verify_many.set_max_batch_size(self.live.max_batch_size)
-        self._verify_many.set_batch_wait_timeout_s(self.live.batch_wait_timeout_s)
-        self._open_many.set_max_batch_size(self.live.max_batch_size)
-        self._open_many.set_batch_wait_timeout_s(self.live.batch_wait_timeout_s)
+        self.core.engine.config = self.live.scheduler()
+        self.stepper.wait_s = self.live.batch_wait_timeout_s
         self.core.idle_timeout_s = self.live.idle_timeout_s
 
     # ------------------------------------------------------------------ housekeeping
@@ -97,35 +103,24 @@ class Verifier:
         if not hmac.compare_digest(session_token(self._secret, session_id, device_id), token or ""):
             raise PermissionError(f"session {session_id!r} belongs to another device (bad session token)")
 
-    @staticmethod
-    def _raise(out):
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    # ------------------------------------------------------------------ batched work
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def _open_many(self, requests: list[OpenRequest]) -> list:
-        return _per_item(self.core.open_batch, requests)
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
-    async def _verify_many(self, requests: list[VerifyRequest]) -> list:
-        out = _per_item(self.core.verify_batch, requests)
-        done = [r for r in out if isinstance(r, VerifyReply)]
-        if done:
-            size = done[0].batch_size
+    # ------------------------------------------------------------------ the step loop
+    def _on_step(self, engine, finished) -> None:
+        size = engine.step_log[-1]["works"] if engine.step_log else 0
+        if size and engine.steps != self._steps_seen:
+            self._steps_seen = engine.steps
             self.batch_hist[size] += 1
-            self.spans_verified += len(done)
             self.m_batch.observe(size)
-            self.m_spans.inc(len(done))
-        return out
+        spans = sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
+        if spans:
+            self.spans_verified += spans
+            self.m_spans.inc(spans)
 
     # ------------------------------------------------------------------ API (called through handles)
     async def open(self, request: OpenRequest, *, session_id: str, device_id: str) -> tuple[OpenReply, str]:
         self._ensure_evictor()
         if request.session_id != session_id:
             raise SessionError("session_id keyword and request.session_id differ")
-        reply = self._raise(await self._open_many(request))
+        reply = await self.stepper.run(self.core.submit_open(request))
         self.opened += 1
         self.m_sessions.set(self.core.num_sessions)
         return reply, session_token(self._secret, session_id, device_id)
@@ -134,7 +129,7 @@ class Verifier:
         self._check(session_id, device_id, token)
         if request.session_id != session_id:
             raise SessionError("session_id keyword and request.session_id differ")
-        return self._raise(await self._verify_many(request))
+        return await self.stepper.run(self.core.submit_verify(request))
 
     async def resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None, *,
                      session_id: str, device_id: str, token: str) -> OpenReply:
@@ -142,7 +137,7 @@ class Verifier:
         self._check(session_id, device_id, token)
         if request.session_id != session_id:
             raise SessionError("session_id keyword and request.session_id differ")
-        reply = self.core.resume_batch([request], [history], injected=[injected])[0]
+        reply = await self.stepper.run(self.core.submit_resume(request, history, injected))
         self.resumed += 1
         self.m_resumes.inc()
         self.m_sessions.set(self.core.num_sessions)
@@ -156,25 +151,11 @@ class Verifier:
     async def stats(self) -> dict:
         return {"replica_id": self.replica_id, "sessions": self.core.num_sessions,
                 "free_slots": self.core.free_slot_count, "spans_verified": self.spans_verified,
-                "opened": self.opened, "resumed": self.resumed,
+                "opened": self.opened, "resumed": self.resumed, "forwards": self.core.engine.steps,
+                "positions_by_kind": dict(zip(KINDS, self.core.engine.kind_positions)),
+                "real_positions": self.core.engine.real_positions,
+                "padded_positions": self.core.engine.padded_positions,
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "time": time.time()}
 
-
-def _per_item(fn, requests: list) -> list:
-    """Run `fn(requests)` as one batch; if the batch is refused (a client error in one item, raised before any state
-    changes), run the items one by one so that only the bad ones fail. -> replies or exceptions, in order."""
-    try:
-        return fn(requests)
-    except (SessionError, ValueError, RuntimeError) as e:
-        if len(requests) == 1:
-            return [e]
-    return [_exc(fn, r) for r in requests]
-
-
-def _exc(fn, request):
-    try:
-        return fn([request])[0]
-    except Exception as e:  # noqa: BLE001 - handed back to the caller of this item
-        return e

@@ -14,7 +14,9 @@ distributions p_0..p_K (one more than drafted: the bonus position). Both are pos
 Randomness (reproducible and independent of the other rows' contents): first `u = torch.rand(B, K)` from the
 generator, then row by row (b = 0..B-1) the row's `sample` calls: exactly one for exact and lantern; none for
 greedy (its uniforms are still drawn); for cascade, one per position that the exact test rejects (in position
-order, until the span ends) plus one bonus draw if the whole span is kept.
+order, until the span ends) plus one bonus draw if the whole span is kept. With one generator PER ROW (a list, as
+the verifier judges many sessions at once) row b draws `span_len[b]` uniforms and then its `sample` calls from its
+own generator: exactly the draws of the same row judged alone, whatever shares its batch.
 
     out = verify_span("exact", drafts, q, p, generator)      # drafts [B, K], q [B, K, V], p [B, K+1, V]
     n, z = out.num_accepted, out.next_token                   # keep drafts[b, :n[b]], then append z[b]
@@ -171,13 +173,16 @@ def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, n
            target_hidden, token_embeddings) -> tuple[int, int, int]:
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    if not isinstance(generator, torch.Generator):
-        raise ValueError("generator must be a torch.Generator")
     if draft_tokens.dim() != 2 or draft_tokens.dtype in (torch.float16, torch.bfloat16, torch.float32,
                                                           torch.float64, torch.bool):
         raise ValueError(f"draft_tokens must be an integer tensor [B, K], got {tuple(draft_tokens.shape)} "
                          f"{draft_tokens.dtype}")
     b, k = draft_tokens.shape
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != b or not all(isinstance(g, torch.Generator) for g in generator):
+            raise ValueError(f"generator must be a torch.Generator or a list of B = {b} of them")
+    elif not isinstance(generator, torch.Generator):
+        raise ValueError("generator must be a torch.Generator")
     if target_probs.dim() != 3 or target_probs.shape[0] != b or target_probs.shape[1] != k + 1:
         raise ValueError(f"target_probs must be [B, K+1, V] = [{b}, {k + 1}, V], got {tuple(target_probs.shape)}")
     v = target_probs.shape[2]
@@ -210,14 +215,15 @@ def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, n
 
 
 def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                generator: torch.Generator, span_len: torch.Tensor | None = None, *,
+                generator: torch.Generator | list[torch.Generator], span_len: torch.Tensor | None = None, *,
                 neighbors: NeighborTable | None = None, lantern: LanternConfig | None = None,
                 cascade: CascadeConfig | None = None, target_hidden: torch.Tensor | None = None,
                 token_embeddings: torch.Tensor | None = None) -> VerifyOutput:
     """Judge a batch of drafted spans.
 
     draft_tokens [B, K] int64, draft_probs q [B, K, V], target_probs p [B, K+1, V], span_len [B] in [0, K]
-    (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K). `neighbors` and
+    (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K). `generator`: one
+    for the batch, or one per row (see the module docstring for both draw orders). `neighbors` and
     `lantern` are needed by "lantern"; `cascade` and `token_embeddings` [V, D] (and optionally `target_hidden`
     [B, K+1, D]) by "cascade". Returns `VerifyOutput` with [B] tensors on the data's device. See the module
     docstring for the rules and the order of random draws.
@@ -232,7 +238,13 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
                else span_len.to(device).long())
     in_span = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
 
-    u = torch.rand(b, k, generator=generator, device=generator.device).to(device)  # always drawn first
+    gens = generator if isinstance(generator, (list, tuple)) else [generator] * b  # row i draws from gens[i]
+    if isinstance(generator, (list, tuple)):  # each row: its own span's uniforms, from its own generator
+        u = torch.ones(b, k, device=device)
+        for i, n_i in enumerate(lengths.tolist()):
+            u[i, :n_i] = torch.rand(n_i, generator=gens[i], device=gens[i].device).to(device)
+    else:
+        u = torch.rand(b, k, generator=generator, device=generator.device).to(device)  # always drawn first
 
     p_x = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
     if rule == "greedy":
@@ -244,7 +256,7 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         accept = _ratio_accept(u, p_x, q_x) & in_span
 
     if rule == "cascade":
-        return _cascade(accept, drafts, p, q, lengths, generator, cascade, target_hidden, token_embeddings)
+        return _cascade(accept, drafts, p, q, lengths, gens, cascade, target_hidden, token_embeddings)
 
     n = accept.long().cumprod(-1).sum(-1) if k else torch.zeros(b, dtype=torch.long, device=device)  # [B]
     recovered = n < lengths
@@ -256,13 +268,13 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         dist = torch.where(recovered[:, None], _residual(p_next, q_next), p_next)
     else:
         dist = p_next
-    nxt = torch.cat([sample(dist[i:i + 1], generator) for i in range(b)]) if b else \
+    nxt = torch.cat([sample(dist[i:i + 1], gens[i]) for i in range(b)]) if b else \
         torch.zeros(0, dtype=torch.long, device=device)
     return VerifyOutput(n, nxt.to(device), recovered)
 
 
 def _cascade(accept: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor,
-             generator: torch.Generator, cfg: CascadeConfig, target_hidden: torch.Tensor | None,
+             gens: list[torch.Generator], cfg: CascadeConfig, target_hidden: torch.Tensor | None,
              token_embeddings: torch.Tensor) -> VerifyOutput:
     """Cascade rule given the exact test `accept` [B, K] (already masked to the span); row by row, position order."""
     b = drafts.shape[0]
@@ -279,7 +291,7 @@ def _cascade(accept: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor, q: tor
         for j in range(lens[i]):
             if acc[i][j]:
                 continue
-            y = sample(_residual(p[i, j], q[i, j])[None], generator).to(device)  # [1]
+            y = sample(_residual(p[i, j], q[i, j])[None], gens[i]).to(device)  # [1]
             x = drafts[i, j]
             cos = F.cosine_similarity(emb[x], emb[y[0]], dim=0)
             if float(cos) >= cfg.threshold or (seq_ok is not None and seq_ok[i][j]):
@@ -287,7 +299,7 @@ def _cascade(accept: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor, q: tor
             n, z = j, y
             break
         if z is None:
-            z = sample(p[i, n][None], generator).to(device)
+            z = sample(p[i, n][None], gens[i]).to(device)
         nums.append(n)
         nexts.append(z)
         recs.append(n < lens[i])

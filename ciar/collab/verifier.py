@@ -8,6 +8,15 @@
     verifier.evict_idle(300.0)                                   # close sessions idle for 5 minutes
     client = InProcessCloud(verifier)                            # the CloudClient protocol by direct calls
 
+    work = verifier.submit_verify(VerifyRequest(...))            # the same work, queued: a server feeds requests as
+    verifier.engine.step()                                       # they arrive and steps the engine (one forward each)
+
+Every call runs on the step-level engine (`ciar.collab.engine`): a request is a *work* (OpenWork, VerifyWork,
+ResumeWork below) that feeds one piece per forward (a prefill chunk, a span, one prefix or burst token, a chunk of
+a resumed history), and each forward carries the pieces of every session that has one ready, under a token
+budget; the `*_batch` calls submit their requests and step until they are done. All spans completed in a step are
+judged by one `verify_span` call per acceptance rule, each row drawing from its own session's generator.
+
 Cache invariant per session (CFG: a cond slot and an uncond slot with the same tokens): the session's committed
 image tokens t_0..t_{c-1} are in `tokens`; the cache holds the condition and t_0..t_{c-2} ("fed" = c - 1); the
 last committed token is fed by the next forward. A verification with m new tokens and k drafts feeds
@@ -42,11 +51,12 @@ used first) before raising `CapacityError`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 
 import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
+from ciar.collab.engine import DECODE, HISTORY, PREFILL, SPAN, Piece, SchedulerConfig, StepEngine, Work
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, RuleConfig, VerifyReply, VerifyRequest,
@@ -105,14 +115,16 @@ class _Session:
     first_logits: torch.Tensor | None  # [rows, V] prefill logits, kept while no token is committed
     seed: int = 0  # the OpenRequest's seed (prefix stream; position-keyed acceptance seeds)
     last_used: float = 0.0  # time.monotonic() of the last open/resume/verify
+    work: object = None  # the request in flight for this session (one at a time), or None
 
 
 class CloudVerifier:
     def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int = 16,
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
-                 idle_timeout_s: float | None = None):
+                 idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None):
         """`idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this long are
-        evicted first (None: never evict on demand; `evict_idle` can still be called)."""
+        evicted first (None: never evict on demand; `evict_idle` can still be called). `scheduler`: the step
+        engine's token budget and limits (`ciar.collab.engine.SchedulerConfig`)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
@@ -126,6 +138,7 @@ class CloudVerifier:
         self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
         self._neighbors: dict[int, NeighborTable] = {}
         self.scratch_pos = self.cache.max_seq - 1  # padding of ragged batches lands here (beyond any sequence)
+        self.engine = StepEngine(self, scheduler)
 
     @property
     def device(self) -> torch.device:
@@ -148,16 +161,20 @@ class CloudVerifier:
             self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
         return self._neighbors[k]
 
-    def close(self, session_id: str) -> None:
+    def close(self, session_id: str, cancel: bool = True) -> None:
+        """Free a session's slots; a request of it still in flight fails with SessionLostError."""
         s = self.sessions.pop(session_id, None)
         if s is not None:
+            if cancel and s.work is not None:
+                self.engine.cancel(session_id, SessionLostError(f"session {session_id!r} was closed while a "
+                                                                f"request was in flight", session_id))
             self.cache.reset(s.slots)
             self.free_slots.extend(s.slots)
 
     def evict_idle(self, max_idle_s: float) -> list[str]:
         """Close the sessions idle (no open/resume/verify) for at least `max_idle_s` seconds; -> their ids."""
         now = time.monotonic()
-        gone = [sid for sid, s in self.sessions.items() if now - s.last_used >= max_idle_s]
+        gone = [sid for sid, s in self.sessions.items() if s.work is None and now - s.last_used >= max_idle_s]
         for sid in gone:
             self.close(sid)
         return gone
@@ -168,7 +185,7 @@ class CloudVerifier:
         if need > len(self.free_slots) and self.idle_timeout_s is not None:
             now = time.monotonic()
             idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
-                          if now - s.last_used >= self.idle_timeout_s)
+                          if s.work is None and now - s.last_used >= self.idle_timeout_s)
             for _, sid in idle:
                 if need <= len(self.free_slots):
                     break
@@ -184,167 +201,145 @@ class CloudVerifier:
             raise SessionLostError(f"unknown session {session_id!r} (never opened, closed, or evicted)",
                                    session_id) from None
 
-    def _start_sessions(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None,
-                        caption_mask: torch.Tensor | None):
-        """Common part of open and resume (requests already validated, slots reserved): create the sessions, encode
-        the captions unless given, prefill. -> (sessions, rows_of, slot tensor, prefill logits [rows, V],
-        caption_emb, caption_mask)."""
-        if caption_emb is None:
-            cap = self.text.encode([r.prompt for r in requests])
-            caption_emb, caption_mask = cap.emb, cap.mask
-        emb = caption_emb.to(self.device, self.cloud.tok_embeddings.weight.dtype)
-        mask = caption_mask.to(self.device) if caption_mask is not None else None
+    # ------------------------------------------------------------------ submitting work (step-level engine)
+    def submit_open(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
+                    caption_mask: torch.Tensor | None = None) -> "OpenWork":
+        """Queue an open (caption + `prefix_len` cloud tokens); `caption_emb` [L, D] / `caption_mask` [L] skip the
+        text encoder. Structural errors raise here; state errors (session already open, no slot) fail the work."""
+        return self.engine.submit(OpenWork(self, request, caption_emb, caption_mask))
 
-        # rows: one per (session, cfg branch); drop marks unconditional rows
-        row_src, drop, slots = [], [], []
-        now = time.monotonic()
-        for i, r in enumerate(requests):
-            s_slots = [self.free_slots.pop(0) for _ in range(2 if r.sampling.uses_cfg else 1)]
-            self.sessions[r.session_id] = _Session(s_slots, [], r.sampling, r.rule,
-                                                   torch.Generator(device="cpu").manual_seed(int(r.seed)), None,
-                                                   seed=int(r.seed), last_used=now)
-            for j, slot in enumerate(s_slots):
-                row_src.append(i)
-                drop.append(j == 1)
-                slots.append(slot)
-        idx = torch.tensor(row_src, device=self.device)
-        slot_t = torch.tensor(slots, device=self.device)
-        drop_t = torch.tensor(drop, device=self.device)
-        logits = self.cloud.prefill(self.cache, emb[idx], None if mask is None else mask[idx], drop_t, slot_t)
-        sessions = [self.sessions[r.session_id] for r in requests]
-        return sessions, self._rows_of(sessions), slot_t, logits, caption_emb, caption_mask
+    def submit_verify(self, request: VerifyRequest) -> "VerifyWork":
+        return self.engine.submit(VerifyWork(self, request))
 
-    def _check_open(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None) -> None:
-        if len({r.session_id for r in requests}) != len(requests):
-            raise SessionError("duplicate session ids in one batch")
-        if self.text is None and caption_emb is None:
-            raise SessionError("this verifier has no text encoder: pass caption embeddings")
-        for r in requests:
-            r.sampling.validate()
+    def submit_resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None,
+                      caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None
+                      ) -> "ResumeWork":
+        return self.engine.submit(ResumeWork(self, request, history, injected, caption_emb, caption_mask))
 
-    def _open_reply(self, r: OpenRequest, i: int, tokens: list[int], caption_emb: torch.Tensor,
-                    caption_mask: torch.Tensor | None, seconds: float, passes: int) -> OpenReply:
-        return OpenReply(
-            r.session_id, torch.tensor(tokens, dtype=torch.long),
-            caption_emb[i].detach().to("cpu", torch.float16) if r.want_caption else None,
-            (caption_mask[i].detach().cpu() if caption_mask is not None
-             else torch.ones(caption_emb.shape[1], dtype=torch.bool)) if r.want_caption else None,
-            seconds, passes, self.vocab_size)
+    def _run(self, works: list) -> list:
+        """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""
+        self.engine.run(works)
+        for w in works:
+            if w.error is not None:
+                raise w.error
+        return [w.result for w in works]
 
-    # ------------------------------------------------------------------ open: caption + prefix tokens
-    @torch.no_grad()
-    def open_batch(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None = None,
-                   caption_mask: torch.Tensor | None = None) -> list[OpenReply]:
-        """Start sessions: encode captions (or take `caption_emb` [B, L, D] / `caption_mask` [B, L]), prefill, and
-        let the cloud generate each session's `prefix_len` tokens (one batched step per token)."""
-        t0 = time.perf_counter()
+    def admit_works(self, works: list) -> None:
+        """Engine hook: admit newly queued works in arrival order (each admitted, or finished with its error);
+        the captions of all admitted opens and resumes are encoded in one call and their conditions embedded
+        in one."""
+        starting = []
+        for w in works:
+            if w.done:  # cancelled while queued (its session was replaced by a resume admitted before it)
+                continue
+            try:
+                w.admit()
+            except (SessionError, CapacityError, ValueError) as e:
+                w.finish(error=e)
+                continue
+            if isinstance(w, OpenWork):
+                starting.append(w)
+        if starting:
+            self._start(starting)
+
+    def _start(self, works: list["OpenWork"]) -> None:
+        """Create the sessions of admitted opens/resumes: encode captions (those not given), mark caption
+        padding in the cache, embed the condition rows (cond, and uncond with CFG)."""
+        todo = [w for w in works if w.caption_emb is None]
+        if todo:
+            try:
+                cap = self.text.encode([w.request.prompt for w in todo])
+                for i, w in enumerate(todo):
+                    w.caption_emb, w.caption_mask = cap.emb[i], (cap.mask[i] if cap.mask is not None else None)
+            except ValueError:  # one bad caption: encode one by one so that only it fails
+                for w in todo:
+                    try:
+                        cap = self.text.encode([w.request.prompt])
+                        w.caption_emb, w.caption_mask = cap.emb[0], (cap.mask[0] if cap.mask is not None else None)
+                    except ValueError as e:  # e.g. CaptionTooLongError: the caller maps it to a 4xx
+                        w.release()
+                        w.finish(error=e)
+        works = [w for w in works if not w.done]
+        if not works:
+            return
         c = self.config
-        for r in requests:
-            if r.session_id in self.sessions:
-                raise SessionError(f"session {r.session_id!r} is already open")
-            if not 0 <= r.prefix_len <= c.block_size:
-                raise SessionError(f"prefix_len must be in [0, {c.block_size}], got {r.prefix_len}")
-        self._check_open(requests, caption_emb)
-        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
-        sessions, rows_of, slot_t, logits, caption_emb, caption_mask = self._start_sessions(
-            requests, caption_emb, caption_mask)
+        dtype = self.cloud.tok_embeddings.weight.dtype
+        embs, drops = [], []
+        for w in works:
+            emb = w.caption_emb.to(self.device, dtype)
+            for j, slot in enumerate(w.slots):
+                embs.append(emb)
+                drops.append(j == 1)
+                if w.caption_mask is not None and c.model_type == "t2i":
+                    self.cache.key_valid[slot, :c.cls_token_num] = w.caption_mask.to(self.device)
+                    self.cache.key_valid[slot, c.cls_token_num:] = True
+                else:
+                    self.cache.key_valid[slot] = True
+        cond = self.cloud.embed_condition(torch.stack(embs), torch.tensor(drops, device=self.device))
+        row = 0
+        for w in works:
+            w.cond = cond[row:row + w.rows]
+            row += w.rows
 
-        steps = max((r.prefix_len for r in requests), default=0)
-        for i, s in enumerate(sessions):
-            if requests[i].prefix_len == 0:
-                s.first_logits = logits[rows_of[i]].clone()
-        step_in = torch.zeros(len(slot_t), 1, dtype=torch.long, device=self.device)
-        passes = 1
-        for t in range(steps):
-            for i, s in enumerate(sessions):
-                if t < requests[i].prefix_len:
-                    tok = self._sample(s, logits[rows_of[i]])
-                    s.tokens.append(tok)
-                    step_in[rows_of[i], 0] = tok
-            if t == steps - 1:
-                break
-            pos = c.cls_token_num + t
-            logits = self.cloud.decode(self.cache, step_in, torch.tensor([pos], device=self.device), slot_t,
-                                       kv_len=pos + 1)[:, -1]
-            passes += 1
-        for s in sessions:
-            self.cache.set_length(s.slots, c.cls_token_num + max(len(s.tokens) - 1, 0))
-        seconds = time.perf_counter() - t0
-        return [self._open_reply(r, i, sessions[i].tokens, caption_emb, caption_mask, seconds,
-                                 passes if r.prefix_len else 1) for i, r in enumerate(requests)]
+    def _take_slots(self, request: OpenRequest) -> _Session:
+        self._reserve(2 if request.sampling.uses_cfg else 1)
+        slots = [self.free_slots.pop(0) for _ in range(2 if request.sampling.uses_cfg else 1)]
+        s = _Session(slots, [], request.sampling, request.rule,
+                     torch.Generator(device="cpu").manual_seed(int(request.seed)), None, seed=int(request.seed),
+                     last_used=time.monotonic())
+        self.sessions[request.session_id] = s
+        return s
 
-    # ------------------------------------------------------------------ resume: rebuild from the device's history
-    @torch.no_grad()
-    def resume_batch(self, requests: list[OpenRequest], histories: list[torch.Tensor],
-                     caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
-                     injected: list[InjectedFeatures | None] | None = None) -> list[OpenReply]:
-        """Re-create sessions from the device's committed tokens `histories[i]` ([c_i] int64, c_i may be 0): encode
-        the captions (or take `caption_emb` / `caption_mask` as `open_batch`), prefill, feed history[:-1] in one
-        ragged forward (with `injected[i]`'s projected interval features added where the original verifications
-        added them), and leave each session exactly as the cache invariant says after c_i committed tokens (the
-        prefill logits kept when c_i = 0). `prefix_len` is ignored (no tokens are generated); a session id that is
-        still open (a stale copy) is closed first. -> OpenReplies with empty `prefix_tokens`, the caption only if
-        `want_caption`, and `forward_passes` = the session's sequential forwards (prefill, + 1 if c_i >= 2)."""
-        t0 = time.perf_counter()
-        c = self.config
-        if len(histories) != len(requests):
-            raise SessionError(f"{len(requests)} requests but {len(histories)} histories")
-        injected = list(injected) if injected is not None else [None] * len(requests)
-        if len(injected) != len(requests):
-            raise SessionError(f"{len(requests)} requests but {len(injected)} injected-feature entries")
-        hist: list[list[int]] = []
-        for r, h, inj in zip(requests, histories, injected):
-            h = torch.as_tensor(h)
-            if h.dim() != 1 or (h.numel() and h.is_floating_point()):
-                raise SessionError(f"session {r.session_id!r}: history must be a 1-D tensor of token ids")
-            if h.numel() > c.block_size:
-                raise SessionError(f"session {r.session_id!r}: history of {h.numel()} tokens exceeds the "
-                                   f"{c.block_size} image tokens")
-            if h.numel() and (int(h.min()) < 0 or int(h.max()) >= self.vocab_size):
-                raise SessionError(f"token ids must be in [0, {self.vocab_size})")
-            hist.append(h.long().tolist())
-            if inj is not None:
-                n = int(inj.positions.numel())
-                if inj.device_hidden.shape[0] != n or inj.features.shape[0] != n:
-                    raise SessionError(f"session {r.session_id!r}: injected features need one row per position")
-                if n and (int(inj.positions.min()) < 0 or int(inj.positions.max()) >= h.numel() - 1):
-                    raise SessionError(f"session {r.session_id!r}: injected positions must index history[:-1]")
-        self._check_open(requests, caption_emb)
-        for r in requests:  # stale copies of the same sessions
-            self.close(r.session_id)
-        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
-        sessions, rows_of, _, logits, caption_emb, caption_mask = self._start_sessions(
-            requests, caption_emb, caption_mask)
+    # ------------------------------------------------------------------ judging (one batched call per rule)
+    def judge_ready(self, works: list) -> None:
+        """Engine hook: judge every verification in `works` whose feed is complete, one `verify_span` call per
+        acceptance rule for all of them (each row drawing from its own session's generator)."""
+        ready = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
+        groups: dict[tuple, list[VerifyWork]] = {}
+        for w in ready:
+            groups.setdefault(astuple(w.s.rule), []).append(w)
+        for group in groups.values():
+            try:
+                outs = self._judge(group)
+            except Exception as e:  # noqa: BLE001 - fails these spans only
+                for w in group:
+                    w.finish(error=e)
+                continue
+            for w, (n, z, rec) in zip(group, outs):
+                w.commit(n, z, rec, len(ready))
 
-        for i, s in enumerate(sessions):
-            s.tokens = list(hist[i])
-            if not hist[i]:
-                s.first_logits = logits[rows_of[i]].clone()
-        extras = None
-        if self.projector is not None and any(inj is not None and inj.positions.numel() for inj in injected):
-            extras = [(inj.positions.long(), self.projector(inj.device_hidden.to(self.device),
-                                                            inj.features.to(self.device)))
-                      if inj is not None and inj.positions.numel() else None for inj in injected]
-        self._ragged_decode(sessions, [h[:-1] for h in hist], [0] * len(sessions), rows_of, extras)
-        for s in sessions:
-            self.cache.set_length(s.slots, c.cls_token_num + max(len(s.tokens) - 1, 0))
-        seconds = time.perf_counter() - t0
-        return [self._open_reply(r, i, [], caption_emb, caption_mask, seconds, 1 + int(len(hist[i]) >= 2))
-                for i, r in enumerate(requests)]
-
-    def _rows_of(self, sessions: list[_Session], by_slot: bool = False) -> list[list[int]]:
-        """Batch rows of each session (one per CFG branch), consecutive per session: in session order, or with
-        `by_slot` in cache-slot order, so sessions on neighbouring slots share one zero-copy key read in the
-        forward (`ciar.models.gpt.kv_runs`)."""
-        order = range(len(sessions))
-        if by_slot:
-            order = sorted(order, key=lambda i: sessions[i].slots[0])
-        rows: list[list[int]] = [[] for _ in sessions]
-        n = 0
-        for i in order:
-            rows[i] = list(range(n, n + len(sessions[i].slots)))
-            n += len(sessions[i].slots)
-        return rows
+    def _judge(self, works: list["VerifyWork"]) -> list[tuple[int, int, bool]]:
+        v_size, dev = self.vocab_size, self.device
+        kmax = max(w.k for w in works)
+        b = len(works)
+        p = torch.zeros(b, kmax + 1, v_size, device=dev)
+        q = torch.full((b, kmax, v_size), 1.0 / v_size, device=dev)
+        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
+        hidden = None
+        rule = works[0].s.rule
+        for i, w in enumerate(works):
+            p_i = self._probs(w.s, w.target_logits())  # [k+1, V]
+            p[i, :w.k + 1] = p_i
+            p[i, w.k + 1:] = p_i[-1]  # padding: any valid distribution (outside the span)
+            if w.k:
+                q[i, :w.k] = draft_distribution(w.request.draft_probs.to(dev))
+                drafts[i, :w.k] = w.request.draft_tokens.to(dev)
+            w.s.generator.manual_seed(position_seed(w.s.seed, len(w.s.tokens)))  # draws keyed by (seed, position)
+        kwargs = {}
+        if rule.rule == "lantern":
+            kwargs["neighbors"] = self._neighbor_table(rule.lantern_k)
+            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
+        elif rule.rule == "cascade":
+            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
+            kwargs["token_embeddings"] = self.cloud.output.weight
+            if all(w.target_hidden() is not None for w in works):
+                hidden = torch.zeros(b, kmax + 1, self.config.dim, device=dev)
+                for i, w in enumerate(works):
+                    hidden[i, :w.k + 1] = w.target_hidden().float()
+                kwargs["target_hidden"] = hidden
+        out = verify_span(rule.rule, drafts, q, p, [w.s.generator for w in works],
+                          span_len=torch.tensor([w.k for w in works], device=dev), **kwargs)
+        return list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.recovered.tolist()))
 
     def _probs(self, s: _Session, logits: torch.Tensor) -> torch.Tensor:
         """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
@@ -355,159 +350,345 @@ class CloudVerifier:
     def _sample(self, s: _Session, logits: torch.Tensor) -> int:
         return int(sample(self._probs(s, logits).unsqueeze(0), s.generator)[0])
 
-    def _ragged_decode(self, sessions: list[_Session], feeds: list[list[int]], starts: list[int],
-                       rows_of: list[list[int]], extras: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None):
-        """ONE forward over a ragged batch: row per (session, cfg branch), session i's tokens `feeds[i]` at image
-        positions starts[i].., padding at the scratch position. `extras[i]` = (feed indices [m], [m, dim]) adds
-        embeddings to those feed entries (interval-feature injection). Does not touch `cache.lengths`.
-        -> (logits [rows, width, V], hidden [rows, width, dim]), or (None, None) when every feed is empty."""
-        c = self.config
-        n_rows = sum(len(r) for r in rows_of)
-        width = max((len(f) for f in feeds), default=0)
-        if not width:
-            return None, None
-        tok = torch.zeros(n_rows, width, dtype=torch.long)
-        pos = torch.full((n_rows, width), self.scratch_pos, dtype=torch.long)
-        slots = torch.zeros(n_rows, dtype=torch.long)
-        extra = None
-        if extras is not None and any(e is not None for e in extras):
-            extra = torch.zeros(n_rows, width, c.dim, device=self.device)
-        for i, s in enumerate(sessions):
-            f = feeds[i]
-            for j, row in enumerate(rows_of[i]):
-                tok[row, :len(f)] = torch.tensor(f, dtype=torch.long)
-                pos[row, :len(f)] = torch.arange(c.cls_token_num + starts[i], c.cls_token_num + starts[i] + len(f))
-                slots[row] = s.slots[j]
-            if extra is not None and extras[i] is not None:
-                idx, add = extras[i]
-                for row in rows_of[i]:
-                    extra[row, idx.to(self.device)] = add.to(extra.dtype)
-        # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
-        # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
-        kv_len = max(c.cls_token_num + st + len(f) for st, f in zip(starts, feeds) if f)
-        return self.cloud.decode(self.cache, tok.to(self.device), pos.to(self.device), slots.to(self.device),
-                                 extra_emb=extra, kv_len=kv_len, return_hidden=True)
+    # ------------------------------------------------------------------ the batch API (submit, step until done)
+    def open_batch(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None = None,
+                   caption_mask: torch.Tensor | None = None) -> list[OpenReply]:
+        """Start sessions: encode captions (or take `caption_emb` [B, L, D] / `caption_mask` [B, L]), prefill, and
+        let the cloud generate each session's `prefix_len` tokens. All or nothing: a bad request or too few free
+        slots raises before any session is created."""
+        self._check_batch(requests, caption_emb)
+        for r in requests:
+            if r.session_id in self.sessions:
+                raise SessionError(f"session {r.session_id!r} is already open")
+        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
+        return self._run([self.submit_open(r, *_caption(caption_emb, caption_mask, i))
+                          for i, r in enumerate(requests)])
 
-    # ------------------------------------------------------------------ verify: catch-up + span, batched
-    @torch.no_grad()
+    def resume_batch(self, requests: list[OpenRequest], histories: list[torch.Tensor],
+                     caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
+                     injected: list[InjectedFeatures | None] | None = None) -> list[OpenReply]:
+        """Re-create sessions from the device's committed tokens `histories[i]` ([c_i] int64, c_i may be 0): encode
+        the captions (or take `caption_emb` / `caption_mask` as `open_batch`), prefill, feed history[:-1] (with
+        `injected[i]`'s projected interval features added where the original verifications added them), and leave
+        each session exactly as the cache invariant says after c_i committed tokens (the prefill logits kept when
+        c_i = 0). `prefix_len` is ignored (no tokens are generated); a session id that is still open (a stale copy)
+        is closed first. -> OpenReplies with empty `prefix_tokens`, the caption only if `want_caption`, and
+        `forward_passes` = the session's forwards (prefill, + 1 if c_i >= 2, when nothing is chunked)."""
+        if len(histories) != len(requests):
+            raise SessionError(f"{len(requests)} requests but {len(histories)} histories")
+        injected = list(injected) if injected is not None else [None] * len(requests)
+        if len(injected) != len(requests):
+            raise SessionError(f"{len(requests)} requests but {len(injected)} injected-feature entries")
+        self._check_batch(requests, caption_emb)
+        works = [ResumeWork(self, r, h, inj, *_caption(caption_emb, caption_mask, i))
+                 for i, (r, h, inj) in enumerate(zip(requests, histories, injected))]
+        for r in requests:  # stale copies of the same sessions
+            self.close(r.session_id)
+        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
+        return self._run([self.engine.submit(w) for w in works])
+
     def verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyReply]:
-        t0 = time.perf_counter()
-        c = self.config
-        sessions = [self._session(r.session_id) for r in requests]
+        """Catch-up + span of many sessions: one forward (when the engine's budget holds them all), one judge."""
         if len({r.session_id for r in requests}) != len(requests):
             raise SessionError("duplicate session ids in one verification batch")
-        feeds, starts = [], []
-        for r, s in zip(requests, sessions):
-            k, m = int(r.draft_tokens.numel()), int(r.new_tokens.numel())
-            if r.draft_probs.shape[0] != k or (k and r.draft_probs.shape[-1] != self.vocab_size):
-                raise SessionError(f"draft_probs must be [{k}, {self.vocab_size}], got {tuple(r.draft_probs.shape)}")
-            if isinstance(r.burst, bool) or not isinstance(r.burst, int) or r.burst < 0:
-                raise SessionError(f"burst must be an integer >= 0, got {r.burst!r}")
-            if not 0.0 <= float(r.burst_entropy) <= 1.0:
-                raise SessionError(f"burst_entropy must be in [0, 1], got {r.burst_entropy!r}")
-            if len(s.tokens) + m + k > c.block_size:
-                raise SessionError(f"session {r.session_id!r}: {len(s.tokens)} committed + {m} new + {k} drafts "
-                                   f"exceeds the {c.block_size} image tokens")
-            for t in (r.new_tokens, r.draft_tokens):
-                if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
-                    raise SessionError(f"token ids must be in [0, {self.vocab_size})")
-            fed = max(len(s.tokens) - 1, 0)
-            feed = s.tokens[fed:] + r.new_tokens.tolist() + r.draft_tokens.tolist()
-            feeds.append(feed)
-            starts.append(fed)
+        works = [VerifyWork(self, r) for r in requests]
+        for w in works:
+            w.check_state()  # all or nothing: raise before anything is queued
+        return self._run([self.engine.submit(w) for w in works])
 
-        # one ragged forward; the new tokens' projected interval features are added to their embeddings
-        rows_of = self._rows_of(sessions, by_slot=True)
-        extras = None
-        if self.projector is not None and any(r.device_hidden is not None for r in requests):
-            extras = []
-            for i, (r, s) in enumerate(zip(requests, sessions)):
-                if r.device_hidden is not None and r.new_tokens.numel():
-                    off = len(s.tokens) - starts[i]  # new tokens follow the committed-but-unfed ones
-                    add = self.projector(r.device_hidden.to(self.device), r.features.to(self.device))  # [m, dim]
-                    extras.append((torch.arange(off, off + int(r.new_tokens.numel())), add))
-                else:
-                    extras.append(None)
-        logits, hidden = self._ragged_decode(sessions, feeds, starts, rows_of, extras)  # [rows, width, V|dim]
+    def _check_batch(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None) -> None:
+        if len({r.session_id for r in requests}) != len(requests):
+            raise SessionError("duplicate session ids in one batch")
+        if caption_emb is not None and caption_emb.shape[0] != len(requests):
+            raise SessionError(f"{len(requests)} requests but {caption_emb.shape[0]} caption embeddings")
 
-        replies = []
-        now = time.monotonic()
-        for i, (r, s) in enumerate(zip(requests, sessions)):
-            k, m = int(r.draft_tokens.numel()), int(r.new_tokens.numel())
-            c_new = len(s.tokens) + m  # committed count once the new tokens are in
-            # target distribution j (j = 0..k) sits at the output after feeding token c_new - 1 + j
-            first = c_new - 1 - starts[i]
-            rows = rows_of[i]
-            if c_new == 0:  # nothing committed: p_1 comes from the prefill
-                tgt_logits = torch.cat([s.first_logits.unsqueeze(1), logits[rows, :k]], dim=1) if k \
-                    else s.first_logits.unsqueeze(1)
-                tgt_hidden = None
-            else:
-                tgt_logits = logits[rows, first:first + k + 1]  # [rows, k+1, V]
-                tgt_hidden = hidden[rows[0], first:first + k + 1]
-            p = self._probs(s, tgt_logits)  # [k+1, V]
-            s.generator.manual_seed(position_seed(s.seed, len(s.tokens)))  # draws keyed by (seed, position)
-            out = self._judge(s, r, p, tgt_hidden)
-            n, z = int(out.num_accepted[0]), int(out.next_token[0])
-            s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
-            s.first_logits = None
-            s.last_used = now
-            self.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
-            replies.append((r.session_id, n, z, bool(out.recovered[0])))
-        bursts, steps = self._burst(requests, sessions, [rec for *_, rec in replies])
-        seconds = time.perf_counter() - t0
-        return [VerifyReply(sid, n, z, rec, seconds, len(requests), forward_passes=1 + st,
-                            burst_tokens=torch.tensor(b, dtype=torch.long) if b else None, vocab_size=self.vocab_size)
-                for (sid, n, z, rec), b, st in zip(replies, bursts, steps)]
 
-    def _burst(self, requests: list[VerifyRequest], sessions: list[_Session], recovered: list[bool]
-               ) -> tuple[list[list[int]], int]:
-        """Cloud burst: after a rejection (the reply's next token was recovered), the session's cloud keeps sampling
-        up to `request.burst` tokens itself, one batched step for every bursting session of this batch per token,
-        stopping a session early when its next distribution's normalised entropy falls to `burst_entropy` or below
-        (the device can take over there) or at the last image token. Draws continue the session's generator after
-        the acceptance rule's, so they depend only on (seed, position, inputs). Leaves the cache invariant intact
-        (the last burst token committed, not fed). -> (burst tokens per request, burst forwards per request)."""
-        c = self.config
-        out: list[list[int]] = [[] for _ in requests]
-        steps = [0] * len(requests)
-        live = [i for i, (r, s, rec) in enumerate(zip(requests, sessions, recovered))
-                if rec and r.burst > 0 and len(s.tokens) < c.block_size]
-        while live:
-            sub = [sessions[i] for i in live]
-            rows_of = self._rows_of(sub, by_slot=True)
-            logits, _ = self._ragged_decode(sub, [[s.tokens[-1]] for s in sub], [len(s.tokens) - 1 for s in sub],
-                                            rows_of)
-            still = []
-            for j, i in enumerate(live):
-                s, r = sessions[i], requests[i]
-                steps[i] += 1
-                p = self._probs(s, logits[rows_of[j], -1])  # [V]
-                if r.burst_entropy > 0 and float(entropy_score(p.unsqueeze(0))[0]) <= r.burst_entropy:
-                    continue  # confident cloud: hand back to the device (this step's forward is spent)
-                s.tokens.append(int(sample(p.unsqueeze(0), s.generator)[0]))
-                out[i].append(s.tokens[-1])
-                self.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
-                if len(out[i]) < r.burst and len(s.tokens) < c.block_size:
-                    still.append(i)
-            live = still
-        return out, steps
+def _caption(emb: torch.Tensor | None, mask: torch.Tensor | None, i: int):
+    return (None if emb is None else emb[i], None if mask is None else mask[i])
 
-    def _judge(self, s: _Session, r: VerifyRequest, p: torch.Tensor, tgt_hidden: torch.Tensor | None):
-        k = int(r.draft_tokens.numel())
-        rule = s.rule
-        kwargs = {}
-        if rule.rule == "lantern":
-            kwargs["neighbors"] = self._neighbor_table(rule.lantern_k)
-            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
-        elif rule.rule == "cascade":
-            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
-            kwargs["target_hidden"] = None if tgt_hidden is None else tgt_hidden.unsqueeze(0)
-            kwargs["token_embeddings"] = self.cloud.output.weight
-        q = draft_distribution(r.draft_probs.to(self.device)).reshape(1, k, -1) if k else \
-            torch.zeros(1, 0, self.vocab_size, device=self.device)
-        return verify_span(rule.rule, r.draft_tokens.to(self.device).reshape(1, k), q, p.unsqueeze(0),
-                           s.generator, **kwargs)
+
+# ---------------------------------------------------------------------- the verifier's works (ciar.collab.engine)
+class OpenWork(Work):
+    """An open: prefill chunks, then `prefix_len` tokens sampled one decode step at a time (a cloud-only image is
+    an open with prefix_len = N)."""
+
+    def __init__(self, v: CloudVerifier, request: OpenRequest, caption_emb=None, caption_mask=None):
+        super().__init__(request.session_id)
+        self.v, self.request = v, request
+        self.caption_emb, self.caption_mask = caption_emb, caption_mask
+        c = v.config
+        if v.text is None and caption_emb is None:
+            raise SessionError("this verifier has no text encoder: pass caption embeddings")
+        if not 0 <= request.prefix_len <= c.block_size:
+            raise SessionError(f"prefix_len must be in [0, {c.block_size}], got {request.prefix_len}")
+        request.sampling.validate()
+        self.s: _Session | None = None
+        self.cond: torch.Tensor | None = None  # [rows, cls, dim] embedded condition
+        self.cond_pos = 0  # condition positions fed
+
+    @property
+    def slots(self) -> list[int]:
+        return self.s.slots
+
+    @property
+    def rows(self) -> int:
+        return len(self.s.slots)
+
+    def admit(self) -> None:
+        if self.session_id in self.v.sessions:
+            raise SessionError(f"session {self.session_id!r} is already open")
+        self.s = self.v._take_slots(self.request)
+        self.s.work = self
+
+    def release(self) -> None:
+        """Undo `admit` (the caption could not be encoded)."""
+        self.v.close(self.session_id, cancel=False)
+
+    def kind(self) -> int:
+        return PREFILL if self.cond_pos < self.v.config.cls_token_num else DECODE
+
+    def next_piece(self, limit: int) -> Piece | None:
+        cls = self.v.config.cls_token_num
+        if self.cond_pos < cls:
+            n = min(limit, cls - self.cond_pos)
+            return Piece(self, self.cond_pos, n, emb=self.cond[:, self.cond_pos:self.cond_pos + n],
+                         want=[n - 1] if self.cond_pos + n == cls else [])
+        return Piece(self, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
+
+    def take(self, piece: Piece, logits, hidden) -> None:
+        if piece.emb is not None:
+            self.cond_pos += piece.n
+            self.v.cache.set_length(self.s.slots, self.cond_pos)
+            if self.cond_pos < self.v.config.cls_token_num:
+                return
+            self.cond = None
+            self.prefilled(logits[:, 0])
+        else:
+            self.s.tokens.append(self.v._sample(self.s, logits[:, 0]))
+        if len(self.s.tokens) >= self.request.prefix_len:
+            self.complete()
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """The first image token's logits [rows, V] are known."""
+        if self.request.prefix_len == 0:
+            self.s.first_logits = logits.clone()
+        else:
+            self.s.tokens.append(self.v._sample(self.s, logits))
+
+    def reply_tokens(self) -> list[int]:
+        return self.s.tokens
+
+    def complete(self) -> None:
+        c = self.v.config
+        self.v.cache.set_length(self.s.slots, c.cls_token_num + max(len(self.s.tokens) - 1, 0))
+        self.s.work = None
+        self.s.last_used = time.monotonic()
+        r = self.request
+        tokens = self.reply_tokens()
+        emb, mask = self.caption_emb, self.caption_mask
+        self.finish(OpenReply(
+            r.session_id, torch.tensor(tokens, dtype=torch.long),
+            emb.detach().to("cpu", torch.float16) if r.want_caption else None,
+            (mask.detach().cpu() if mask is not None else torch.ones(emb.shape[0], dtype=torch.bool))
+            if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size))
+
+
+class ResumeWork(OpenWork):
+    """A resume: prefill chunks, then the history's committed tokens (all but the last) fed in chunks with their
+    injected interval features; nothing is sampled."""
+
+    def __init__(self, v: CloudVerifier, request: OpenRequest, history, injected: InjectedFeatures | None,
+                 caption_emb=None, caption_mask=None):
+        c = v.config
+        h = torch.as_tensor(history)
+        if h.dim() != 1 or (h.numel() and h.is_floating_point()):
+            raise SessionError(f"session {request.session_id!r}: history must be a 1-D tensor of token ids")
+        if h.numel() > c.block_size:
+            raise SessionError(f"session {request.session_id!r}: history of {h.numel()} tokens exceeds the "
+                               f"{c.block_size} image tokens")
+        if h.numel() and (int(h.min()) < 0 or int(h.max()) >= v.vocab_size):
+            raise SessionError(f"token ids must be in [0, {v.vocab_size})")
+        if injected is not None:
+            n = int(injected.positions.numel())
+            if injected.device_hidden.shape[0] != n or injected.features.shape[0] != n:
+                raise SessionError(f"session {request.session_id!r}: injected features need one row per position")
+            if n and (int(injected.positions.min()) < 0 or int(injected.positions.max()) >= h.numel() - 1):
+                raise SessionError(f"session {request.session_id!r}: injected positions must index history[:-1]")
+        super().__init__(v, replace(request, prefix_len=0), caption_emb, caption_mask)
+        self.history = h.long().tolist()
+        self.injected = injected
+        self.extras: dict[int, torch.Tensor] = {}
+        self.fed = 0  # history tokens fed
+
+    def admit(self) -> None:
+        self.v.close(self.session_id)  # a stale copy of the same session
+        super().admit()
+        self.s.tokens = list(self.history)
+        inj = self.injected
+        if self.v.projector is not None and inj is not None and inj.positions.numel():
+            add = self.v.projector(inj.device_hidden.to(self.v.device), inj.features.to(self.v.device))
+            self.extras = {int(p): add[i] for i, p in enumerate(inj.positions.tolist())}
+
+    def kind(self) -> int:
+        return PREFILL if self.cond_pos < self.v.config.cls_token_num else HISTORY
+
+    def reply_tokens(self) -> list[int]:
+        return []  # a resume generates nothing
+
+    def next_piece(self, limit: int) -> Piece | None:
+        if self.cond_pos < self.v.config.cls_token_num:
+            return super().next_piece(limit)
+        feed = self.history[:-1]
+        n = min(limit, len(feed) - self.fed)
+        a = self.fed
+        return Piece(self, self.v.config.cls_token_num + a, n, tokens=feed[a:a + n],
+                     extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras])
+
+    def take(self, piece: Piece, logits, hidden) -> None:
+        if piece.emb is not None:
+            self.cond_pos += piece.n
+            self.v.cache.set_length(self.s.slots, self.cond_pos)
+            if self.cond_pos < self.v.config.cls_token_num:
+                return
+            self.cond = None
+            if not self.history:
+                self.s.first_logits = logits[:, 0].clone()
+        else:
+            self.fed += piece.n
+        if self.fed >= len(self.history) - 1:
+            self.complete()
+
+
+class VerifyWork(Work):
+    """A verification: its feed (committed-but-unfed token, new tokens, drafts) in one piece or chunks, one judge
+    (batched with the step's other spans), then cloud-burst tokens one decode step at a time."""
+
+    def __init__(self, v: CloudVerifier, r: VerifyRequest):
+        super().__init__(r.session_id)
+        self.v, self.request = v, r
+        k, m = int(r.draft_tokens.numel()), int(r.new_tokens.numel())
+        if r.draft_probs.shape[0] != k or (k and r.draft_probs.shape[-1] != v.vocab_size):
+            raise SessionError(f"draft_probs must be [{k}, {v.vocab_size}], got {tuple(r.draft_probs.shape)}")
+        if isinstance(r.burst, bool) or not isinstance(r.burst, int) or r.burst < 0:
+            raise SessionError(f"burst must be an integer >= 0, got {r.burst!r}")
+        if not 0.0 <= float(r.burst_entropy) <= 1.0:
+            raise SessionError(f"burst_entropy must be in [0, 1], got {r.burst_entropy!r}")
+        for t in (r.new_tokens, r.draft_tokens):
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v.vocab_size):
+                raise SessionError(f"token ids must be in [0, {v.vocab_size})")
+        self.k, self.m = k, m
+        self.s: _Session | None = None
+        self.phase = "feed"  # feed -> judge -> (burst) -> done
+        self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.burst_tokens: list[int] = []
+        self.outcome: tuple[int, int, bool, int] | None = None
+
+    @property
+    def slots(self) -> list[int]:
+        return self.s.slots
+
+    @property
+    def rows(self) -> int:
+        return len(self.s.slots)
+
+    def check_state(self) -> _Session:
+        s = self.v._session(self.session_id)
+        if s.work is not None:
+            raise SessionError(f"session {self.session_id!r} has a request in flight")
+        if len(s.tokens) + self.m + self.k > self.v.config.block_size:
+            raise SessionError(f"session {self.session_id!r}: {len(s.tokens)} committed + {self.m} new + {self.k} "
+                               f"drafts exceeds the {self.v.config.block_size} image tokens")
+        return s
+
+    def admit(self) -> None:
+        s = self.s = self.check_state()
+        s.work = self
+        r, v = self.request, self.v
+        self.start = max(len(s.tokens) - 1, 0)  # image index of the feed's first token
+        self.feed = s.tokens[self.start:] + r.new_tokens.tolist() + r.draft_tokens.tolist()
+        self.c_new = len(s.tokens) + self.m
+        first = self.c_new - 1 - self.start  # target j sits at the output after feed entry first + j
+        self.want = [first + j for j in range(self.k + 1)]
+        self.extras: dict[int, torch.Tensor] = {}
+        if v.projector is not None and r.device_hidden is not None and self.m:
+            add = v.projector(r.device_hidden.to(v.device), r.features.to(v.device))  # [m, dim]
+            off = len(s.tokens) - self.start  # new tokens follow the committed-but-unfed ones
+            self.extras = {off + i: add[i] for i in range(self.m)}
+        self.fed = 0
+        if not self.feed:
+            self.phase = "judge"
+
+    def kind(self) -> int:
+        return DECODE if self.phase == "burst" else SPAN
+
+    def next_piece(self, limit: int) -> Piece | None:
+        cls = self.v.config.cls_token_num
+        if self.phase == "burst":
+            return Piece(self, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
+        if self.phase != "feed":
+            return None
+        a = self.fed
+        n = min(limit, len(self.feed) - a)
+        return Piece(self, cls + self.start + a, n, tokens=self.feed[a:a + n],
+                     extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras],
+                     want=[i - a for i in self.want if a <= i < a + n])
+
+    def take(self, piece: Piece, logits, hidden) -> None:
+        if self.phase == "burst":
+            self.burst_step(logits[:, 0])
+            return
+        for j, i in enumerate(piece.want):
+            self.got[piece.start - self.v.config.cls_token_num - self.start + i] = (logits[:, j], hidden[j])
+        self.fed += piece.n
+        if self.fed >= len(self.feed):
+            self.phase = "judge"
+
+    def target_logits(self) -> torch.Tensor:
+        """[rows, k+1, V]: the distributions the drafts and the next token are judged by."""
+        return torch.stack([self.s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
+
+    def target_hidden(self) -> torch.Tensor | None:
+        if any(i < 0 for i in self.want):
+            return None
+        return torch.stack([self.got[i][1] for i in self.want])
+
+    def commit(self, n: int, z: int, recovered: bool, judged: int) -> None:
+        """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection, else reply."""
+        s, r, c = self.s, self.request, self.v.config
+        s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
+        s.first_logits = None
+        self.got = {}
+        self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
+        self.outcome = (n, z, recovered, judged)
+        if recovered and r.burst > 0 and len(s.tokens) < c.block_size:
+            self.phase = "burst"
+        else:
+            self.complete()
+
+    def burst_step(self, logits: torch.Tensor) -> None:
+        """Cloud burst: after a rejection the session's cloud samples up to `burst` more tokens itself, stopping
+        early when its next distribution's normalised entropy falls to `burst_entropy` or below (the device can
+        take over there; that step's forward is spent) or at the last image token. Draws continue the session's
+        generator after the acceptance rule's, so they depend only on (seed, position, inputs)."""
+        s, r, c = self.s, self.request, self.v.config
+        p = self.v._probs(s, logits)  # [V]
+        if r.burst_entropy > 0 and float(entropy_score(p.unsqueeze(0))[0]) <= r.burst_entropy:
+            self.complete()
+            return
+        s.tokens.append(int(sample(p.unsqueeze(0), s.generator)[0]))
+        self.burst_tokens.append(s.tokens[-1])
+        self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
+        if len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
+            self.complete()
+
+    def complete(self) -> None:
+        self.s.work = None
+        self.s.last_used = time.monotonic()
+        n, z, rec, judged = self.outcome
+        b = self.burst_tokens
+        self.finish(VerifyReply(self.session_id, n, z, rec, self.seconds, judged, forward_passes=max(self.passes, 1),
+                                burst_tokens=torch.tensor(b, dtype=torch.long) if b else None,
+                                vocab_size=self.v.vocab_size))
 
 
 class InProcessCloud:

@@ -1,0 +1,176 @@
+"""Recorded device sessions, replayed against a verifier without running any device model (trace-driven phones).
+
+    recorder = TracingClient(InProcessCloud(verifier))          # any CloudClient
+    CollabDecoder(device, recorder, config, sampling).generate(prompt, seed, session_id="s0")
+    traces = recorder.sessions                                  # [SessionTrace]: every request, reply, device gap
+    save_traces(traces, "ciar.traces.pt")
+
+    cloud = AsyncVerifierClient(verifier)                       # or a Serve-handle client (loadtests.capacity)
+    result = await replay_session(traces[0], cloud, "phone-17", NetworkModel("5g", seed=17))
+
+A trace keeps what the cloud saw of one image: the OpenRequest, then per exchange the device compute before it
+(seconds measured between the previous reply and this request), the VerifyRequest exactly as sent (new tokens,
+drafts, float16 draft distributions, interval features), and the reply (accepted count, next token, burst
+tokens). A cloud-only image (the decoder's "cloud" method) is an open with prefix_len = N and no exchanges.
+
+Replay sends the same requests under a fresh session id, sleeping the recorded device time and the link's
+simulated up/down transfer of each message's bytes (`ciar.collab.network.NetworkModel`). The verifier's draws are
+keyed by (seed, position), so the replayed replies equal the recorded ones whatever else the verifier is doing;
+`replay_session` checks this (a mismatch means the verifier changed or floating-point batching effects flipped a
+sample, and is counted, not hidden). One box can so drive hundreds of concurrent phones: replaying costs a sleep
+and a message per exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ciar.collab.network import NetworkModel
+from ciar.collab.protocol import OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.verifier import SessionError
+
+
+@dataclass
+class TraceStep:
+    device_s: float  # device compute between the previous reply and this request
+    request: VerifyRequest
+    num_accepted: int
+    next_token: int
+    burst_tokens: list[int]
+
+
+@dataclass
+class SessionTrace:
+    open: OpenRequest
+    prefix_tokens: list[int]
+    open_bytes: tuple[int, int]  # (request, reply) bytes
+    steps: list[TraceStep] = field(default_factory=list)
+    tail_device_s: float = 0.0  # device compute after the last reply (local tokens, decoding the image)
+    vocab_size: int = 0
+
+
+class TracingClient:
+    """A CloudClient that records every session it carries (`sessions`, in order of opening)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.sessions: list[SessionTrace] = []
+        self._live: dict[str, SessionTrace] = {}
+        self._last: dict[str, float] = {}
+
+    def _gap(self, sid: str) -> float:
+        now = time.perf_counter()
+        return max(0.0, now - self._last.get(sid, now))
+
+    def open(self, request: OpenRequest) -> OpenReply:
+        reply = self.inner.open(request)
+        t = SessionTrace(request, reply.prefix_tokens.tolist(), (request.nbytes(), reply.nbytes()),
+                         vocab_size=self.vocab_size)
+        self.sessions.append(t)
+        self._live[request.session_id] = t
+        self._last[request.session_id] = time.perf_counter()
+        return reply
+
+    def verify(self, request: VerifyRequest) -> VerifyReply:
+        sid = request.session_id
+        gap = self._gap(sid)
+        reply = self.inner.verify(request)
+        if sid in self._live:
+            self._live[sid].steps.append(TraceStep(gap, request, reply.num_accepted, reply.next_token,
+                                                   reply.burst_tokens.tolist() if reply.num_burst else []))
+        self._last[sid] = time.perf_counter()
+        return reply
+
+    def resume(self, request, history, injected=None):
+        return self.inner.resume(request, history, injected)
+
+    def close(self, session_id: str) -> None:
+        t = self._live.pop(session_id, None)
+        if t is not None:
+            t.tail_device_s = self._gap(session_id)
+        self._last.pop(session_id, None)
+        self.inner.close(session_id)
+
+
+def save_traces(traces: list[SessionTrace], path: str) -> None:
+    torch.save({"version": 1, "traces": traces}, path)
+
+
+def load_traces(path: str) -> list[SessionTrace]:
+    blob = torch.load(path, weights_only=False)  # our own file: dataclasses of tensors
+    if blob.get("version") != 1:
+        raise ValueError(f"{path}: not a trace file of this version")
+    return blob["traces"]
+
+
+class AsyncVerifierClient:
+    """The async replay interface over a `CloudVerifier` in this process (its engine stepped by an
+    `AsyncStepper`): open / verify / close, as a Serve handle offers them."""
+
+    def __init__(self, verifier, wait_s: float = 0.0):
+        from ciar.collab.engine import AsyncStepper
+
+        self.verifier = verifier
+        self.stepper = AsyncStepper(verifier.engine, wait_s)
+
+    async def open(self, request: OpenRequest) -> OpenReply:
+        return await self.stepper.run(self.verifier.submit_open(request))
+
+    async def verify(self, request: VerifyRequest) -> VerifyReply:
+        return await self.stepper.run(self.verifier.submit_verify(request))
+
+    async def close(self, session_id: str) -> None:
+        self.verifier.close(session_id)
+
+
+@dataclass
+class ReplayResult:
+    session_id: str
+    latency_s: float  # wall time from the open's send to the image's last token (device tail included)
+    exchanges: int  # cloud requests (open + verifications)
+    forward_passes: int  # cloud forwards the session's requests took part in
+    mismatches: int  # replies that differ from the recorded ones
+    cloud_s: float
+
+
+async def replay_session(trace: SessionTrace, cloud, session_id: str, net: NetworkModel | None = None,
+                         device_scale: float = 1.0) -> ReplayResult:
+    """Replay one recorded session under `session_id` against `cloud` (async open / verify / close)."""
+    t0 = time.perf_counter()
+
+    async def link(nbytes: int) -> None:
+        if net is not None:
+            await asyncio.sleep(net.transmit(nbytes)[0])
+
+    await link(trace.open_bytes[0])
+    reply = await cloud.open(replace(trace.open, session_id=session_id))
+    await link(trace.open_bytes[1])
+    mismatches = int(reply.prefix_tokens.tolist() != trace.prefix_tokens)
+    passes, cloud_s = reply.forward_passes, reply.cloud_s
+    for i, step in enumerate(trace.steps):
+        if step.device_s * device_scale > 0:
+            await asyncio.sleep(step.device_s * device_scale)
+        req = replace(step.request, session_id=session_id)
+        await link(req.nbytes(trace.vocab_size))
+        try:
+            rep = await cloud.verify(req)
+        except SessionError:  # an earlier mismatch moved the session off its recorded course: stop here
+            if not mismatches:
+                raise
+            mismatches += len(trace.steps) - i
+            break
+        await link(rep.nbytes())
+        got = (rep.num_accepted, rep.next_token, rep.burst_tokens.tolist() if rep.num_burst else [])
+        mismatches += int(got != (step.num_accepted, step.next_token, step.burst_tokens))
+        passes += rep.forward_passes
+        cloud_s += rep.cloud_s
+    if trace.tail_device_s * device_scale > 0:
+        await asyncio.sleep(trace.tail_device_s * device_scale)
+    latency = time.perf_counter() - t0
+    await cloud.close(session_id)
+    return ReplayResult(session_id, latency, 1 + len(trace.steps), passes, mismatches, cloud_s)

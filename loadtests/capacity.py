@@ -1,0 +1,284 @@
+"""Capacity of one verifier replica: how many phones it serves at a latency SLO, with CIAR and with cloud-only.
+
+    python -m loadtests.capacity --out runs/capacity [--slo-p99-s 5] [--phones 1,2,4,8,16,32] [--duration 20]
+        [--traces 12] [--network 5g] [--world FILE | --weights DIR]
+
+1. Record (in this process, no Ray): the world's cloud and device generate `--traces` images with CIAR (the
+   device file's calibrated defaults: gate, tau, burst) and `--traces` with cloud-only, through
+   `ciar.collab.trace.TracingClient`: every request as sent, every reply, the device compute between them.
+2. Serve: ONE `Verifier` replica (the application's deployment alone, its session-affine router), started as
+   `benchmarks.serving` starts it, with the engine settings of `serve_config.yaml` unless overridden.
+3. Ramp: at each load L of `--phones`, L trace-driven phones run at once for `--duration` seconds, each replaying
+   recorded images back to back under fresh session ids through the deployment handle (the same protocol and
+   calls as the Device deployment): the recorded device compute is slept, and each message waits for its simulated
+   up/down transfer (`ciar.collab.network`, one seeded link per phone). CIAR first, then cloud-only, at the same
+   L on the same replica. A method stops ramping once its p99 passes twice the SLO.
+4. Report `OUT/capacity.json` and `OUT/capacity.png`: per point images/s, image latency p50/p95/p99, verifier
+   forwards per image, the batch-size histogram, cloud token positions per image by kind (spans, one-token
+   decodes, resumed histories; prefill excluded), replay mismatches; and the headline: the largest load whose p99
+   holds the SLO per method, **phones per replica at the SLO, CIAR / cloud-only**, with the cloud positions and
+   sequential cloud passes per image of each method.
+
+Every phone starts at once and keeps its session count constant; images that finish inside the measuring window
+(after `--warmup`) count, whenever they started; phones drain their last image afterwards. What is measured is the
+replica: the phones cost the driver a sleep and a message per exchange. `padding` is the share of the forwards'
+padded positions (rows x width) that held no real token: the price of one dense ragged batch per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+METHODS = ("ciar", "cloud")
+
+
+def record(args) -> dict[str, list]:
+    """Record `args.traces` sessions per method with the world's models, in this process."""
+    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.collab.trace import TracingClient
+    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.collab.calibration import val_prompts
+    from ciar.world import load_world
+    from ciar.world_spec import world_from_args
+
+    torch.set_num_threads(args.threads)
+    world = load_world(world_from_args(args))
+    prompts = val_prompts(args.traces, seed=args.seed)  # val captions: never the held-out evaluation ones
+    out = {}
+    for method in METHODS:
+        verifier = CloudVerifier(world.cloud, world.text, max_sessions=2, projector=world.projector,
+                                 codebook=world.codebook)
+        rec = TracingClient(InProcessCloud(verifier))
+        dec = CollabDecoder(world.device_model, rec, method_config(method, network="none"), world.sampling)
+        for i, prompt in enumerate(prompts):
+            dec.generate(prompt, seed=args.seed + i, session_id=f"{method}-{i}")
+        out[method] = rec.sessions
+        print(f"recorded {len(rec.sessions)} {method} sessions: {np.mean([1 + len(t.steps) for t in rec.sessions]):.1f}"
+              f" cloud requests per image")
+    return out
+
+
+class HandleClient:
+    """Replay client over the Verifier deployment handle (what `services.device.RayCloudClient` calls, async)."""
+
+    def __init__(self, handle, device_id: str):
+        self.h, self.device_id, self.tokens = handle, device_id, {}
+
+    async def open(self, request):
+        sid = request.session_id
+        reply, self.tokens[sid] = await self.h.open.remote(request, session_id=sid, device_id=self.device_id)
+        return reply
+
+    async def verify(self, request):
+        sid = request.session_id
+        return await self.h.verify.remote(request, session_id=sid, device_id=self.device_id,
+                                          token=self.tokens[sid])
+
+    async def close(self, session_id: str) -> None:
+        await self.h.close.remote(session_id=session_id, device_id=self.device_id,
+                                  token=self.tokens.pop(session_id, ""))
+
+
+async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
+    from ciar.collab.network import NetworkModel
+    from ciar.collab.trace import replay_session
+
+    state = {"measuring": False, "stop": False}
+    done: list = []
+    errors: list[str] = []
+
+    async def phone(k: int) -> None:
+        client = HandleClient(handle, f"{tag}-phone{k}")
+        net = NetworkModel(args.network, seed=1000 * phones + k) if args.network != "none" else None
+        n = 0
+        while not state["stop"]:
+            trace = traces[(k + n * phones) % len(traces)]
+            try:
+                r = await replay_session(trace, client, f"{tag}-{phones}-{k}-{n}", net)
+            except Exception as e:  # noqa: BLE001 - counted, the phone goes on
+                errors.append(f"{type(e).__name__}: {e}"[:200])
+                r = None
+            n += 1
+            if r is not None and state["measuring"]:  # finished inside the window (at full load since warm-up)
+                done.append(r)
+
+    tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
+    await asyncio.sleep(args.warmup)
+    base = await handle.stats.remote()
+    state["measuring"] = True
+    t0 = time.perf_counter()
+    await asyncio.sleep(args.duration)
+    state["measuring"] = False
+    seconds = time.perf_counter() - t0
+    after = await handle.stats.remote()
+    state["stop"] = True
+    await asyncio.gather(*tasks)
+    lat = [r.latency_s for r in done]
+    hist = {k: v - base["batch_size_hist"].get(k, 0) for k, v in after["batch_size_hist"].items()}
+    hist = {k: v for k, v in hist.items() if v}
+    forwards = after["forwards"] - base["forwards"]
+    images = len(done)
+    pos = {k: (after["positions_by_kind"][k] - base["positions_by_kind"].get(k, 0)) / images if images else None
+           for k in after["positions_by_kind"]}
+    padded = after["padded_positions"] - base["padded_positions"]
+    real = after["real_positions"] - base["real_positions"]
+    return {
+        "phones": phones, "images": images, "seconds": seconds, "images_per_s": images / seconds,
+        "latency_s": {q: float(np.percentile(lat, int(q[1:]))) if lat else None for q in ("p50", "p95", "p99")},
+        "verifier_forwards_per_image": forwards / images if images else None,
+        "cloud_passes_per_image": float(np.mean([r.forward_passes for r in done])) if done else None,
+        "cloud_requests_per_image": float(np.mean([r.exchanges for r in done])) if done else None,
+        "cloud_positions_per_image": pos,
+        "batch_size_hist": hist,
+        "mean_batch_size": sum(int(k) * v for k, v in hist.items()) / sum(hist.values()) if hist else None,
+        "padding": 1.0 - real / padded if padded else None,
+        "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
+    }
+
+
+def image_positions(point: dict) -> float | None:
+    """Cloud image-token positions per image (spans + decodes + histories; the prefill is the same for both)."""
+    pos = point["cloud_positions_per_image"]
+    if any(pos.get(k) is None for k in ("span", "decode", "history")):
+        return None
+    return pos["span"] + pos["decode"] + pos["history"]
+
+
+def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup: dict) -> dict:
+    def at_slo(pts):
+        ok = [p["phones"] for p in pts if p["images"] and p["latency_s"]["p99"] is not None
+              and p["latency_s"]["p99"] <= slo and not p["errors"]]
+        return max(ok) if ok else 0
+
+    def first(pts, fn):
+        vals = [fn(p) for p in pts if p["images"]]
+        vals = [v for v in vals if v is not None]
+        return vals[0] if vals else None
+
+    phones = {m: at_slo(points[m]) for m in METHODS}
+    return {
+        "slo_p99_s": slo,
+        "phones_at_slo": phones,
+        "ratio": phones["ciar"] / phones["cloud"] if phones["cloud"] else None,
+        "cloud_positions_per_image": {m: first(points[m], image_positions) for m in METHODS},
+        "cloud_passes_per_image": {m: first(points[m], lambda p: p["cloud_passes_per_image"]) for m in METHODS},
+        "cloud_requests_per_image": {m: first(points[m], lambda p: p["cloud_requests_per_image"]) for m in METHODS},
+        "accelerator": accelerator,
+        "points": [dict(p, method=m) for m in METHODS for p in points[m]],
+        "setup": setup,
+    }
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for m, style in zip(METHODS, ("o-", "s--")):
+        pts = [p for p in result["points"] if p["method"] == m and p["images"]]
+        x = [p["phones"] for p in pts]
+        axes[0].plot(x, [p["latency_s"]["p99"] for p in pts], style, label=f"{m} p99")
+        axes[0].plot(x, [p["latency_s"]["p50"] for p in pts], style, alpha=0.4, label=f"{m} p50")
+        axes[1].plot(x, [p["images_per_s"] for p in pts], style, label=m)
+        axes[2].plot(x, [p["mean_batch_size"] for p in pts], style, label=m)
+    axes[0].axhline(result["slo_p99_s"], color="k", lw=0.8, ls=":", label="SLO")
+    for ax, title in zip(axes, ("image latency (s)", "images / s", "works per forward")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent phones")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    r = result
+    fig.suptitle(f"one verifier replica ({r['accelerator']}): phones at p99 <= {r['slo_p99_s']} s: "
+                 f"CIAR {r['phones_at_slo']['ciar']}, cloud-only {r['phones_at_slo']['cloud']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ciar.world_spec import add_world_arguments
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_world_arguments(ap)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--slo-p99-s", type=float, default=5.0, help="image latency SLO (p99, seconds)")
+    ap.add_argument("--phones", default="1,2,4,8,16,32", help="loads (concurrent phones), comma-separated")
+    ap.add_argument("--duration", type=float, default=20.0, help="measuring window per load (s)")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--traces", type=int, default=12, help="recorded images per method")
+    ap.add_argument("--network", default="5g")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the recording and of the replica")
+    ap.add_argument("--verifier-cpus", type=float, default=1.0)
+    ap.add_argument("--verifier", default="{}", help="Verifier user_config as JSON (default: serve_config.yaml's)")
+    args = ap.parse_args(argv)
+    loads = sorted({int(x) for x in args.phones.split(",") if x.strip()})
+    if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1:
+        ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1")
+    os.makedirs(args.out, exist_ok=True)
+    traces = record(args)
+
+    import ray
+    import yaml
+    from ray import serve
+
+    from ciar.world_spec import world_from_args
+    from services.deploy import deploy_config, patient_serve_env
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_config.yaml")) as f:
+        deployments = yaml.safe_load(f)["applications"][0].get("deployments", [])
+    live = next((d.get("user_config", {}) for d in deployments if d["name"] == "Verifier"), {})
+    live = {**live, "idle_timeout_s": 600, **json.loads(args.verifier)}
+    patient_serve_env()
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    points: dict[str, list[dict]] = {m: [] for m in METHODS}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8766})
+        world = world_from_args(args)
+        deploy_config({"world": world, "verifier_num_cpus": args.verifier_cpus, "verifier_threads": args.threads,
+                       "verifier_max_sessions": 2 * max(loads) + 4},
+                      import_path="services.app:build_verifier_app", name="capacity", route_prefix=None,
+                      user_configs={"Verifier": live})
+        handle = serve.get_deployment_handle("Verifier", app_name="capacity")
+        live_method = {m: True for m in METHODS}
+        for load in loads:
+            for m in METHODS:
+                if not live_method[m]:
+                    continue
+                p = asyncio.run(_point(handle, traces[m], load, args, m))
+                points[m].append(p)
+                print(json.dumps({"method": m, "phones": load, "images_per_s": round(p["images_per_s"], 3),
+                                  "latency_s": p["latency_s"], "mean_batch_size": p["mean_batch_size"],
+                                  "mismatches": p["mismatches"], "errors": p["errors"]}))
+                if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * args.slo_p99_s:
+                    live_method[m] = False
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    result = summarize(points, args.slo_p99_s, accelerator, {
+        "loads": loads, "duration_s": args.duration, "warmup_s": args.warmup, "traces": args.traces,
+        "network": args.network, "verifier_user_config": live, "verifier_cpus": args.verifier_cpus,
+        "torch_threads": args.threads, "world": world if isinstance(world, str) or world is None else "inline",
+        "recorded_requests_per_image": {m: float(np.mean([1 + len(t.steps) for t in traces[m]])) for m in METHODS},
+    })
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, os.path.join(args.out, "capacity.png"))
+    print(json.dumps({k: result[k] for k in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image",
+                                             "cloud_passes_per_image", "accelerator")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""The verifier's step-level engine (ciar.collab.engine): mixed steps, chunking, the token budget, ordering."""
+
+import pytest
+import torch
+
+from ciar.collab.acceptance import CascadeConfig, verify_span
+from ciar.collab.engine import SchedulerConfig
+from ciar.collab.protocol import OpenRequest, VerifyRequest
+from ciar.collab.verifier import CapacityError, CloudVerifier, SessionLostError
+from ciar.decoding.sampling import SamplingParams
+
+PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
+PROMPT = "a small red circle at the top on a gray background"
+
+
+def _open_req(sid, prefix, seed=0, prompt=PROMPT):
+    return OpenRequest(sid, prompt, seed=seed, sampling=PARAMS, prefix_len=prefix)
+
+
+def _span(v, sid, k=3, m=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(k, v.vocab_size, generator=g), -1)
+    return VerifyRequest(sid, torch.randint(0, v.vocab_size, (m,), generator=g),
+                         torch.multinomial(q, 1, generator=g)[:, 0], q.half(), burst=2)
+
+
+def _reply(r):
+    return (r.num_accepted, r.next_token, r.burst_tokens.tolist() if r.num_burst else [])
+
+
+@torch.no_grad()
+def test_chunked_prefill_and_catch_up_give_the_same_tokens(tiny_cloud, stub_text):
+    """A tiny token budget cuts every prefill, history and catch-up into chunks: the same tokens as whole pieces."""
+    out = {}
+    for budget in (4096, 6):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3, scheduler=SchedulerConfig(token_budget=budget))
+        cloud = v.open_batch([_open_req("c", tiny_cloud.config.block_size, seed=5)])[0].prefix_tokens.tolist()
+        v.open_batch([_open_req("s", 2, seed=1)])
+        spans = [_reply(v.verify_batch([_span(v, "s", m=6, seed=i)])[0]) for i in range(3)]
+        v.resume_batch([_open_req("r", 0, seed=1)], [torch.tensor(v.sessions["s"].tokens)])
+        after = _reply(v.verify_batch([_span(v, "r", seed=9)])[0])
+        out[budget] = (cloud, spans, after)
+        if budget == 6:  # the budget held: no step padded past it, except a lone work (rows x 1 token)
+            assert all(s["rows"] * s["width"] <= 6 or s["works"] == 1 for s in v.engine.step_log)
+            assert max(s["width"] for s in v.engine.step_log) < tiny_cloud.config.cls_token_num
+    assert out[4096] == out[6]
+
+
+@torch.no_grad()
+def test_a_cloud_only_image_does_not_hold_back_spans(tiny_cloud, stub_text):
+    """Static batching ran a cloud-only open to its last token before anything else; the engine feeds a span that
+    arrives meanwhile in the very next forward, next to the cloud-only session's decode step."""
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    v.open_batch([_open_req("phone", 2)])
+    n = tiny_cloud.config.block_size
+    cloud = v.submit_open(_open_req("cloud", n, seed=3))
+    for _ in range(4):  # prefill + a few prefix tokens
+        v.engine.step()
+    span = v.submit_verify(_span(v, "phone"))
+    steps = 0
+    while not span.done:
+        v.engine.step()
+        steps += 1
+    assert span.error is None and steps <= 1 + span.result.num_burst  # one forward for the span, one per burst token
+    assert not cloud.done and 0 < len(v.sessions["cloud"].tokens) < n  # the cloud-only image is still decoding
+    assert sorted(v.engine.step_log[-steps]["kinds"]) == ["decode", "span"]  # the span shared the cloud's step
+    v.engine.run([cloud])
+    alone = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    assert cloud.result.prefix_tokens.tolist() == alone.open_batch([_open_req("cloud", n, seed=3)])[0] \
+        .prefix_tokens.tolist()
+
+
+@torch.no_grad()
+def test_works_in_mixed_steps_match_works_run_alone(tiny_cloud, stub_text):
+    """Opens, verifications (with bursts) and resumes of several sessions interleaved step by step give what each
+    gives alone: draws are per session and keyed by position, so company changes nothing."""
+    def drive(together: bool):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=8, scheduler=SchedulerConfig(token_budget=48))
+        v.open_batch([_open_req(f"s{i}", 1 + i, seed=i, prompt=f"prompt {i} " * (i + 1)) for i in range(3)])
+        v.engine.step_log.clear()
+        results = {}
+        for rnd in range(3):
+            submits = [lambda i=i: v.submit_verify(_span(v, f"s{i}", m=rnd + i, seed=10 * rnd + i)) for i in range(3)]
+            submits.append(lambda: v.submit_open(_open_req(f"c{rnd}", 6 + rnd, seed=rnd)))
+            if rnd == 1:
+                submits.append(lambda: v.submit_resume(_open_req("r", 0, seed=4), torch.tensor([1, 2, 3, 4, 5])))
+            if together:
+                works = [submit() for submit in submits]
+                v.engine.run(works)
+            else:
+                works = []
+                for submit in submits:
+                    works.append(submit())
+                    v.engine.run(works[-1:])
+            for i, w in enumerate(works):
+                assert w.error is None, w.error
+                results[(rnd, i)] = _reply(w.result) if hasattr(w.result, "num_accepted") else \
+                    w.result.prefix_tokens.tolist()
+        results["r"] = _reply(v.verify_batch([_span(v, "r", seed=77)])[0])
+        return results, max(s["works"] for s in v.engine.step_log)
+
+    (together, widest), (alone, single) = drive(True), drive(False)
+    assert widest >= 4 and single == 1
+    assert together == alone
+
+
+@torch.no_grad()
+def test_closing_or_filling_up_fails_only_the_affected_work(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    v.open_batch([_open_req("a", 2)])
+    busy = v.submit_open(_open_req("b", tiny_cloud.config.block_size))
+    full = v.submit_open(_open_req("c", 1))  # no slot left: fails alone
+    v.engine.step()
+    assert isinstance(full.error, CapacityError) and not busy.done
+    span = v.submit_verify(_span(v, "a"))
+    v.close("b")  # closed under its request: the request fails, the other session's span goes on
+    v.engine.run([span])
+    assert isinstance(busy.error, SessionLostError) and span.error is None
+    v.open_batch([_open_req("b", 1)])  # its slots were freed
+
+
+@torch.no_grad()
+def test_max_works_one_is_unbatched(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3, scheduler=SchedulerConfig(max_works=1))
+    v.open_batch([_open_req(f"s{i}", 2, seed=i) for i in range(3)])
+    v.verify_batch([_span(v, f"s{i}", seed=i) for i in range(3)])
+    assert {s["works"] for s in v.engine.step_log} == {1}
+    with pytest.raises(ValueError, match="token_budget"):
+        SchedulerConfig(token_budget=0)
+
+
+def test_per_row_generators_draw_as_rows_judged_alone():
+    """verify_span with one generator per row: each row's verdict equals that row judged alone with its generator
+    (whatever the other rows' span lengths), for every rule that draws."""
+    torch.manual_seed(0)
+    b, k, v = 4, 5, 12
+    p = torch.softmax(torch.randn(b, k + 1, v), -1)
+    q = torch.softmax(torch.randn(b, k, v), -1)
+    drafts = torch.multinomial(q.view(-1, v), 1).view(b, k)
+    lens = torch.tensor([5, 0, 3, 1])
+    emb = torch.randn(v, 6)
+    for rule, kw in (("exact", {}), ("greedy", {}),
+                     ("cascade", {"cascade": CascadeConfig(threshold=0.5), "token_embeddings": emb})):
+        gens = [torch.Generator().manual_seed(100 + i) for i in range(b)]
+        out = verify_span(rule, drafts, q, p, gens, span_len=lens, **kw)
+        for i in range(b):
+            n_i = int(lens[i])
+            one = verify_span(rule, drafts[i:i + 1, :n_i], q[i:i + 1, :n_i], p[i:i + 1, :n_i + 1],
+                              torch.Generator().manual_seed(100 + i), **kw)
+            assert (int(out.num_accepted[i]), int(out.next_token[i])) == \
+                (int(one.num_accepted[0]), int(one.next_token[0])), (rule, i)
+    with pytest.raises(ValueError, match="list of B"):
+        verify_span("exact", drafts, q, p, gens[:2])

@@ -1,0 +1,61 @@
+"""Trace-driven phones (ciar.collab.trace): recorded device sessions replayed concurrently give the recorded replies."""
+
+import asyncio
+
+import torch
+
+from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.collab.engine import SchedulerConfig
+from ciar.collab.network import NetworkModel
+from ciar.collab.trace import AsyncVerifierClient, TracingClient, load_traces, replay_session, save_traces
+from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.decoding.sampling import SamplingParams
+
+PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
+
+
+def _record(tiny_cloud, tiny_device, stub_text, tau):
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    rec = TracingClient(InProcessCloud(verifier))
+    n = tiny_cloud.config.block_size
+    for i, (method, kw) in enumerate([("ciar", dict(tau=tau, burst=2)), ("ciar", dict(tau=tau, burst=0)),
+                                      ("cloud", {})]):
+        dec = CollabDecoder(tiny_device, rec, method_config(method, network="none", **kw), PARAMS, num_tokens=n)
+        out = dec.generate(f"prompt number {i}", seed=i, session_id=f"rec{i}")
+        assert out.tokens.numel() == n
+    return rec.sessions
+
+
+def test_replayed_sessions_match_the_recorded_ones(tiny_cloud, tiny_device, stub_text, median_tau, tmp_path):
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    assert len(traces) == 3 and traces[0].steps and not traces[2].steps  # CIAR exchanges; cloud-only: one open
+    assert any(s.burst_tokens for s in traces[0].steps) or any(s.num_accepted < s.request.draft_tokens.numel()
+                                                               for s in traces[0].steps)
+    n = tiny_cloud.config.block_size
+    assert len(traces[2].prefix_tokens) == n and len(traces[0].prefix_tokens) < n
+    save_traces(traces, tmp_path / "t.pt")
+    traces = load_traces(tmp_path / "t.pt")
+
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=9, scheduler=SchedulerConfig(token_budget=256))
+    client = AsyncVerifierClient(verifier)
+
+    async def phones():  # three phones per trace, all at once, on a jittery link
+        jobs = [replay_session(t, client, f"phone{k}-{j}", NetworkModel("5g", seed=10 * k + j), device_scale=0.0)
+                for j, t in enumerate(traces) for k in range(3)]
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(phones())
+    assert [r.mismatches for r in results] == [0] * 9
+    assert [r.exchanges for r in results] == [1 + len(t.steps) for t in traces for _ in range(3)]
+    assert max(s["works"] for s in verifier.engine.step_log) > 1  # the phones shared forwards
+    assert verifier.num_sessions == 0  # every replayed session was closed
+
+
+def test_a_mismatch_is_counted_not_hidden(tiny_cloud, tiny_device, stub_text, median_tau):
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    t = traces[0]
+    t.steps[0].next_token = (t.steps[0].next_token + 1) % tiny_cloud.config.vocab_size  # a corrupted record
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    r = asyncio.run(replay_session(t, AsyncVerifierClient(verifier), "x", device_scale=0.0))
+    assert r.mismatches >= 1
+    assert torch.is_tensor(t.steps[0].request.draft_probs)

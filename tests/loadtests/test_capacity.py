@@ -1,0 +1,39 @@
+"""loadtests.capacity end to end on the shipped world: recorded phones against one real Verifier replica."""
+
+import json
+
+import pytest
+
+from loadtests.capacity import main, summarize
+
+
+def test_summary_picks_the_largest_load_within_the_slo():
+    def pt(phones, p99, errors=0):
+        return {"phones": phones, "images": 3, "latency_s": {"p50": p99 / 2, "p95": p99, "p99": p99},
+                "errors": errors, "cloud_passes_per_image": 10.0, "cloud_requests_per_image": 4.0,
+                "cloud_positions_per_image": {"span": 100.0, "decode": 10.0, "history": 0.0, "prefill": 50.0}}
+
+    r = summarize({"ciar": [pt(1, 1.0), pt(2, 1.5), pt(4, 2.5, errors=1), pt(8, 9.0)],
+                   "cloud": [pt(1, 1.0), pt(2, 3.0)]}, 2.0, "cpu", {})
+    assert r["phones_at_slo"] == {"ciar": 2, "cloud": 1} and r["ratio"] == 2.0
+    assert r["cloud_positions_per_image"]["ciar"] == 110.0
+
+
+@pytest.mark.timeout(900)
+def test_capacity_run_writes_the_report(tmp_path):
+    out = tmp_path / "cap"
+    assert main(["--out", str(out), "--phones", "1,3", "--duration", "3", "--warmup", "1", "--traces", "2",
+                 "--network", "5g", "--slo-p99-s", "30"]) == 0
+    r = json.loads((out / "capacity.json").read_text())
+    for key in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image", "cloud_passes_per_image",
+                "accelerator", "points"):
+        assert key in r
+    assert (out / "capacity.png").stat().st_size > 10_000
+    assert {p["method"] for p in r["points"]} == {"ciar", "cloud"}
+    for p in r["points"]:
+        assert p["errors"] == 0 and p["mismatches"] == 0, p
+    cloud = [p for p in r["points"] if p["method"] == "cloud" and p["images"]]
+    assert cloud and cloud[0]["cloud_requests_per_image"] == 1.0
+    # cloud-only: every image token is one decode step of the cloud (N = 144 on the shipped world)
+    assert r["cloud_passes_per_image"]["cloud"] >= 144
+    assert r["cloud_requests_per_image"]["ciar"] > 1.0
