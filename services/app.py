@@ -38,7 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from ciar.collab.decoder import method_config
 from ciar.collab.defaults import UncalibratedError
 from ciar.collab.protocol import CloudUnreachableError
-from ciar.collab.verifier import CapacityError
+from ciar.collab.protocol import CapacityError
 from ciar.text import CaptionTooLongError
 from services.device import Device
 from services.schemas import AppConfig, GenerationRequest, key_digest

@@ -30,7 +30,7 @@ from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
 from ciar.collab.protocol import (CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, VerifyReply,
                                   VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import SessionLostError
+from ciar.collab.protocol import SessionLostError
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
 from services.schemas import DeviceLiveConfig

@@ -38,7 +38,8 @@ from ray import serve
 
 from ciar.collab.engine import KINDS, AsyncStepper
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, SessionError, VerifyWork
+from ciar.collab.protocol import SessionError
+from ciar.collab.verifier import CloudVerifier, VerifyWork
 from ciar.world import load_world
 from services.schemas import VerifierLiveConfig
 

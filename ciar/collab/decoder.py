@@ -328,7 +328,7 @@ class CollabDecoder:
         return q, x, score
 
     def _interval_score(self, cur, x: int, box: Callable[[], tuple]) -> float:
-        cfg, p = self.config, self.sampling
+        cfg = self.config
         dev = self.device_model
         drafted = torch.tensor([x])
         if dev.device_config.num_heads > 1 and dev.device_config.combine == "voting":

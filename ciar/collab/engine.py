@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 SPAN, DECODE, HISTORY, PREFILL = 0, 1, 2, 3  # priority classes, in scheduling order
+PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
 KINDS = ("span", "decode", "history", "prefill")
 
 
@@ -258,7 +259,11 @@ class StepEngine:
         # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
         # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
         kv_len = max(p.start + p.n for p in pieces)
-        hid = cloud.forward_cached(v.cache, h, pos.to(dev), slots.to(dev), kv_len=kv_len)
+        packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
+        if sum(p.work.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
+            packed = torch.cat([torch.arange(row0[i] + j, row0[i] + j + 1) * width + torch.arange(p.n)
+                                for i, p in enumerate(pieces) for j in range(p.work.rows)]).to(dev)
+        hid = cloud.forward_cached(v.cache, h, pos.to(dev), slots.to(dev), kv_len=kv_len, packed=packed)
         sel_rows, sel_cols, spans = [], [], []
         for i, p in enumerate(pieces):
             start = len(sel_rows)

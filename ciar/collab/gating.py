@@ -3,9 +3,8 @@
 Every gate maps a batch of next-token predictions to one score per row, higher = more uncertain; the decoder
 escalates a position to the cloud when score > tau.
 
-    cfg = GateConfig(kind="lower", tau=2.0).validate()
-    s = gate_scores(cfg.kind, center=center, radius=radius, drafted=x)   # center/radius [B, V], x [B] -> [B]
-    escalate = s > cfg.tau
+    s = gate_scores("lower", center=center, radius=radius, drafted=x)   # center/radius [B, V], x [B] -> [B]
+    escalate = s > tau            # the gate and tau of a run: CollabConfig (ciar.collab.decoder)
 
 Thresholds are the gate's own scale and depend on the device model: the calibrated tau (and gate) of a shipped
 device travel in its file's metadata (`ciar.collab.defaults`), written by `python -m pipelines.calibrate`.
@@ -34,7 +33,6 @@ cannot vouch for, whatever the shape of the rest of the distribution. It is repo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,28 +41,6 @@ from ciar.collab.interval import inter_fuse, interval_uncertainty
 
 GATES = ("interval", "lower", "entropy", "softmax", "random", "topk")
 INTERVAL_GATES = ("interval", "lower", "topk")  # gates that read the device's logit box
-
-
-@dataclass
-class GateConfig:
-    """Which gate scores a position, its threshold tau (escalate when score > tau), and the gate's knobs."""
-
-    kind: str = "interval"
-    tau: float | None = None  # the gate's own scale; None: the device's calibrated value (ciar.collab.defaults)
-    topk: int = 200  # k of the "topk" gate (paper Table 3: 100..400)
-    margin: float = 0.0  # InterFuse safety margin applied before scoring (0: the tight bounds)
-
-    def validate(self) -> "GateConfig":
-        """Raise ValueError naming the field when a value is out of range; returns self."""
-        if self.kind not in GATES:
-            raise ValueError(f"kind must be one of {GATES}, got {self.kind!r}")
-        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
-            raise ValueError(f"topk must be an integer >= 1, got {self.topk!r}")
-        if self.tau is not None and (not isinstance(self.tau, (int, float)) or math.isnan(self.tau)):
-            raise ValueError(f"tau must be a number (not NaN) or None, got {self.tau!r}")
-        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
-            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
-        return self
 
 
 def _need(kind: str, **inputs) -> None:

@@ -17,8 +17,11 @@ samples after the next token, exact cloud tokens that cost a cloud step each and
 it with direct calls (tests, benchmarks, CLI); the Ray implementation lives in `services/`. Payload sizes follow
 `ciar.collab.stats`'s documented encodings, so every transport charges the same bytes to the network model.
 
+Errors every transport shares (defined here, raised by the verifier): `SessionError` (a request that does not fit
+the session: a client bug, 4xx), `SessionLostError` (the session is not held), `CapacityError` (no free slot).
+
 Recovery: a verify naming a session the cloud no longer holds (replica lost, slot evicted) fails with
-`ciar.collab.verifier.SessionLostError`; `resume` rebuilds the session from the device's committed tokens (and the
+`SessionLostError`; `resume` rebuilds the session from the device's committed tokens (and the
 interval features it injected, `InjectedFeatures`), after which the verify is re-sent. `ciar.collab.recovery.
 RecoveringClient` does this for any client; the result equals an uninterrupted session's.
 """
@@ -49,6 +52,28 @@ def draft_distribution(q_sent: torch.Tensor) -> torch.Tensor:
     """float16 draft probabilities as sent [..., V] -> the normalised float32 distribution both sides use."""
     q = q_sent.float()
     return q / q.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+class SessionError(ValueError):
+    """A request names an unknown session, or does not fit the session's state (a client bug, reported as 4xx)."""
+
+
+class SessionLostError(SessionError):
+    """A verify names a session this verifier does not hold (never opened, closed, evicted, or lost with a replica).
+
+    Not a client bug when the session was open before: the client re-creates it with `resume_batch` (the device's
+    committed tokens) and re-sends the request (`ciar.collab.recovery.RecoveringClient`)."""
+
+    def __init__(self, message: str, session_id: str | None = None):
+        super().__init__(message)
+        self.session_id = session_id
+
+    def __reduce__(self):  # keep session_id across pickling (Ray ships exceptions between processes)
+        return type(self), (str(self), self.session_id)
+
+
+class CapacityError(RuntimeError):
+    """No free cache slot for a new session."""
 
 
 class CloudUnreachableError(ConnectionError):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.verifier import SessionLostError
+from ciar.collab.protocol import SessionLostError
 
 
 def _is_session_lost(exc: BaseException) -> bool:

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ciar.collab.network import NetworkModel
-from ciar.collab.protocol import OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.verifier import SessionError
+from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, VerifyReply, VerifyRequest
 
 
 @dataclass

@@ -59,35 +59,13 @@ from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, 
 from ciar.collab.engine import DECODE, HISTORY, PREFILL, SPAN, Piece, SchedulerConfig, StepEngine, Work
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
-from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, RuleConfig, VerifyReply, VerifyRequest,
-                                  draft_distribution)
+from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, RuleConfig,  # noqa: F401
+                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
 
 _MASK64 = (1 << 64) - 1
-
-
-class SessionError(ValueError):
-    """A request names an unknown session, or does not fit the session's state (a client bug, reported as 4xx)."""
-
-
-class SessionLostError(SessionError):
-    """A verify names a session this verifier does not hold (never opened, closed, evicted, or lost with a replica).
-
-    Not a client bug when the session was open before: the client re-creates it with `resume_batch` (the device's
-    committed tokens) and re-sends the request (`ciar.collab.recovery.RecoveringClient`)."""
-
-    def __init__(self, message: str, session_id: str | None = None):
-        super().__init__(message)
-        self.session_id = session_id
-
-    def __reduce__(self):  # keep session_id across pickling (Ray ships exceptions between processes)
-        return type(self), (str(self), self.session_id)
-
-
-class CapacityError(RuntimeError):
-    """No free cache slot for a new session."""
 
 
 def _splitmix64(x: int) -> int:

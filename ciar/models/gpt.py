@@ -234,13 +234,17 @@ class Attention(nn.Module):
         `runs` [(first row, first slot, rows)] cover the batch in row order; each run's rows use consecutive
         slots, so its keys are a view of the cache (no copy). `None`: gather every row's slot (`slot_idx[:, 0]`)."""
         q, k, v = self._qkv(x, freqs)
+        return self._project(self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len))
+
+    def _attend_cached(self, q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
+        """q [B, T, H, D], k/v [B, T, Hkv, D]: write k/v into the cache, attend. -> [B, T, H, D]."""
         k_cache[slot_idx, :, pos] = k.to(k_cache.dtype)  # [B, T, Hkv, D] into [slots, Hkv, max_seq, D]
         v_cache[slot_idx, :, pos] = v.to(v_cache.dtype)
         if runs is None:
             slots = slot_idx[:, 0]
             keys = k_cache[:, :, :kv_len].index_select(0, slots)
             values = v_cache[:, :, :kv_len].index_select(0, slots)
-            return self._out(q, keys.to(q.dtype), values.to(q.dtype), mask)
+            return self._attend(q, keys.to(q.dtype), values.to(q.dtype), mask)
         # one-token steps (cloud-only decoding) copy a run's keys into a dense block first: inside a decode loop the
         # keys are cold, and the flash kernel reads a dense block faster than the same keys as a view of the cache
         # (CPU, batch 16, 40..184 keys: 1.39 -> 1.31 s per image, copy included). Spans of several queries (the
@@ -252,7 +256,24 @@ class Attention(nn.Module):
             if dense:
                 keys, values = keys.contiguous(), values.contiguous()
             outs.append(self._attend(q[r:r + n], keys, values, mask[r:r + n]))
-        return self._project(outs[0] if len(outs) == 1 else torch.cat(outs))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def forward_packed(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len, packed, shape):
+        """`forward_cached` for the real tokens of a padded batch only: x [N, dim] holds the tokens at flat indices
+        `packed` of the [B, T] batch (`shape`). Projections run on the N tokens; q, k and v are scattered into the
+        padded layout for the cache write and the attention, and the attention output is gathered back. -> [N, dim]."""
+        b, t = shape
+        h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.wqkv(x)  # [N, (H + 2 Hkv) D]
+        qk = apply_rotary_emb(qkv[None, :, : (h + hkv) * d].view(1, -1, h + hkv, d),
+                              freqs.reshape(b * t, *freqs.shape[2:])[packed][None])[0]  # [N, H + Hkv, D]
+        dense = qkv.new_zeros(b * t, h + 2 * hkv, d)
+        dense[packed, : h + hkv] = qk
+        dense[packed, h + hkv:] = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
+        dense = dense.view(b, t, h + 2 * hkv, d)
+        q, k, v = dense.split([h, hkv, hkv], dim=2)
+        o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
+        return self.resid_dropout(self.wo(o.reshape(b * t, h * d)[packed]))
 
 
 class TransformerBlock(nn.Module):
@@ -267,9 +288,15 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), freqs, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
-        h = x + self.attention.forward_cached(self.attention_norm(x), freqs, mask, k_cache, v_cache, slot_idx, pos,
+    def forward_cached(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len, packed=None, shape=None):
+        """Dense [B, T, dim], or with `packed` the real tokens [N, dim] of a padded [B, T] batch (`shape`)."""
+        if packed is None:
+            a = self.attention.forward_cached(self.attention_norm(x), freqs, mask, k_cache, v_cache, slot_idx, pos,
                                               runs, kv_len)
+        else:
+            a = self.attention.forward_packed(self.attention_norm(x), freqs, mask, k_cache, v_cache, slot_idx, pos,
+                                              runs, kv_len, packed, shape)
+        h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -405,9 +432,14 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, slots, max_seq or c.seq_len + 16, c.kv_heads, c.head_dim, dtype, device)
 
     def forward_cached(self, cache: KVCache, h: torch.Tensor, input_pos: torch.Tensor,
-                       slots: torch.Tensor | None = None, kv_len: int | None = None) -> torch.Tensor:
+                       slots: torch.Tensor | None = None, kv_len: int | None = None,
+                       packed: torch.Tensor | None = None) -> torch.Tensor:
         """Run embeddings h [B, T, dim] at positions input_pos ([T] shared or [B, T] per row) through the layers,
         writing k/v into cache slots `slots` [B] (default rows 0..B-1). -> normed hidden states [B, T, dim].
+
+        `packed` [N] (flat indices into B x T of the real positions of a ragged batch): the projections and the
+        feed-forward run on those N tokens only, the attention on the padded layout (a ragged batch's padding then
+        costs attention only); hidden states at the other positions come back as zeros.
 
         Queries see cache keys at positions <= their own (and valid caption keys), so stale entries beyond a
         rolled-back pointer are ignored. `kv_len` bounds the keys read (default: max(input_pos) + 1).
@@ -430,6 +462,15 @@ class GPT(nn.Module):
         mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
         mask = mask.unsqueeze(1)  # [B, 1, T, S]
         h = self.tok_dropout(h)
+        if packed is not None:
+            dim = h.shape[-1]
+            hp = h.reshape(b * t, dim)[packed]
+            for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+                hp = layer.forward_cached(hp, freqs, mask, k_cache, v_cache, slot_idx, input_pos, runs, kv_len,
+                                          packed, (b, t))
+            out = hp.new_zeros(b * t, dim)
+            out[packed] = self.norm(hp)
+            return out.view(b, t, dim)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, input_pos, runs, kv_len)
         return self.norm(h)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from ciar.collab.gating import GATES, GateConfig, gate_scores, topk_score
+from ciar.collab.gating import GATES, gate_scores, topk_score
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -99,15 +99,6 @@ def test_bad_inputs():
         gate_scores("softmax")
     with pytest.raises(ValueError, match="generator"):
         gate_scores("random", probs=probs)
-
-
-def test_gate_config():
-    cfg = GateConfig()
-    assert cfg.validate() is cfg and cfg.kind == "interval" and cfg.tau is None and cfg.margin == 0.0
-    for bad in (dict(kind="nope"), dict(topk=0), dict(tau=math.nan)):
-        with pytest.raises(ValueError):
-            GateConfig(**bad).validate()
-    assert GateConfig(kind="topk", tau=math.inf).validate().kind == "topk"
 
 
 def test_lower_gate_is_minus_log_of_the_interfuse_lower_bound():

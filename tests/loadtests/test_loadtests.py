@@ -152,7 +152,7 @@ def test_runner_reads_the_serve_config_and_overrides():
     assert client_key(app) == "ciar-dev-key" and client_key(app, "given-key-123") == "given-key-123"
     use_key(app, "other-key-0123")
     assert app["args"]["api_key_sha256"] == [key_digest("other-key-0123")] and app["args"]["api_keys"] == []
-    assert app["user_configs"]["Verifier"]["max_batch_size"] == 16 and "tau" in app["user_configs"]["Device"]
+    assert app["user_configs"]["Verifier"]["max_batch_size"] == 64 and "tau" in app["user_configs"]["Device"]
     apply_overrides(app, ["Device.tau=0.05", "Verifier.batch_wait_timeout_s=0.02", "args.devices=2"])
     assert app["user_configs"]["Device"]["tau"] == 0.05 and app["args"]["devices"] == 2
     assert app["user_configs"]["Device"]["span"] == 4  # the rest of the user_config is kept

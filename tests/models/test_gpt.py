@@ -367,6 +367,35 @@ def test_ragged_batch_with_padded_rows(model, batch):
 
 
 @torch.no_grad()
+def test_packed_ragged_batch_equals_dense(model, batch):
+    """`packed`: projections and feed-forward on the real tokens only; real positions give what the dense padded
+    forward gives (and the full forward), and the cache ends up the same at every real position."""
+    cond, mask, idx = batch
+    want = full_logits(model, idx, cond, mask)
+    done, real, width = [6, 2, 0], [4, 1, 3], 4
+    pos = torch.tensor([[CLS + d + j for j in range(width)] for d in done])
+    chunk = torch.stack([torch.cat([idx[r, d:d + n], torch.full((width - n,), 5)]) for r, (d, n) in
+                         enumerate(zip(done, real))])
+    caches = []
+    for packed in (None, torch.cat([r * width + torch.arange(n) for r, n in enumerate(real)])):
+        cache = model.new_cache(3)
+        model.prefill(cache, cond, mask)
+        for r, d in enumerate(done):
+            if d:
+                model.decode(cache, idx[r:r + 1, :d], torch.arange(CLS, CLS + d), slots=torch.tensor([r]))
+        h = model.forward_cached(cache, model.tok_embeddings(chunk), pos, packed=packed)
+        got = model.logits(h)
+        for r, (d, n) in enumerate(zip(done, real)):
+            close(got[r, :n], want[r, d + 1:d + 1 + n])
+        if packed is not None:
+            assert all(float(h[r, n:].abs().sum()) == 0.0 for r, n in enumerate(real))  # padding: zeros
+        caches.append(cache)
+    for r, (d, n) in enumerate(zip(done, real)):
+        for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+            close(a[r, :, :CLS + d + n], b[r, :, :CLS + d + n])
+
+
+@torch.no_grad()
 def test_slots_map_rows_to_noncontiguous_cache_slots(model, batch):
     cond, mask, idx = batch
     want_a = full_logits(model, idx, cond, mask)
