@@ -61,14 +61,14 @@ async def _session_loop(h, idx: int, args, vocab: int, n_tokens: int, sampling, 
     while not stop["done"]:
         sid = f"bench-{args.tag}-{idx}-{run}"
         run += 1
-        reply, token = await h.open.remote(OpenRequest(sid, PROMPTS[idx % len(PROMPTS)], idx, sampling, args.prefix,
+        reply, token = await h.options(session_id=sid).open.remote(OpenRequest(sid, PROMPTS[idx % len(PROMPTS)], idx, sampling, args.prefix,
                                                        want_caption=False), session_id=sid, device_id=f"dev{idx}")
         committed = args.prefix
         try:
             while not stop["done"] and committed + args.span <= n_tokens:
                 drafts = torch.randint(0, vocab, (args.span,), generator=gen)
                 t0 = time.perf_counter()
-                rep = await h.verify.remote(VerifyRequest(sid, empty, drafts, q), session_id=sid,
+                rep = await h.options(session_id=sid).verify.remote(VerifyRequest(sid, empty, drafts, q), session_id=sid,
                                             device_id=f"dev{idx}", token=token)
                 dt = time.perf_counter() - t0
                 committed += rep.num_accepted + 1
@@ -76,7 +76,7 @@ async def _session_loop(h, idx: int, args, vocab: int, n_tokens: int, sampling, 
                     out["spans"] += 1
                     out["latency"].append(dt)
         finally:
-            await h.close.remote(session_id=sid, device_id=f"dev{idx}", token=token)
+            await h.options(session_id=sid).close.remote(session_id=sid, device_id=f"dev{idx}", token=token)
 
 
 async def _phase(h, args, vocab: int, n_tokens: int, sampling) -> dict:

@@ -73,16 +73,16 @@ class HandleClient:
 
     async def open(self, request):
         sid = request.session_id
-        reply, self.tokens[sid] = await self.h.open.remote(request, session_id=sid, device_id=self.device_id)
+        reply, self.tokens[sid] = await self.h.options(session_id=sid).open.remote(request, session_id=sid, device_id=self.device_id)
         return reply
 
     async def verify(self, request):
         sid = request.session_id
-        return await self.h.verify.remote(request, session_id=sid, device_id=self.device_id,
+        return await self.h.options(session_id=sid).verify.remote(request, session_id=sid, device_id=self.device_id,
                                           token=self.tokens[sid])
 
     async def close(self, session_id: str) -> None:
-        await self.h.close.remote(session_id=session_id, device_id=self.device_id,
+        await self.h.options(session_id=session_id).close.remote(session_id=session_id, device_id=self.device_id,
                                   token=self.tokens.pop(session_id, ""))
 
 

@@ -231,7 +231,7 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
     v = serve.get_deployment_handle("Verifier", app_name="ciar")
     for i in range(abandoned):  # devices that open a session and vanish: only the idle timeout frees these
         sid = f"abandoned-{i}"
-        v.open.remote(OpenRequest(sid, PROMPTS[0], i, SamplingParams(), 0), session_id=sid,
+        v.options(session_id=sid).open.remote(OpenRequest(sid, PROMPTS[0], i, SamplingParams(), 0), session_id=sid,
                       device_id="vanished").result(timeout_s=120)
     held = v.stats.remote().result(timeout_s=60)["sessions"]
 

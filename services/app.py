@@ -291,7 +291,11 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
         **scale,
         max_ongoing_requests=max(8, 4 * cfg.verifier_max_sessions),
         user_config=cfg.verifier.model_dump(),
-        request_router_config=RequestRouterConfig(request_router_class="services.routing:SessionAffinityRouter"),
+        # Ray's consistent-hash router keyed by the handle's session_id (`handle.options(session_id=...)`), strict:
+        # no fallback replica (a spill-over would only cost the session a re-prefill on the wrong replica)
+        request_router_config=RequestRouterConfig(
+            request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+            request_router_kwargs={"num_fallback_replicas": 0}),
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)

@@ -50,7 +50,8 @@ def is_session_lost(exc: BaseException) -> bool:
 
 class RayCloudClient:
     """`CloudClient` over the Verifier deployment handle. Synchronous: call it from a worker thread, not from the
-    replica's event loop. Every call carries `session_id=` (affinity routing) and this device's id + session token
+    replica's event loop. Every call is routed by its session (`handle.options(session_id=...)`, Ray's consistent-hash
+    router) and carries `session_id=`, this device's id and the session token
     (ownership). A dead replica during verify becomes SessionLostError (the recovering wrapper re-creates the
     session elsewhere); open and resume retry a dead replica with backoff."""
 
@@ -77,7 +78,7 @@ class RayCloudClient:
 
     def open(self, request: OpenRequest) -> OpenReply:
         sid = request.session_id
-        reply, token = self._retry(lambda: self.handle.open.remote(request, session_id=sid,
+        reply, token = self._retry(lambda: self.handle.options(session_id=sid).open.remote(request, session_id=sid,
                                                                    device_id=self.device_id).result())
         self.tokens[sid] = token
         self.batch_sizes[sid] = []
@@ -86,7 +87,7 @@ class RayCloudClient:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         sid = request.session_id
         try:
-            reply = self.handle.verify.remote(request, session_id=sid, device_id=self.device_id,
+            reply = self.handle.options(session_id=sid).verify.remote(request, session_id=sid, device_id=self.device_id,
                                               token=self.tokens.get(sid, "")).result()
         except Exception as e:  # noqa: BLE001
             if is_replica_loss(e):
@@ -98,14 +99,14 @@ class RayCloudClient:
     def resume(self, request: OpenRequest, history: torch.Tensor,
                injected: InjectedFeatures | None = None) -> OpenReply:
         sid = request.session_id
-        return self._retry(lambda: self.handle.resume.remote(request, history, injected, session_id=sid,
+        return self._retry(lambda: self.handle.options(session_id=sid).resume.remote(request, history, injected, session_id=sid,
                                                              device_id=self.device_id,
                                                              token=self.tokens.get(sid, "")).result())
 
     def close(self, session_id: str) -> None:
         token = self.tokens.pop(session_id, "")
         try:
-            self.handle.close.remote(session_id=session_id, device_id=self.device_id, token=token).result()
+            self.handle.options(session_id=session_id).close.remote(session_id=session_id, device_id=self.device_id, token=token).result()
         except Exception:  # noqa: BLE001 - best effort: the replica frees idle slots itself
             pass
 

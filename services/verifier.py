@@ -9,8 +9,9 @@ cloud-only and burst tokens, prefill chunks, resumed histories) of every session
   close(session_id=, device_id=, token=)
   stats()                                           -> sessions, slots, forwards, batch-size histogram
 
-Affinity: every call carries `session_id=` as a keyword argument, which `services.routing.SessionAffinityRouter`
-hashes to the replica holding that session's cache. A replica that lost the session (restart, idle eviction,
+Affinity: every call is made through `handle.options(session_id=...)`, and Ray's `ConsistentHashRouter` (strict:
+no fallback replica) sends it to the replica holding that session's cache; the `session_id=` keyword is checked
+against the request and the session token. A replica that lost the session (restart, idle eviction,
 re-routing after a replica died) answers `SessionLostError`, and the device re-sends its history (`resume`).
 
 Ownership: the session token is HMAC(app secret, session id | device id), so any replica of the pool can check

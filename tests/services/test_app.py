@@ -197,16 +197,16 @@ def test_session_cannot_be_driven_by_another_device(cluster):
 
     v = serve.get_deployment_handle("Verifier", app_name="ciar")
     sid = "owned-session"
-    reply, token = v.open.remote(OpenRequest(sid, PROMPT, 0, SamplingParams(), 4), session_id=sid,
+    reply, token = v.options(session_id=sid).open.remote(OpenRequest(sid, PROMPT, 0, SamplingParams(), 4), session_id=sid,
                                  device_id="phone-a").result()
     req = VerifyRequest(sid, torch.zeros(0, dtype=torch.long), torch.tensor([1]), torch.full((1, 1024), 1 / 1024))
     with pytest.raises(PermissionError):
-        v.verify.remote(req, session_id=sid, device_id="phone-b", token=token).result()
+        v.options(session_id=sid).verify.remote(req, session_id=sid, device_id="phone-b", token=token).result()
     with pytest.raises(PermissionError):
-        v.verify.remote(req, session_id=sid, device_id="phone-a", token="0" * 64).result()
-    ok = v.verify.remote(req, session_id=sid, device_id="phone-a", token=token).result()
+        v.options(session_id=sid).verify.remote(req, session_id=sid, device_id="phone-a", token="0" * 64).result()
+    ok = v.options(session_id=sid).verify.remote(req, session_id=sid, device_id="phone-a", token=token).result()
     assert ok.num_accepted in (0, 1)
-    v.close.remote(session_id=sid, device_id="phone-a", token=token).result()
+    v.options(session_id=sid).close.remote(session_id=sid, device_id="phone-a", token=token).result()
 
 
 def test_full_verifier_answers_503(cluster):
@@ -227,7 +227,7 @@ def test_full_verifier_answers_503(cluster):
         assert "KV-cache" in r.json()["error"]["message"]
     finally:
         for sid, token in held:
-            v.close.remote(session_id=sid, device_id="filler", token=token).result()
+            v.options(session_id=sid).close.remote(session_id=sid, device_id="filler", token=token).result()
     assert post({"prompt": PROMPT, "seed": 0, "method": "ciar"}).status_code == 200
 
 
