@@ -1,7 +1,7 @@
 """Capacity of one verifier replica: how many phones it serves at a latency SLO, with CIAR and with cloud-only.
 
     python -m loadtests.capacity --out runs/capacity [--slo-p99-s 5] [--phones 1,2,4,8,16,32] [--duration 20]
-        [--traces 12] [--network 5g] [--world FILE | --weights DIR]
+        [--traces 12] [--network 5g] [--world FILE | --weights DIR] [--verifier-autoscaling JSON]
 
 1. Record (in this process, no Ray): the world's cloud and device generate `--traces` images with CIAR (the
    device file's calibrated defaults: gate, tau, burst) and `--traces` with cloud-only, through
@@ -13,6 +13,9 @@
    calls as the Device deployment): the recorded device compute is slept, and each message waits for its simulated
    up/down transfer (`ciar.collab.network`, one seeded link per phone). CIAR first, then cloud-only, at the same
    L on the same replica. A method stops ramping once its p99 passes twice the SLO.
+   With `--verifier-replicas N` or `--verifier-autoscaling JSON` the pool has several replicas (or scales with
+   the load); a session the consistent-hash ring moves to another replica is re-created from its history there
+   (`resumes` per point), as a device does, and its replies still equal the recording.
 4. Report `OUT/capacity.json` and `OUT/capacity.png`: per point images/s, image latency p50/p95/p99, verifier
    forwards per image, the batch-size histogram, cloud token positions per image by kind (spans, one-token
    decodes, resumed histories; prefill excluded), replay mismatches; and the headline: the largest load whose p99
@@ -81,9 +84,47 @@ class HandleClient:
         return await self.h.options(session_id=sid).verify.remote(request, session_id=sid, device_id=self.device_id,
                                           token=self.tokens[sid])
 
+    async def resume(self, request, history, injected=None):
+        sid = request.session_id
+        return await self.h.options(session_id=sid).resume.remote(request, history, injected, session_id=sid,
+                                                                   device_id=self.device_id, token=self.tokens[sid])
+
     async def close(self, session_id: str) -> None:
         await self.h.options(session_id=session_id).close.remote(session_id=session_id, device_id=self.device_id,
-                                  token=self.tokens.pop(session_id, ""))
+                                                                 token=self.tokens.pop(session_id, ""))
+
+
+def _lost(exc: BaseException) -> bool:
+    """The verifier lost the session: it answers SessionLostError, or its replica is gone (as the Device sees it)."""
+    from services.device import is_replica_loss, is_session_lost
+
+    return is_session_lost(exc) or is_replica_loss(exc)
+
+
+async def replica_stats(handle, replicas: int) -> dict:
+    """The Verifier replicas' stats summed (calls without a session reach any replica: ask until each answered)."""
+    seen: dict = {}
+    for _ in range(8 * max(1, replicas)):
+        st = await handle.stats.remote()
+        seen[st["replica_id"]] = st
+        if len(seen) >= replicas:
+            break
+    total = {"replicas": sorted(seen), "forwards": 0, "real_positions": 0, "padded_positions": 0, "resumed": 0,
+             "positions_by_kind": {}, "batch_size_hist": {}}
+    for st in seen.values():
+        for k in ("forwards", "real_positions", "padded_positions", "resumed"):
+            total[k] += st[k]
+        for field in ("positions_by_kind", "batch_size_hist"):
+            for k, v in st[field].items():
+                total[field][k] = total[field].get(k, 0) + v
+    return total
+
+
+def running_replicas(app: str = "capacity") -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["Verifier"]
+    return int(status.replica_states.get("RUNNING", 0))
 
 
 async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
@@ -101,7 +142,7 @@ async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
         while not state["stop"]:
             trace = traces[(k + n * phones) % len(traces)]
             try:
-                r = await replay_session(trace, client, f"{tag}-{phones}-{k}-{n}", net)
+                r = await replay_session(trace, client, f"{tag}-{phones}-{k}-{n}", net, is_lost=_lost)
             except Exception as e:  # noqa: BLE001 - counted, the phone goes on
                 errors.append(f"{type(e).__name__}: {e}"[:200])
                 r = None
@@ -111,13 +152,16 @@ async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
 
     tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
     await asyncio.sleep(args.warmup)
-    base = await handle.stats.remote()
+    base = await replica_stats(handle, running_replicas())
     state["measuring"] = True
     t0 = time.perf_counter()
-    await asyncio.sleep(args.duration)
+    replicas_seen = [running_replicas()]
+    while time.perf_counter() - t0 < args.duration:
+        await asyncio.sleep(min(1.0, args.duration - (time.perf_counter() - t0)))
+        replicas_seen.append(running_replicas())
     state["measuring"] = False
     seconds = time.perf_counter() - t0
-    after = await handle.stats.remote()
+    after = await replica_stats(handle, max(replicas_seen[-1], len(base["replicas"])))
     state["stop"] = True
     await asyncio.gather(*tasks)
     lat = [r.latency_s for r in done]
@@ -130,7 +174,8 @@ async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
     padded = after["padded_positions"] - base["padded_positions"]
     real = after["real_positions"] - base["real_positions"]
     return {
-        "phones": phones, "images": images, "seconds": seconds, "images_per_s": images / seconds,
+        "phones": phones, "images": images, "replicas": {"min": min(replicas_seen), "max": max(replicas_seen)},
+        "resumes": sum(r.resumes for r in done), "seconds": seconds, "images_per_s": images / seconds,
         "latency_s": {q: float(np.percentile(lat, int(q[1:]))) if lat else None for q in ("p50", "p95", "p99")},
         "verifier_forwards_per_image": forwards / images if images else None,
         "cloud_passes_per_image": float(np.mean([r.forward_passes for r in done])) if done else None,
@@ -220,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the recording and of the replica")
     ap.add_argument("--verifier-cpus", type=float, default=1.0)
     ap.add_argument("--verifier", default="{}", help="Verifier user_config as JSON (default: serve_config.yaml's)")
+    ap.add_argument("--verifier-replicas", type=int, default=1)
+    ap.add_argument("--verifier-autoscaling", default=None,
+                    help="Serve autoscaling_config of the Verifier as JSON, e.g. '{\"min_replicas\": 1, "
+                         "\"max_replicas\": 2, \"target_ongoing_requests\": 4}': the run then shows replicas "
+                         "coming and going under the ramp (sessions moved by the ring are resumed, nothing is lost)")
     args = ap.parse_args(argv)
     loads = sorted({int(x) for x in args.phones.split(",") if x.strip()})
     if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1:
@@ -245,8 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8766})
         world = world_from_args(args)
+        scale = {"verifier_autoscaling": json.loads(args.verifier_autoscaling)} if args.verifier_autoscaling else \
+            {"verifier_replicas": args.verifier_replicas}
         deploy_config({"world": world, "verifier_num_cpus": args.verifier_cpus, "verifier_threads": args.threads,
-                       "verifier_max_sessions": 2 * max(loads) + 4},
+                       "verifier_max_sessions": 2 * max(loads) + 4, **scale},
                       import_path="services.app:build_verifier_app", name="capacity", route_prefix=None,
                       user_configs={"Verifier": live})
         handle = serve.get_deployment_handle("Verifier", app_name="capacity")
@@ -259,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                 points[m].append(p)
                 print(json.dumps({"method": m, "phones": load, "images_per_s": round(p["images_per_s"], 3),
                                   "latency_s": p["latency_s"], "mean_batch_size": p["mean_batch_size"],
-                                  "mismatches": p["mismatches"], "errors": p["errors"]}))
+                                  "mismatches": p["mismatches"], "errors": p["errors"], "resumes": p["resumes"],
+                                  "replicas": p["replicas"]}))
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * args.slo_p99_s:
                     live_method[m] = False
     finally:
@@ -269,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     result = summarize(points, args.slo_p99_s, accelerator, {
         "loads": loads, "duration_s": args.duration, "warmup_s": args.warmup, "traces": args.traces,
         "network": args.network, "verifier_user_config": live, "verifier_cpus": args.verifier_cpus,
+        "verifier_replicas": args.verifier_replicas, "verifier_autoscaling": args.verifier_autoscaling and
+        json.loads(args.verifier_autoscaling),
         "torch_threads": args.threads, "world": world if isinstance(world, str) or world is None else "inline",
         "recorded_requests_per_image": {m: float(np.mean([1 + len(t.steps) for t in traces[m]])) for m in METHODS},
     })

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.decoder import method_config
@@ -322,6 +322,10 @@ def build_app(args: dict | None = None) -> serve.Application:
     return Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
+        # the proxy's own overload answer, shaped like ours (503 + Retry-After); the device fleet's queue is reached
+        # through a handle, where Serve raises BackPressureError and the ingress answers it (`_overloaded`)
+        max_queued_requests=cfg.ingress_max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s)
 

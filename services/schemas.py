@@ -150,6 +150,8 @@ class AppConfig(BaseModel):
     allow_unauthenticated: bool = Field(False, description="accept requests without a key (only when no keys)")
     ingress_num_cpus: float = Field(0.1, gt=0.0)
     ingress_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_max_queued_requests: int = Field(1024, ge=1, description="HTTP requests waiting for the ingress beyond "
+                                             "this get 503 + Retry-After from Serve's proxy (BackpressureConfig)")
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0.0)
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
     request_timeout_s: float = Field(300.0, gt=0.0)

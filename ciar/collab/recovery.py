@@ -42,7 +42,9 @@ def _is_session_lost(exc: BaseException) -> bool:
 
 
 @dataclass
-class _Tracked:
+class TrackedSession:
+    """A session as its device knows it: enough to re-create it on a verifier (`resume`)."""
+
     request: OpenRequest  # want_caption=False: what `resume` is sent
     tokens: list[int]  # committed tokens as the cloud counts them
     positions: list[int] = field(default_factory=list)  # history indices of tokens sent with interval features
@@ -55,6 +57,17 @@ class _Tracked:
         return InjectedFeatures(torch.tensor(self.positions, dtype=torch.long), torch.cat(self.hidden),
                                 torch.cat(self.features))
 
+    def commit(self, request: VerifyRequest, reply: VerifyReply) -> None:
+        """Record what a verification committed (and the interval features it injected)."""
+        m = int(request.new_tokens.numel())
+        if request.device_hidden is not None and request.features is not None and m:
+            self.positions.extend(range(len(self.tokens), len(self.tokens) + m))
+            self.hidden.append(request.device_hidden.detach().cpu())
+            self.features.append(request.features.detach().cpu())
+        burst = reply.burst_tokens.tolist() if reply.num_burst else []
+        self.tokens.extend(request.new_tokens.tolist() + request.draft_tokens[:reply.num_accepted].tolist()
+                           + [int(reply.next_token)] + burst)
+
 
 class RecoveringClient:
     """`CloudClient` over `inner` (any CloudClient with `resume`) that survives lost cloud sessions; see the module
@@ -63,7 +76,7 @@ class RecoveringClient:
     def __init__(self, inner: CloudClient, is_lost: Callable[[BaseException], bool] | None = None):
         self.inner = inner
         self.is_lost = is_lost or _is_session_lost
-        self._sessions: dict[str, _Tracked] = {}
+        self._sessions: dict[str, TrackedSession] = {}
         self.resumes = 0  # sessions re-created through this wrapper (all sessions together)
 
     @property
@@ -77,7 +90,7 @@ class RecoveringClient:
 
     def open(self, request: OpenRequest) -> OpenReply:
         reply = self.inner.open(request)
-        self._sessions[request.session_id] = _Tracked(replace(request, want_caption=False),
+        self._sessions[request.session_id] = TrackedSession(replace(request, want_caption=False),
                                                       reply.prefix_tokens.tolist())
         return reply
 
@@ -86,7 +99,7 @@ class RecoveringClient:
         """Pass-through (the wrapper then tracks the session from `history`)."""
         reply = self.inner.resume(request, history) if injected is None else \
             self.inner.resume(request, history, injected)
-        t = _Tracked(replace(request, want_caption=False), torch.as_tensor(history).long().tolist())
+        t = TrackedSession(replace(request, want_caption=False), torch.as_tensor(history).long().tolist())
         if injected is not None and injected.positions.numel():
             t.positions = injected.positions.tolist()
             t.hidden, t.features = [injected.device_hidden], [injected.features]
@@ -101,10 +114,11 @@ class RecoveringClient:
             if t is None or not self.is_lost(e):
                 raise
             reply = self._resume_and_retry(t, request)
-        self._commit(t, request, reply)
+        if t is not None:
+            t.commit(request, reply)
         return reply
 
-    def _resume_and_retry(self, t: _Tracked, request: VerifyRequest) -> VerifyReply:
+    def _resume_and_retry(self, t: TrackedSession, request: VerifyRequest) -> VerifyReply:
         history = torch.tensor(t.tokens, dtype=torch.long)
         injected = t.injected()
         # only pass `injected` when there is some, so that clients without interval features need not accept it
@@ -114,19 +128,6 @@ class RecoveringClient:
         reply = self.inner.verify(request)
         return replace(reply, resumed=True, cloud_s=reply.cloud_s + res.cloud_s,
                        forward_passes=reply.forward_passes + res.forward_passes)
-
-    @staticmethod
-    def _commit(t: _Tracked | None, request: VerifyRequest, reply: VerifyReply) -> None:
-        if t is None:
-            return
-        m = int(request.new_tokens.numel())
-        if request.device_hidden is not None and request.features is not None and m:
-            t.positions.extend(range(len(t.tokens), len(t.tokens) + m))
-            t.hidden.append(request.device_hidden.detach().cpu())
-            t.features.append(request.features.detach().cpu())
-        burst = reply.burst_tokens.tolist() if reply.num_burst else []
-        t.tokens.extend(request.new_tokens.tolist() + request.draft_tokens[:reply.num_accepted].tolist()
-                        + [int(reply.next_token)] + burst)
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

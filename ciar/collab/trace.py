@@ -30,7 +30,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ciar.collab.network import NetworkModel
-from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, VerifyReply, VerifyRequest
+from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, SessionLostError, VerifyReply, VerifyRequest
+from ciar.collab.recovery import TrackedSession
 
 
 @dataclass
@@ -123,6 +124,9 @@ class AsyncVerifierClient:
     async def verify(self, request: VerifyRequest) -> VerifyReply:
         return await self.stepper.run(self.verifier.submit_verify(request))
 
+    async def resume(self, request: OpenRequest, history, injected=None) -> OpenReply:
+        return await self.stepper.run(self.verifier.submit_resume(request, history, injected))
+
     async def close(self, session_id: str) -> None:
         self.verifier.close(session_id)
 
@@ -135,11 +139,16 @@ class ReplayResult:
     forward_passes: int  # cloud forwards the session's requests took part in
     mismatches: int  # replies that differ from the recorded ones
     cloud_s: float
+    resumes: int = 0  # times the session was re-created after the verifier lost it
 
 
 async def replay_session(trace: SessionTrace, cloud, session_id: str, net: NetworkModel | None = None,
-                         device_scale: float = 1.0) -> ReplayResult:
-    """Replay one recorded session under `session_id` against `cloud` (async open / verify / close)."""
+                         device_scale: float = 1.0, is_lost=None) -> ReplayResult:
+    """Replay one recorded session under `session_id` against `cloud` (async open / verify / resume / close). A
+    verification that finds its session gone (`is_lost(exc)`, default: SessionLostError; a replica that went away
+    or a new one that took the session over) re-creates it from the committed history, as a device's
+    `ciar.collab.recovery.RecoveringClient` does, and is sent again: nothing is lost as replicas come and go."""
+    is_lost = is_lost or (lambda e: isinstance(e, SessionLostError))
     t0 = time.perf_counter()
 
     async def link(nbytes: int) -> None:
@@ -147,23 +156,35 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
             await asyncio.sleep(net.transmit(nbytes)[0])
 
     await link(trace.open_bytes[0])
-    reply = await cloud.open(replace(trace.open, session_id=session_id))
+    open_req = replace(trace.open, session_id=session_id)
+    reply = await cloud.open(open_req)
     await link(trace.open_bytes[1])
+    tracked = TrackedSession(replace(open_req, want_caption=False), reply.prefix_tokens.tolist())
     mismatches = int(reply.prefix_tokens.tolist() != trace.prefix_tokens)
-    passes, cloud_s = reply.forward_passes, reply.cloud_s
+    passes, cloud_s, resumes = reply.forward_passes, reply.cloud_s, 0
     for i, step in enumerate(trace.steps):
         if step.device_s * device_scale > 0:
             await asyncio.sleep(step.device_s * device_scale)
         req = replace(step.request, session_id=session_id)
         await link(req.nbytes(trace.vocab_size))
         try:
-            rep = await cloud.verify(req)
+            try:
+                rep = await cloud.verify(req)
+            except Exception as e:  # noqa: BLE001 - only a lost session is recovered here
+                if not is_lost(e):
+                    raise
+                res = await cloud.resume(tracked.request, torch.tensor(tracked.tokens, dtype=torch.long),
+                                         tracked.injected())
+                resumes += 1
+                passes += res.forward_passes
+                rep = await cloud.verify(req)
         except SessionError:  # an earlier mismatch moved the session off its recorded course: stop here
             if not mismatches:
                 raise
             mismatches += len(trace.steps) - i
             break
         await link(rep.nbytes())
+        tracked.commit(req, rep)
         got = (rep.num_accepted, rep.next_token, rep.burst_tokens.tolist() if rep.num_burst else [])
         mismatches += int(got != (step.num_accepted, step.next_token, step.burst_tokens))
         passes += rep.forward_passes
@@ -171,5 +192,9 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
     if trace.tail_device_s * device_scale > 0:
         await asyncio.sleep(trace.tail_device_s * device_scale)
     latency = time.perf_counter() - t0
-    await cloud.close(session_id)
-    return ReplayResult(session_id, latency, 1 + len(trace.steps), passes, mismatches, cloud_s)
+    try:
+        await cloud.close(session_id)
+    except Exception as e:  # noqa: BLE001 - a session already gone needs no closing
+        if not is_lost(e):
+            raise
+    return ReplayResult(session_id, latency, 1 + len(trace.steps), passes, mismatches, cloud_s, resumes)

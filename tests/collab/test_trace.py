@@ -59,3 +59,24 @@ def test_a_mismatch_is_counted_not_hidden(tiny_cloud, tiny_device, stub_text, me
     r = asyncio.run(replay_session(t, AsyncVerifierClient(verifier), "x", device_scale=0.0))
     assert r.mismatches >= 1
     assert torch.is_tensor(t.steps[0].request.draft_probs)
+
+
+def test_a_session_lost_mid_replay_is_resumed_with_identical_replies(tiny_cloud, tiny_device, stub_text, median_tau):
+    """The verifier forgets the session (a replica went away, or a new one took the session over): the replayer
+    re-creates it from the committed history, as a device does, and every reply still equals the recording."""
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    t = traces[0]
+    assert len(t.steps) >= 3
+
+    class Forgetful(AsyncVerifierClient):
+        calls = 0
+
+        async def verify(self, request):
+            self.calls += 1
+            if self.calls == 3:
+                self.verifier.close(request.session_id)
+            return await super().verify(request)
+
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    r = asyncio.run(replay_session(t, Forgetful(verifier), "x", device_scale=0.0))
+    assert r.resumes == 1 and r.mismatches == 0

@@ -26,6 +26,16 @@ def test_verifier_routes_by_session_with_rays_consistent_hash_router_and_no_fall
     assert router.request_router_kwargs == {"num_fallback_replicas": 0}  # strict: a spill would cost a re-prefill
 
 
+def test_ingress_overflow_is_answered_by_serve_with_retry_after():
+    from services.app import build_app
+
+    d = build_app({"allow_unauthenticated": True, "ingress_max_queued_requests": 7, "retry_after_s": 3}
+                  )._bound_deployment
+    assert d._deployment_config.max_queued_requests == 7
+    bp = d._deployment_config.backpressure_config
+    assert bp.status_code == 503 and bp.retry_after_s == 3
+
+
 def test_live_configs_validate_with_field_names():
     assert DeviceLiveConfig(tau=0.2).tau == 0.2
     for bad in ({"tau": -1}, {"span": 0}, {"prefix_rate": 2}, {"tau": float("nan")}, {"unknown": 1}):
