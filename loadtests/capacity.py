@@ -20,7 +20,10 @@
    forwards per image, the batch-size histogram, cloud token positions per image by kind (spans, one-token
    decodes, resumed histories; prefill excluded), replay mismatches; and the headline: the largest load whose p99
    holds the SLO per method, **phones per replica at the SLO, CIAR / cloud-only**, with the cloud positions and
-   sequential cloud passes per image of each method.
+   sequential cloud passes per image of each method; and a measured cost model of one verifier forward (time =
+   a + b rows + c positions, least squares over a grid of batch shapes) with each method's modelled verifier
+   milliseconds per image at 1, 4, 16 and 64 sessions per forward: a fixed per-forward cost (memory-bound, a GPU)
+   rewards CIAR's fewer passes, a per-position cost (compute-bound, this CPU) its equal positions.
 
 Every phone starts at once and keeps its session count constant; images that finish inside the measuring window
 (after `--warmup`) count, whenever they started; phones drain their last image afterwards. What is measured is the
@@ -66,6 +69,45 @@ def record(args) -> dict[str, list]:
         print(f"recorded {len(rec.sessions)} {method} sessions: {np.mean([1 + len(t.steps) for t in rec.sessions]):.1f}"
               f" cloud requests per image")
     return out
+
+
+def forward_cost(world, reps: int = 5) -> dict:
+    """A measured cost model of one verifier forward: time against batch rows R and token positions R x W (rows of
+    W tokens at mid-image, keys read from the cache), least squares t = a + b R + c R W. -> coefficients (ms), fit,
+    points."""
+    from ciar.collab.verifier import CloudVerifier
+
+    cloud = world.cloud
+    c = cloud.config
+    grid = [(r, w) for r in (2, 8, 32, 64) for w in (1, 4, 16) if r * w <= 1024]
+    v = CloudVerifier(cloud, None, max_sessions=32)
+    start = c.cls_token_num + c.block_size // 2
+    points = []
+    with torch.no_grad():
+        for r, w in grid:
+            h = cloud.tok_embeddings(torch.randint(0, c.vocab_size, (r, w), generator=torch.Generator().manual_seed(r)))
+            pos = torch.arange(start, start + w).expand(r, w)
+            slots = torch.arange(r)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                cloud.logits(cloud.forward_cached(v.cache, h, pos, slots, kv_len=start + w)[:, -1])
+                times.append(time.perf_counter() - t0)
+            points.append({"rows": r, "width": w, "ms": 1e3 * float(np.median(times[1:]))})
+    x = np.array([[1.0, p["rows"], p["rows"] * p["width"]] for p in points])
+    y = np.array([p["ms"] for p in points])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    pred = x @ coef
+    r2 = 1.0 - float(((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())
+    return {"a_ms_per_forward": float(coef[0]), "b_ms_per_row": float(coef[1]), "c_ms_per_position": float(coef[2]),
+            "r2": r2, "points": points, "context": start}
+
+
+def image_cost_ms(model: dict, passes: float, positions: float, batch: int, rows_per_session: int = 2) -> float:
+    """Verifier milliseconds one image costs at `batch` sessions per forward under the cost model: each of its
+    passes pays a 1/batch share of the fixed cost and its rows; each of its positions its rows' position cost."""
+    return passes * (model["a_ms_per_forward"] / batch + rows_per_session * model["b_ms_per_row"]) + \
+        rows_per_session * positions * model["c_ms_per_position"]
 
 
 class HandleClient:
@@ -276,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1")
     os.makedirs(args.out, exist_ok=True)
     traces = record(args)
+    from ciar.world import load_world
+    from ciar.world_spec import world_from_args as _source
+
+    cost = forward_cost(load_world(_source(args)))
+    print(f"forward cost model: a {cost['a_ms_per_forward']:.2f} ms + b {cost['b_ms_per_row']:.3f} ms/row + "
+          f"c {cost['c_ms_per_position']:.3f} ms/position (R^2 {cost['r2']:.3f})")
 
     import ray
     import yaml
@@ -327,11 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": args.threads, "world": world if isinstance(world, str) or world is None else "inline",
         "recorded_requests_per_image": {m: float(np.mean([1 + len(t.steps) for t in traces[m]])) for m in METHODS},
     })
+    result["forward_cost_model"] = cost
+    pp, pos = result["cloud_passes_per_image"], result["cloud_positions_per_image"]
+    if all(pp[m] is not None and pos[m] is not None for m in METHODS):
+        result["modelled_ms_per_image"] = {f"batch_{b}": {m: image_cost_ms(cost, pp[m], pos[m], b) for m in METHODS}
+                                           for b in (1, 4, 16, 64)}
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "capacity.png"))
-    print(json.dumps({k: result[k] for k in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image",
-                                             "cloud_passes_per_image", "accelerator")}, indent=2))
+    print(json.dumps({k: result.get(k) for k in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image",
+                                                 "cloud_passes_per_image", "modelled_ms_per_image", "accelerator")},
+                     indent=2))
     return 0
 
 

@@ -189,6 +189,9 @@ def kv_runs(slots: torch.Tensor | None, batch: int) -> list[tuple[int, int, int]
     return [tuple(r) for r in runs]
 
 
+_DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -248,8 +251,10 @@ class Attention(nn.Module):
         # one-token steps (cloud-only decoding) copy a run's keys into a dense block first: inside a decode loop the
         # keys are cold, and the flash kernel reads a dense block faster than the same keys as a view of the cache
         # (CPU, batch 16, 40..184 keys: 1.39 -> 1.31 s per image, copy included). Spans of several queries (the
-        # verifier) read the view: there the copy costs more than it saves (core benchmark: ~3% fewer spans/s)
-        dense = q.shape[1] == 1
+        # verifier) read the view: there the copy costs more than it saves (core benchmark: ~3% fewer spans/s); so do
+        # steps of more than _DENSE_MAX rows (CPU, 112 keys, one forward: 4 rows 4.3 vs 4.6 ms, 32 rows 14.0 vs 15.0,
+        # 64 rows 34.7-40.3 with the copy vs 26.5 ms without)
+        dense = q.shape[1] == 1 and q.shape[0] <= _DENSE_MAX
         outs = []
         for r, s, n in runs:
             keys, values = k_cache[s:s + n, :, :kv_len].to(q.dtype), v_cache[s:s + n, :, :kv_len].to(q.dtype)
