@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-RUNS = [("coverage", "KL + coverage (ours)"), ("inter_dro", "KL + Inter-DRO (paper: anchor, lower, center, upper)"),
+RUNS = [("init", "start: the 2-layer device of commit 6c9d61d (Inter-DRO on VQ codes, 1,200 steps x 16)"),
+        ("coverage", "KL + coverage (ours)"), ("inter_dro", "KL + Inter-DRO (paper: anchor, lower, center, upper)"),
         ("inter_dro_no_anchor", "Inter-DRO without anchor"), ("inter_dro_no_lower", "Inter-DRO without lower"),
         ("inter_dro_no_center", "Inter-DRO without center"), ("inter_dro_no_upper", "Inter-DRO without upper")]
 
@@ -18,10 +19,13 @@ def main(folder: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, label in RUNS:
         path = os.path.join(folder, f"{name}.metrics.json")
+        if name == "init":  # python -m pipelines.train_device --eval-only runs/table7/init_l2.safetensors ...
+            path = os.path.join(folder, "init.eval.json")
         if not os.path.exists(path):
             print(f"| {label} | not run | | | | | | | |")
             continue
-        h = json.load(open(path))["history"][-1]
+        h = json.load(open(path))
+        h = h["history"][-1] if "history" in h else dict(h, step=0)
         rej, dis = h["auroc_rejection"], h["auroc_disagreement"]
         print(f"| {label} | {h['step']} | {h['val_kl_guided']:.3f} | {h['val_tv_guided']:.3f} | "
               f"{h['top1_agreement']:.3f} | {h['box_coverage_of_cloud_mass']:.3f} | {h['radius_mean']:.2f} | "
