@@ -15,7 +15,8 @@ samples after the next token, exact cloud tokens that cost a cloud step each and
 
 `CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
 it with direct calls (tests, benchmarks, CLI); the Ray implementation lives in `services/`. Payload sizes follow
-`ciar.collab.stats`'s documented encodings, so every transport charges the same bytes to the network model.
+the encodings below (a fixed `HEADER_BYTES` per message, token ids bit-packed at ceil(log2 V) bits, float vectors
+as float16), so every transport charges the same bytes to the network model.
 
 Errors every transport shares (defined here, raised by the verifier): `SessionError` (a request that does not fit
 the session: a client bug, 4xx), `SessionLostError` (the session is not held), `CapacityError` (no free slot).
@@ -28,13 +29,27 @@ RecoveringClient` does this for any client; the result equals an uninterrupted s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from ciar.collab.stats import HEADER_BYTES, feature_bytes, token_bytes
 from ciar.decoding.sampling import SamplingParams
+
+
+HEADER_BYTES = 64  # every message: a fixed header
+
+
+def token_bytes(n: int, vocab_size: int) -> int:
+    """Bytes for n token ids of a V-entry vocabulary, bit-packed at ceil(log2 V) bits each."""
+    bits = max(1, math.ceil(math.log2(max(2, vocab_size))))
+    return (n * bits + 7) // 8
+
+
+def feature_bytes(n: int, dim: int) -> int:
+    """Bytes for n float16 vectors of size dim."""
+    return 2 * n * dim
 
 
 def quantize_draft(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,28 +25,13 @@ Derived: cloud_call_rate = cloud_tokens / total_tokens; steps_compression = tota
 acceptance_rate = accepted / drafted; mean_accepted_length = 1 + accepted / verifications (tokens gained per
 verification, the bonus/recovered token included); total_s = device_s + cloud_s + comm_s.
 
-Payload encodings (every transport charges these, so byte counts do not depend on the transport): a fixed
-`HEADER_BYTES` per message; token ids packed at ceil(log2 V) bits; float vectors as float16.
+Payload byte encodings: `ciar.collab.protocol` (HEADER_BYTES, token_bytes, feature_bytes).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-
-HEADER_BYTES = 64
-
-
-def token_bytes(n: int, vocab_size: int) -> int:
-    """Bytes for n token ids of a V-entry vocabulary, bit-packed at ceil(log2 V) bits each."""
-    bits = max(1, math.ceil(math.log2(max(2, vocab_size))))
-    return (n * bits + 7) // 8
-
-
-def feature_bytes(n: int, dim: int) -> int:
-    """Bytes for n float16 vectors of size dim."""
-    return 2 * n * dim
-
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from ciar.collab.network import PROFILES, NetworkModel, get_profile
-from ciar.collab.stats import GenerationStats, feature_bytes, token_bytes
+from ciar.collab.protocol import feature_bytes, token_bytes
+from ciar.collab.stats import GenerationStats
 
 
 def test_derived_figures_and_sum():
