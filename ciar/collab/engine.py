@@ -116,6 +116,9 @@ class Work:
         if self.done:
             return
         self.done, self.result, self.error = True, result, error
+        session = getattr(self, "s", None)  # the session it held (verifier works): free for its next request
+        if session is not None and getattr(session, "work", None) is self:
+            session.work = None
         if self.on_done is not None:
             self.on_done(self)
 

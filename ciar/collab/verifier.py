@@ -422,6 +422,12 @@ class OpenWork(Work):
         """Undo `admit` (the caption could not be encoded)."""
         self.v.close(self.session_id, cancel=False)
 
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        if error is not None and not self.done and self.s is not None and \
+                self.v.sessions.get(self.session_id) is self.s:
+            self.v.close(self.session_id, cancel=False)  # a half-built session is of no use: free its slots
+        super().finish(result, error)
+
     def kind(self) -> int:
         return PREFILL if self.cond_pos < self.v.config.cls_token_num else DECODE
 

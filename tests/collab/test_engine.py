@@ -151,3 +151,21 @@ def test_per_row_generators_draw_as_rows_judged_alone():
                 (int(one.num_accepted[0]), int(one.next_token[0])), (rule, i)
     with pytest.raises(ValueError, match="list of B"):
         verify_span("exact", drafts, q, p, gens[:2])
+
+
+@torch.no_grad()
+def test_a_failed_forward_fails_its_works_and_frees_their_sessions(tiny_cloud, stub_text, monkeypatch):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    v.open_batch([_open_req("a", 2)])
+    span, opening = v.submit_verify(_span(v, "a")), v.submit_open(_open_req("b", 3))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("accelerator lost")
+
+    monkeypatch.setattr(v.engine, "_forward", broken)
+    v.engine.run([span, opening])
+    assert isinstance(span.error, RuntimeError) and isinstance(opening.error, RuntimeError)
+    assert "b" not in v.sessions and v.sessions["a"].work is None  # the half-opened session is gone, "a" is free
+    monkeypatch.undo()
+    assert v.verify_batch([_span(v, "a")])[0].next_token >= 0  # the session takes its next request
+    v.open_batch([_open_req("b", 1)])
