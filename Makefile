@@ -15,7 +15,7 @@ REFERENCE_STAMP := $(REFERENCE)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow serve load clean-venv
+.PHONY: setup test test-slow serve load clean-venv browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,19 @@ $(REFERENCE_STAMP): | $(STAMP)
 
 setup: $(STAMP)
 
-test: $(STAMP) $(REFERENCE_STAMP)
+# the playground's browser test drives the system chromium (Debian's package; Playwright's downloads are not used):
+# installed here when missing (as root, or with password-less sudo); CIAR_CHROMIUM names another binary
+CHROMIUM ?= $(or $(CIAR_CHROMIUM),$(shell command -v chromium || command -v chromium-browser))
+
+browser:
+	@if [ -n "$(CHROMIUM)" ]; then echo "browser: $(CHROMIUM)"; \
+	elif command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+	  || { echo "could not install chromium (the playground's browser test needs it): apt-get install chromium, or set CIAR_CHROMIUM" >&2; exit 1; }; \
+	else echo "no chromium and no apt-get: install chromium and set CIAR_CHROMIUM to its binary" >&2; exit 1; fi
+
+test: $(STAMP) $(REFERENCE_STAMP) browser
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) $(REFERENCE_STAMP)

@@ -31,10 +31,9 @@ import os
 import sys
 import time
 
+from ciar.collab.names import METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
 from ciar.world_spec import add_world_arguments, world_from_args
 
-# the same names as ciar.collab.decoder.METHODS (kept literal so bad arguments fail before importing torch)
-METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
 PROG = "python -m ciar.generate"
 
 
@@ -65,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ciar: cloud burst g after a rejection (default: the device file's)")
     p.add_argument("--span", type=int, default=None, help="collaborative methods: drafts per verification")
     p.add_argument("--prefix-rate", type=float, default=None, help="collaborative methods: cloud prefix fraction")
-    p.add_argument("--network", default=None, help="collaborative methods: 5g | 4g | wifi | none")
+    p.add_argument("--network", default=None,
+                   help=f"collaborative methods: {' | '.join(NETWORKS)} (NAME:key=value,... for options)")
     add_world_arguments(p)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")

@@ -3,12 +3,16 @@ status and checks the logs for keys.
 
     python -m loadtests.fuzz --examples 500 --out runs/fuzz            # starts the cluster, as loadtests.run does
     python -m loadtests.fuzz --host http://127.0.0.1:8000 --api-key KEY --examples 200
+    python -m loadtests.fuzz --examples 0 --contract-examples 100 --out runs/contract   # the OpenAPI contract only
 
 Every answer must be a 2xx, or a 4xx / 503 whose JSON body names the error (`error.message`); a 5xx other than 503
 is a failure. Without --host, the devices are reconfigured live to skip simulated waits (valid bodies still
 generate for real, just faster), and after the run every Serve log file of the Ray session is searched for the API
-key and the bad keys that were sent (they must never be logged). Writes OUT/fuzz.json:
-  {"requests", "by_status", "five_xx", "five_xx_examples", "unnamed_4xx", "oversized": {...}, "keys_in_logs", "ok"}
+key and the bad keys that were sent (they must never be logged). With --contract-examples N, schemathesis also runs
+against the app's own /openapi.json with every default check (loadtests.contract; coverage + fuzzing phases, N
+examples per operation), the key passed through the environment. Writes OUT/fuzz.json:
+  {"requests", "by_status", "five_xx", "five_xx_examples", "unnamed_4xx", "oversized": {...}, "contract": {...},
+   "keys_in_logs", "ok"}
 The test suite runs the same strategies (`body_strategy`) against a small random world.
 """
 
@@ -31,7 +35,7 @@ def body_strategy():
     """Bodies of POST /v1/images/generations: near-valid ones (mostly answered 200) or arbitrary JSON."""
     from hypothesis import strategies as st
 
-    from ciar.collab.decoder import METHODS
+    from ciar.collab.names import METHODS
 
     scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=40)
     values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
@@ -156,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="as in loadtests.run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--contract-examples", type=int, default=0,
+                   help="schemathesis examples per operation against /openapi.json (0: no contract run)")
+    p.add_argument("--contract-max-time", type=float, default=None, help="seconds; stop the contract run after")
     args = p.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
@@ -179,7 +186,17 @@ def main(argv: list[str] | None = None) -> int:
             url, key = args.host, client_key(None, args.api_key)
         f = Fuzzer(url, key)
         t0 = time.perf_counter()
-        f.run(args.examples, args.seed)
+        if args.contract_examples > 0:
+            from loadtests.contract import run_contract
+
+            report["contract"] = run_contract(url, key, args.contract_examples, seed=args.seed,
+                                              phases="coverage,fuzzing", max_time_s=args.contract_max_time,
+                                              report_dir=args.out)
+            report["contract_wall_s"] = round(time.perf_counter() - t0, 1)
+            print(report["contract"]["output"][-1500:], flush=True)
+            t0 = time.perf_counter()
+        if args.examples > 0:
+            f.run(args.examples, args.seed)
         report["fuzz_wall_s"] = round(time.perf_counter() - t0, 1)
         report["oversized"] = f.oversized()
         report["bad_keys"] = f.bad_keys(bad_keys)
@@ -195,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if cluster is not None:
             cluster.stop()
-    report["ok"] = (report.get("five_xx") == 0 and report.get("problems") == 0 and report["oversized"]["ok"]
+    report["ok"] = (report.get("five_xx") == 0 and report.get("contract", {}).get("ok", True) and report.get("problems") == 0 and report["oversized"]["ok"]
                     and report["bad_keys"]["ok"] and not any((report.get("keys_in_logs") or {}).values()))
     with open(os.path.join(args.out, "fuzz.json"), "w") as fh:
         json.dump(report, fh, indent=2, default=str)

@@ -37,6 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ciar.collab.names import NETWORKS as ALL_NETWORKS
 from loadtests.plan import percentile
 from loadtests.run import REPO, Cluster, apply_overrides, client_key, each_replica, free_port, load_app_config
 
@@ -44,7 +45,7 @@ PROMPTS = ("a small red circle at the top on a gray background",
            "a large blue square at the center on a black background",
            "a green triangle at the bottom left and a yellow circle at the top right on a white background",
            "a medium purple star at the left on a gray background")
-NETWORKS = ("5g", "4g", "wifi")
+NETWORKS = tuple(n for n in ALL_NETWORKS if n != "none")  # real links only: "none" is an ideal one
 DEFAULT_SETS = ("Verifier.idle_timeout_s=10",)
 
 

@@ -7,9 +7,14 @@
          -d '{"prompt": "a large red circle at the center on a black background", "seed": 0, "method": "ciar",
               "network": "5g", "response_format": "png"}' -o red.png
 
+The API follows OpenAI's Images API (`openai.OpenAI(base_url="http://HOST:8000/v1", api_key=KEY)
+.images.generate(prompt=..., model="ciar", n=2, size="128x128")` works) and documents itself: /openapi.json (typed
+request, answers and every error status with its body), /docs. GET / is the playground page (services/playground.html).
+
 Deployments (thin; all generation logic lives in `ciar/`):
   Ingress   FastAPI: API keys, pydantic validation (4xx naming the field), 503 + Retry-After on overload,
-            JSON / PNG / tokens responses, server-sent events with progress and previews, Prometheus metrics
+            JSON / PNG / tokens responses, server-sent events with progress and previews, Prometheus metrics,
+            GET /v1/models, the playground page
   Device    one replica = one simulated phone (services.device)
   Verifier  cloud model replicas with session-affine routing and cross-session span batching (services.verifier)
 
@@ -30,7 +35,9 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -40,15 +47,90 @@ from ciar.collab.defaults import UncalibratedError
 from ciar.collab.protocol import CloudUnreachableError
 from ciar.collab.protocol import CapacityError
 from ciar.text import CaptionTooLongError
+from ciar.collab.names import METHODS
 from services.device import Device
-from services.schemas import AppConfig, GenerationRequest, key_digest
+from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
+                              ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.verifier import Verifier
 
 logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 16 * 1024
 SESSION_SECRET_ENV = "CIAR_SESSION_SECRET"
 
-api = FastAPI(title="CIAR image generation", version="1")
+PLAYGROUND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "playground.html")
+
+# /openapi.json and /docs are the ingress's own routes (below): the schema names the served world's size and alias
+api = FastAPI(title="CIAR image generation", version="1", openapi_url=None, docs_url=None, redoc_url=None,
+              description="Text-to-image with collaborative decoding between simulated devices and a cloud model "
+              "(CIAR). OpenAI Images API compatible (POST /v1/images/generations, GET /v1/models). Every error "
+              "answers an ErrorResponse body naming the field at fault.")
+
+
+def _error(description: str, headers: dict | None = None) -> dict:
+    out = {"model": ErrorResponse, "description": description}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+AUTH_ERROR = _error("missing or invalid API key", {"WWW-Authenticate": {"description": "Bearer",
+                                                                        "schema": {"type": "string"}}})
+# one server-sent event as parsed from the stream (OpenAPI 3.1: the schema of text/event-stream is per event)
+SSE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "enum": ["progress", "result", "error"]},
+    "data": {"type": "string", "contentMediaType": "application/json", "description": "progress: a ProgressEvent "
+             "(preview_png as preview_b64); result: an ImagesResponse (every image with `who`); error: an "
+             "ErrorResponse with `status`"}}}
+GENERATION_RESPONSES = {
+    200: {"model": ImagesResponse, "description": "the images: JSON (b64_json / tokens), the PNG itself "
+          "(response_format png; header X-CIAR-Degraded), or with stream: server-sent events `progress` "
+          "(tokens_done, tokens_total, cloud_requests, cloud_tokens, preview_b64), then `result` (this JSON, every "
+          "image with `who`) or `error` (an ErrorResponse with `status`)",
+          "content": {"image/png": {"schema": {"type": "string", "format": "binary"}},
+                      "text/event-stream": {"schema": SSE_EVENT}}},
+    400: _error("a request the schema admits but this deployment cannot serve: body not JSON, response_format url, "
+                "size other than the world's, unknown model (or one that disagrees with method), n over max_images, "
+                "n > 1 with png or stream"),
+    401: AUTH_ERROR,
+    413: _error("request body over 16 KiB"),
+    422: _error("a field out of range, of the wrong type or unknown (error.field names it); also a prompt over the "
+                "caption encoder's token budget, params that make no valid method config (e.g. cloud with "
+                "prefix_rate < 1) and a gate with no calibrated threshold and no params.tau"),
+    500: _error("internal error (logged with its traceback)"),
+    503: _error("overloaded (every device busy and the queue full, or no free verifier KV-cache slot) or the cloud "
+                "unreachable before the image could start: retry after Retry-After seconds", RETRY_AFTER),
+    504: _error("the generation did not finish within request_timeout_s"),
+}
+GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}}
+BEARER = [{"bearerAuth": []}]
+
+
+def openapi_schema(world: dict | None = None, max_images: int | None = None) -> dict:
+    """The OpenAPI document: FastAPI's, plus the request body schema (the handler reads the raw body, to answer
+    401 / 413 / 400 before parsing) and the bearer scheme; with the served `world` (Device.world_info) and the
+    deployment's `max_images`, `size` and `model` list the accepted values and `n` its maximum."""
+    doc = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
+    comps = doc.setdefault("components", {})
+    body = GenerationRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    comps.setdefault("schemas", {}).update(body.pop("$defs", {}))
+    comps["schemas"]["GenerationRequest"] = body
+    comps["securitySchemes"] = {"bearerAuth": {"type": "http", "scheme": "bearer"}}
+    props = body["properties"]
+    if world is not None:
+        props["size"] = {**props["size"], "anyOf": [{"type": "string", "enum": [world["size"], "auto"]},
+                                                    {"type": "null"}]}
+        props["model"] = {**props["model"], "anyOf": [{"type": "string", "enum": list(_models(world))},
+                                                      {"type": "null"}]}
+    if max_images is not None:
+        props["n"] = {**props["n"], "maximum": max_images}
+    return doc
+
+
+def _models(world: dict) -> dict[str, str]:
+    """Accepted `model` values -> their kind: every method, and the world's alias."""
+    return {**{m: "method" for m in METHODS}, world["id"]: "world"}
 
 
 def error_body(status: int, message: str, field: str | None = None, kind: str = "invalid_request") -> JSONResponse:
@@ -94,9 +176,13 @@ def _cause(exc: BaseException) -> BaseException:
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, device: DeploymentHandle, key_hashes: list[str], allow_unauthenticated: bool,
-                 retry_after_s: int, request_timeout_s: float):
+    async def __init__(self, device: DeploymentHandle, key_hashes: list[str], allow_unauthenticated: bool,
+                       retry_after_s: int, request_timeout_s: float, max_images: int = 4):
         self.device = device
+        self.max_images = max_images
+        # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
+        # call at a time, so the first answer may wait for a generation)
+        self._world_task = asyncio.ensure_future(self._ask_world())
         self.key_hashes = [bytes.fromhex(h) for h in key_hashes]
         self.open = allow_unauthenticated and not key_hashes
         self.retry_after_s = retry_after_s
@@ -140,13 +226,56 @@ class Ingress:
         r.headers["Retry-After"] = str(self.retry_after_s)
         return r
 
+    async def _ask_world(self) -> dict:
+        info = await self.device.info.remote()
+        return info["world"]
+
+    async def world(self) -> dict:
+        """The served world (Device.world_info); asked again if the first ask failed."""
+        if self._world_task.done() and self._world_task.exception() is not None:
+            self._world_task = asyncio.ensure_future(self._ask_world())
+        return await asyncio.wait_for(asyncio.shield(self._world_task), timeout=self.timeout_s)
+
     # ------------------------------------------------------------------ routes
-    @api.get("/healthz")
+    @api.get("/healthz", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}})
     async def healthz(self) -> dict:
         return {"status": "ok"}
 
-    @api.post("/v1/images/generations")
+    @api.get("/", include_in_schema=False)
+    async def playground(self) -> HTMLResponse:
+        """The playground page: one static file, no build step, nothing fetched from the internet."""
+        with open(PLAYGROUND, encoding="utf-8") as f:
+            return HTMLResponse(f.read())
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        try:
+            world = await self.world()
+        except Exception:  # noqa: BLE001 - the generic document rather than none
+            world = None
+        return JSONResponse(openapi_schema(world, self.max_images))
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{api.title} - docs")
+
+    @api.get("/v1/models", response_model=ModelList, openapi_extra={"security": BEARER},
+             responses={401: AUTH_ERROR, 503: _error("no device answered", RETRY_AFTER)})
+    async def models(self, request: Request):
+        """What `model` accepts (OpenAI's model list): every decoding method, and the world's alias."""
+        if not self._authorized(request):
+            return self._unauthorized()
+        try:
+            world = await self.world()
+        except Exception as e:  # noqa: BLE001
+            return self._overloaded(f"no device answered: {type(e).__name__}", kind="unavailable")
+        return ModelList(data=[ModelCard(id=m, kind=kind, sizes=[world["size"]])
+                               for m, kind in _models(world).items()])
+
+    @api.post("/v1/images/generations", response_model=None, responses=GENERATION_RESPONSES,
+              openapi_extra={**GENERATION_BODY, "security": BEARER})
     async def generations(self, request: Request):
+        """Generate images from a caption (OpenAI Images API compatible; CIAR's own fields: GenerationRequest)."""
         try:
             return await self._generations(request)
         except Exception as e:  # noqa: BLE001 - never a bare 500: name the error, log the traceback
@@ -171,22 +300,57 @@ class Ingress:
             req = GenerationRequest.model_validate(body)
         except Exception as e:  # pydantic ValidationError
             return await _validation_error(request, RequestValidationError(getattr(e, "errors", lambda: [])()))
+        req, refused = await self._resolve(req)
+        if refused is not None:
+            return refused
         try:  # the combination of method and params must make a valid config (same checks as the CLI)
             method_config(req.method, network=req.network, **req.params.collab_overrides())
         except ValueError as e:
             return error_body(422, str(e), field="params")
-        job = {"session_id": uuid.uuid4().hex, "prompt": req.prompt, "seed": req.seed, "method": req.method,
-               "network": req.network, "collab": req.params.collab_overrides(),
-               "sampling": req.params.sampling_overrides()}
+        jobs = [GenerationJob.of(req, uuid.uuid4().hex, i) for i in range(req.n)]
         if req.stream:
-            return StreamingResponse(self._events(req, job), media_type="text/event-stream",
+            return StreamingResponse(self._events(req, jobs[0]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            out = await asyncio.wait_for(self.device.generate.remote(job), timeout=self.timeout_s)
+        try:  # n images on n devices at once (a device makes one image at a time)
+            outs = await asyncio.wait_for(asyncio.gather(*(self.device.generate.remote(j) for j in jobs)),
+                                          timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP status below
             return self._failure(req, e)
-        self._observe(req, out["stats"], 200)
-        return self._render(req, out)
+        self._observe(req, [o.stats for o in outs], 200)
+        return self._render(req, jobs, outs)
+
+    async def _resolve(self, req: GenerationRequest) -> tuple[GenerationRequest, JSONResponse | None]:
+        """The OpenAI fields checked against this deployment: -> (the request with `model` applied, None) or
+        (req, a 400 naming the field)."""
+        if req.response_format == "url":
+            return req, error_body(400, "response_format 'url' is not supported: this server keeps no images to "
+                                   "link to; use b64_json (or png / tokens)", field="response_format")
+        if req.n > self.max_images:
+            return req, error_body(400, f"n must be at most {self.max_images} on this deployment (max_images)",
+                                   field="n")
+        if req.n > 1 and (req.stream or req.response_format == "png"):
+            return req, error_body(400, "n > 1 needs a JSON answer without stream (response_format b64_json or "
+                                   "tokens)", field="n")
+        if req.model is None and req.size is None:
+            return req, None
+        try:
+            world = await self.world()
+        except Exception as e:  # noqa: BLE001
+            return req, self._overloaded(f"no device answered: {type(e).__name__}", kind="unavailable")
+        if req.size not in (None, "auto", world["size"]):
+            return req, error_body(400, f"size {req.size!r} is not made by this world; accepted sizes: "
+                                   f"{world['size']}", field="size")
+        models = _models(world)
+        if req.model is not None:
+            if req.model not in models:
+                return req, error_body(400, f"unknown model {req.model!r}; accepted: {', '.join(models)} "
+                                       "(GET /v1/models)", field="model")
+            if models[req.model] == "method":
+                if "method" in req.model_fields_set and req.method != req.model:
+                    return req, error_body(400, f"model {req.model!r} and method {req.method!r} name different "
+                                           "methods: give one", field="model")
+                req = req.model_copy(update={"method": req.model})
+        return req, None
 
     def _failure(self, req: GenerationRequest, e: BaseException) -> JSONResponse:
         from ray.serve.exceptions import BackPressureError
@@ -224,9 +388,13 @@ class Ingress:
         self.m_errors.inc(tags={"kind": "internal"})
         return error_body(500, f"generation failed: {type(cause).__name__}", kind="internal")
 
-    def _observe(self, req: GenerationRequest, stats: dict, code: int) -> None:
-        m = req.method
-        self.m_requests.inc(tags={"method": m, "code": str(code)})
+    def _observe(self, req: GenerationRequest, images: list[dict], code: int) -> None:
+        """One request answered `code`, with these images' stats."""
+        self.m_requests.inc(tags={"method": req.method, "code": str(code)})
+        for stats in images:
+            self._observe_image(req.method, stats)
+
+    def _observe_image(self, m: str, stats: dict) -> None:
         if stats.get("cloud_requests"):  # Ray counters refuse increments <= 0
             self.m_cloud.inc(stats["cloud_requests"], tags={"method": m})
         if stats.get("degraded"):
@@ -238,35 +406,47 @@ class Ingress:
             if stats.get(key) is not None:
                 self.m_latency.observe(stats[key], tags={"method": m, "part": part})
 
-    def _render(self, req: GenerationRequest, out: dict):
-        if req.response_format == "png":
-            return Response(out["png"], media_type="image/png",
-                            headers={"X-CIAR-Degraded": str(int(bool(out["stats"].get("degraded"))))})
-        item = {"tokens": out["tokens"]} if req.response_format == "tokens" else \
-            {"b64_json": base64.b64encode(out["png"]).decode()}
+    def _render(self, req: GenerationRequest, jobs: list[GenerationJob], outs: list[GenerationOutput]):
+        if req.response_format == "png":  # n = 1 (_resolve)
+            return Response(outs[0].png, media_type="image/png",
+                            headers={"X-CIAR-Degraded": str(int(bool(outs[0].stats.get("degraded"))))})
         # serialised here, inside the handler's error mapping (not by FastAPI after it returns)
-        return JSONResponse(json_safe({"created": int(time.time()), "data": [item], "stats": out["stats"]}))
+        return JSONResponse(self._images(req, jobs, outs))
 
-    async def _events(self, req: GenerationRequest, job: dict):
+    @staticmethod
+    def _images(req: GenerationRequest, jobs: list[GenerationJob], outs: list[GenerationOutput],
+                who: bool = False) -> dict:
+        """The ImagesResponse body: per image its seed and stats, and tokens + who (tokens) or b64_json; `who`:
+        the per-token map with any format (the stream's result)."""
+        data = []
+        for job, out in zip(jobs, outs):
+            item = {"seed": job.seed, "stats": out.stats}
+            if req.response_format == "tokens":
+                item.update(tokens=out.tokens, who=out.who)
+            else:
+                item["b64_json"] = base64.b64encode(out.png).decode()
+                if who:
+                    item["who"] = out.who
+            data.append(item)
+        return json_safe({"created": int(time.time()), "data": data, "stats": outs[0].stats})
+
+    async def _events(self, req: GenerationRequest, job: GenerationJob):
         """Server-sent events: `progress` (tokens done, a partial preview as base64 PNG), then `result` (the same
-        body as a non-streaming JSON answer) or `error`."""
+        body as a non-streaming JSON answer, with the per-token map `who` whatever the format) or `error`."""
         def sse(event: str, data: dict) -> str:
             return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
         try:
             gen = self.device.options(stream=True).generate_stream.remote(job)
             async for ev in gen:
-                if ev["event"] == "progress":
-                    data = {k: v for k, v in ev.items() if k not in ("event", "preview_png")}
-                    if "preview_png" in ev:
-                        data["preview_b64"] = base64.b64encode(ev["preview_png"]).decode()
+                if isinstance(ev, ProgressEvent):
+                    data = ev.model_dump(exclude={"preview_png"})
+                    if ev.preview_png is not None:
+                        data["preview_b64"] = base64.b64encode(ev.preview_png).decode()
                     yield sse("progress", data)
                 else:
-                    self._observe(req, ev["stats"], 200)
-                    item = {"tokens": ev["tokens"]} if req.response_format == "tokens" else \
-                        {"b64_json": base64.b64encode(ev["png"]).decode()}
-                    yield sse("result", json_safe({"created": int(time.time()), "data": [item],
-                                                   "stats": ev["stats"]}))
+                    self._observe(req, [ev.stats], 200)
+                    yield sse("result", self._images(req, [job], [ev], who=True))
         except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)
             resp = self._failure(req, e)
             yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})
@@ -296,7 +476,8 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
         request_router_config=RequestRouterConfig(
             request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
             request_router_kwargs={"num_fallback_replicas": 0}),
-        ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus},
+        ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus,
+                           "resources": cfg.verifier_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)
 
@@ -316,7 +497,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         max_ongoing_requests=1,
         max_queued_requests=cfg.device_max_queued_requests,
         user_config=cfg.device.model_dump(),
-        ray_actor_options={"num_cpus": cfg.device_num_cpus},
+        ray_actor_options={"num_cpus": cfg.device_num_cpus, "resources": cfg.device_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, verifier)
     return Ingress.options(
@@ -327,7 +508,8 @@ def build_app(args: dict | None = None) -> serve.Application:
         max_queued_requests=cfg.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s)
+    ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s,
+           max_images=cfg.max_images)
 
 
 def build_verifier_app(args: dict | None = None) -> serve.Application:

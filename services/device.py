@@ -33,7 +33,7 @@ from ciar.collab.recovery import RecoveringClient
 from ciar.collab.protocol import SessionLostError
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
-from services.schemas import DeviceLiveConfig
+from services.schemas import DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
 
 
 
@@ -120,8 +120,9 @@ def png_bytes(image) -> bytes:
 
 
 class Device:
-    """One simulated phone. `generate(job)` -> {"tokens", "png", "stats"}; `generate_stream(job)` yields progress
-    events ({"event": "progress", ...} with an optional preview PNG) and finally {"event": "result", ...}."""
+    """One simulated phone. `generate(job: GenerationJob)` -> GenerationOutput (tokens, who decided each, PNG,
+    stats); `generate_stream(job)` yields ProgressEvent (with a preview PNG until the last) and finally the
+    GenerationOutput. A dict job is validated into a GenerationJob."""
 
     def __init__(self, world: dict | str | None, verifier, live: dict | None = None):
         torch.set_num_threads(1)
@@ -147,20 +148,21 @@ class Device:
         knobs.update(overrides)  # a request's own params apply as given
         return method_config(method, **knobs)
 
-    def _run(self, job: dict, on_progress=None) -> dict:
+    def _run(self, job: GenerationJob | dict, on_progress=None) -> GenerationOutput:
         import dataclasses
 
         t0 = time.perf_counter()
-        cfg = self.config_for(job["method"], job["network"], job.get("collab", {}))
-        sampling = dataclasses.replace(self.side.sampling, **job.get("sampling", {})).validate()
+        job = job if isinstance(job, GenerationJob) else GenerationJob.model_validate(job)
+        cfg = self.config_for(job.method, job.network, job.collab)
+        sampling = dataclasses.replace(self.side.sampling, **job.sampling).validate()
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
                                 progress_every=self.live.preview_every)
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
-        sid = job["session_id"]
+        sid = job.session_id
         with self._busy:
             try:
-                result = decoder.generate(job["prompt"], int(job["seed"]), session_id=sid, on_progress=on_progress)
+                result = decoder.generate(job.prompt, job.seed, session_id=sid, trace=True, on_progress=on_progress)
             finally:
                 sizes = self.ray_client.batch_sizes.pop(sid, [])
         image = self.decode_png(result.tokens)
@@ -176,7 +178,7 @@ class Device:
                        "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime},
             "sampling": sampling.to_dict(),
         })
-        return {"tokens": result.tokens.tolist(), "png": image, "stats": stats}
+        return GenerationOutput(tokens=result.tokens.tolist(), who=result.trace, png=image, stats=stats)
 
     def decode_png(self, tokens: torch.Tensor) -> bytes:
         with torch.no_grad():
@@ -190,19 +192,18 @@ class Device:
         fill = tokens[-1] if tokens else 0
         return self.decode_png(torch.tensor(tokens + [fill] * (n - len(tokens)), dtype=torch.long))
 
-    async def generate(self, job: dict) -> dict:
+    async def generate(self, job: GenerationJob | dict) -> GenerationOutput:
         return await asyncio.to_thread(self._run, job)
 
-    async def generate_stream(self, job: dict):
+    async def generate_stream(self, job: GenerationJob | dict):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         n = self.side.num_tokens
 
         def on_progress(tokens: list[int], stats) -> None:
-            event = {"event": "progress", "tokens_done": len(tokens), "tokens_total": n,
-                     "cloud_requests": stats.cloud_requests, "cloud_tokens": stats.cloud_tokens}
-            if len(tokens) < n:
-                event["preview_png"] = self._preview(tokens)
+            event = ProgressEvent(tokens_done=len(tokens), tokens_total=n, cloud_requests=stats.cloud_requests,
+                                  cloud_tokens=stats.cloud_tokens,
+                                  preview_png=self._preview(tokens) if len(tokens) < n else None)
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         task = asyncio.ensure_future(asyncio.to_thread(self._run, job, on_progress))
@@ -215,12 +216,23 @@ class Device:
             getter.cancel()
             while not queue.empty():
                 yield queue.get_nowait()
-            out = task.result()  # raises the generation's error into the stream
-            yield {"event": "result", **out}
+            yield task.result()  # the GenerationOutput (or the generation's error, raised into the stream)
             return
 
     async def info(self) -> dict:
-        return {"device_id": self.device_id, "live": self.live.model_dump()}
+        return {"device_id": self.device_id, "live": self.live.model_dump(), "node_id": _node_id(),
+                "world": self.world_info()}
+
+    def world_info(self) -> dict:
+        """What the API advertises of the served world: an alias (the weights folder's name), the image size
+        (token grid x the tokenizer's downsampling) and the number of image tokens."""
+        import math
+        import os
+
+        grid = math.isqrt(self.side.num_tokens)
+        px = grid * self.side.vq.config.downsample
+        return {"id": os.path.basename(os.path.normpath(self.side.weights_dir)) or "world",
+                "size": f"{px}x{px}", "num_tokens": self.side.num_tokens, "grid": grid}
 
     async def state(self) -> dict:
         """What this phone holds between generations (all 0 when idle; a leak check reads it) and its memory."""
@@ -229,3 +241,10 @@ class Device:
         return {"device_id": self.device_id, "busy": self._busy.locked(),
                 "session_tokens": len(self.ray_client.tokens), "batch_size_records": len(self.ray_client.batch_sizes),
                 "tracked_sessions": self.client.open_sessions, "rss_mb": psutil.Process().memory_info().rss / 2**20}
+
+
+def _node_id() -> str:
+    """The Ray node this replica runs on (where placement put it: custom resources, GPUs)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()

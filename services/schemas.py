@@ -1,6 +1,11 @@
 """Pydantic models of the HTTP API and of the application config (validated with errors that name the field).
 
-    GenerationRequest   body of POST /v1/images/generations
+    GenerationRequest   body of POST /v1/images/generations (OpenAI's Images API fields + CIAR's own)
+    ImagesResponse      its JSON answer (ImageData per image, ImageStats); ErrorResponse: every error's body
+    ModelList           GET /v1/models
+    GenerationJob / GenerationOutput / ProgressEvent
+                        what the ingress and a Device replica pass each other (typed, as Ray Serve LLM passes
+                        pydantic requests between its deployments)
     AppConfig           the builder's args in serve_config.yaml (deployment sizes, API keys, weights)
     DeviceLiveConfig    `user_config` of the Device deployment (tau, span, prefix rate, slowdown): live via reconfigure
     VerifierLiveConfig  `user_config` of the Verifier deployment (batch size, batch wait, idle timeout): live
@@ -10,21 +15,33 @@
 import hashlib
 import math
 import os
-from typing import Literal
+import re
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ciar.collab.decoder import METHODS
+from ciar.collab.names import METHODS, NETWORKS
 
 MAX_PROMPT_CHARS = 400
-NETWORKS = ("5g", "4g", "wifi", "none")
+# not blank: one character that is white space neither to Python (str.isspace) nor to JSON Schema's ECMA-262 regexes
+PROMPT_PATTERN = r"[^\s\x1c-\x1f\x85\ufeff]"
+MAX_IMAGES_LIMIT = 64  # `n` can never exceed this; AppConfig.max_images is the deployment's own cap (<= this)
+RESPONSE_FORMATS = ("b64_json", "png", "tokens")  # "url" is refused with a 400 that says why
+QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max")  # OpenAI's: accepted, ignored
+STYLES = ("vivid", "natural")  # OpenAI's values: accepted, ignored
 API_KEYS_ENV = "CIAR_API_KEYS"
+
+
+def _integral(cls, v):
+    """JSON Schema's integer: 5.0 is one (the request models are otherwise strict: no "5", no true for a number)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
 
 
 class MethodParams(BaseModel):
     """Per-request knobs; None keeps the deployment's live default (or the world's sampling default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema states them
     tau: float | None = Field(None, ge=0.0, le=1e6, description=(
         "ciar: gate threshold on the gate's own scale (default: the device model's calibrated one)"))
     burst: int | None = Field(None, ge=0, le=256, description=(
@@ -41,6 +58,8 @@ class MethodParams(BaseModel):
         "simulation: the device's link goes down after this many messages; the device finishes the image alone "
         "and the result is marked degraded (stats.degraded)"))
 
+    _integers = field_validator("burst", "span", "top_k", "link_drop_after", mode="before")(_integral)
+
     def collab_overrides(self) -> dict:
         keys = ("tau", "burst", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
@@ -51,19 +70,44 @@ class MethodParams(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, description="caption of the image")
-    seed: int = Field(0, ge=0, le=2**62, description="same prompt + seed -> same image")
+    """OpenAI's Images API request (`prompt`, `model`, `n`, `size`, `response_format`, `user`, `quality`, `style`)
+    plus CIAR's own fields (`method`, `seed`, `params`, `network`, `stream`, `response_format` png | tokens).
+    Checks that depend on the deployment (the world's size and alias, the cap on `n`) and combinations the schema
+    cannot state are answered 400 naming the field; a value out of the schema's range, 422 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema states them
+    prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN},
+                        description="caption of the image (not blank; a caption over the world's caption encoder "
+                        "budget, e.g. 40 tokens, is answered 422)")
+    model: str | None = Field(None, max_length=64, description="OpenAI: a decoding method (as `method`) or the "
+                              "world's alias (then `method` applies); GET /v1/models lists them; else 400")
+    n: int = Field(1, ge=1, le=MAX_IMAGES_LIMIT, description="OpenAI: images to generate, 1 to the deployment's "
+                   "max_images (else 400); image i uses seed + i and they run on n devices concurrently; "
+                   "n > 1 needs a JSON answer (b64_json or tokens) without stream")
+    size: str | None = Field(None, max_length=32, pattern=r"^([0-9]{1,5}x[0-9]{1,5}|auto)$", description="OpenAI: "
+                             "WIDTHxHEIGHT or auto; the world makes one resolution (GET /v1/models), another is a 400")
+    quality: Literal[QUALITIES] | None = Field(  # type: ignore[valid-type]
+        None, description="OpenAI: accepted and ignored (the world's model has one quality)")
+    style: Literal[STYLES] | None = Field(None, description="OpenAI: accepted and ignored")  # type: ignore[valid-type]
+    user: str | None = Field(None, max_length=256, description="OpenAI: an id of the end user; accepted, ignored "
+                             "and never logged")
+    seed: int = Field(0, ge=0, le=2**62, description="same prompt + seed -> same image (image i of n: seed + i)")
     method: Literal[METHODS] = Field("ciar", description="decoding method")  # type: ignore[valid-type]
     params: MethodParams = Field(default_factory=MethodParams)
     network: Literal[NETWORKS] = Field("5g", description="simulated device link")  # type: ignore[valid-type]
-    response_format: Literal["b64_json", "png", "tokens"] = "b64_json"
-    stream: bool = Field(False, description="server-sent events with progress and partial previews")
+    # "url" parses (the OpenAI client's other value) and is answered 400 saying why; the schema lists what works
+    response_format: Literal[RESPONSE_FORMATS + ("url",)] = Field(  # type: ignore[valid-type]
+        "b64_json", json_schema_extra={"enum": list(RESPONSE_FORMATS)}, description="b64_json: JSON with the PNG "
+        "in base64 (OpenAI); png: the image itself (n = 1); tokens: JSON with the image token ids and, per token, "
+        "who decided it (`who`); url is not supported (400)")
+    stream: bool = Field(False, description="server-sent events with progress and partial previews (n = 1)")
+
+    _integers = field_validator("n", "seed", mode="before")(_integral)
 
     @field_validator("prompt")
     @classmethod
     def _not_blank(cls, v: str) -> str:
-        if not v.strip():
+        if not re.search(PROMPT_PATTERN, v):
             raise ValueError("prompt must not be blank")
         return v  # (pydantic itself refuses strings with lone surrogates: "string_unicode")
 
@@ -135,14 +179,22 @@ class AppConfig(BaseModel):
                                       "(a config that holds no key)")
     # device fleet: each replica is one simulated phone generating one image at a time
     devices: int = Field(4, ge=1, le=1024)
+    max_images: int = Field(4, ge=1, le=MAX_IMAGES_LIMIT, description="the most images one request may ask for "
+                            "(`n`); each takes a device")
     device_num_cpus: float = Field(0.2, gt=0.0)
     device_max_queued_requests: int = Field(32, ge=1, description="beyond this, 503 + Retry-After")
     device: DeviceLiveConfig = Field(default_factory=DeviceLiveConfig)
+    device_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per Device "
+                                               "replica, e.g. {\"ciar_device\": 1}: places the phones on the nodes "
+                                               "that declare them (KubeRay: rayStartParams.resources)")
     # verifier pool: cloud model replicas
     verifier_replicas: int = Field(1, ge=1, le=1024)
     verifier_autoscaling: dict | None = Field(None, description="Serve autoscaling_config of the verifier pool")
     verifier_num_cpus: float = Field(1.0, gt=0.0)
     verifier_num_gpus: float = Field(0.0, ge=0.0)
+    verifier_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per "
+                                                 "Verifier replica, e.g. {\"ciar_verifier\": 1}: places the verifiers "
+                                                 "on the nodes that declare them")
     verifier_threads: int = Field(1, ge=1, le=256, description="torch CPU threads per verifier replica (a CPU "
                                   "replica with N cores: N; irrelevant on a GPU)")
     verifier_max_sessions: int = Field(64, ge=1, le=100_000, description="KV-cache slots (sessions) per replica")
@@ -155,6 +207,16 @@ class AppConfig(BaseModel):
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0.0)
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
     request_timeout_s: float = Field(300.0, gt=0.0)
+
+    @field_validator("device_resources", "verifier_resources")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource: use the *_num_cpus / *_num_gpus fields")
+            if not (amount > 0 and math.isfinite(amount)):
+                raise ValueError(f"resource {name!r} must be a finite amount > 0, got {amount!r}")
+        return v
 
     def world_dict(self) -> dict:
         """The served world, validated now (every file checked, the missing one named) and handed to the replicas as
@@ -191,3 +253,118 @@ class AppConfig(BaseModel):
 
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- API answers
+class ImageStats(BaseModel):
+    """Per-image figures (`ciar.collab.stats.GenerationStats.to_dict` plus what the device adds); more keys may
+    appear (the schema allows them)."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    network: str
+    device_id: str
+    total_tokens: int = Field(description="image tokens")
+    prefix_tokens: int = Field(description="tokens the cloud made first (prefix injection)")
+    cloud_tokens: int = Field(description="tokens the cloud decided (prefix, verified spans, corrections, bursts)")
+    device_tokens: int = Field(description="tokens the device accepted locally, without the cloud")
+    cloud_requests: int = Field(description="device -> cloud round trips (the open included)")
+    verifications: int
+    resumes: int = Field(description="sessions re-created on another verifier replica")
+    degraded: int = Field(description="1: the cloud became unreachable and the device finished alone")
+    cloud_call_rate: float | None = None
+    mean_accepted_length: float | None = None
+    device_s: float = Field(description="simulated device compute seconds")
+    cloud_s: float = Field(description="cloud compute seconds")
+    comm_s: float = Field(description="simulated network seconds")
+    total_s: float | None = Field(None, description="device + cloud + comm seconds")
+    wall_s: float = Field(description="seconds the device replica spent on the image")
+
+
+class ImageData(BaseModel):
+    """One image (OpenAI's `data[i]`): `b64_json` or `tokens` + `who`, with its seed and stats."""
+
+    b64_json: str | None = Field(None, description="the PNG in base64 (response_format b64_json)")
+    tokens: list[int] | None = Field(None, description="image token ids, row-major (response_format tokens)")
+    who: list[Literal["cloud", "device"]] | None = Field(None, description="per token, who decided it: cloud "
+                                                          "(prefix, verified drafts, corrections, bursts) or device "
+                                                          "(accepted locally, never seen by the cloud)")
+    seed: int = Field(description="the seed of this image (the request's seed + its index)")
+    stats: ImageStats
+
+
+class ImagesResponse(BaseModel):
+    """The JSON answer of POST /v1/images/generations (also the stream's `result` event)."""
+
+    created: int = Field(description="Unix time")
+    data: list[ImageData]
+    stats: ImageStats = Field(description="the first image's stats (data[0].stats)")
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request, invalid_json, unauthorized, too_large, overloaded, "
+                      "unavailable, timeout, internal")
+    field: str | None = Field(None, description="the request field at fault (e.g. prompt, params.tau, size, "
+                              "authorization, body)")
+    message: str = Field(min_length=1)
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (4xx, 5xx, and the stream's `error` event)."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "ciar"
+    kind: Literal["method", "world"] = Field(description="method: a decoding method; world: the served world "
+                                             "(its default method, ciar, applies)")
+    sizes: list[str] = Field(description="the sizes this model makes (`size`)")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------------ ingress <-> device fleet
+class GenerationJob(BaseModel):
+    """One image for one device (a Device replica's `generate` / `generate_stream`), validated by the ingress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    session_id: str = Field(min_length=1)
+    prompt: str
+    seed: int = Field(ge=0)
+    method: Literal[METHODS] = "ciar"  # type: ignore[valid-type]
+    network: Literal[NETWORKS] = "5g"  # type: ignore[valid-type]
+    collab: dict[str, Any] = Field(default_factory=dict, description="MethodParams.collab_overrides()")
+    sampling: dict[str, Any] = Field(default_factory=dict, description="MethodParams.sampling_overrides()")
+
+    @classmethod
+    def of(cls, req: GenerationRequest, session_id: str, index: int = 0) -> "GenerationJob":
+        """Image `index` of a request: seed + index."""
+        return cls(session_id=session_id, prompt=req.prompt, seed=req.seed + index, method=req.method,
+                   network=req.network, collab=req.params.collab_overrides(),
+                   sampling=req.params.sampling_overrides())
+
+
+class GenerationOutput(BaseModel):
+    """What a device answers for one job."""
+
+    tokens: list[int]  # [N] row-major
+    who: list[Literal["cloud", "device"]]  # [N] who decided each token
+    png: bytes
+    stats: dict[str, Any]  # ImageStats' fields (and more)
+
+
+class ProgressEvent(BaseModel):
+    """A streamed step: tokens decided so far and, until the last, a preview PNG (undecided tokens filled)."""
+
+    tokens_done: int
+    tokens_total: int
+    cloud_requests: int
+    cloud_tokens: int
+    preview_png: bytes | None = None

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 
 import psutil
+import ray
 import torch
 from ray import serve
 
@@ -159,5 +160,6 @@ class Verifier:
                 "padded_positions": self.core.engine.padded_positions,
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "node_id": ray.get_runtime_context().get_node_id(),
                 "time": time.time()}
 

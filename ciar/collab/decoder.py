@@ -61,12 +61,12 @@ from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
+from ciar.collab.names import METHODS
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 
-METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
 DEVICE_SEED_OFFSET = 1 << 32
 GATE_SEED_OFFSET = 2 << 32
 
@@ -365,7 +365,7 @@ class _Generation:
         self.voting = dc.num_heads > 1 and dc.combine == "voting"
         self.pending: list[int] = []  # accepted locally since the last exchange
         self.pend_hidden: list[torch.Tensor] = []
-        self.pend_feat: list[torch.Tensor] = []
+        self.pend_box: list[tuple[torch.Tensor, torch.Tensor]] = []  # their guided boxes (features at send time)
         self.offline = False  # the cloud became unreachable: the device decides the rest alone
         self._box: tuple | None = None  # (cur, guided center, guided radius): the box of `cur`, computed once
         w = self.dev.gpt.tok_embeddings.weight
@@ -409,9 +409,8 @@ class _Generation:
         self.stats.degraded_tokens += int(self.offline)
         self.pending.append(x)
         if self.cfg.inter_enhance and not self.offline:
-            center, radius = self.box()
             self.pend_hidden.append(self.cur.hidden[0])
-            self.pend_feat.append(interval_features(center, radius, top=self.cfg.feature_top))
+            self.pend_box.append(self.box())
         if len(self.tokens) < self.n_total:
             self.cur = _last(self.feed([x], i))
 
@@ -430,13 +429,16 @@ class _Generation:
     def send_span(self, span: list[int], span_q: list[torch.Tensor]) -> None:
         """Send the pending tokens and the span; commit the reply, or go offline when the cloud is unreachable."""
         cfg = self.cfg
-        send_feat = cfg.inter_enhance and self.pending
+        hidden = feats = None
+        if cfg.inter_enhance and self.pending:
+            with self.clock:  # one batched call for every pending box (the same values row by row)
+                hidden = torch.stack(self.pend_hidden).float().cpu()
+                feats = interval_features(torch.stack([c for c, _ in self.pend_box]),
+                                          torch.stack([r for _, r in self.pend_box]), top=cfg.feature_top).cpu()
         req = VerifyRequest(
             self.sid, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
-            torch.stack(self.pend_hidden).float().cpu() if send_feat else None,
-            torch.stack(self.pend_feat).float().cpu() if send_feat else None,
-            burst=cfg.burst, burst_entropy=cfg.burst_entropy)
+            hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
         client = self.d.client
         try:
             rep = self.d._exchange(self.stats, self.net, req.nbytes(client.vocab_size), lambda: client.verify(req))
@@ -463,7 +465,7 @@ class _Generation:
         self.tokens.extend(new)
         self.who.extend(["cloud"] * len(new))
         st.cloud_tokens += len(new)
-        self.pending, self.pend_hidden, self.pend_feat = [], [], []
+        self.pending, self.pend_hidden, self.pend_box = [], [], []
         if len(self.tokens) < self.n_total:
             with self.clock:
                 keep = i + min(n, k - 1)  # span[:k-1] were fed; the accepted ones stay in the cache
@@ -487,14 +489,15 @@ class _Generation:
 
     # ------------------------------------------------------------------ device model
     def feed(self, toks: list[int], start: int):
-        """Feed image tokens toks (indices start..) to the device cache; -> DeviceOutput (all fed positions)."""
+        """Feed image tokens toks (indices start..) to the device cache; -> DeviceOutput of the last fed position
+        ([rows, 1, ...]: only the next token's distribution is ever read)."""
         self.stats.device_forward_passes += 1
         dev = self.dev
         w = dev.gpt.tok_embeddings.weight
         t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(self.rows, -1)
         pos0 = dev.config.cls_token_num + start
         pos = torch.arange(pos0, pos0 + len(toks), device=w.device)
-        out = dev.decode(self.cache, t, pos, kv_len=pos0 + len(toks), with_heads=self.voting)
+        out = dev.decode(self.cache, t, pos, kv_len=pos0 + len(toks), with_heads=self.voting, last_only=True)
         self.cache.set_length(range(self.rows), pos0 + len(toks))
         return out
 

@@ -112,10 +112,11 @@ class DeviceModel(nn.Module):
         return self._out(h, with_heads)
 
     def decode(self, cache: KVCache, tokens: torch.Tensor, input_pos: torch.Tensor, slots=None,
-               kv_len: int | None = None, with_heads: bool = False) -> DeviceOutput:
-        """Feed tokens [B, T] at input_pos; -> DeviceOutput [B, T, ...] (entry j predicts the token after j)."""
+               kv_len: int | None = None, with_heads: bool = False, last_only: bool = False) -> DeviceOutput:
+        """Feed tokens [B, T] at input_pos; -> DeviceOutput [B, T, ...] (entry j predicts the token after j), or
+        [B, 1, ...] for the last position only with `last_only` (the head runs on that position alone)."""
         _, h = self.gpt.decode(cache, tokens, input_pos, slots, kv_len=kv_len, return_hidden=True)
-        return self._out(h, with_heads)
+        return self._out(h[:, -1:] if last_only else h, with_heads)
 
     # ------------------------------------------------------------------ files
     def save(self, path: str, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:

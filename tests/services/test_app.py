@@ -111,10 +111,10 @@ def test_json_response_and_every_method(cluster):
 def test_via_handle(cluster):
     h = serve.get_deployment_handle("Device", app_name="ciar")
     job = {"session_id": "handle-test", "prompt": PROMPT, "seed": 5, "method": "ciar", "network": "5g"}
-    out = h.generate.remote(job).result(timeout_s=180)
-    assert out["png"][:8] == b"\x89PNG\r\n\x1a\n" and len(out["tokens"]) == 144
+    out = h.generate.remote(job).result(timeout_s=180)  # a dict job is validated into a GenerationJob
+    assert out.png[:8] == b"\x89PNG\r\n\x1a\n" and len(out.tokens) == 144 == len(out.who)
     http = post({"prompt": PROMPT, "seed": 5, "method": "ciar", "response_format": "tokens"}).json()
-    assert http["data"][0]["tokens"] == out["tokens"]
+    assert http["data"][0]["tokens"] == out.tokens and http["data"][0]["who"] == out.who
 
 
 def test_concurrent_devices_batch_spans(cluster):

@@ -1,0 +1,11 @@
+"""The names every layer shares, defined once and importable without torch (the CLI checks its arguments before it
+imports torch; the HTTP schemas and the load tests list the same names).
+
+    from ciar.collab.names import METHODS, NETWORKS
+
+METHODS   decoding methods (`ciar.collab.decoder.method_config` presets; the CLI's --method, the API's `method`)
+NETWORKS  simulated device links (`ciar.collab.network.PROFILES`; the CLI's --network, the API's `network`)
+"""
+
+METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
+NETWORKS = ("5g", "4g", "wifi", "none")

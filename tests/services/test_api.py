@@ -1,0 +1,183 @@
+"""The HTTP API in its ecosystem, against the real Serve application (ingress, 4 simulated devices, a verifier) over
+a small RANDOM-weight world: the official `openai` client, the OpenAPI contract (document checks and a short
+schemathesis run with its default checks), and the playground page in a real headless browser (Debian's chromium
+through Playwright; `make test` installs it).
+
+One Ray instance for the module; simulated waits are off (realtime: false) so generations run at compute speed.
+"""
+
+import base64
+import hashlib
+import io
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+requests = pytest.importorskip("requests")
+
+from ciar.collab.names import METHODS, NETWORKS  # noqa: E402
+from ciar.testing import write_random_world  # noqa: E402
+from services.deploy import deploy_config, patient_serve_env  # noqa: E402
+
+PORT = 8133
+URL = f"http://127.0.0.1:{PORT}"
+KEY = "api-test-key-0123456789"
+PROMPT = "a small red circle at the top on a gray background"
+TAU = 0.05
+SIZE = "48x48"  # the random world: 12 x 12 tokens, downsampling 4
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
+                                 with_device=True)
+    patient_serve_env()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    args = {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 4,
+            "max_images": 3, "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
+            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3}
+    deploy_config(args, user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": False,
+                                                 "preview_every": 16}})
+    yield {"weights": weights, "alias": os.path.basename(weights)}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture
+def client(cluster):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{URL}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def png_image(b64: str):
+    from PIL import Image
+
+    raw = base64.b64decode(b64)
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    return Image.open(io.BytesIO(raw))
+
+
+# ---------------------------------------------------------------------------------------------- OpenAI client
+def test_openai_client_with_model_n_and_size(cluster, client):
+    r = client.images.generate(prompt=PROMPT, model="ciar", n=2, size=SIZE, response_format="b64_json",
+                               quality="standard", style="natural", user="tester-1", extra_body={"seed": 7})
+    assert len(r.data) == 2
+    images = [png_image(d.b64_json) for d in r.data]
+    assert all(im.size == (48, 48) for im in images)
+    extra = [d.model_extra for d in r.data]  # our fields ride along: per-image seed, stats and who made each token
+    assert [e["seed"] for e in extra] == [7, 8]
+    assert all(e["stats"]["method"] == "ciar" and e["stats"]["total_tokens"] == 144 for e in extra)
+    assert extra[0]["stats"]["device_id"] != extra[1]["stats"]["device_id"]  # n images on n devices at once
+    assert r.data[0].b64_json != r.data[1].b64_json  # seed + i
+
+    # image i is the single image of seed + i
+    one = client.images.generate(prompt=PROMPT, model="ciar", size=SIZE, extra_body={"seed": 8})
+    assert one.data[0].b64_json == r.data[1].b64_json
+
+
+def test_openai_client_model_is_a_method_or_the_world(cluster, client):
+    cloud = client.images.generate(prompt=PROMPT, model="cloud", extra_body={"seed": 1})
+    assert cloud.data[0].model_extra["stats"]["method"] == "cloud"
+    world = client.images.generate(prompt=PROMPT, model=cluster["alias"], extra_body={"seed": 1})
+    assert world.data[0].model_extra["stats"]["method"] == "ciar"  # the world alias: the default method applies
+    auto = client.images.generate(prompt=PROMPT, size="auto", extra_body={"seed": 1})
+    assert auto.data[0].b64_json == world.data[0].b64_json
+
+
+def test_openai_client_errors_name_the_field(cluster, client):
+    import openai
+
+    cases = [({"size": "1024x1024"}, "size", SIZE), ({"model": "dall-e-3"}, "model", "GET /v1/models"),
+             ({"n": 4}, "n", "at most 3"), ({"response_format": "url"}, "response_format", "b64_json")]
+    for kwargs, field, hint in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.images.generate(prompt=PROMPT, **kwargs)
+        err = e.value.body
+        assert e.value.status_code == 400 and err["field"] == field and hint in err["message"], err
+    with pytest.raises(openai.BadRequestError) as e:  # the two names of the method must agree
+        client.images.generate(prompt=PROMPT, model="cloud", extra_body={"method": "ciar"})
+    assert e.value.body["field"] == "model"
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.images.generate(prompt=PROMPT, n=0)
+    assert e.value.body["field"] == "n"
+    bad = type(client)(base_url=f"{URL}/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.images.generate(prompt=PROMPT)
+
+
+def test_openai_client_lists_the_models(cluster, client):
+    models = {m.id: m.model_extra for m in client.models.list()}
+    assert set(models) == set(METHODS) | {cluster["alias"]}
+    assert models[cluster["alias"]]["kind"] == "world" and models["ciar"]["kind"] == "method"
+    assert all(m["sizes"] == [SIZE] for m in models.values())
+
+
+def test_tokens_carry_who_made_each_one(cluster):
+    r = requests.post(f"{URL}/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                      json={"prompt": PROMPT, "seed": 3, "response_format": "tokens"}).json()
+    item, st = r["data"][0], r["stats"]
+    assert len(item["who"]) == len(item["tokens"]) == 144 and set(item["who"]) <= {"cloud", "device"}
+    assert item["who"].count("cloud") == st["cloud_tokens"] and item["who"].count("device") == st["device_tokens"]
+    prefix = st["prefix_tokens"]
+    assert prefix > 0 and item["who"][:prefix] == ["cloud"] * prefix  # prefix injection: the cloud starts
+
+
+# ---------------------------------------------------------------------------------------------- OpenAPI contract
+def test_openapi_documents_bodies_answers_and_errors(cluster):
+    doc = requests.get(f"{URL}/openapi.json", timeout=60).json()
+    op = doc["paths"]["/v1/images/generations"]["post"]
+    body = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+    props = doc["components"]["schemas"][body]["properties"]
+    assert {"prompt", "model", "n", "size", "response_format", "user", "quality", "style", "seed", "method",
+            "params", "network", "stream"} <= set(props)
+    assert props["size"]["anyOf"][0]["enum"] == [SIZE, "auto"] and props["n"]["maximum"] == 3
+    assert props["method"]["enum"] == list(METHODS) and props["network"]["enum"] == list(NETWORKS)
+    for status in ("400", "401", "413", "422", "500", "503", "504"):
+        content = op["responses"][status]["content"]["application/json"]["schema"]
+        assert content["$ref"].endswith("/ErrorResponse"), status
+    assert "Retry-After" in op["responses"]["503"]["headers"]
+    ok = op["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/ImagesResponse") and "image/png" in ok
+    assert doc["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
+    assert "/v1/models" in doc["paths"] and requests.get(f"{URL}/docs", timeout=60).status_code == 200
+
+
+def test_schemathesis_finds_nothing(cluster, tmp_path):
+    pytest.importorskip("schemathesis")
+    from loadtests.contract import run_contract
+
+    # a short run: the coverage phase (every documented boundary, negative cases included) and a little fuzzing
+    out = run_contract(URL, KEY, examples=10, seed=0, phases="coverage,fuzzing", max_time_s=150,
+                       report_dir=str(tmp_path))
+    assert KEY not in out["output"] and KEY not in out["command"]
+    assert out["ok"], out["output"]
+
+
+# ---------------------------------------------------------------------------------------------- playground
+def test_playground_in_a_headless_browser(cluster, tmp_path):
+    pytest.importorskip("playwright")
+    from loadtests.playground import chromium_path, drive
+
+    if chromium_path() is None:
+        pytest.fail("no chromium: `make test` installs Debian's (apt-get install chromium), or set CIAR_CHROMIUM")
+    page = requests.get(f"{URL}/", timeout=60)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "http://" not in page.text and "https://" not in page.text  # nothing fetched from the internet
+
+    shown = drive(URL, KEY, PROMPT, method="ciar", network="5g", seed=2, shots=str(tmp_path))
+    assert shown["state"] == "done", shown["status"]
+    assert shown["methods"] == list(METHODS) and shown["networks"] == list(NETWORKS)
+    assert shown["previews"] >= 1  # the image built up from the stream's previews
+    assert shown["image_src_prefix"] == "data:image/png;base64,"
+    st = shown["stats"]
+    assert st["method"] == "ciar" and st["tokens"] == "144" and int(st["cloud requests"]) >= 1
+    cells = shown["overlay_cells"]  # the token map drawn over the image: every token coloured, both kinds present
+    assert shown["overlay_visible"] and cells["none"] == 0 and cells["device"] > 0 and cells["cloud"] > 0
+    assert cells["device"] + cells["cloud"] == 144
+    assert st["decided by the cloud"] == str(cells["cloud"])
+    for shot in ("playground-running.png", "playground-done.png"):
+        assert (tmp_path / shot).stat().st_size > 10_000
