@@ -233,11 +233,20 @@ class CollabDecoder:
         if config.method != "cloud" and device is None:
             raise ValueError(f"method {config.method!r} needs a device model")
 
-    @torch.no_grad()
     def generate(self, prompt: str, seed: int, session_id: str | None = None, trace: bool = False,
                  on_progress: Callable[[list[int], GenerationStats], None] | None = None) -> CollabResult:
         """Generate the image tokens of one caption. `on_progress(tokens_so_far, stats_so_far)` is called after the
         prefix, every `progress_every` more decided tokens, and once at the end (streaming previews)."""
+        tokens, who, stats = self._generate(prompt, seed, session_id, on_progress)
+        return CollabResult(torch.tensor(tokens, dtype=torch.long), stats, who if trace else None)
+
+    # inference mode, not no_grad: no version counters or view tracking on the per-token small ops (device seconds
+    # per image on 12 val prompts, one thread: 0.157 -> 0.131; the in-process cloud's 0.57 -> 0.51). The result is
+    # built outside it (`generate`), so callers get ordinary tensors.
+    @torch.inference_mode()
+    def _generate(self, prompt: str, seed: int, session_id: str | None,
+                  on_progress: Callable[[list[int], GenerationStats], None] | None):
+        """-> (tokens, who decided each, stats) of one caption."""
         cfg, params = self.config, self.sampling
         sid = session_id or uuid.uuid4().hex
         n_total = self.num_tokens or (self.device_model.config.block_size if self.device_model is not None
@@ -273,7 +282,7 @@ class CollabDecoder:
         stats.total_tokens = len(tokens)
         stats.images = 1
         progress(tokens, stats, final=True)
-        return CollabResult(torch.tensor(tokens, dtype=torch.long), stats, who if trace else None)
+        return tokens, who, stats
 
     def _exchange(self, stats: GenerationStats, net: NetworkModel, up_bytes: int, call: Callable):
         """One request/reply over the simulated link: uplink transmission, `call()`, downlink transmission of the

@@ -170,7 +170,7 @@ class StepEngine:
             self.step()
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
+    @torch.inference_mode()  # as CollabDecoder._generate: no autograd bookkeeping on the small per-step ops
     def step(self) -> list[Work]:
         """Admit queued works, run ONE forward over the pieces the policy picks, hand results back, judge the
         spans that completed. -> the works finished in this step."""
