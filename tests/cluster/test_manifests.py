@@ -184,6 +184,36 @@ def test_exactly_one_gpu_worker_group_and_verifier_on_one_gpu(rayservice, app_ar
     assert max_gpu_pods >= app_args["verifier_autoscaling"]["max_replicas"]
 
 
+def _declared(params: dict) -> dict:
+    """A KubeRay rayStartParams `resources` value ('"{\\"name\\": n}"', JSON quoted as a string) -> {name: n}."""
+    import json
+
+    raw = params.get("resources")
+    return json.loads(json.loads(raw)) if raw else {}
+
+
+def test_custom_resources_place_verifiers_and_phones_on_their_pods(rayservice, app_args):
+    """As tests/services/test_multinode.py runs it: verifiers only where `verifier_resources` is declared (the GPU
+    group, one replica per pod), phones only where `device_resources` is (the CPU groups, the whole fleet fits)."""
+    (vname, vamount), = app_args["verifier_resources"].items()
+    (dname, damount), = app_args["device_resources"].items()
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert not _declared(cluster["headGroupSpec"]["rayStartParams"]), "nothing is placed on the head by resource"
+    for g in cluster["workerGroupSpecs"]:
+        declared = _declared(g["rayStartParams"])
+        gpu = "num-gpus" in g["rayStartParams"]
+        assert (vname in declared) == gpu and (dname in declared) == (not gpu), g["groupName"]
+        if gpu:
+            assert declared[vname] == vamount, "one Verifier replica per GPU pod"
+        else:
+            assert declared[dname] * g["minReplicas"] >= app_args["devices"] * damount, "the fleet fits"
+    types = _load(os.path.join(CLUSTER, "ray-cluster.yaml"))["available_node_types"]
+    for name, t in types.items():
+        res = t.get("resources", {})
+        assert (vname in res) == bool(res.get("GPU")), name
+        assert (dname in res) == (not res.get("GPU") and name != "head"), name
+
+
 def _world_paths(app_args) -> list[str]:
     from ciar.world_spec import read_world, spec_dict
 
