@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         st, cf = stats["collab"]["stats"], stats["collab"]["config"]
         line += (f"; cloud calls {100 * st['cloud_call_rate']:.1f} %, {st['cloud_requests']} cloud requests, "
                  f"simulated latency {st['total_s']:.3f} s on {cf['network']} (gate {cf['gate']}, tau {cf['tau']}, "
-                 f"burst {cf['burst']})")
+                 f"burst {cf['burst']}, span {cf['span']})")
     print(line)
     return 0
 

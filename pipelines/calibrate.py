@@ -1,12 +1,13 @@
 """Calibrate a device model's CIAR defaults on val prompts and write them into its file (like set_sampling).
 
-    python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --target-rate 0.3
+    python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --span 2 --target-rate 0.3
     python -m pipelines.calibrate --world llamagen.yaml --captions val_captions.json --gate lower --burst 4
 
 For every gate (`--gates`, default: all; `--jobs N` runs N gates at once) the threshold tau that gives `--target-rate`
 cloud calls on `--prompts` **val** prompts is found by bisection over real generations
 (`ciar.collab.calibration`), with the same span, prefix rate and cloud burst as CIAR runs with. The device file's
-metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, target_rate, calibration}
+metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, span, target_rate,
+calibration}
 (`ciar.collab.defaults.CIARDefaults`), tensors bit for bit, written atomically. Every entry point (the CLI,
 `benchmarks.collab`, `pipelines.evaluate`, the Serve device fleet with `tau: null`) uses it unless told otherwise.
 A LlamaGen world (`--world`, `ciar.world_spec`) calibrates its `device_checkpoint` on `--captions` (a COCO-format
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-rate", type=float, default=0.3)
     p.add_argument("--burst", type=int, default=0, help="cloud burst g CIAR runs with (0: the paper's CIAR)")
     p.add_argument("--burst-entropy", type=float, default=0.0)
+    p.add_argument("--span", type=int, default=4, help="draft tokens per verification CIAR runs with (written with "
+                   "the taus: a threshold holds for the span it was calibrated at)")
     p.add_argument("--prompts", type=int, default=32, help="val prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -97,7 +100,9 @@ def main(argv=None) -> int:
     else:
         p.error("a LlamaGen world calibrates on --captions (a COCO-format file of val captions)")
     weights = source
-    knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy}
+    if args.span < 1:
+        p.error("--span must be >= 1")
+    knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy, "span": args.span}
     t0 = time.time()
     jobs = [(weights, args.device, g, knobs, args.target_rate, prompts, args.seed, args.threads) for g in gates]
     if args.jobs > 1:
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
         print(f"{g}: tau {th['tau']:.6g} -> cloud-call rate {th['calibration_rate']:.4f} on {len(prompts)} val "
               f"prompts", file=sys.stderr)
     defaults = CIARDefaults(gate=args.gate, taus=taus, burst=args.burst, burst_entropy=args.burst_entropy,
-                            target_rate=args.target_rate, calibration={
+                            span=args.span, target_rate=args.target_rate, calibration={
                                 "prompts": where,
                                 "measured_rates": rates, "seconds": round(time.time() - t0, 1),
                                 "command": "python -m pipelines.calibrate " + " ".join(argv or sys.argv[1:])})

@@ -120,7 +120,8 @@ class DeviceLiveConfig(BaseModel):
         "CIAR gate threshold; null: the device model's calibrated one (its file's metadata, pipelines.calibrate)"))
     gate: str | None = Field(None, description="CIAR gate; null: the device model's calibrated gate")
     burst: int | None = Field(None, ge=0, le=256, description="cloud burst g; null: the device model's")
-    span: int = Field(4, ge=1, le=32)
+    span: int | None = Field(None, ge=1, le=32, description="draft tokens per verification; null: the device "
+                             "model's (the span its thresholds were calibrated with)")
     prefix_rate: float = Field(0.06, ge=0.0, le=1.0)
     device_slowdown: float = Field(1.0, ge=1.0, le=100.0, description="simulated device compute factor")
     realtime: bool = Field(True, description="spend simulated network/device time for real (the request waits)")

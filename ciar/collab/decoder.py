@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ciar.collab.defaults import CIARDefaults, UncalibratedError
+from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
@@ -73,14 +73,15 @@ GATE_SEED_OFFSET = 2 << 32
 
 @dataclass
 class CollabConfig:
-    """Every knob of collaborative decoding. `gate`, `tau`, `burst` and `burst_entropy` left at None come from the
-    device model's calibrated defaults (`resolve`, `ciar.collab.defaults`): a threshold is a property of the weights."""
+    """Every knob of collaborative decoding. `gate`, `tau`, `burst`, `burst_entropy` and `span` left at None come
+    from the device model's calibrated defaults (`resolve`, `ciar.collab.defaults`): a threshold is a property of
+    the weights, and so is the span it was calibrated with."""
 
     method: str = "ciar"
     prefix_rate: float = 0.06  # rho: fraction of the N tokens the cloud generates first
     gate: str | None = None  # ciar.collab.gating.GATES, "always" (verify every token) / "never"; None: the device's
     tau: float | None = None  # escalate when gate score > tau (the gate's own scale); None: the device's calibrated
-    span: int = 4  # draft tokens per verification, the uncertain one included
+    span: int | None = None  # draft tokens per verification, the uncertain one included; None: the device's
     rule: RuleConfig = field(default_factory=RuleConfig)
     burst: int | None = None  # cloud burst: after a rejection the cloud samples up to this many more tokens (0: off)
     burst_entropy: float | None = None  # adaptive burst: stop once the cloud's entropy / log V <= this (0: fixed g)
@@ -101,7 +102,8 @@ class CollabConfig:
             raise ValueError(f"prefix_rate must be in [0, 1], got {self.prefix_rate}")
         if self.gate is not None and self.gate not in GATES + ("always", "never"):
             raise ValueError(f"unknown gate {self.gate!r}; known: {', '.join(GATES + ('always', 'never'))}")
-        if not (isinstance(self.span, int) and self.span >= 1):
+        if self.span is not None and not (isinstance(self.span, int) and not isinstance(self.span, bool)
+                                          and self.span >= 1):
             raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
         if self.tau is not None and math.isnan(self.tau):
             raise ValueError("tau must not be NaN")
@@ -122,14 +124,15 @@ class CollabConfig:
 
     def resolve(self, defaults: CIARDefaults | None) -> "CollabConfig":
         """Fill the knobs left at None from a device's calibrated defaults (or the built-in ones: gate "interval",
-        burst 0). A gate that scores positions needs a threshold: ValueError when neither the config nor the
-        device file has one for it."""
+        burst 0, span 4). A gate that scores positions needs a threshold: ValueError when neither the config nor
+        the device file has one for it."""
         d = defaults or CIARDefaults()
         gate = self.gate if self.gate is not None else d.gate
         tau = self.tau if self.tau is not None else d.taus.get(gate)
         out = replace(self, gate=gate, tau=tau,
                       burst=self.burst if self.burst is not None else d.burst,
-                      burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy)
+                      burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy,
+                      span=self.span if self.span is not None else d.span)
         if gate in GATES and tau is None:
             raise UncalibratedError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call rate) "
                              f"or write the device's calibrated thresholds with `python -m pipelines.calibrate`")
@@ -166,7 +169,7 @@ def method_config(method: str, **overrides) -> CollabConfig:
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     base = CollabConfig(method=method)
-    no_burst = dict(burst=0, burst_entropy=0.0)  # the baselines as their papers run them
+    no_burst = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN)  # the baselines as their papers run them
     preset: dict = {
         "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **no_burst),
         "ciar": {},

@@ -1,7 +1,8 @@
-"""CIAR's weight-dependent defaults: the calibrated gate, threshold and cloud burst of a device model, in its file.
+"""CIAR's weight-dependent defaults: the calibrated gate, threshold, cloud burst and span of a device model, in its
+file.
 
     d = CIARDefaults.from_extra(extra)            # extra = the device file's metadata (DeviceModel.load keeps it)
-    cfg = method_config("ciar").resolve(d)        # tau / gate / burst left unset -> the device's calibrated values
+    cfg = method_config("ciar").resolve(d)        # tau / gate / burst / span left unset -> the device's values
 
 A gate's threshold tau lives on the gate's own score scale and depends on the device model (its radius, its
 calibration), so a number in code or config turns CIAR into something else as soon as the weights change: the
@@ -17,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 EXTRA_KEY = "ciar"
+DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
 
 
 class UncalibratedError(ValueError):
@@ -30,6 +32,7 @@ class CIARDefaults:
     taus: dict = field(default_factory=dict)  # gate -> calibrated tau at `target_rate` (CIAR's gate and baselines)
     burst: int = 0  # cloud burst g (ciar.collab.protocol.VerifyRequest.burst)
     burst_entropy: float = 0.0  # adaptive burst stop (0: fixed g)
+    span: int = DEFAULT_SPAN  # draft tokens per verification the taus were calibrated with
     target_rate: float | None = None  # the cloud-call rate the taus were calibrated to
     calibration: dict = field(default_factory=dict)  # prompts, seed, measured rates, the command
 
@@ -45,6 +48,8 @@ class CIARDefaults:
             raise ValueError(f"ciar defaults: burst must be an integer >= 0, got {self.burst!r}")
         if not 0.0 <= self.burst_entropy <= 1.0:
             raise ValueError(f"ciar defaults: burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
+        if isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 1:
+            raise ValueError(f"ciar defaults: span must be an integer >= 1, got {self.span!r}")
 
     @property
     def tau(self) -> float | None:

@@ -10,7 +10,8 @@ from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 from ciar.models.checkpoint import read_model_file, update_extra
 
-D = CIARDefaults(gate="lower", taus={"lower": 2.5, "interval": 1300.0, "entropy": 0.4}, burst=3, target_rate=0.3)
+D = CIARDefaults(gate="lower", taus={"lower": 2.5, "interval": 1300.0, "entropy": 0.4}, burst=3, span=2,
+                 target_rate=0.3)
 
 
 def test_resolve_fills_only_what_is_unset():
@@ -22,6 +23,12 @@ def test_resolve_fills_only_what_is_unset():
     assert cfg.tau == 1300.0
     assert method_config("entropy").resolve(D).tau == 0.4
     assert method_config("eagle").resolve(D).burst == 0  # baselines run as their papers do
+    # the span the thresholds were calibrated with: CIAR and its gate variants take it, the baselines keep theirs
+    assert method_config("ciar").resolve(D).span == 2 == method_config("entropy").resolve(D).span
+    assert method_config("ciar", span=6).resolve(D).span == 6
+    assert method_config("eagle").resolve(D).span == method_config("lantern").resolve(D).span == 4
+    assert method_config("ciar", tau=1.0).resolve(None).span == 4  # a file without defaults: the built-in span
+    assert CIARDefaults.from_extra({EXTRA_KEY: {"gate": "lower"}}).span == 4  # files written before the field
     with pytest.raises(ValueError, match="pipelines.calibrate"):
         method_config("softmax").resolve(D)  # no calibrated threshold for it
     with pytest.raises(ValueError, match="threshold"):
@@ -40,6 +47,11 @@ def test_defaults_validate():
         CIARDefaults(gate="nope")
     with pytest.raises(ValueError, match="burst"):
         CIARDefaults(burst=-1)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="span"):
+            CIARDefaults(span=bad)
+    with pytest.raises(ValueError, match="span"):
+        method_config("ciar", span=0)
     assert CIARDefaults.from_extra({}) is None
     with pytest.raises(ValueError, match="ciar"):
         CIARDefaults.from_extra({EXTRA_KEY: {"bogus": 1}})
@@ -57,6 +69,6 @@ def test_device_file_carries_its_defaults_to_the_decoder(tmp_path, tiny_cloud, t
     dec = CollabDecoder(dev, InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=1)),
                         method_config("ciar", network="none"), SamplingParams(cfg_scale=2.0),
                         num_tokens=tiny_cloud.config.block_size)
-    assert (dec.config.gate, dec.config.tau, dec.config.burst) == ("lower", 2.5, 3)
+    assert (dec.config.gate, dec.config.tau, dec.config.burst, dec.config.span) == ("lower", 2.5, 3, 2)
     r = dec.generate("a red circle", seed=0)
     assert r.stats.total_tokens == tiny_cloud.config.block_size
