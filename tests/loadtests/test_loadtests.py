@@ -155,7 +155,8 @@ def test_runner_reads_the_serve_config_and_overrides():
     assert app["user_configs"]["Verifier"]["max_batch_size"] == 64 and "tau" in app["user_configs"]["Device"]
     apply_overrides(app, ["Device.tau=0.05", "Verifier.batch_wait_timeout_s=0.02", "args.devices=2"])
     assert app["user_configs"]["Device"]["tau"] == 0.05 and app["args"]["devices"] == 2
-    assert app["user_configs"]["Device"]["span"] == 4  # the rest of the user_config is kept
+    device = app["user_configs"]["Device"]  # the rest of the user_config is kept
+    assert device["prefix_rate"] == 0.06 and device["span"] is None  # span null: the device model's
     with pytest.raises(ValueError, match="expected"):
         apply_overrides(app, ["tau=1"])
 
