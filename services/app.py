@@ -8,7 +8,7 @@
               "network": "5g", "response_format": "png"}' -o red.png
 
 The API follows OpenAI's Images API (`openai.OpenAI(base_url="http://HOST:8000/v1", api_key=KEY)
-.images.generate(prompt=..., model="ciar", n=2, size="128x128")` works) and documents itself: /openapi.json (typed
+.images.generate(prompt=..., model="ciar", n=2, size="48x48")` works on the shipped world) and documents itself: /openapi.json (typed
 request, answers and every error status with its body), /docs. GET / is the playground page (services/playground.html).
 
 Deployments (thin; all generation logic lives in `ciar/`):
@@ -24,6 +24,7 @@ Deployments (thin; all generation logic lives in `ciar/`):
 # No `from __future__ import annotations` in this module: FastAPI must see the request model class itself.
 import asyncio
 import base64
+import functools
 import hashlib
 import hmac
 import json
@@ -128,6 +129,12 @@ def openapi_schema(world: dict | None = None, max_images: int | None = None) -> 
     return doc
 
 
+@functools.lru_cache(maxsize=1)
+def _playground_html() -> str:
+    with open(PLAYGROUND, encoding="utf-8") as f:
+        return f.read()
+
+
 def _models(world: dict) -> dict[str, str]:
     """Accepted `model` values -> their kind: every method, and the world's alias."""
     return {**{m: "method" for m in METHODS}, world["id"]: "world"}
@@ -183,6 +190,7 @@ class Ingress:
         # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
         # call at a time, so the first answer may wait for a generation)
         self._world_task = asyncio.ensure_future(self._ask_world())
+        self._openapi: dict | None = None  # the document with the world's sizes and alias, once known
         self.key_hashes = [bytes.fromhex(h) for h in key_hashes]
         self.open = allow_unauthenticated and not key_hashes
         self.retry_after_s = retry_after_s
@@ -244,16 +252,17 @@ class Ingress:
     @api.get("/", include_in_schema=False)
     async def playground(self) -> HTMLResponse:
         """The playground page: one static file, no build step, nothing fetched from the internet."""
-        with open(PLAYGROUND, encoding="utf-8") as f:
-            return HTMLResponse(f.read())
+        return HTMLResponse(_playground_html())
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self) -> JSONResponse:
         try:
             world = await self.world()
-        except Exception:  # noqa: BLE001 - the generic document rather than none
-            world = None
-        return JSONResponse(openapi_schema(world, self.max_images))
+        except Exception:  # noqa: BLE001 - the generic document rather than none (not kept: asked again next time)
+            return JSONResponse(openapi_schema(None, self.max_images))
+        if self._openapi is None:  # built once: the served world does not change under a replica
+            self._openapi = openapi_schema(world, self.max_images)
+        return JSONResponse(self._openapi)
 
     @api.get("/docs", include_in_schema=False)
     async def docs(self) -> HTMLResponse:
