@@ -156,6 +156,11 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+def _dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` in training; x itself otherwise (no module call per op in the decoding loops)."""
+    return module(x) if module.training and module.p > 0 else x
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -165,7 +170,7 @@ class FeedForward(nn.Module):
         self.ffn_dropout = nn.Dropout(cfg.ffn_dropout_p)
 
     def forward(self, x):
-        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        return _dropout(self.ffn_dropout, self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 def kv_runs(slots: torch.Tensor | None, batch: int) -> list[tuple[int, int, int]] | None:
@@ -187,6 +192,22 @@ def kv_runs(slots: torch.Tensor | None, batch: int) -> list[tuple[int, int, int]
     if len(runs) > 1 and slots.device.type != "cpu":
         return None
     return [tuple(r) for r in runs]
+
+
+def _consecutive(input_pos: torch.Tensor, table: int) -> int | None:
+    """p0 when every row feeds the positions p0..p0+T-1 inside the rotary table (`input_pos` a CPU vector [T], or
+    [B, T] with equal rows), else None.
+
+    Shared consecutive positions are what the device's own loop, every prefill and a lone session's CFG rows in the
+    verifier feed. Reading them costs one host copy of the positions, so GPU positions (a sync) skip the check."""
+    if input_pos.device.type != "cpu" or input_pos.numel() == 0 or input_pos.dim() not in (1, 2):
+        return None
+    rows = input_pos.tolist() if input_pos.dim() == 2 else [input_pos.tolist()]
+    pos = rows[0]
+    p0 = pos[0]
+    if p0 < 0 or p0 + len(pos) > table or pos != list(range(p0, p0 + len(pos))):
+        return None
+    return p0 if all(r == pos for r in rows[1:]) else None
 
 
 _DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
@@ -222,7 +243,7 @@ class Attention(nn.Module):
 
     def _project(self, o):
         b, t = o.shape[:2]
-        return self.resid_dropout(self.wo(o.reshape(b, t, self.cfg.dim)))
+        return _dropout(self.resid_dropout, self.wo(o.reshape(b, t, self.cfg.dim)))
 
     def _out(self, q, keys, values, mask, is_causal=False):
         return self._project(self._attend(q, keys, values, mask, is_causal))
@@ -240,9 +261,17 @@ class Attention(nn.Module):
         return self._project(self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len))
 
     def _attend_cached(self, q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len):
-        """q [B, T, H, D], k/v [B, T, Hkv, D]: write k/v into the cache, attend. -> [B, T, H, D]."""
-        k_cache[slot_idx, :, pos] = k.to(k_cache.dtype)  # [B, T, Hkv, D] into [slots, Hkv, max_seq, D]
-        v_cache[slot_idx, :, pos] = v.to(v_cache.dtype)
+        """q [B, T, H, D], k/v [B, T, Hkv, D]: write k/v into the cache, attend. -> [B, T, H, D].
+
+        `pos` [B, T] positions at slots `slot_idx` [B, T]; or a slice of positions shared by every row, with the
+        rows' slots given by `runs` (`slot_idx` None)."""
+        if isinstance(pos, slice):
+            for r, s, n in runs:  # [n, T, Hkv, D] into the slots' [n, Hkv, T, D] block
+                k_cache[s:s + n, :, pos] = k[r:r + n].transpose(1, 2).to(k_cache.dtype)
+                v_cache[s:s + n, :, pos] = v[r:r + n].transpose(1, 2).to(v_cache.dtype)
+        else:
+            k_cache[slot_idx, :, pos] = k.to(k_cache.dtype)  # [B, T, Hkv, D] into [slots, Hkv, max_seq, D]
+            v_cache[slot_idx, :, pos] = v.to(v_cache.dtype)
         if runs is None:
             slots = slot_idx[:, 0]
             keys = k_cache[:, :, :kv_len].index_select(0, slots)
@@ -278,7 +307,7 @@ class Attention(nn.Module):
         dense = dense.view(b, t, h + 2 * hkv, d)
         q, k, v = dense.split([h, hkv, hkv], dim=2)
         o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
-        return self.resid_dropout(self.wo(o.reshape(b * t, h * d)[packed]))
+        return _dropout(self.resid_dropout, self.wo(o.reshape(b * t, h * d)[packed]))
 
 
 class TransformerBlock(nn.Module):
@@ -406,7 +435,7 @@ class GPT(nn.Module):
         if extra_emb is not None:
             e = e + extra_emb.to(e.dtype)
         h = torch.cat([self.embed_condition(cond, drop), e], dim=1)
-        h = self.tok_dropout(h)
+        h = _dropout(self.tok_dropout, h)
         s = h.shape[1]
         freqs = self.freqs_cis[:s].unsqueeze(0)
         mask = None
@@ -450,34 +479,48 @@ class GPT(nn.Module):
         rolled-back pointer are ignored. `kv_len` bounds the keys read (default: max(input_pos) + 1).
         """
         b, t, _ = h.shape
-        if input_pos.dim() == 1:
-            input_pos = input_pos.unsqueeze(0).expand(b, t)
-        if kv_len is None:
-            kv_len = int(input_pos.max()) + 1
-        freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
         rows = torch.arange(b, device=h.device) if slots is None else slots
-        slot_idx = rows[:, None].expand(b, t)
         runs = kv_runs(slots, b)
-        key_pos = torch.arange(kv_len, device=h.device)
+        p0 = _consecutive(input_pos, self.freqs_cis.shape[0]) if runs is not None and packed is None else None
+        if p0 is not None:
+            # every row feeds positions p0..p0+t-1 (the device's loop, a prefill, one session's rows): the rotary
+            # rows are a slice and the cache writes are slices (no gather or scatter of indices per layer)
+            kv_len = p0 + t if kv_len is None else kv_len
+            freqs = self.freqs_cis[p0:p0 + t].unsqueeze(0)  # [1, T, D/2, 2]
+            slot_idx, write_pos = None, slice(p0, p0 + t)
+            if input_pos.dim() == 1:
+                input_pos = input_pos.unsqueeze(0).expand(b, t)
+        else:
+            if input_pos.dim() == 1:
+                input_pos = input_pos.unsqueeze(0).expand(b, t)
+            if kv_len is None:
+                kv_len = int(input_pos.max()) + 1
+            freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
+            slot_idx, write_pos = rows[:, None].expand(b, t), input_pos
         valid = cache.key_valid[rows, :kv_len]  # [B, S]
-        mask = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
-            | (key_pos[None, None, :] == input_pos[:, :, None])
+        if p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num:
+            # one image-token query per row at the newest key: it sees every key but caption padding (image keys
+            # are always valid, its own included)
+            allowed = valid[:, None, :]
+        else:
+            key_pos = torch.arange(kv_len, device=h.device)
+            allowed = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
+                | (key_pos[None, None, :] == input_pos[:, :, None])
         # additive float mask, built once for all layers (a bool mask is converted inside every attention call);
         # the diagonal is always kept, so no row is fully masked
-        mask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
-        mask = mask.unsqueeze(1)  # [B, 1, T, S]
-        h = self.tok_dropout(h)
+        mask = torch.where(allowed, 0.0, float("-inf")).to(h.dtype).unsqueeze(1)  # [B, 1, T, S]
+        h = _dropout(self.tok_dropout, h)
         if packed is not None:
             dim = h.shape[-1]
             hp = h.reshape(b * t, dim)[packed]
             for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-                hp = layer.forward_cached(hp, freqs, mask, k_cache, v_cache, slot_idx, input_pos, runs, kv_len,
+                hp = layer.forward_cached(hp, freqs, mask, k_cache, v_cache, slot_idx, write_pos, runs, kv_len,
                                           packed, (b, t))
             out = hp.new_zeros(b * t, dim)
             out[packed] = self.norm(hp)
             return out.view(b, t, dim)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, input_pos, runs, kv_len)
+            h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, write_pos, runs, kv_len)
         return self.norm(h)
 
     def prefill(self, cache: KVCache, cond: torch.Tensor, cond_mask: torch.Tensor | None = None,

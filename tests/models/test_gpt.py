@@ -267,6 +267,44 @@ def test_token_by_token_decode_equals_full_forward(model, batch):
     assert want.std() > 0.5  # the comparison is not between near-constant logits
 
 
+@torch.no_grad()
+def test_shared_consecutive_positions_take_slices_with_the_same_bits(model, batch, monkeypatch):
+    """Positions shared by every row and consecutive (on the CPU: the device's loop, a prefill, one session's CFG
+    rows) write the cache by slices and read the rotary table by a slice; with that check switched off the same
+    positions go through the general gather/scatter path. Both give the same bits, token by token and in chunks
+    (a catch-up after a verification), given as [T] or as [B, T]."""
+    import ciar.models.gpt as gpt_mod
+    from ciar.models.gpt import _consecutive
+
+    assert _consecutive(torch.arange(CLS, CLS + 3), 100) == CLS
+    assert _consecutive(torch.arange(CLS, CLS + 3)[None].expand(2, 3), 100) == CLS  # equal rows
+    assert _consecutive(torch.tensor([CLS, CLS + 2]), 100) is None  # not consecutive
+    assert _consecutive(torch.tensor([[CLS, CLS + 1], [CLS + 1, CLS + 2]]), 100) is None  # rows differ
+    assert _consecutive(torch.arange(98, 101), 100) is None  # past the rotary table: the clamped general path
+    cond, mask, idx = batch
+    cond2, mask2, drop = model.cfg_condition(cond, mask)
+    idx2 = torch.cat([idx, idx])
+    b = idx2.shape[0]
+
+    def run(per_row: bool):
+        cache = model.new_cache(b)
+        outs = [model.prefill(cache, cond2, mask2, drop)]
+        for start, stop in [(0, 1), (1, 2), (2, 5), (5, 6), (6, L)]:
+            pos = torch.arange(CLS + start, CLS + stop)
+            outs.append(model.decode(cache, idx2[:, start:stop], pos[None].expand(b, -1) if per_row else pos)[:, -1])
+        return torch.stack(outs, 1), cache
+
+    fast, fast_cache = run(False)
+    assert torch.equal(run(True)[0], fast)
+    monkeypatch.setattr(gpt_mod, "_consecutive", lambda pos, table: None)
+    for per_row in (False, True):
+        general, general_cache = run(per_row)
+        assert torch.equal(fast, general)
+        for k_fast, k_general in zip(fast_cache.k + fast_cache.v, general_cache.k + general_cache.v):
+            assert torch.equal(k_fast, k_general)
+    assert fast.std() > 0.5
+
+
 def test_kv_runs_group_consecutive_slots():
     from ciar.models.gpt import kv_runs
 
