@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
+from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError, is_int_at_least
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
@@ -102,13 +102,11 @@ class CollabConfig:
             raise ValueError(f"prefix_rate must be in [0, 1], got {self.prefix_rate}")
         if self.gate is not None and self.gate not in GATES + ("always", "never"):
             raise ValueError(f"unknown gate {self.gate!r}; known: {', '.join(GATES + ('always', 'never'))}")
-        if self.span is not None and not (isinstance(self.span, int) and not isinstance(self.span, bool)
-                                          and self.span >= 1):
+        if self.span is not None and not is_int_at_least(self.span, 1):
             raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
         if self.tau is not None and math.isnan(self.tau):
             raise ValueError("tau must not be NaN")
-        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
-                                       or self.burst < 0):
+        if self.burst is not None and not is_int_at_least(self.burst, 0):
             raise ValueError(f"burst must be an integer >= 0, got {self.burst!r}")
         if self.burst_entropy is not None and not 0.0 <= self.burst_entropy <= 1.0:
             raise ValueError(f"burst_entropy must be in [0, 1], got {self.burst_entropy!r}")

@@ -21,6 +21,11 @@ EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
 
 
+def is_int_at_least(value, minimum: int) -> bool:
+    """An integer (not a bool) >= minimum: how burst and span are checked, in a device file and in a config."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 class UncalibratedError(ValueError):
     """A gate that scores positions has no threshold: none given, and the device file calibrated none for it
     (the API answers 422 naming `params.tau`)."""
@@ -44,11 +49,11 @@ class CIARDefaults:
         for g, t in self.taus.items():
             if g not in GATES or not isinstance(t, (int, float)) or math.isnan(t):
                 raise ValueError(f"ciar defaults: bad calibrated threshold {g!r}: {t!r}")
-        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 0:
+        if not is_int_at_least(self.burst, 0):
             raise ValueError(f"ciar defaults: burst must be an integer >= 0, got {self.burst!r}")
         if not 0.0 <= self.burst_entropy <= 1.0:
             raise ValueError(f"ciar defaults: burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
-        if isinstance(self.span, bool) or not isinstance(self.span, int) or self.span < 1:
+        if not is_int_at_least(self.span, 1):
             raise ValueError(f"ciar defaults: span must be an integer >= 1, got {self.span!r}")
 
     @property

@@ -482,17 +482,15 @@ class GPT(nn.Module):
         rows = torch.arange(b, device=h.device) if slots is None else slots
         runs = kv_runs(slots, b)
         p0 = _consecutive(input_pos, self.freqs_cis.shape[0]) if runs is not None and packed is None else None
+        if input_pos.dim() == 1:
+            input_pos = input_pos.unsqueeze(0).expand(b, t)
         if p0 is not None:
             # every row feeds positions p0..p0+t-1 (the device's loop, a prefill, one session's rows): the rotary
             # rows are a slice and the cache writes are slices (no gather or scatter of indices per layer)
             kv_len = p0 + t if kv_len is None else kv_len
             freqs = self.freqs_cis[p0:p0 + t].unsqueeze(0)  # [1, T, D/2, 2]
             slot_idx, write_pos = None, slice(p0, p0 + t)
-            if input_pos.dim() == 1:
-                input_pos = input_pos.unsqueeze(0).expand(b, t)
         else:
-            if input_pos.dim() == 1:
-                input_pos = input_pos.unsqueeze(0).expand(b, t)
             if kv_len is None:
                 kv_len = int(input_pos.max()) + 1
             freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
