@@ -17,11 +17,12 @@ PYTEST_ARGS ?=
 
 .PHONY: setup test test-slow serve load clean-venv browser
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[serve,load,test]"
+	$(BIN)/python -m pip install --quiet -e ./client
+	$(BIN)/python -m pip install --quiet -e ".[serve,load,test,export]"
 	touch $(STAMP)
 
 $(REFERENCE_STAMP): | $(STAMP)

@@ -1,9 +1,13 @@
-"""Test-session settings: offline Hugging Face, one torch thread per process, GPU tests skipped without CUDA."""
+"""Test-session settings (offline Hugging Face, one torch thread per process, GPU tests skipped without CUDA) and the
+small random-weight models of the collaborative-decoding tests."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import zlib  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -26,3 +30,73 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def weights_dir():
     return WEIGHTS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small RANDOM-weight cloud + device models for the collaborative-decoding tests (not the trained world): used by
+# tests/collab, the wire codec's and the device endpoint's tests.
+
+
+CAPTION_LEN, CAPTION_DIM = 8, 16
+
+
+class StubTextEncoder:
+    """Test double for ciar.text.TextEncoder: a deterministic pseudo-embedding per prompt (crc32-seeded)."""
+
+    dim = CAPTION_DIM
+
+    def encode(self, prompts):
+        emb = torch.zeros(len(prompts), CAPTION_LEN, CAPTION_DIM)
+        mask = torch.zeros(len(prompts), CAPTION_LEN, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+            n = min(CAPTION_LEN, max(1, len(p.split())))
+            emb[i, CAPTION_LEN - n:] = torch.randn(n, CAPTION_DIM, generator=g)
+            mask[i, CAPTION_LEN - n:] = True  # left padding, as the real encoder
+        return SimpleNamespace(emb=emb, mask=mask)
+
+
+@pytest.fixture(scope="module")
+def tiny_cloud():
+    from ciar.models.gpt import build_gpt
+
+    torch.manual_seed(0)
+    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
+                  caption_dim=CAPTION_DIM, block_size=36)
+    torch.nn.init.normal_(m.output.weight, std=0.3)  # the zero-initialised head would make every token uniform
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_device(tiny_cloud):
+    from ciar.collab.device import DeviceConfig, DeviceModel
+
+    torch.manual_seed(1)
+    dev = DeviceModel.from_cloud(tiny_cloud, DeviceConfig(n_layer=1))
+    with torch.no_grad():  # perturb so the device differs from the cloud and its radii vary by token
+        for p in dev.inter_head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return dev.eval()
+
+
+@pytest.fixture(scope="module")
+def stub_text():
+    return StubTextEncoder()
+
+
+@pytest.fixture(scope="module")
+def median_tau(tiny_device, stub_text):
+    """The median normalised U of the (random) tiny device on random contexts (CFG 2, temperature 1): a tau at
+    which both local accepts and verifications happen."""
+    from ciar.collab.gating import gate_scores
+    from ciar.collab.interval import guided_interval
+
+    cap = stub_text.encode(["a small red circle at the top on a gray background"])
+    toks = torch.randint(0, tiny_device.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = tiny_device(toks.expand(2, -1), cap.emb.expand(2, -1, -1), cap.mask.expand(2, -1),
+                          drop=torch.tensor([False, True]))
+        c, r = guided_interval(out.center[0], out.radius[0], out.center[1], out.radius[1], cfg_scale=2.0,
+                               temperature=1.0)
+    return float(gate_scores("interval", center=c, radius=r).median())
+

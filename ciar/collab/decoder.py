@@ -441,10 +441,12 @@ class _Generation:
         cfg = self.cfg
         hidden = feats = None
         if cfg.inter_enhance and self.pending:
-            with self.clock:  # one batched call for every pending box (the same values row by row)
-                hidden = torch.stack(self.pend_hidden).float().cpu()
+            with self.clock:  # one batched call for every pending box (the same values row by row); float16 as the
+                # wire carries them (ciar_client.wire), so every transport gives the cloud the same projector inputs
+                hidden = torch.stack(self.pend_hidden).to(torch.float16).cpu()
                 feats = interval_features(torch.stack([c for c, _ in self.pend_box]),
-                                          torch.stack([r for _, r in self.pend_box]), top=cfg.feature_top).cpu()
+                                          torch.stack([r for _, r in self.pend_box]),
+                                          top=cfg.feature_top).to(torch.float16).cpu()
         req = VerifyRequest(
             self.sid, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values

@@ -60,6 +60,7 @@ class IntervalProjector(nn.Module):
     def forward(self, hidden: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """hidden [..., device_dim], features [..., feature_dim] (`interval_features` as the device sends them)
         -> [..., cloud_dim] (dtype of fc1)."""
+        features = features.float()  # float16 as the device sends them: log1p below in float32
         if self.config.standardize:
             features = standardize_features(features, self.config.feature_top)
         x = torch.cat([hidden.to(self.fc1.weight.dtype), features.to(self.fc1.weight.dtype)], dim=-1)

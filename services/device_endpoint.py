@@ -1,0 +1,397 @@
+"""The device endpoint: real devices (phones, laptops, browsers) run the CIAR loop against the verifier pool.
+
+    ws://HOST:8000/v1/device/sessions     (a route of the Ingress; `python -m ciar_client` speaks it)
+
+One WebSocket carries any number of a device's sessions; every message is one binary frame of `ciar_client.wire`
+(the codec the cluster and the torch-free client share). The connection starts with HELLO (the device key) and the
+server answers WELCOME (the device's id and the limits below) or closes with a reason. Then OPEN / VERIFY / RESUME /
+CLOSE frames are forwarded to the Verifier deployment exactly as the simulated devices' calls are: through its
+handle, routed by session (Ray's consistent-hash router), so real and simulated devices share the engine's forwards.
+Every request is answered with its reply or an ERROR frame carrying the request id and an HTTP-like status.
+
+Why a WebSocket: it goes through Serve's HTTP proxy and any L7 load balancer as one long-lived connection, browsers
+speak it (issue 28's page), and a device's exchanges are small request/reply messages on one session, where gRPC's
+HTTP/2 streams would add a second server and a protobuf toolchain to every client without a gain in bytes.
+
+Isolation. Device keys are checked like the API keys (SHA-256 digests in the config or `$CIAR_DEVICE_KEYS`; never
+logged). The session ids a device chooses are scoped by its device id on the verifier (`<device>/<session>`), so no
+device can name another's session; the verifier's session token (HMAC of session and device, issued at OPEN) must
+come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open sessions (429), frame size (close
+1009), message rate (429 with the time to wait; a device that keeps going past it is closed, 1008), connections
+(close 1008); an idle connection is closed (1001); an ingress at its connection limit closes new ones with 1013 and
+"retry after N s". No stack trace, key or session token is ever logged or sent: errors are logged by type.
+
+Resumption. Sessions outlive their connection (until the verifier's idle timeout): a device that reconnects goes
+on with the same session ids and tokens; one that lost a reply in flight, or finds its session gone (410), sends
+RESUME with its committed history (`ciar_client.connection` does both) and gets a bit-identical image
+(position-keyed randomness on the cloud).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import re
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from ciar_client import wire
+from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
+                              CloseReply, ErrorReply, Frame, VersionError, WireError, Welcome)
+
+logger = logging.getLogger("ray.serve")
+SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The replica-side exception behind a Ray error (Ray wraps it and keeps it as `.cause`)."""
+    seen = exc
+    for _ in range(4):
+        nxt = getattr(seen, "cause", None) or seen.__cause__
+        if nxt is None or nxt is seen:
+            break
+        seen = nxt
+    return seen
+
+
+def device_id_of(digest: str) -> str:
+    """A device's id: derived from its key's digest (not the digest itself, which a config holds)."""
+    return "d" + hashlib.sha256(f"ciar-device|{digest}".encode()).hexdigest()[:15]
+
+
+@dataclass
+class EndpointLimits:
+    """The device endpoint's limits (AppConfig.device_endpoint)."""
+
+    max_frame_bytes: int = 2 << 20
+    max_sessions_per_device: int = 8
+    messages_per_s: float = 200.0
+    burst: int = 400
+    idle_timeout_s: float = 60.0
+    session_ttl_s: float = 120.0  # a session unused this long no longer counts against its device (the verifier
+    # frees it after its own idle timeout)
+    max_connections: int = 256
+    max_connections_per_device: int = 16
+    retry_after_s: float = 2.0
+    hello_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0
+    max_refused: int = 1000  # rate-limited frames in a row before the connection is closed
+
+
+class VerifierBackend(Protocol):
+    """The verifier pool as the endpoint calls it (services.verifier.Verifier's methods, awaited)."""
+
+    async def open(self, request, *, session_id: str, device_id: str) -> tuple[Any, str]: ...
+
+    async def verify(self, request, *, session_id: str, device_id: str, token: str) -> Any: ...
+
+    async def resume(self, request, history, injected, *, session_id: str, device_id: str, token: str) -> Any: ...
+
+    async def close(self, *, session_id: str, device_id: str, token: str) -> None: ...
+
+
+class RayVerifierBackend:
+    """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def open(self, request, *, session_id, device_id):
+        return await self.handle.options(session_id=session_id).open.remote(request, session_id=session_id,
+                                                                            device_id=device_id)
+
+    async def verify(self, request, *, session_id, device_id, token):
+        return await self.handle.options(session_id=session_id).verify.remote(
+            request, session_id=session_id, device_id=device_id, token=token)
+
+    async def resume(self, request, history, injected, *, session_id, device_id, token):
+        return await self.handle.options(session_id=session_id).resume.remote(
+            request, history, injected, session_id=session_id, device_id=device_id, token=token)
+
+    async def close(self, *, session_id, device_id, token):
+        return await self.handle.options(session_id=session_id).close.remote(session_id=session_id,
+                                                                             device_id=device_id, token=token)
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, float(burst)
+        self.tokens, self.t = float(burst), time.monotonic()
+
+    def take(self) -> float:
+        """0 when a message may pass now, else the seconds until one may."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+@dataclass
+class _Device:
+    sessions: dict[str, float] = field(default_factory=dict)  # client session id -> last use (monotonic)
+    connections: int = 0
+
+    def live(self, ttl: float) -> int:
+        now = time.monotonic()
+        for sid in [s for s, t in self.sessions.items() if now - t > ttl]:
+            del self.sessions[sid]
+        return len(self.sessions)
+
+
+class RequestFailed(Exception):
+    """An ERROR frame to answer (status, message, field, retry-after)."""
+
+    def __init__(self, status: int, message: str, field: str = "", retry_after_s: float = 0.0):
+        super().__init__(message)
+        self.status, self.field, self.retry_after_s = status, field, retry_after_s
+
+
+class _Close(Exception):
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class DeviceEndpoint:
+    """Serves device connections (`serve(websocket)`, a Starlette WebSocket) against a VerifierBackend."""
+
+    def __init__(self, backend: VerifierBackend, key_digests: list[str], limits: EndpointLimits | None = None,
+                 server: str = "ciar", observe=None):
+        self.backend = backend
+        self.keys = {bytes.fromhex(d): device_id_of(d) for d in key_digests}
+        self.limits = limits or EndpointLimits()
+        self.server = server
+        self.devices: dict[str, _Device] = {}
+        self.connections = 0
+        self.counts: dict[str, int] = {}  # frames by type, errors by status, closes by code (stats, tests)
+        self._observe = observe  # optional callback(event, label) feeding Prometheus
+
+    def _count(self, event: str, label: str) -> None:
+        key = f"{event}:{label}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self._observe is not None:
+            self._observe(event, label)
+
+    # ------------------------------------------------------------------ one connection
+    async def serve(self, ws) -> None:
+        await ws.accept()
+        lim = self.limits
+        if self.connections >= lim.max_connections:
+            await self._close(ws, wire.CLOSE_OVERLOADED, f"server overloaded: retry after {lim.retry_after_s:g} s")
+            return
+        self.connections += 1
+        device_id = None
+        try:
+            device_id = await self._hello(ws)
+            await self._loop(ws, device_id)
+        except _Close as c:
+            await self._close(ws, c.code, c.reason)
+        except Exception as e:  # noqa: BLE001 - a socket error or a bug: never a traceback with a token in it
+            logger.warning("device connection ended by %s", type(e).__name__)
+            await self._close(ws, 1011, "internal error")
+        finally:
+            self.connections -= 1
+            if device_id is not None:
+                self.devices[device_id].connections -= 1
+
+    async def _close(self, ws, code: int, reason: str) -> None:
+        self._count("close", str(code))
+        try:
+            await ws.close(code=code, reason=reason[:120])
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+    async def _receive(self, ws, timeout: float | None) -> bytes | None:
+        """The next binary frame; None when the peer went away; _Close on a text frame or an oversized one."""
+        try:
+            msg = await asyncio.wait_for(ws.receive(), timeout)
+        except asyncio.TimeoutError:
+            return b""
+        if msg["type"] == "websocket.disconnect":
+            return None
+        data = msg.get("bytes")
+        if data is None:
+            raise _Close(wire.CLOSE_PROTOCOL, "binary frames only (ciar_client.wire)")
+        if len(data) > self.limits.max_frame_bytes:
+            raise _Close(wire.CLOSE_TOO_BIG, f"frame of {len(data)} bytes over the {self.limits.max_frame_bytes}-byte "
+                                             "limit")
+        return data
+
+    async def _send(self, ws, frame: Frame) -> None:
+        try:
+            await asyncio.wait_for(ws.send_bytes(wire.encode_frame(frame)), self.limits.send_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Close(wire.CLOSE_POLICY, "slow reader: a reply could not be delivered in time") from None
+
+    async def _hello(self, ws) -> str:
+        data = await self._receive(ws, self.limits.hello_timeout_s)
+        if not data:
+            raise _Close(wire.CLOSE_PROTOCOL, "expected a HELLO frame first")
+        try:
+            frame = wire.decode_frame(data)
+        except VersionError as e:
+            raise _Close(wire.CLOSE_VERSION, str(e)) from None
+        except WireError as e:
+            raise _Close(wire.CLOSE_PROTOCOL, f"bad HELLO: {e}") from None
+        if frame.type != HELLO:
+            raise _Close(wire.CLOSE_PROTOCOL, f"expected a HELLO frame first, got {frame.name}")
+        digest = hashlib.sha256(frame.body.key.encode()).digest()
+        device_id = next((dev for d, dev in self.keys.items() if hmac.compare_digest(d, digest)), None)
+        if device_id is None:
+            self._count("auth", "refused")
+            raise _Close(wire.CLOSE_UNAUTHORIZED, "unknown device key")
+        dev = self.devices.setdefault(device_id, _Device())
+        if dev.connections >= self.limits.max_connections_per_device:
+            raise _Close(wire.CLOSE_POLICY, f"too many connections for this device "
+                                            f"({self.limits.max_connections_per_device})")
+        dev.connections += 1
+        lim = self.limits
+        await self._send(ws, Frame(WELCOME, frame.request_id, Welcome(device_id, lim.max_frame_bytes,
+                                                                      lim.max_sessions_per_device, lim.messages_per_s,
+                                                                      lim.idle_timeout_s, self.server)))
+        return device_id
+
+    async def _loop(self, ws, device_id: str) -> None:
+        lim = self.limits
+        bucket = TokenBucket(lim.messages_per_s, lim.burst)
+        inflight: set[asyncio.Task] = set()
+        refused = 0
+        try:
+            while True:
+                data = await self._receive(ws, lim.idle_timeout_s)
+                if data is None:
+                    return
+                if data == b"":  # nothing for idle_timeout_s
+                    if inflight:
+                        continue
+                    raise _Close(wire.CLOSE_GOING_AWAY, f"idle for {lim.idle_timeout_s:g} s")
+                wait = bucket.take()
+                try:
+                    version, ftype, rid = wire.decode_header(data)
+                except WireError as e:
+                    raise _Close(wire.CLOSE_PROTOCOL, str(e)) from None
+                if version != wire.PROTOCOL_VERSION:
+                    raise _Close(wire.CLOSE_VERSION, str(VersionError(version)))
+                if wait:
+                    refused += 1
+                    if refused > lim.max_refused:
+                        raise _Close(wire.CLOSE_POLICY, "message rate limit exceeded")
+                    await self._error(ws, rid, RequestFailed(429, f"over {lim.messages_per_s:g} messages/s",
+                                                             retry_after_s=wait))
+                    continue
+                refused = 0
+                if len(inflight) >= lim.max_sessions_per_device + 1:
+                    await self._error(ws, rid, RequestFailed(429, "too many requests in flight on this connection",
+                                                             retry_after_s=lim.retry_after_s))
+                    continue
+                task = asyncio.ensure_future(self._request(ws, device_id, rid, data))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+        finally:
+            for t in inflight:
+                t.cancel()
+
+    async def _error(self, ws, rid: int, e: RequestFailed, session_id: str = "") -> None:
+        self._count("error", str(e.status))
+        await self._send(ws, Frame(ERROR, rid, ErrorReply(e.status, str(e), e.retry_after_s, session_id, e.field)))
+
+    async def _request(self, ws, device_id: str, rid: int, data: bytes) -> None:
+        sid = ""
+        try:
+            try:
+                frame = wire.decode_frame(data, **self._decoding())
+            except WireError as e:
+                raise RequestFailed(422 if e.field not in (None, "header", "body", "type") else 400, str(e),
+                                    e.field or "") from None
+            self._count("frame", frame.name)
+            body = frame.body
+            sid = getattr(body, "session_id", "") or getattr(getattr(body, "request", None), "session_id", "")
+            reply = await self._dispatch(device_id, frame, sid)
+            await self._send(ws, reply)
+        except RequestFailed as e:
+            await self._error(ws, rid, e, sid)
+        except _Close:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status; logged by type only
+            await self._error(ws, rid, self._failure(e, device_id, sid), sid)
+
+    def _decoding(self) -> dict:
+        """How the cluster decodes a frame: torch tensors and SamplingParams (validated on construction)."""
+        import torch
+
+        from ciar.decoding.sampling import SamplingParams
+
+        return {"array": torch.from_numpy, "sampling": SamplingParams}
+
+    async def _dispatch(self, device_id: str, frame: Frame, sid: str) -> Frame:
+        t, rid, body = frame.type, frame.request_id, frame.body
+        if t not in (OPEN, VERIFY, RESUME, CLOSE):
+            raise RequestFailed(400, f"a device does not send {frame.name} frames", "type")
+        if not SESSION_ID.match(sid):
+            raise RequestFailed(422, "session_id must be 1-64 characters of A-Z a-z 0-9 . _ -", "session_id")
+        scoped = f"{device_id}/{sid}"
+        dev = self.devices[device_id]
+        token = frame.token.hex()
+        if t in (OPEN, RESUME) and sid not in dev.sessions and \
+                dev.live(self.limits.session_ttl_s) >= self.limits.max_sessions_per_device:
+            raise RequestFailed(429, f"this device has {self.limits.max_sessions_per_device} open sessions: close one "
+                                "first", "session_id", self.limits.retry_after_s)
+        if t == OPEN:
+            dev.sessions[sid] = time.monotonic()
+            try:
+                reply, issued = await self.backend.open(replace(body, session_id=scoped), session_id=scoped,
+                                                        device_id=device_id)
+            except BaseException:
+                dev.sessions.pop(sid, None)
+                raise
+            return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), bytes.fromhex(issued))
+        if t == VERIFY:
+            dev.sessions[sid] = time.monotonic()
+            reply = await self.backend.verify(replace(body, session_id=scoped), session_id=scoped,
+                                              device_id=device_id, token=token)
+            return Frame(VERIFY_REPLY, rid, replace(reply, session_id=sid))
+        if t == RESUME:
+            dev.sessions[sid] = time.monotonic()
+            request = replace(body.request, session_id=scoped)
+            reply = await self.backend.resume(request, body.history, body.injected, session_id=scoped,
+                                              device_id=device_id, token=token)
+            return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), frame.token)
+        await self.backend.close(session_id=scoped, device_id=device_id, token=token)
+        dev.sessions.pop(sid, None)
+        return Frame(CLOSED, rid, CloseReply(sid))
+
+    def _failure(self, e: BaseException, device_id: str, sid: str) -> RequestFailed:
+        """A backend error -> the ERROR to answer. Messages name the device's own session id, never the scoped one."""
+        from ciar.collab.protocol import CapacityError, SessionError, SessionLostError
+        from ciar.text import CaptionTooLongError
+
+        cause = root_cause(e)
+        msg = str(cause).replace(f"{device_id}/", "")
+        if isinstance(cause, PermissionError):
+            return RequestFailed(403, "invalid session token for this session", "token")
+        if isinstance(cause, SessionLostError) or _replica_lost(e):
+            return RequestFailed(410, f"session {sid!r} is not held by the verifier: resume it from its history")
+        if isinstance(cause, CaptionTooLongError):
+            return RequestFailed(422, msg, "prompt")
+        if isinstance(cause, (SessionError, ValueError)):
+            return RequestFailed(400, msg)
+        if isinstance(cause, CapacityError) or type(cause).__name__ == "BackPressureError":
+            return RequestFailed(503, "no free verifier capacity: retry later", retry_after_s=self.limits.retry_after_s)
+        logger.warning("device request failed: %s", type(cause).__name__)
+        return RequestFailed(500, f"internal error ({type(cause).__name__})")
+
+
+def _replica_lost(e: BaseException) -> bool:
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))

@@ -1,0 +1,252 @@
+"""The device endpoint (services.device_endpoint) over real sockets, without Ray: a uvicorn server on loopback
+serving the endpoint against an in-process verifier (InProcessBackend below: a test double of the Verifier
+deployment with its session tokens), and `ciar_client.connection.DeviceConnection` as the device. The Serve
+application's route is tested in tests/services/test_app.py."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ciar_client import wire
+from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError, _Dropped
+from ciar_client.wire import CLOSE, HELLO, OPEN, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
+
+KEY, OTHER_KEY = "device-key-one", "device-key-two"
+SECRET = "test-secret"
+
+
+class InProcessBackend:
+    """Test double of the Verifier deployment: a CloudVerifier in this process, its session tokens checked as the
+    deployment checks them (services.verifier.session_token)."""
+
+    def __init__(self, verifier):
+        self.v = verifier
+        self.calls = 0
+
+    def _check(self, session_id, device_id, token):
+        from services.verifier import session_token
+
+        if session_token(SECRET, session_id, device_id) != token:
+            raise PermissionError(f"session {session_id!r} belongs to another device")
+
+    async def open(self, request, *, session_id, device_id):
+        from services.verifier import session_token
+
+        self.calls += 1
+        return self.v.open_batch([request])[0], session_token(SECRET, session_id, device_id)
+
+    async def verify(self, request, *, session_id, device_id, token):
+        self._check(session_id, device_id, token)
+        self.calls += 1
+        return self.v.verify_batch([request])[0]
+
+    async def resume(self, request, history, injected, *, session_id, device_id, token):
+        self._check(session_id, device_id, token)
+        return self.v.resume_batch([request], [history], injected=[injected])[0]
+
+    async def close(self, *, session_id, device_id, token):
+        self._check(session_id, device_id, token)
+        self.v.close(session_id)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_cloud, stub_text):
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+
+    from ciar.collab.verifier import CloudVerifier
+    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+    from services.schemas import key_digest
+
+    backend = InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=8))
+    endpoint = DeviceEndpoint(backend, [key_digest(KEY), key_digest(OTHER_KEY)],
+                              EndpointLimits(max_frame_bytes=64 << 10, max_sessions_per_device=3, messages_per_s=50,
+                                             burst=60, idle_timeout_s=5.0))
+    app = Starlette(routes=[WebSocketRoute("/v1/device/sessions", endpoint.serve)])
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    yield f"ws://127.0.0.1:{port}", endpoint, backend
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _conn(url, key=KEY, **kw):
+    return DeviceConnection(url, key, vocab_size=64, array=torch.from_numpy, **kw)
+
+
+class CuttingConnection(DeviceConnection):
+    """Cuts its socket right after sending the verifies numbered in `cuts` (the reply is lost in flight)."""
+
+    def __init__(self, *a, cuts=(), **kw):
+        super().__init__(*a, **kw)
+        self.cuts, self.verifies = set(cuts), 0
+
+    def _exchange(self, ftype, body, token=b""):
+        if ftype == VERIFY:
+            self.verifies += 1
+            if self.verifies in self.cuts:
+                self.connect()
+                self.ws.send(wire.encode_frame(Frame(VERIFY, 99, body, token)))
+                time.sleep(0.05)
+                self.drop()
+                raise _Dropped("cut by the test")
+        return super()._exchange(ftype, body, token)
+
+
+def _generate(client, tiny_device, median_tau, seed=3):
+    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.decoding.sampling import SamplingParams
+
+    cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none")
+    dec = CollabDecoder(tiny_device, client, cfg, SamplingParams(cfg_scale=2.0), num_tokens=36)
+    return dec.generate("a red circle", seed=seed, session_id=f"img-{seed}", trace=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_cloud, tiny_device, stub_text, median_tau):
+    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+
+    return _generate(InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=4)), tiny_device, median_tau)
+
+
+def test_generation_over_the_socket_equals_in_process(server, reference, tiny_device, median_tau):
+    url, endpoint, _ = server
+    conn = _conn(url)
+    out = _generate(conn, tiny_device, median_tau)
+    assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace
+    assert (out.stats.bytes_up, out.stats.bytes_down) == (reference.stats.bytes_up, reference.stats.bytes_down)
+    # every exchange's real frames are the sizes the decoder charged (the close is not charged)
+    sent = [e for e in conn.exchanges if e.kind != "CLOSE"]
+    assert sum(e.up_bytes for e in sent) == out.stats.bytes_up and sum(e.down_bytes for e in sent) == \
+        out.stats.bytes_down
+    assert conn.reconnects == 0 and conn.resumes == 0 and not conn.sessions
+    conn.disconnect()
+
+
+def test_cut_sockets_mid_image_resume_bit_identical(server, reference, tiny_device, median_tau):
+    """The socket dies twice with a verify in flight (its reply lost): the device reconnects, re-creates the session
+    from its history and finishes the same image."""
+    url, _, _ = server
+    conn = CuttingConnection(url, KEY, vocab_size=64, array=torch.from_numpy, cuts=(2, 5), backoff_s=0.01)
+    out = _generate(conn, tiny_device, median_tau)
+    assert out.stats.verifications >= 5
+    assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace
+    assert conn.reconnects == 2 and conn.resumes == 2 and out.stats.resumes == 2
+    conn.disconnect()
+
+
+def test_reconnect_without_loss_keeps_the_session(server, reference, tiny_device, median_tau):
+    """A clean reconnect between requests: the session is still held, nothing is resumed."""
+
+    class Reconnecting(DeviceConnection):
+        def verify(self, request):
+            self.disconnect()
+            return super().verify(request)
+
+    conn = Reconnecting(server[0], KEY, vocab_size=64, array=torch.from_numpy)
+    out = _generate(conn, tiny_device, median_tau)
+    assert torch.equal(out.tokens, reference.tokens)
+    assert conn.reconnects >= 3 and conn.resumes == 0
+    conn.disconnect()
+
+
+def test_unknown_key_and_other_version_are_closed_with_a_reason(server):
+    url = server[0]
+    with pytest.raises(ConnectionRefused) as e:
+        _conn(url, key="not-a-key").connect()
+    assert e.value.code == wire.CLOSE_UNAUTHORIZED and "unknown device key" in e.value.reason
+    from websockets.sync.client import connect
+
+    ws = connect(url + "/v1/device/sessions", proxy=None, legacy=True)
+    hello = bytearray(wire.encode_frame(Frame(HELLO, 0, Hello(KEY))))
+    hello[2] = 9
+    ws.send(bytes(hello))
+    with pytest.raises(Exception) as e:
+        ws.recv(timeout=5)
+    assert e.value.rcvd.code == wire.CLOSE_VERSION and "version 9" in e.value.rcvd.reason
+
+
+def test_another_device_is_refused_and_learns_nothing(server, tiny_device):
+    """Device B names device A's session id and presents A's token: 403, the same answer as for a session that does
+    not exist, and A's image is unaffected."""
+    url = server[0]
+    a, b = _conn(url), _conn(url, key=OTHER_KEY)
+    req = OpenRequest("shared", "a red circle", 1, Sampling(2.0), 2)
+    a.open(req)
+    token = a.sessions["shared"].token
+    frame = Frame(VERIFY, 1, wire.VerifyRequest("shared", np.zeros(0, np.int64), np.zeros(1, np.int64),
+                                                np.full((1, 64), 1 / 64, np.float16)), token)
+    b.connect()
+    b.ws.send(wire.encode_frame(frame))
+    reply = wire.decode_frame(b.ws.recv(timeout=10))
+    assert reply.type == wire.ERROR and reply.body.status == 403
+    assert reply.body.message == "invalid session token for this session"  # names nothing of A's
+    b.ws.send(wire.encode_frame(replace_sid(frame, "never-opened")))
+    reply2 = wire.decode_frame(b.ws.recv(timeout=10))
+    assert reply2.body.status == 403  # no difference between "exists but not yours" and "does not exist"
+    # B opening the same id opens B's own session: A's is untouched
+    b.open(req)
+    assert torch.equal(torch.as_tensor(a.sessions["shared"].tokens), torch.as_tensor(b.sessions["shared"].tokens))
+    a.close("shared")
+    b.close("shared")
+    a.disconnect()
+    b.disconnect()
+
+
+def replace_sid(frame, sid):
+    from dataclasses import replace
+
+    return replace(frame, body=replace(frame.body, session_id=sid))
+
+
+def test_limits(server):
+    url, endpoint, _ = server
+    conn = _conn(url)
+    for i in range(3):
+        conn.open(OpenRequest(f"s{i}", "a red circle", i, Sampling(2.0), 1))
+    conn.retries = 0
+    with pytest.raises(ServerError) as e:
+        conn.open(OpenRequest("s3", "a red circle", 3, Sampling(2.0), 1))
+    assert e.value.status == 429 and e.value.field == "session_id"
+    for i in range(3):
+        conn.close(f"s{i}")
+    # a bad session id, a bad sampling value: 422 naming the field
+    with pytest.raises(ServerError) as e:
+        conn.open(OpenRequest("no spaces", "a red circle", 0, Sampling(2.0), 1))
+    assert (e.value.status, e.value.field) == (422, "session_id")
+    with pytest.raises(ServerError) as e:
+        conn.open(OpenRequest("ok", "a red circle", 0, Sampling(0.5), 1))
+    assert (e.value.status, e.value.field) == (422, "sampling")
+    # rate: 60 frames at once pass (the burst), the rest are answered 429 with the wait
+    statuses = []
+    conn.connect()
+    for i in range(80):
+        conn.ws.send(wire.encode_frame(Frame(CLOSE, 1000 + i, CloseRequest("nothing"), bytes(32))))
+    for i in range(80):
+        statuses.append(wire.decode_frame(conn.ws.recv(timeout=10)).body)
+    limited = [s for s in statuses if getattr(s, "status", 0) == 429]
+    assert limited and all(s.retry_after_s > 0 for s in limited)
+    conn.disconnect()
+    # a frame over the limit closes the connection with 1009
+    conn = _conn(url)
+    conn.connect()
+    conn.ws.send(b"CI" + bytes(70_000))
+    with pytest.raises(Exception) as e:
+        conn.ws.recv(timeout=10)
+    assert e.value.rcvd.code == wire.CLOSE_TOO_BIG
+    # text frames: 4000
+    conn = _conn(url)
+    conn.connect()
+    conn.ws.send("hello")
+    with pytest.raises(Exception) as e:
+        conn.ws.recv(timeout=10)
+    assert e.value.rcvd.code == wire.CLOSE_PROTOCOL
