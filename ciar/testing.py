@@ -183,3 +183,31 @@ def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads:
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
+
+
+def cutting_connection(url: str, key: str, vocab_size: int, cuts=(), **kw):
+    """A `ciar_client.connection.DeviceConnection` that cuts its socket right after sending the verifies numbered in
+    `cuts` (1-based), before their replies arrive: the connection drops with a request in flight, as in a tunnel
+    (fault injection for the resumption tests and the device-channel fuzz run)."""
+    import time
+
+    from ciar_client import wire
+    from ciar_client.connection import DeviceConnection, _Dropped
+
+    class CuttingConnection(DeviceConnection):
+        def __init__(self):
+            super().__init__(url, key, vocab_size, **kw)
+            self.cuts, self.verifies = set(cuts), 0
+
+        def _exchange(self, ftype, body, token=b""):
+            if ftype == wire.VERIFY:
+                self.verifies += 1
+                if self.verifies in self.cuts:
+                    self.connect()
+                    self.ws.send(wire.encode_frame(wire.Frame(wire.VERIFY, 0xFFFFFFFF, body, token)))
+                    time.sleep(0.05)  # let it reach the server: the verify may be applied, its reply is lost
+                    self.drop()
+                    raise _Dropped("cut by the test")
+            return super()._exchange(ftype, body, token)
+
+    return CuttingConnection()

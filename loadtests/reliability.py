@@ -46,7 +46,8 @@ PROMPTS = ("a small red circle at the top on a gray background",
            "a green triangle at the bottom left and a yellow circle at the top right on a white background",
            "a medium purple star at the left on a gray background")
 NETWORKS = tuple(n for n in ALL_NETWORKS if n != "none")  # real links only: "none" is an ideal one
-DEFAULT_SETS = ("Verifier.idle_timeout_s=10",)
+# the reliability run drives the simulation knobs (params.link_drop_after): its deployment enables them
+DEFAULT_SETS = ("Verifier.idle_timeout_s=10", "args.allow_simulation_params=true")
 
 
 class Client:

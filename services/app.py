@@ -34,7 +34,7 @@ import os
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
@@ -50,8 +50,9 @@ from ciar.collab.protocol import CapacityError
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
 from services.device import Device
-from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
-                              ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
+from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause
+from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
+                              GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.verifier import Verifier
 
 logger = logging.getLogger("ray.serve")
@@ -97,7 +98,8 @@ GENERATION_RESPONSES = {
     413: _error("request body over 16 KiB"),
     422: _error("a field out of range, of the wrong type or unknown (error.field names it); also a prompt over the "
                 "caption encoder's token budget, params that make no valid method config (e.g. cloud with "
-                "prefix_rate < 1) and a gate with no calibrated threshold and no params.tau"),
+                "prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation knobs "
+                "params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
     500: _error("internal error (logged with its traceback)"),
     503: _error("overloaded (every device busy and the queue full, or no free verifier KV-cache slot) or the cloud "
                 "unreachable before the image could start: retry after Retry-After seconds", RETRY_AFTER),
@@ -169,23 +171,15 @@ def json_safe(obj):
     return obj
 
 
-def _cause(exc: BaseException) -> BaseException:
-    """The replica-side exception behind a Ray error (Ray wraps it and keeps it as `.cause`)."""
-    seen = exc
-    for _ in range(4):
-        nxt = getattr(seen, "cause", None) or seen.__cause__
-        if nxt is None or nxt is seen:
-            break
-        seen = nxt
-    return seen
-
-
 @serve.deployment
 @serve.ingress(api)
 class Ingress:
     async def __init__(self, device: DeploymentHandle, key_hashes: list[str], allow_unauthenticated: bool,
-                       retry_after_s: int, request_timeout_s: float, max_images: int = 4):
+                       retry_after_s: int, request_timeout_s: float, max_images: int = 4,
+                       verifier: DeploymentHandle | None = None, device_key_hashes: list[str] | None = None,
+                       endpoint: dict | None = None, allow_simulation_params: bool = False):
         self.device = device
+        self.allow_simulation_params = allow_simulation_params
         self.max_images = max_images
         # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
         # call at a time, so the first answer may wait for a generation)
@@ -210,6 +204,16 @@ class Ingress:
         self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
                                            boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
                                            tag_keys=("method", "part"))
+        self.m_device_events = metrics.Counter("ciar_device_endpoint_events_total", description="device endpoint: "
+                                               "frames by type, errors by status, closes by code, refused keys",
+                                               tag_keys=("event", "label"))
+        # real devices over the WebSocket endpoint, against the same verifier pool as the simulated devices
+        from services.schemas import DeviceEndpointConfig
+
+        self.endpoint = None if verifier is None else DeviceEndpoint(
+            RayVerifierBackend(verifier), device_key_hashes or [],
+            DeviceEndpointConfig(**(endpoint or {})).limits(retry_after_s),
+            observe=lambda event, label: self.m_device_events.inc(tags={"event": event, "label": label}))
 
     # ------------------------------------------------------------------ auth / limits
     def _authorized(self, request: Request) -> bool:
@@ -248,6 +252,14 @@ class Ingress:
     @api.get("/healthz", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}})
     async def healthz(self) -> dict:
         return {"status": "ok"}
+
+    @api.websocket("/v1/device/sessions")
+    async def device_sessions(self, ws: WebSocket) -> None:
+        """Real devices: the CIAR protocol over a WebSocket (services.device_endpoint, ciar_client.wire)."""
+        if self.endpoint is None:
+            await ws.close(code=1008, reason="no device endpoint on this deployment")
+            return
+        await self.endpoint.serve(ws)
 
     @api.get("/", include_in_schema=False)
     async def playground(self) -> HTMLResponse:
@@ -312,6 +324,11 @@ class Ingress:
         req, refused = await self._resolve(req)
         if refused is not None:
             return refused
+        if not self.allow_simulation_params:
+            for name in SIMULATION_PARAMS:
+                if getattr(req.params, name) is not None:
+                    return error_body(422, f"params.{name} is a simulation knob this deployment does not accept "
+                                      "(allow_simulation_params)", field=f"params.{name}")
         try:  # the combination of method and params must make a valid config (same checks as the CLI)
             method_config(req.method, network=req.network, **req.params.collab_overrides())
         except ValueError as e:
@@ -364,7 +381,7 @@ class Ingress:
     def _failure(self, req: GenerationRequest, e: BaseException) -> JSONResponse:
         from ray.serve.exceptions import BackPressureError
 
-        cause = _cause(e)
+        cause = root_cause(e)
 
         def caused_by(kind) -> bool:  # raised here, or the root cause of a wrapped (Ray) error
             return isinstance(e, kind) or isinstance(cause, kind)
@@ -518,7 +535,8 @@ def build_app(args: dict | None = None) -> serve.Application:
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s,
-           max_images=cfg.max_images)
+           max_images=cfg.max_images, verifier=verifier, device_key_hashes=cfg.device_key_digests(),
+           endpoint=cfg.device_endpoint.model_dump(), allow_simulation_params=cfg.allow_simulation_params)
 
 
 def build_verifier_app(args: dict | None = None) -> serve.Application:

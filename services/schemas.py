@@ -30,6 +30,8 @@ RESPONSE_FORMATS = ("b64_json", "png", "tokens")  # "url" is refused with a 400 
 QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max")  # OpenAI's: accepted, ignored
 STYLES = ("vivid", "natural")  # OpenAI's values: accepted, ignored
 API_KEYS_ENV = "CIAR_API_KEYS"
+DEVICE_KEYS_ENV = "CIAR_DEVICE_KEYS"
+SIMULATION_PARAMS = ("device_slowdown", "link_drop_after")  # MethodParams an operator must enable
 
 
 def _integral(cls, v):
@@ -49,14 +51,17 @@ class MethodParams(BaseModel):
     span: int | None = Field(None, ge=1, le=32, description="draft tokens per verification")
     prefix_rate: float | None = Field(None, ge=0.0, le=1.0, description="fraction of tokens the cloud makes first")
     inter_enhance: bool | None = Field(None, description="send interval features with locally accepted tokens")
-    device_slowdown: float | None = Field(None, ge=1.0, le=100.0, description="simulated device compute factor")
+    device_slowdown: float | None = Field(None, ge=1.0, le=100.0, description=(
+        "simulation (only where the deployment sets allow_simulation_params, else 422): simulated device compute "
+        "factor"))
     cfg_scale: float | None = Field(None, ge=1.0, le=20.0, description="classifier-free guidance scale")
     temperature: float | None = Field(None, ge=0.0, le=5.0, description="0 = greedy")
     top_k: int | None = Field(None, ge=0, le=1_000_000, description="0 disables top-k")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="1 disables top-p")
     link_drop_after: int | None = Field(None, ge=0, le=100_000, description=(
-        "simulation: the device's link goes down after this many messages; the device finishes the image alone "
-        "and the result is marked degraded (stats.degraded)"))
+        "simulation (only where the deployment sets allow_simulation_params, else 422): the device's link goes down "
+        "after this many messages; the device finishes the image alone and the result is marked degraded "
+        "(stats.degraded)"))
 
     _integers = field_validator("burst", "span", "top_k", "link_drop_after", mode="before")(_integral)
 
@@ -165,6 +170,32 @@ class VerifierLiveConfig(BaseModel):
                                prefill_chunk=self.prefill_chunk)
 
 
+class DeviceEndpointConfig(BaseModel):
+    """Limits of the device endpoint (`/v1/device/sessions`, services.device_endpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_frame_bytes: int = Field(2 << 20, ge=1024, le=64 << 20, description="largest frame a device may send; "
+                                 "beyond it the connection is closed (1009)")
+    max_sessions_per_device: int = Field(8, ge=1, le=10_000, description="open sessions per device (429 beyond)")
+    messages_per_s: float = Field(200.0, gt=0.0, description="sustained frames per second per connection (429 "
+                                  "beyond, with the time to wait)")
+    burst: int = Field(400, ge=1, description="frames a connection may send at once before the rate applies")
+    idle_timeout_s: float = Field(60.0, gt=0.0, description="close a connection with nothing in flight that sent "
+                                  "nothing for this long (1001)")
+    session_ttl_s: float = Field(120.0, gt=0.0, description="a session unused this long no longer counts against "
+                                 "its device's limit")
+    max_connections: int = Field(256, ge=1, description="connections per ingress replica; beyond, new ones are "
+                                 "closed with 1013 and a retry-after hint")
+    max_connections_per_device: int = Field(16, ge=1)
+    send_timeout_s: float = Field(10.0, gt=0.0, description="a reply not delivered in this time closes the "
+                                  "connection (a slow reader, 1008)")
+
+    def limits(self, retry_after_s: float):
+        from services.device_endpoint import EndpointLimits
+
+        return EndpointLimits(**self.model_dump(), retry_after_s=float(retry_after_s))
+
+
 class AppConfig(BaseModel):
     """Builder args (`serve_config.yaml` -> services.app:build_app)."""
 
@@ -201,6 +232,15 @@ class AppConfig(BaseModel):
     verifier_max_sessions: int = Field(64, ge=1, le=100_000, description="KV-cache slots (sessions) per replica")
     verifier: VerifierLiveConfig = Field(default_factory=VerifierLiveConfig)
     allow_unauthenticated: bool = Field(False, description="accept requests without a key (only when no keys)")
+    allow_simulation_params: bool = Field(False, description="accept the simulation knobs params.device_slowdown "
+                                          "and params.link_drop_after in requests (reliability and load runs); off, "
+                                          "a request that sets one is answered 422 naming it")
+    # real devices: the WebSocket endpoint /v1/device/sessions (services.device_endpoint)
+    device_keys: list[str] = Field(default_factory=list, description="accepted device keys (plus "
+                                   "$CIAR_DEVICE_KEYS); prefer device_key_sha256 (Serve logs builder args)")
+    device_key_sha256: list[str] = Field(default_factory=list, description="accepted device keys by their SHA-256 "
+                                         "hex digest")
+    device_endpoint: DeviceEndpointConfig = Field(default_factory=DeviceEndpointConfig)
     ingress_num_cpus: float = Field(0.1, gt=0.0)
     ingress_max_ongoing_requests: int = Field(256, ge=1)
     ingress_max_queued_requests: int = Field(1024, ge=1, description="HTTP requests waiting for the ingress beyond "
@@ -226,7 +266,7 @@ class AppConfig(BaseModel):
 
         return spec_dict(read_world(world_source(self.world, self.weights_dir), need_device=True, need_text=True))
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "device_keys")
     @classmethod
     def _keys(cls, v: list[str]) -> list[str]:
         for k in v:
@@ -234,7 +274,7 @@ class AppConfig(BaseModel):
                 raise ValueError("api keys must be at least 8 characters with no whitespace")
         return v
 
-    @field_validator("api_key_sha256")
+    @field_validator("api_key_sha256", "device_key_sha256")
     @classmethod
     def _digests(cls, v: list[str]) -> list[str]:
         for d in v:
@@ -250,6 +290,12 @@ class AppConfig(BaseModel):
     def key_digests(self) -> list[str]:
         """SHA-256 hex digests of every accepted key (what the ingress compares against)."""
         return list(dict.fromkeys([key_digest(k) for k in self.all_api_keys()] + self.api_key_sha256))
+
+
+    def device_key_digests(self) -> list[str]:
+        """SHA-256 hex digests of every accepted device key: the config's, its digests and $CIAR_DEVICE_KEYS'."""
+        env = [k.strip() for k in os.environ.get(DEVICE_KEYS_ENV, "").split(",") if k.strip()]
+        return list(dict.fromkeys([key_digest(k) for k in self.device_keys + env] + self.device_key_sha256))
 
 
 def key_digest(key: str) -> str:

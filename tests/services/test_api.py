@@ -24,6 +24,7 @@ from services.deploy import deploy_config, patient_serve_env  # noqa: E402
 PORT = 8133
 URL = f"http://127.0.0.1:{PORT}"
 KEY = "api-test-key-0123456789"
+DEVICE_KEY = "api-test-device-key-42"
 PROMPT = "a small red circle at the top on a gray background"
 TAU = 0.05
 SIZE = "48x48"  # the random world: 12 x 12 tokens, downsampling 4
@@ -39,7 +40,8 @@ def cluster(tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 4,
             "max_images": 3, "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
-            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3}
+            "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3,
+            "device_key_sha256": [hashlib.sha256(DEVICE_KEY.encode()).hexdigest()]}
     deploy_config(args, user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": False,
                                                  "preview_every": 16}})
     yield {"weights": weights, "alias": os.path.basename(weights)}
@@ -181,3 +183,41 @@ def test_playground_in_a_headless_browser(cluster, tmp_path):
     assert st["decided by the cloud"] == str(cells["cloud"])
     for shot in ("playground-running.png", "playground-done.png"):
         assert (tmp_path / shot).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name, value", [("device_slowdown", 50.0), ("link_drop_after", 0)])
+def test_simulation_knobs_are_an_operators_not_a_clients(cluster, name, value):
+    """A deployment that does not set allow_simulation_params (the shipped configs) refuses them, naming the field."""
+    r = requests.post(f"{URL}/v1/images/generations", json={"prompt": PROMPT, "params": {name: value}},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["field"] == f"params.{name}", r.text
+
+
+def test_a_real_device_over_the_websocket_endpoint(cluster):
+    """The torch device loop over the device endpoint of the Serve application (WebSocket through Serve's proxy to
+    the ingress, then the Verifier handle routed by session): the same tokens as in process, also when the socket is
+    cut mid-image with a verify in flight; a wrong key is closed with its reason."""
+    import torch
+
+    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.testing import cutting_connection
+    from ciar.world import load_default_world
+    from ciar_client.connection import ConnectionRefused, DeviceConnection
+
+    world = load_default_world(cluster["weights"])
+    knobs = dict(tau=TAU, span=4, prefix_rate=0.06, network="none")
+    local = make_decoder(world, make_verifier(world, max_sessions=1), "ciar", **knobs).generate(PROMPT, seed=5,
+                                                                                          session_id="ws-img")
+    ws = f"ws://127.0.0.1:{PORT}"
+    vocab = world.cloud.config.vocab_size
+    for cuts in ((), (2,)):
+        conn = cutting_connection(ws, DEVICE_KEY, vocab, cuts=cuts, array=torch.from_numpy, backoff_s=0.05)
+        dec = CollabDecoder(world.device_model, conn, method_config("ciar", **knobs), world.sampling,
+                            num_tokens=world.cloud.config.block_size)
+        out = dec.generate(PROMPT, seed=5, session_id="ws-img")
+        assert out.tokens.tolist() == local.tokens.tolist(), cuts
+        assert conn.resumes == len(cuts) and out.stats.bytes_up == local.stats.bytes_up
+        conn.disconnect()
+    with pytest.raises(ConnectionRefused, match="unknown device key"):
+        DeviceConnection(ws, KEY, vocab).connect()  # an API key is not a device key

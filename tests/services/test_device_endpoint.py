@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from ciar.testing import cutting_connection
 from ciar_client import wire
-from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError, _Dropped
+from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError
 from ciar_client.wire import CLOSE, HELLO, OPEN, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
 
 KEY, OTHER_KEY = "device-key-one", "device-key-two"
@@ -83,25 +84,6 @@ def _conn(url, key=KEY, **kw):
     return DeviceConnection(url, key, vocab_size=64, array=torch.from_numpy, **kw)
 
 
-class CuttingConnection(DeviceConnection):
-    """Cuts its socket right after sending the verifies numbered in `cuts` (the reply is lost in flight)."""
-
-    def __init__(self, *a, cuts=(), **kw):
-        super().__init__(*a, **kw)
-        self.cuts, self.verifies = set(cuts), 0
-
-    def _exchange(self, ftype, body, token=b""):
-        if ftype == VERIFY:
-            self.verifies += 1
-            if self.verifies in self.cuts:
-                self.connect()
-                self.ws.send(wire.encode_frame(Frame(VERIFY, 99, body, token)))
-                time.sleep(0.05)
-                self.drop()
-                raise _Dropped("cut by the test")
-        return super()._exchange(ftype, body, token)
-
-
 def _generate(client, tiny_device, median_tau, seed=3):
     from ciar.collab.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
@@ -136,7 +118,7 @@ def test_cut_sockets_mid_image_resume_bit_identical(server, reference, tiny_devi
     """The socket dies twice with a verify in flight (its reply lost): the device reconnects, re-creates the session
     from its history and finishes the same image."""
     url, _, _ = server
-    conn = CuttingConnection(url, KEY, vocab_size=64, array=torch.from_numpy, cuts=(2, 5), backoff_s=0.01)
+    conn = cutting_connection(url, KEY, 64, cuts=(2, 5), array=torch.from_numpy, backoff_s=0.01)
     out = _generate(conn, tiny_device, median_tau)
     assert out.stats.verifications >= 5
     assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace

@@ -1,0 +1,274 @@
+"""pipelines.export_onnx + ciar_client.runtime: the ONNX device model and VQ decoder against torch, on the shipped
+world (exported once per module, ~10 s).
+
+Tolerances, and what they were measured at (2-core CPU, onnxruntime 1.32, torch 2.13):
+- device graphs: max abs diff of center / radius / hidden <= 1e-4 (measured: <= 2.3e-5 for center, <= 8.6e-6 for
+  radius, <= 1.2e-5 for hidden, over prefill, 9-token, 1-token and post-rollback feeds, rows 1 and 2);
+- VQ decoder: the uint8 image within 1 intensity level of `tensor_to_images(vq.decode_code(...))` (measured: 0
+  levels, every pixel equal, on 3 random token grids);
+- the device loop on 4 val prompts (CIAR, the world's verifier in process, no network): the same tokens and the
+  same `who` trace with the torch device model and with the ONNX graphs (measured: identical on all 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ciar.collab.device import DeviceConfig, DeviceOutput
+from ciar.collab.defaults import CIARDefaults
+from ciar.models.gpt import apply_rotary_emb
+from ciar.models.vq import tensor_to_images
+from pipelines import export_onnx as ex
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLIENT = os.path.join(REPO, "client")
+if CLIENT not in sys.path:  # until the client is installed (`pip install -e client`)
+    sys.path.insert(0, CLIENT)
+
+from ciar_client.runtime import DeviceRuntime, ImageDecoder  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def world():
+    from ciar.world import load_world
+
+    return load_world(None)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx")
+    manifest = ex.export_onnx(None, str(out))
+    return str(out), manifest
+
+
+@pytest.fixture(scope="module")
+def runtime(exported):
+    return DeviceRuntime(exported[0], threads=1)
+
+
+def test_rotary_real_is_bit_identical():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 8, 32, generator=g)
+    from ciar.models.gpt import precompute_freqs_cis_2d
+
+    freqs = precompute_freqs_cis_2d(12, 32, 10000.0, 40, "identity")[38:45].unsqueeze(0)
+    assert torch.equal(ex.rotary_real(x, freqs), apply_rotary_emb(x, freqs))
+
+
+def _caption(world, seed: int = 0, n_real: int = 11):
+    c = world.device_model.config
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(c.cls_token_num, c.caption_dim, generator=g).half()  # float16, as the cloud sends it
+    mask = torch.zeros(c.cls_token_num, dtype=torch.bool)
+    mask[-n_real:] = True  # left padding
+    return emb, mask
+
+
+class _TorchSide:
+    """The torch device model driven as `_Generation` drives it (prefill, feed, rollback)."""
+
+    def __init__(self, dev, emb, mask, rows):
+        self.dev, self.rows, self.cls = dev, rows, dev.config.cls_token_num
+        self.cache = dev.new_cache(rows)
+        drop = torch.tensor([False, True]) if rows == 2 else None
+        with torch.inference_mode():
+            self.first = dev.prefill(self.cache, emb.float().unsqueeze(0).expand(rows, -1, -1),
+                                     mask.unsqueeze(0).expand(rows, -1), drop, torch.arange(rows))
+
+    def feed(self, toks, start):
+        t = torch.tensor(toks).unsqueeze(0).expand(self.rows, -1)
+        p0 = self.cls + start
+        with torch.inference_mode():
+            out = self.dev.decode(self.cache, t, torch.arange(p0, p0 + len(toks)), kv_len=p0 + len(toks),
+                                  last_only=True)
+        self.cache.set_length(range(self.rows), p0 + len(toks))
+        return out
+
+    def rollback(self, length):
+        for r in range(self.rows):
+            self.cache.rollback(r, self.cls + length)
+
+
+def _diff(out, step) -> list[float]:
+    return [float((torch.from_numpy(b) - a.reshape(b.shape)).abs().max())
+            for a, b in ((out.center, step.center), (out.radius, step.radius), (out.hidden, step.hidden))]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_device_graphs_match_torch(world, runtime, rows):
+    dev = world.device_model
+    emb, mask = _caption(world, seed=rows)
+    ref = _TorchSide(dev, emb, mask, rows)
+    step = runtime.start(emb.numpy(), mask.numpy(), rows)
+    assert step.center.shape == (rows, dev.config.vocab_size) and step.center.dtype == np.float32
+    assert step.hidden.shape == (rows, dev.config.dim) and (step.radius >= 0).all()
+    diffs = {"prefill": _diff(ref.first, step)}
+    toks = torch.randint(0, dev.config.vocab_size, (30,), generator=torch.Generator().manual_seed(rows)).tolist()
+    diffs["9 tokens"] = _diff(ref.feed(toks[:9], 0), runtime.feed(toks[:9], 0))
+    for i in range(9, 14):
+        diffs[f"1 token at {i}"] = _diff(ref.feed(toks[i:i + 1], i), runtime.feed(toks[i:i + 1], i))
+    ref.rollback(11)
+    runtime.rollback(11)  # drop image tokens 11..13, feed other ones there
+    diffs["3 tokens after rollback"] = _diff(ref.feed(toks[20:23], 11), runtime.feed(toks[20:23], 11))
+    diffs["1 token after"] = _diff(ref.feed(toks[23:24], 14), runtime.feed(toks[23:24], 14))
+    worst = max(max(d) for d in diffs.values())
+    assert worst <= TOL, diffs
+
+
+def test_runtime_refuses_bad_calls(world, runtime):
+    emb, mask = _caption(world)
+    with pytest.raises(ValueError, match="rows"):
+        runtime.start(emb.numpy(), mask.numpy(), 3)
+    with pytest.raises(ValueError, match="caption_emb"):
+        runtime.start(emb[:5].numpy(), mask[:5].numpy(), 1)
+    runtime.start(emb.numpy(), mask.numpy(), 2)
+    with pytest.raises(ValueError, match="holds 0"):
+        runtime.feed([1], 1)  # a hole in the cache
+    runtime.feed([1, 2, 3], 0)
+    with pytest.raises(ValueError, match="roll back"):
+        runtime.rollback(4)
+    runtime.rollback(1)
+    with pytest.raises(ValueError, match="holds 1"):
+        runtime.feed([5], 2)
+    with pytest.raises(ValueError, match="token ids"):
+        runtime.feed([world.device_model.config.vocab_size], 1)
+    n = world.device_model.config.block_size
+    with pytest.raises(ValueError, match="runs past"):
+        runtime.feed(list(range(n)), 1)
+
+
+def test_vq_decoder_matches_torch(world, exported):
+    dec = ImageDecoder(exported[0])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        toks = torch.randint(0, world.vq.config.codebook_size, (world.device_model.config.block_size,), generator=g)
+        with torch.inference_mode():
+            ref = tensor_to_images(world.vq.decode_code(toks[None]))[0].numpy()
+        img = dec.decode(toks.numpy())
+        assert img.dtype == np.uint8 and img.shape == ref.shape == (48, 48, 3)
+        assert np.abs(img.astype(int) - ref.astype(int)).max() <= 1
+
+
+# ---------------------------------------------------------------------- the device loop on the ONNX graphs
+class _OnnxCache:
+    """The part of `KVCache` the decoder touches, over a `DeviceRuntime` (one session, every row at one length)."""
+
+    def __init__(self, rt: DeviceRuntime, cls_token_num: int):
+        self.rt, self.cls = rt, cls_token_num
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.rt.rollback(length - self.cls)  # the rows of a CFG pair roll back together (idempotent)
+
+    def set_length(self, slots, length: int) -> None:
+        assert length - self.cls == self.rt.length
+
+
+class OnnxDeviceModel:
+    """Test adapter: the `DeviceModel` interface `ciar.collab.decoder` uses (prefill / decode with last_only /
+    new_cache / config / device_config / ciar_defaults), answered by the exported graphs through
+    `ciar_client.runtime.DeviceRuntime`; the configuration comes from the manifest alone."""
+
+    def __init__(self, model_dir: str):
+        self.rt = DeviceRuntime(model_dir, threads=1)
+        m = self.rt.manifest
+        self.config = SimpleNamespace(block_size=m["num_tokens"], cls_token_num=m["cls_token_num"],
+                                      vocab_size=m["vocab_size"])
+        head = m["inter_head"]
+        self.device_config = DeviceConfig(n_layer=m["n_layer"], num_heads=head["num_heads"],
+                                          combine=head["combine"], max_radius=head["max_radius"])
+        self.ciar_defaults = CIARDefaults(**m["ciar_defaults"])
+        self.gpt = SimpleNamespace(tok_embeddings=SimpleNamespace(weight=torch.zeros(0)))  # device / dtype only
+
+    def eval(self):
+        return self
+
+    def new_cache(self, slots: int) -> _OnnxCache:
+        return _OnnxCache(self.rt, self.config.cls_token_num)
+
+    @staticmethod
+    def _out(step, t: bool) -> DeviceOutput:
+        f = (lambda a: torch.from_numpy(a)[:, None]) if t else torch.from_numpy
+        return DeviceOutput(f(step.center), f(step.radius), f(step.hidden))
+
+    def prefill(self, cache, cond, cond_mask=None, drop=None, slots=None, with_heads=False) -> DeviceOutput:
+        rows = cond.shape[0]
+        assert not with_heads and (drop is None) == (rows == 1)
+        assert rows == 1 or drop.tolist() == [False, True]
+        return self._out(self.rt.start(cond[0].numpy(), cond_mask[0].numpy(), rows), False)
+
+    def decode(self, cache, tokens, input_pos, slots=None, kv_len=None, with_heads=False, last_only=False):
+        assert last_only and not with_heads and (tokens == tokens[:1]).all()
+        start = int(input_pos[0]) - self.config.cls_token_num
+        assert input_pos.tolist() == list(range(start + self.config.cls_token_num, kv_len))
+        return self._out(self.rt.feed(tokens[0].tolist(), start), True)
+
+
+def test_device_loop_same_decisions(world, exported):
+    from ciar.collab.calibration import val_prompts
+    from ciar.collab.runtime import make_decoder, make_verifier
+
+    verifier = make_verifier(world)
+    onnx_dev = OnnxDeviceModel(exported[0])
+    prompts = val_prompts(4, seed=7, start=20_000)
+    flips = []
+    for i, prompt in enumerate(prompts):
+        runs = []
+        for dev in (world.device_model, onnx_dev):
+            d = make_decoder(world, verifier, "ciar", device_model=dev, network="none")
+            runs.append(d.generate(prompt, seed=100 + i, trace=True))
+        a, b = runs
+        assert a.trace.count("device") > 0 and a.trace.count("cloud") > 0  # both paths exercised
+        if not (torch.equal(a.tokens, b.tokens) and a.trace == b.trace):
+            first = next(j for j, (x, y) in enumerate(zip(a.trace, b.trace)) if x != y) \
+                if a.trace != b.trace else int((a.tokens != b.tokens).nonzero()[0])
+            flips.append((prompt, first))
+    assert not flips, f"ONNX and torch decided differently (prompt, first differing token): {flips}"
+
+
+def test_manifest(world, exported):
+    out, manifest = exported
+    with open(os.path.join(out, "manifest.json")) as f:
+        assert json.load(f) == manifest
+    dev, c = world.device_model, world.device_model.config
+    assert manifest["ciar_defaults"] == dev.ciar_defaults.to_dict()
+    assert manifest["ciar_defaults"]["span"] == dev.ciar_defaults.span
+    assert (manifest["vocab_size"], manifest["num_tokens"], manifest["grid"], manifest["cls_token_num"],
+            manifest["caption_dim"], manifest["dim"], manifest["n_layer"], manifest["n_head"], manifest["head_dim"],
+            manifest["max_seq"]) == (c.vocab_size, c.block_size, c.grid_size, c.cls_token_num, c.caption_dim, c.dim,
+                                     c.n_layer, c.n_head, c.head_dim, c.cls_token_num + c.block_size)
+    assert manifest["image_size"] == world.vq.config.image_size == 48
+    s = world.sampling
+    assert manifest["sampling"] == {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k,
+                                    "top_p": s.top_p}
+    assert manifest["prefix_rate"] == 0.06 and manifest["feature_top"] == 8
+    for g in manifest["graphs"].values():
+        assert ex.file_facts(os.path.join(out, g["file"])) == {k: g[k] for k in ("file", "sha256", "bytes")}
+    step = {v["name"]: v for v in manifest["graphs"]["device_step"]["inputs"]}
+    assert step["tokens"]["shape"] == ["rows", "T"] and step["tokens"]["dtype"] == "int64"
+    assert step["k_cache"]["shape"] == [c.n_layer, "rows", c.n_head, c.cls_token_num + c.block_size, c.head_dim]
+    prefill = {v["name"]: v for v in manifest["graphs"]["device_prefill"]["inputs"]}
+    assert prefill["caption_emb"]["shape"] == ["rows", c.cls_token_num, c.caption_dim]
+    vq_out = manifest["graphs"]["vq_decoder"]["outputs"][0]
+    assert vq_out["shape"] == [48, 48, 3] and vq_out["dtype"] == "uint8"
+    src = manifest["sources"]
+    assert set(src) == {"device", "tokenizer", "cloud"}
+    for role, g in src.items():
+        assert ex.file_facts(os.path.join(world.weights_dir, g["file"])) == g
+
+
+def test_runtime_does_not_import_torch():
+    env = {**os.environ, "PYTHONPATH": CLIENT}
+    code = "import sys; import ciar_client.runtime; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=CLIENT)
+    assert r.returncode == 0, r.stderr
