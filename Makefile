@@ -15,7 +15,7 @@ REFERENCE_STAMP := $(REFERENCE)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow serve load clean-venv browser
+.PHONY: setup test test-slow serve load clean-venv browser onnx
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,7 +52,15 @@ test-slow: $(STAMP) $(REFERENCE_STAMP)
 # a busy laptop can miss Serve's 5 s proxy readiness check; give it a minute
 SERVE_ENV := RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60 RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S=60
 
-serve: $(STAMP)
+# the device model exported for real devices (ONNX; generated from the committed safetensors, served by the ingress)
+SHIPPED := weights/scenes-v2
+ONNX := $(SHIPPED)/onnx/manifest.json
+$(ONNX): $(STAMP) $(SHIPPED)/device.safetensors $(SHIPPED)/tokenizer.safetensors $(SHIPPED)/cloud.safetensors pipelines/export_onnx.py
+	$(BIN)/python -m pipelines.export_onnx
+
+onnx: $(ONNX)
+
+serve: $(STAMP) $(ONNX)
 	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
 
 # a 30 s ramp to 8 users against a cluster it starts and stops itself (summary in runs/load/summary.json)

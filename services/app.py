@@ -261,6 +261,47 @@ class Ingress:
             return
         await self.endpoint.serve(ws)
 
+    def _device_authorized(self, request: Request) -> bool:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        return self.endpoint is not None and scheme.lower() == "bearer" and \
+            self.endpoint.device_of(key.strip()) is not None
+
+    async def _device_model_dir(self) -> tuple[str | None, dict | None]:
+        """The exported device model's folder and manifest (None, None when it was not exported)."""
+        world = await self.world()
+        path = os.path.join(world["model_dir"], "manifest.json")
+        if not os.path.isfile(path):
+            return None, None
+        with open(path, encoding="utf-8") as f:
+            return world["model_dir"], json.load(f)
+
+    @api.get("/v1/device/model", include_in_schema=False)
+    async def device_model(self, request: Request):
+        """The device model for real devices: the export's manifest (graphs with sha256 and size, the calibrated
+        CIAR defaults, sampling, protocol facts). Authorised by a device key (Bearer)."""
+        if not self._device_authorized(request):
+            return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
+                              field="authorization", kind="unauthorized")
+        folder, manifest = await self._device_model_dir()
+        if manifest is None:
+            return error_body(404, "the device model is not exported on this deployment: run "
+                              "`python -m pipelines.export_onnx` (make serve does)", kind="not_found")
+        return JSONResponse(manifest)
+
+    @api.get("/v1/device/model/{name}", include_in_schema=False)
+    async def device_model_file(self, name: str, request: Request):
+        """One graph of the manifest (only the files it names)."""
+        from fastapi.responses import FileResponse
+
+        if not self._device_authorized(request):
+            return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
+                              field="authorization", kind="unauthorized")
+        folder, manifest = await self._device_model_dir()
+        files = {g["file"] for g in (manifest or {}).get("graphs", {}).values()}
+        if name not in files:
+            return error_body(404, f"no device model file {name!r}", field="name", kind="not_found")
+        return FileResponse(os.path.join(folder, name), media_type="application/octet-stream")
+
     @api.get("/", include_in_schema=False)
     async def playground(self) -> HTMLResponse:
         """The playground page: one static file, no build step, nothing fetched from the internet."""

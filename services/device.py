@@ -232,7 +232,9 @@ class Device:
         grid = math.isqrt(self.side.num_tokens)
         px = grid * self.side.vq.config.downsample
         return {"id": os.path.basename(os.path.normpath(self.side.weights_dir)) or "world",
-                "size": f"{px}x{px}", "num_tokens": self.side.num_tokens, "grid": grid}
+                "size": f"{px}x{px}", "num_tokens": self.side.num_tokens, "grid": grid,
+                # the device model exported for real devices (pipelines.export_onnx), served by the ingress
+                "model_dir": os.path.join(os.path.abspath(self.side.weights_dir), "onnx")}
 
     async def state(self) -> dict:
         """What this phone holds between generations (all 0 when idle; a leak check reads it) and its memory."""

@@ -172,6 +172,11 @@ class DeviceEndpoint:
         self.counts: dict[str, int] = {}  # frames by type, errors by status, closes by code (stats, tests)
         self._observe = observe  # optional callback(event, label) feeding Prometheus
 
+    def device_of(self, key: str) -> str | None:
+        """The device id of a device key, None for an unknown key (compared by digest, in constant time per key)."""
+        digest = hashlib.sha256(key.encode()).digest()
+        return next((dev for d, dev in self.keys.items() if hmac.compare_digest(d, digest)), None)
+
     def _count(self, event: str, label: str) -> None:
         key = f"{event}:{label}"
         self.counts[key] = self.counts.get(key, 0) + 1
@@ -241,8 +246,7 @@ class DeviceEndpoint:
             raise _Close(wire.CLOSE_PROTOCOL, f"bad HELLO: {e}") from None
         if frame.type != HELLO:
             raise _Close(wire.CLOSE_PROTOCOL, f"expected a HELLO frame first, got {frame.name}")
-        digest = hashlib.sha256(frame.body.key.encode()).digest()
-        device_id = next((dev for d, dev in self.keys.items() if hmac.compare_digest(d, digest)), None)
+        device_id = self.device_of(frame.body.key)
         if device_id is None:
             self._count("auth", "refused")
             raise _Close(wire.CLOSE_UNAUTHORIZED, "unknown device key")

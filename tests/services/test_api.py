@@ -221,3 +221,23 @@ def test_a_real_device_over_the_websocket_endpoint(cluster):
         conn.disconnect()
     with pytest.raises(ConnectionRefused, match="unknown device key"):
         DeviceConnection(ws, KEY, vocab).connect()  # an API key is not a device key
+
+
+def test_the_device_model_is_served_to_devices(cluster, tmp_path):
+    """GET /v1/device/model (a device key) serves the export's manifest and graphs; the client's fetch verifies and
+    caches them; an API key or none is refused; before the export the answer says how to make it."""
+    from ciar_client.fetch import fetch_model
+    from ciar_client.runtime import read_manifest
+    from pipelines.export_onnx import export_onnx
+
+    r = requests.get(f"{URL}/v1/device/model", headers={"Authorization": f"Bearer {DEVICE_KEY}"}, timeout=60)
+    assert r.status_code == 404 and "pipelines.export_onnx" in r.json()["error"]["message"]
+    manifest = export_onnx({"kind": "scenes", "weights": cluster["weights"]}, None)
+    for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+        assert requests.get(f"{URL}/v1/device/model", headers=headers, timeout=60).status_code == 401
+    r = requests.get(f"{URL}/v1/device/model/..%2Fcloud.safetensors",
+                     headers={"Authorization": f"Bearer {DEVICE_KEY}"}, timeout=60)
+    assert r.status_code == 404
+    folder = fetch_model(f"ws://127.0.0.1:{PORT}", DEVICE_KEY, cache_dir=str(tmp_path))
+    assert read_manifest(folder)["graphs"] == manifest["graphs"]
+    assert fetch_model(f"ws://127.0.0.1:{PORT}", DEVICE_KEY, cache_dir=str(tmp_path)) == folder  # cached
