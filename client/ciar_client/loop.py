@@ -1,0 +1,276 @@
+"""The CIAR device loop on numpy and onnxruntime, against any `CloudClient` (a `DeviceConnection` in production).
+
+    rt = DeviceRuntime("weights/scenes-v2/onnx")
+    conn = DeviceConnection("ws://localhost:8000", key="...", vocab_size=rt.vocab_size)
+    result = generate(rt, conn, "a small red circle at the top on a gray background", seed=0)
+    result.tokens   # [N] int64;  result.who  # "cloud" / "device" per token;  result.stats  # dict
+
+A port of the torch loop (`ciar.collab.decoder`, method "ciar"): the same messages in the same order. Open (the cloud
+makes ceil(prefix_rate * N) tokens and returns the caption embeddings), prefill the device and feed the prefix, then
+per position: draft x from the float16 draft distribution, score it with the gate on the guided logit box; score <=
+tau: accept locally (its hidden state and interval features go with the next request when interval-enhanced
+decoding is on); else draft a span of `span` tokens and verify it with the cloud, commit span[:n] + [next] + burst,
+roll the device cache back to the accepted prefix and feed the rest. The knobs left at None come from the export's
+manifest (the device file's calibrated gate, tau, span, burst; the sampling settings, prefix rate, feature width).
+
+The device's draws use numpy's Generator seeded `seed + 2**32` (the torch loop's DEVICE_SEED_OFFSET): the same
+distribution as the torch loop, not the same draws. Stats: the keys of `ciar.collab.stats.GenerationStats.to_dict`
+that apply, with measured times: device_s (runtime + maths), cloud_s (as the replies report it), comm_s (wall time
+of the exchanges minus their cloud_s), bytes from the frames (`client.exchanges`) or the messages' `nbytes`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ciar_client import maths as M
+from ciar_client.wire import OpenRequest, RuleConfig, Sampling, VerifyRequest
+
+DEVICE_SEED_OFFSET = 1 << 32  # ciar.collab.decoder.DEVICE_SEED_OFFSET
+LOOP_GATES = ("lower", "interval", "entropy", "softmax")
+PROGRESS_EVERY = 12
+
+
+@dataclass
+class Result:
+    tokens: np.ndarray  # [N] int64
+    who: list[str]  # per token: "cloud" (prefix, verified, recovered, burst) or "device" (accepted locally)
+    stats: dict
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    gate: str
+    tau: float
+    span: int
+    burst: int
+    burst_entropy: float
+    prefix_rate: float
+    feature_top: int
+    inter_enhance: bool
+    sampling: Sampling
+
+
+def loop_config(manifest: dict, *, tau=None, gate=None, span=None, burst=None, prefix_rate=None,
+                inter_enhance: bool = True) -> LoopConfig:
+    """The loop's knobs: the given ones, else the manifest's (ValueError on an unsupported gate or no threshold)."""
+    d = manifest.get("ciar_defaults") or {}
+    gate = gate if gate is not None else d.get("gate", "interval")
+    if gate not in LOOP_GATES:
+        raise ValueError(f"gate {gate!r} is not supported by the device loop; supported: {', '.join(LOOP_GATES)}")
+    tau = tau if tau is not None else (d.get("taus") or {}).get(gate)
+    if tau is None or math.isnan(float(tau)):
+        raise ValueError(f"no threshold for the {gate!r} gate: pass tau, or export a calibrated device "
+                         f"(`python -m pipelines.calibrate`, then `python -m pipelines.export_onnx`)")
+    span = int(span if span is not None else d.get("span", 4))
+    burst = int(burst if burst is not None else d.get("burst", 0))
+    prefix_rate = float(prefix_rate if prefix_rate is not None else manifest.get("prefix_rate", 0.06))
+    if span < 1 or burst < 0 or not 0.0 <= prefix_rate <= 1.0:
+        raise ValueError(f"need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got {span}, {burst}, {prefix_rate}")
+    s = Sampling(*M.check_sampling(**manifest["sampling"]))
+    return LoopConfig(gate, float(tau), span, burst, float(d.get("burst_entropy", 0.0)), prefix_rate,
+                      int(manifest.get("feature_top", 8)), bool(inter_enhance), s)
+
+
+def generate(runtime, client, prompt: str, seed: int, *, session_id: str | None = None, tau=None, gate=None,
+             span=None, burst=None, prefix_rate=None, inter_enhance: bool = True,
+             on_progress: Callable[[list[int], dict], None] | None = None) -> Result:
+    """One image's tokens. `on_progress(tokens_so_far, stats_so_far)` after the prefix, every 12 more decided tokens
+    and at the end."""
+    cfg = loop_config(runtime.manifest, tau=tau, gate=gate, span=span, burst=burst, prefix_rate=prefix_rate,
+                      inter_enhance=inter_enhance)
+    return _Loop(runtime, client, cfg, seed, session_id or uuid.uuid4().hex, on_progress).run(prompt)
+
+
+class _Loop:
+    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress):
+        self.rt, self.client, self.cfg, self.seed, self.sid = rt, client, cfg, int(seed), sid
+        self.n_total, self.vocab = rt.num_tokens, rt.vocab_size
+        self.cfg_rows = cfg.sampling.cfg_scale > 1.0
+        self.temp = cfg.sampling.temperature or 1.0  # greedy sampling: the box is taken at temperature 1
+        self.rng = np.random.default_rng(self.seed + DEVICE_SEED_OFFSET)
+        self.on_progress, self.last_progress = on_progress, -PROGRESS_EVERY
+        self.tokens: list[int] = []
+        self.who: list[str] = []
+        self.box = None
+        self.pending: list[int] = []  # accepted locally since the last exchange, with their projector inputs
+        self.pend_hidden: list[np.ndarray] = []
+        self.pend_box: list[tuple[np.ndarray, np.ndarray]] = []
+        self.st = dict.fromkeys(("total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens",
+                                 "drafted", "accepted", "verifications", "cloud_requests", "resumes",
+                                 "cloud_forward_passes", "device_forward_passes", "bytes_up", "bytes_down"), 0)
+        self.st.update(device_s=0.0, cloud_s=0.0, comm_s=0.0, images=1)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, prompt: str) -> Result:
+        cfg, n_total, t0 = self.cfg, self.n_total, time.perf_counter()
+        prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
+        drafting = prefix_len < n_total
+        req = OpenRequest(self.sid, prompt, self.seed, cfg.sampling, prefix_len, RuleConfig(), want_caption=drafting)
+        reply = self.exchange(req, req.nbytes(), lambda: self.client.open(req))
+        try:
+            self.tokens = np.asarray(reply.prefix_tokens, np.int64).reshape(-1).tolist()
+            self.who = ["cloud"] * len(self.tokens)
+            self.st.update(prefix_tokens=len(self.tokens), cloud_tokens=len(self.tokens))
+            self.progress()
+            if drafting:
+                t = time.perf_counter()
+                self.step = self.rt.start(np.asarray(reply.caption_emb), np.asarray(reply.caption_mask, bool),
+                                          rows=2 if self.cfg_rows else 1)
+                self.st["device_forward_passes"] += 1
+                if self.tokens:
+                    self.feed(self.tokens, 0)
+                self.st["device_s"] += time.perf_counter() - t
+                self.draft_all()
+        finally:
+            self.client.close(self.sid)
+        st = self.st
+        st["total_tokens"] = len(self.tokens)
+        st["wall_s"] = time.perf_counter() - t0
+        self.progress(final=True)
+        return Result(np.array(self.tokens, np.int64), self.who, finish_stats(st))
+
+    def draft_all(self) -> None:
+        cfg = self.cfg
+        while len(self.tokens) < self.n_total:
+            self.progress()
+            t = time.perf_counter()
+            q_sent, q_used, x = self.draft()
+            self.box = None
+            escalate = self.score(q_used, x) > cfg.tau
+            if not escalate:
+                self.accept_local(x)
+                self.st["device_s"] += time.perf_counter() - t
+                continue
+            span, span_q = self.draft_span(x, q_sent)
+            hidden = feats = None
+            if cfg.inter_enhance and self.pending:
+                hidden = np.stack(self.pend_hidden).astype(np.float16)
+                feats = M.interval_features(np.stack([c for c, _ in self.pend_box]),
+                                            np.stack([r for _, r in self.pend_box]), top=cfg.feature_top)
+                feats = feats.astype(np.float16)
+            self.st["device_s"] += time.perf_counter() - t
+            req = VerifyRequest(self.sid, np.array(self.pending, np.int64), np.array(span, np.int64),
+                                np.stack(span_q), hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
+            rep = self.exchange(req, req.nbytes(self.vocab), lambda: self.client.verify(req))
+            self.commit(span, rep)
+
+    def draft(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """At the current position: (q as sent float16, q drawn from float32, drawn token)."""
+        c = self.step.center
+        q32 = M.logits_to_probs(c[0], self.cfg.sampling, uncond_logits=c[1] if self.cfg_rows else None)
+        q_sent, q_used = M.quantize_draft(q32)
+        return q_sent, q_used, M.sample(q_used, self.rng)
+
+    def guided_box(self) -> tuple[np.ndarray, np.ndarray]:
+        """The guided logit box (center, radius) [V] of the current position, computed once per position."""
+        if self.box is None:
+            c, r, s = self.step.center, self.step.radius, self.cfg.sampling
+            if self.cfg_rows:
+                self.box = M.guided_interval(c[0], r[0], c[1], r[1], cfg_scale=s.cfg_scale, temperature=self.temp)
+            else:
+                self.box = M.guided_interval(c[0], r[0], temperature=self.temp)
+        return self.box
+
+    def score(self, q_used: np.ndarray, x: int) -> float:
+        if self.cfg.gate in ("entropy", "softmax"):
+            return M.gate_score(self.cfg.gate, probs=q_used)
+        center, radius = self.guided_box()
+        return M.gate_score(self.cfg.gate, center=center, radius=radius, drafted=x)
+
+    def accept_local(self, x: int) -> None:
+        i = len(self.tokens)
+        self.tokens.append(x)
+        self.who.append("device")
+        self.st["device_tokens"] += 1
+        self.pending.append(x)
+        if self.cfg.inter_enhance:
+            self.pend_hidden.append(self.step.hidden[0].copy())
+            self.pend_box.append(self.guided_box())
+        if len(self.tokens) < self.n_total:
+            self.feed([x], i)
+
+    def draft_span(self, x: int, q_sent: np.ndarray) -> tuple[list[int], list[np.ndarray]]:
+        """The uncertain draft x and up to span-1 more (span[:-1] are fed)."""
+        i = len(self.tokens)
+        k = min(self.cfg.span, self.n_total - i)
+        span, span_q = [x], [q_sent]
+        for j in range(1, k):
+            self.feed([span[-1]], i + j - 1)
+            qj, _, xj = self.draft()
+            span.append(xj)
+            span_q.append(qj)
+        return span, span_q
+
+    def commit(self, span: list[int], rep) -> None:
+        """span[:n] + [next] + burst; roll the device cache back to the accepted prefix and feed the rest."""
+        st, i, k, n = self.st, len(self.tokens), len(span), int(rep.num_accepted)
+        st["cloud_forward_passes"] += int(rep.forward_passes)
+        st["verifications"] += 1
+        st["resumes"] += int(bool(getattr(rep, "resumed", False)))
+        st["drafted"] += k
+        st["accepted"] += n
+        burst = np.asarray(rep.burst_tokens, np.int64).reshape(-1).tolist() if rep.num_burst else []
+        new = (span[:n] + [int(rep.next_token)] + burst)[: self.n_total - i]
+        st["burst_tokens"] += max(0, len(new) - n - 1)
+        st["cloud_tokens"] += len(new)
+        self.tokens.extend(new)
+        self.who.extend(["cloud"] * len(new))
+        self.pending, self.pend_hidden, self.pend_box = [], [], []
+        if len(self.tokens) < self.n_total:
+            t = time.perf_counter()
+            keep = i + min(n, k - 1)  # span[:k-1] were fed; the accepted ones stay in the cache
+            self.rt.rollback(keep)
+            self.feed(self.tokens[keep:], keep)
+            st["device_s"] += time.perf_counter() - t
+
+    # ------------------------------------------------------------------ plumbing
+    def feed(self, toks: list[int], start: int) -> None:
+        self.step = self.rt.feed(toks, start)
+        self.st["device_forward_passes"] += 1
+
+    def exchange(self, req, up_bytes: int, call: Callable):
+        """One request/reply: wall time minus the reported cloud time is communication; bytes from the frames the
+        connection saw (a `DeviceConnection`, resumes included) or the messages' sizes."""
+        log = getattr(self.client, "exchanges", None)
+        seen = len(log) if log is not None else 0
+        t = time.perf_counter()
+        reply = call()
+        wall = time.perf_counter() - t
+        st = self.st
+        st["cloud_requests"] += 1
+        st["cloud_s"] += float(reply.cloud_s)
+        st["comm_s"] += max(0.0, wall - float(reply.cloud_s))
+        if log is not None:
+            st["bytes_up"] += sum(e.up_bytes for e in log[seen:])
+            st["bytes_down"] += sum(e.down_bytes for e in log[seen:])
+        else:
+            st["bytes_up"] += up_bytes
+            st["bytes_down"] += reply.nbytes()
+        if isinstance(req, OpenRequest):
+            st["cloud_forward_passes"] += int(reply.forward_passes)
+        return reply
+
+    def progress(self, final: bool = False) -> None:
+        if self.on_progress is not None and (final or len(self.tokens) - self.last_progress >= PROGRESS_EVERY):
+            self.last_progress = len(self.tokens)
+            self.on_progress(list(self.tokens), finish_stats(dict(self.st, total_tokens=len(self.tokens))))
+
+
+def finish_stats(st: dict) -> dict:
+    """Counters -> counters + the derived figures of GenerationStats.to_dict (None where undefined)."""
+    ratio = lambda a, b: a / b if b else None  # noqa: E731
+    out = dict(st)
+    out["cloud_call_rate"] = ratio(st["cloud_tokens"], st["total_tokens"])
+    out["steps_compression"] = ratio(st["total_tokens"], st["cloud_forward_passes"])
+    out["acceptance_rate"] = ratio(st["accepted"], st["drafted"])
+    out["mean_accepted_length"] = 1.0 + st["accepted"] / st["verifications"] if st["verifications"] else None
+    out["total_s"] = st["device_s"] + st["cloud_s"] + st["comm_s"]
+    out["device_ms_per_token"] = ratio(1000.0 * st["device_s"], st["total_tokens"])
+    return out

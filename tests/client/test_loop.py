@@ -1,0 +1,301 @@
+"""ciar_client.loop (the numpy / onnxruntime CIAR device loop) against an in-process cloud (the torch CloudVerifier
+behind a numpy adapter), its gate decisions against ciar.collab.gating, and the CLI's argument errors."""
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+
+
+def _np(x):
+    return None if x is None else x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+
+def _t(x):
+    return None if x is None else torch.from_numpy(np.ascontiguousarray(x))
+
+
+class NumpyCloud:
+    """A CloudClient over an in-process CloudVerifier that speaks numpy, as a DeviceConnection does: requests'
+    arrays become torch tensors, replies' tensors numpy (caption embeddings float16, as the wire carries them)."""
+
+    def __init__(self, verifier):
+        self.v = verifier
+        self.vocab_size = verifier.vocab_size
+        self.closed = []
+
+    def open(self, request):
+        from ciar.decoding.sampling import SamplingParams
+
+        s = request.sampling
+        req = replace(request, sampling=SamplingParams(cfg_scale=s.cfg_scale, temperature=s.temperature,
+                                                       top_k=s.top_k, top_p=s.top_p))
+        rep = self.v.open_batch([req])[0]
+        emb = None if rep.caption_emb is None else _np(rep.caption_emb.to(torch.float16))
+        return replace(rep, prefix_tokens=_np(rep.prefix_tokens), caption_emb=emb, caption_mask=_np(rep.caption_mask))
+
+    def verify(self, request):
+        req = replace(request, new_tokens=_t(request.new_tokens), draft_tokens=_t(request.draft_tokens),
+                      draft_probs=_t(request.draft_probs), device_hidden=_t(request.device_hidden),
+                      features=_t(request.features))
+        rep = self.v.verify_batch([req])[0]
+        return replace(rep, burst_tokens=_np(rep.burst_tokens))
+
+    def close(self, session_id):
+        self.closed.append(session_id)
+        self.v.close(session_id)
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(tmp_path_factory):
+    from pipelines.export_onnx import export_onnx
+
+    out = os.environ.get("CIAR_TEST_ONNX_DIR")  # an existing export (skips the ~30 s export)
+    if out and os.path.isfile(os.path.join(out, "manifest.json")):
+        return out
+    out = str(tmp_path_factory.mktemp("onnx"))
+    export_onnx(None, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    from ciar.world import load_world
+
+    return load_world(None)
+
+
+@pytest.fixture(scope="module")
+def cloud(world):
+    from ciar.collab.runtime import make_verifier
+
+    return NumpyCloud(make_verifier(world))
+
+
+@pytest.fixture(scope="module")
+def runtime(onnx_dir):
+    from ciar_client.runtime import DeviceRuntime
+
+    return DeviceRuntime(onnx_dir)
+
+
+def _val(n):
+    from ciar.data.scenes import scene_at
+
+    return [scene_at("val", i).caption for i in range(n)]
+
+
+def test_images_complete_and_stats_consistent(runtime, cloud):
+    from ciar_client.loop import generate
+
+    n, vocab = runtime.num_tokens, runtime.vocab_size
+    rates, seen = [], []
+    for i, prompt in enumerate(_val(3)):
+        progress = []
+        r = generate(runtime, cloud, prompt, seed=i, session_id=f"loop-{i}",
+                     on_progress=lambda toks, st: progress.append((len(toks), st["total_tokens"])))
+        st = r.stats
+        assert r.tokens.dtype == np.int64 and r.tokens.shape == (n,)
+        assert r.tokens.min() >= 0 and r.tokens.max() < vocab
+        assert len(r.who) == n and set(r.who) <= {"cloud", "device"}
+        assert st["total_tokens"] == n
+        assert r.who.count("device") == st["device_tokens"] and r.who.count("cloud") == st["cloud_tokens"]
+        assert st["cloud_tokens"] + st["device_tokens"] == n
+        assert r.who[:st["prefix_tokens"]] == ["cloud"] * st["prefix_tokens"] == ["cloud"] * 9  # ceil(0.06 * 144)
+        assert st["cloud_requests"] == st["verifications"] + 1  # the open + one verify per escalation
+        assert st["drafted"] <= 2 * st["verifications"] and st["accepted"] <= st["drafted"]
+        assert st["cloud_call_rate"] == pytest.approx(st["cloud_tokens"] / n)
+        assert st["bytes_up"] > 0 and st["bytes_down"] > 0 and st["device_s"] > 0 and st["cloud_s"] > 0
+        assert st["device_ms_per_token"] == pytest.approx(1000 * st["device_s"] / n)
+        assert progress[-1] == (n, n) and [p for p, _ in progress] == sorted(p for p, _ in progress)
+        assert cloud.closed[-1] == f"loop-{i}"
+        rates.append(st["cloud_call_rate"])
+        seen.append(r.tokens)
+    assert 0.1 <= float(np.mean(rates)) <= 0.7  # calibrated to 0.3 on val prompts (span 2, burst 4)
+    # same seed, same session -> the same image (numpy's draws and the cloud's position-keyed randomness)
+    again = generate(runtime, cloud, _val(1)[0], seed=0, session_id="loop-0")
+    assert np.array_equal(again.tokens, seen[0])
+
+
+@pytest.mark.parametrize("gate", ["lower", "interval"])
+def test_escalations_are_torch_gate_decisions(runtime, cloud, monkeypatch, gate):
+    """Every position the loop scores: its decision (score > tau) equals ciar.collab.gating.gate_scores(...) > tau on
+    the same guided box and drafted token; and each escalation is one verify request."""
+    from ciar.collab.gating import gate_scores
+    from ciar_client import loop
+
+    rows = []
+    real = loop.M.gate_score
+
+    def spy(kind, **kw):
+        s = real(kind, **kw)
+        rows.append((kind, kw["center"].copy(), kw["radius"].copy(), kw["drafted"], s))
+        return s
+
+    monkeypatch.setattr(loop.M, "gate_score", spy)
+    tau = runtime.manifest["ciar_defaults"]["taus"][gate]
+    verifications = 0
+    for i, prompt in enumerate(_val(2)):
+        verifications += loop.generate(runtime, cloud, prompt, seed=10 + i, gate=gate).stats["verifications"]
+    assert rows and all(k == gate for k, *_ in rows)
+    escalated = 0
+    for _, c, r, x, s in rows:
+        ref = float(gate_scores(gate, center=torch.from_numpy(c)[None], radius=torch.from_numpy(r)[None],
+                                drafted=torch.tensor([x]), margin=0.0)[0])
+        assert (s > tau) == (ref > tau), (s, ref, tau)
+        escalated += s > tau
+    assert escalated == verifications
+
+
+def test_config_from_manifest_and_refusals(runtime):
+    from ciar_client.loop import loop_config
+
+    m = runtime.manifest
+    d = m["ciar_defaults"]
+    cfg = loop_config(m)
+    assert (cfg.gate, cfg.tau, cfg.span, cfg.burst) == (d["gate"], d["taus"][d["gate"]], d["span"], d["burst"])
+    assert cfg.prefix_rate == m["prefix_rate"] and cfg.sampling.cfg_scale == m["sampling"]["cfg_scale"]
+    assert loop_config(m, gate="entropy").tau == d["taus"]["entropy"]
+    for bad in ("random", "topk", "always", "nope"):
+        with pytest.raises(ValueError, match="not supported"):
+            loop_config(m, gate=bad)
+    with pytest.raises(ValueError, match="no threshold"):
+        loop_config({**m, "ciar_defaults": None})
+    with pytest.raises(ValueError, match="span"):
+        loop_config(m, span=0)
+
+
+def test_entropy_gate_runs(runtime, cloud):
+    from ciar_client.loop import generate
+
+    r = generate(runtime, cloud, _val(1)[0], seed=3, gate="entropy")
+    assert r.tokens.shape == (runtime.num_tokens,) and r.stats["total_tokens"] == runtime.num_tokens
+
+
+def _cli(*args, cwd=REPO):
+    return subprocess.run([PY, "-m", "ciar_client", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+@pytest.mark.parametrize("args, match", [
+    ([], "required"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p"], "--out"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--seed", "abc"], "--seed"),
+    (["--server", "ws://x", "--key", "k", "--prompt", " ", "--out", "o.png"], "--prompt is empty"),
+    (["--server", "http://x", "--key", "k", "--prompt", "p", "--out", "o.png"], "ws://"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png"], "pipelines.export_onnx"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "/nonexistent-dir/o.png", "--model-dir", "."],
+     "does not exist"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--model-dir", "/nonexistent"],
+     "manifest.json"),
+])
+def test_cli_errors_one_line_exit_2(args, match, tmp_path):
+    p = _cli(*args, cwd=str(tmp_path))
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m ciar_client: error:") and match in lines[0], p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_cli_unreachable_server_and_bad_gate(onnx_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = ["--key", "k", "--prompt", "p", "--out", str(tmp_path / "o.png"), "--model-dir", onnx_dir]
+    p = _cli("--server", f"ws://127.0.0.1:{port}", *base)
+    assert p.returncode == 2 and "cannot reach the server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    p = _cli("--server", f"ws://127.0.0.1:{port}", *base, "--gate", "random")
+    assert p.returncode == 2 and "not supported" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------- over a real socket
+KEY, SECRET = "loop-test-key", "loop-test-secret"
+
+
+class _Backend:
+    """The Verifier deployment's calls on an in-process CloudVerifier (tokens as services.verifier issues them)."""
+
+    def __init__(self, verifier):
+        self.v = verifier
+
+    async def open(self, request, *, session_id, device_id):
+        from services.verifier import session_token
+
+        return self.v.open_batch([request])[0], session_token(SECRET, session_id, device_id)
+
+    async def verify(self, request, *, session_id, device_id, token):
+        return self.v.verify_batch([request])[0]
+
+    async def resume(self, request, history, injected, *, session_id, device_id, token):
+        return self.v.resume_batch([request], [history], injected=[injected])[0]
+
+    async def close(self, *, session_id, device_id, token):
+        self.v.close(session_id)
+
+
+@pytest.fixture(scope="module")
+def server(cloud):
+    import threading
+    import time
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+
+    from services.device_endpoint import DeviceEndpoint
+    from services.schemas import key_digest
+
+    endpoint = DeviceEndpoint(_Backend(cloud.v), [key_digest(KEY)])
+    app = Starlette(routes=[WebSocketRoute("/v1/device/sessions", endpoint.serve)])
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield f"ws://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_dir, tmp_path, capsys):
+    from ciar_client.__main__ import main
+    from ciar_client.connection import DeviceConnection
+    from ciar_client.loop import generate
+
+    prompt = _val(1)[0]
+    ref = generate(runtime, cloud, prompt, seed=5, session_id="sock-5")
+    conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size)
+    out = generate(runtime, conn, prompt, seed=5, session_id="sock-5")
+    conn.disconnect()
+    assert np.array_equal(out.tokens, ref.tokens) and out.who == ref.who
+    # the frames' real sizes are the messages' nbytes (the close is not charged)
+    assert (out.stats["bytes_up"], out.stats["bytes_down"]) == (ref.stats["bytes_up"], ref.stats["bytes_down"])
+    assert not conn.sessions and conn.resumes == 0
+
+    png, stats = tmp_path / "img.png", tmp_path / "stats.json"
+    rc = main(["--server", server, "--key", KEY, "--prompt", prompt, "--out", str(png), "--seed", "5",
+               "--model-dir", onnx_dir, "--stats", str(stats)])
+    line = capsys.readouterr().out.strip()
+    assert rc == 0 and line.startswith(f"wrote {png}: 144 tokens")
+    assert "cloud calls" in line and "cloud requests" in line
+    import json
+
+    from PIL import Image
+
+    st = json.loads(stats.read_text())
+    assert st["tokens"] == ref.tokens.tolist() and st["collab"]["stats"]["total_tokens"] == 144
+    size = runtime.manifest["image_size"]
+    assert Image.open(png).size == (size, size)
+
+    rc = main(["--server", server, "--key", "wrong-key", "--prompt", prompt, "--out", str(png),
+               "--model-dir", onnx_dir])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "error:" in err[0], err
