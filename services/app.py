@@ -110,7 +110,8 @@ GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/js
 BEARER = [{"bearerAuth": []}]
 
 
-def openapi_schema(world: dict | None = None, max_images: int | None = None) -> dict:
+def openapi_schema(world: dict | None = None, max_images: int | None = None,
+                   allow_simulation_params: bool = False) -> dict:
     """The OpenAPI document: FastAPI's, plus the request body schema (the handler reads the raw body, to answer
     401 / 413 / 400 before parsing) and the bearer scheme; with the served `world` (Device.world_info) and the
     deployment's `max_images`, `size` and `model` list the accepted values and `n` its maximum."""
@@ -128,6 +129,10 @@ def openapi_schema(world: dict | None = None, max_images: int | None = None) -> 
                                                       {"type": "null"}]}
     if max_images is not None:
         props["n"] = {**props["n"], "maximum": max_images}
+    if not allow_simulation_params:  # the deployment refuses them (422): the contract does not offer them
+        params = comps["schemas"].get("MethodParams", {}).get("properties", {})
+        for name in SIMULATION_PARAMS:
+            params.pop(name, None)
     return doc
 
 
@@ -312,9 +317,9 @@ class Ingress:
         try:
             world = await self.world()
         except Exception:  # noqa: BLE001 - the generic document rather than none (not kept: asked again next time)
-            return JSONResponse(openapi_schema(None, self.max_images))
+            return JSONResponse(openapi_schema(None, self.max_images, self.allow_simulation_params))
         if self._openapi is None:  # built once: the served world does not change under a replica
-            self._openapi = openapi_schema(world, self.max_images)
+            self._openapi = openapi_schema(world, self.max_images, self.allow_simulation_params)
         return JSONResponse(self._openapi)
 
     @api.get("/docs", include_in_schema=False)

@@ -37,7 +37,8 @@ def app_args(weights: str) -> dict:
     # the key by its digest, as serve_config.yaml holds it (Serve logs builder args)
     return {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": DEVICES,
             "device_num_cpus": 0.1, "device_max_queued_requests": 12, "verifier_num_cpus": 0.5,
-            "verifier_max_sessions": 32, "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3}
+            "verifier_max_sessions": 32, "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3,
+            "allow_simulation_params": True}  # test_link_drop_... drives params.link_drop_after
 
 
 def deploy(weights: str, **device_live) -> None:
