@@ -57,6 +57,11 @@ def root_cause(exc: BaseException) -> BaseException:
     return seen
 
 
+def session_token(secret: str, session_id: str, device_id: str) -> str:
+    """The token the Verifier issues at OPEN and checks on every later call: binds a session to its device."""
+    return hmac.new(secret.encode(), f"{session_id}|{device_id}".encode(), hashlib.sha256).hexdigest()
+
+
 def device_id_of(digest: str) -> str:
     """A device's id: derived from its key's digest (not the digest itself, which a config holds)."""
     return "d" + hashlib.sha256(f"ciar-device|{digest}".encode()).hexdigest()[:15]

@@ -28,7 +28,6 @@ the token budget and the wait for company when the engine is idle are live setti
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import time
 from collections import Counter
@@ -43,11 +42,8 @@ from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, Verif
 from ciar.collab.protocol import SessionError
 from ciar.collab.verifier import CloudVerifier, VerifyWork
 from ciar.world import load_world
+from services.device_endpoint import session_token
 from services.schemas import VerifierLiveConfig
-
-
-def session_token(secret: str, session_id: str, device_id: str) -> str:
-    return hmac.new(secret.encode(), f"{session_id}|{device_id}".encode(), hashlib.sha256).hexdigest()
 
 
 class Verifier:

@@ -221,49 +221,14 @@ def test_cli_unreachable_server_and_bad_gate(onnx_dir, tmp_path):
 KEY, SECRET = "loop-test-key", "loop-test-secret"
 
 
-class _Backend:
-    """The Verifier deployment's calls on an in-process CloudVerifier (tokens as services.verifier issues them)."""
-
-    def __init__(self, verifier):
-        self.v = verifier
-
-    async def open(self, request, *, session_id, device_id):
-        from services.verifier import session_token
-
-        return self.v.open_batch([request])[0], session_token(SECRET, session_id, device_id)
-
-    async def verify(self, request, *, session_id, device_id, token):
-        return self.v.verify_batch([request])[0]
-
-    async def resume(self, request, history, injected, *, session_id, device_id, token):
-        return self.v.resume_batch([request], [history], injected=[injected])[0]
-
-    async def close(self, *, session_id, device_id, token):
-        self.v.close(session_id)
-
-
 @pytest.fixture(scope="module")
 def server(cloud):
-    import threading
-    import time
-
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.routing import WebSocketRoute
-
     from services.device_endpoint import DeviceEndpoint
     from services.schemas import key_digest
+    from services.testing import InProcessBackend, loopback_endpoint
 
-    endpoint = DeviceEndpoint(_Backend(cloud.v), [key_digest(KEY)])
-    app = Starlette(routes=[WebSocketRoute("/v1/device/sessions", endpoint.serve)])
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"ws://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with loopback_endpoint(DeviceEndpoint(InProcessBackend(cloud.v, SECRET), [key_digest(KEY)])) as url:
+        yield url
 
 
 def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_dir, tmp_path, capsys):

@@ -1,11 +1,7 @@
 """The device endpoint (services.device_endpoint) over real sockets, without Ray: a uvicorn server on loopback
-serving the endpoint against an in-process verifier (InProcessBackend below: a test double of the Verifier
+serving the endpoint against an in-process verifier (services.testing.InProcessBackend: a test double of the Verifier
 deployment with its session tokens), and `ciar_client.connection.DeviceConnection` as the device. The Serve
 application's route is tested in tests/services/test_app.py."""
-
-import asyncio
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -14,70 +10,25 @@ import torch
 from ciar.testing import cutting_connection
 from ciar_client import wire
 from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError
-from ciar_client.wire import CLOSE, HELLO, OPEN, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
+from ciar_client.wire import CLOSE, HELLO, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
 
 KEY, OTHER_KEY = "device-key-one", "device-key-two"
 SECRET = "test-secret"
 
 
-class InProcessBackend:
-    """Test double of the Verifier deployment: a CloudVerifier in this process, its session tokens checked as the
-    deployment checks them (services.verifier.session_token)."""
-
-    def __init__(self, verifier):
-        self.v = verifier
-        self.calls = 0
-
-    def _check(self, session_id, device_id, token):
-        from services.verifier import session_token
-
-        if session_token(SECRET, session_id, device_id) != token:
-            raise PermissionError(f"session {session_id!r} belongs to another device")
-
-    async def open(self, request, *, session_id, device_id):
-        from services.verifier import session_token
-
-        self.calls += 1
-        return self.v.open_batch([request])[0], session_token(SECRET, session_id, device_id)
-
-    async def verify(self, request, *, session_id, device_id, token):
-        self._check(session_id, device_id, token)
-        self.calls += 1
-        return self.v.verify_batch([request])[0]
-
-    async def resume(self, request, history, injected, *, session_id, device_id, token):
-        self._check(session_id, device_id, token)
-        return self.v.resume_batch([request], [history], injected=[injected])[0]
-
-    async def close(self, *, session_id, device_id, token):
-        self._check(session_id, device_id, token)
-        self.v.close(session_id)
-
-
 @pytest.fixture(scope="module")
 def server(tiny_cloud, stub_text):
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.routing import WebSocketRoute
-
     from ciar.collab.verifier import CloudVerifier
     from services.device_endpoint import DeviceEndpoint, EndpointLimits
     from services.schemas import key_digest
+    from services.testing import InProcessBackend, loopback_endpoint
 
-    backend = InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=8))
+    backend = InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=8), SECRET)
     endpoint = DeviceEndpoint(backend, [key_digest(KEY), key_digest(OTHER_KEY)],
                               EndpointLimits(max_frame_bytes=64 << 10, max_sessions_per_device=3, messages_per_s=50,
                                              burst=60, idle_timeout_s=5.0))
-    app = Starlette(routes=[WebSocketRoute("/v1/device/sessions", endpoint.serve)])
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"ws://127.0.0.1:{port}", endpoint, backend
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with loopback_endpoint(endpoint) as url:
+        yield url, endpoint, backend
 
 
 def _conn(url, key=KEY, **kw):
