@@ -27,27 +27,18 @@ import argparse
 import dataclasses
 import io
 import json
-import os
 import sys
 import time
 
 from ciar.collab.names import METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
 from ciar.world_spec import add_world_arguments, world_from_args
+from ciar_client.cli import OneLineParser, UsageError, check_prompt_and_seed, check_writable, write_file
 
 PROG = "python -m ciar.generate"
 
 
-class UsageError(Exception):
-    """A bad command line or input: reported as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one readable line instead of usage + message
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--prompt", required=True, help="caption of the image to generate")
     p.add_argument("--method", default="cloud", choices=METHODS, help="decoding method (default: cloud)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (>= 0)")
@@ -72,30 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable(path: str, flag: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory, expected a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag}: folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag}: folder {folder!r} is not writable")
-
-
-def _write(path: str, data: bytes, flag: str) -> None:
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write {path!r}: {e.strerror or e}") from None
-
-
 def run(args: argparse.Namespace) -> dict:
     """Generate per `args` (already parsed); writes the PNG (and stats) and returns the stats dict."""
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
-    if not 0 <= args.seed < 2 ** 63:
-        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_prompt_and_seed(args.prompt, args.seed)
     if args.threads < 0:
         raise UsageError(f"--threads must be >= 0, got {args.threads}")
     overrides = {k: v for k, v in (("cfg_scale", args.cfg_scale), ("temperature", args.temperature),
@@ -113,9 +83,9 @@ def run(args: argparse.Namespace) -> dict:
         SamplingParams(**overrides)  # checks the given fields before anything is loaded
     except ValueError as e:
         raise UsageError(f"bad sampling setting: {e}") from None
-    _check_writable(args.out, "--out")
+    check_writable(args.out, "--out")
     if args.stats:
-        _check_writable(args.stats, "--stats")
+        check_writable(args.stats, "--stats")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     if args.threads:
@@ -165,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
 
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")
-    _write(args.out, buf.getvalue(), "--out")
+    write_file(args.out, buf.getvalue(), "--out")
     n = tokens.shape[1]
     stats = {"method": args.method, "prompt": args.prompt, "seed": args.seed, "num_tokens": n,
              "wall_time_s": gen_s, "tokens_per_s": n / gen_s if gen_s > 0 else None, "total_time_s": total_s,
@@ -174,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
     if collab is not None:
         stats["collab"] = collab
     if args.stats:
-        _write(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
+        write_file(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
     return stats
 
 

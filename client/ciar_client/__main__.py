@@ -21,20 +21,13 @@ import os
 import sys
 import time
 
+from ciar_client.cli import OneLineParser, UsageError, check_prompt_and_seed, check_writable, write_file
+
 PROG = "python -m ciar_client"
 
 
-class UsageError(Exception):
-    """A bad command line, input or server answer: one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one readable line instead of usage + message
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--server", required=True, help="ws://HOST:PORT of the device endpoint (or its full URL)")
     p.add_argument("--key", required=True, help="device key")
     p.add_argument("--prompt", required=True, help="caption of the image to generate")
@@ -52,37 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_writable(path: str, flag: str) -> None:
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path!r} is a directory, expected a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag}: folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag}: folder {folder!r} is not writable")
-
-
-def _write(path: str, data: bytes, flag: str) -> None:
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write {path!r}: {e.strerror or e}") from None
-
-
 def run(args: argparse.Namespace) -> dict:
     """Generate per `args`; writes the PNG (and stats) and returns the stats dict."""
-    if not args.prompt.strip():
-        raise UsageError("--prompt is empty")
-    if not 0 <= args.seed < 2 ** 63:
-        raise UsageError(f"--seed must be in [0, 2**63), got {args.seed}")
+    check_prompt_and_seed(args.prompt, args.seed)
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if not args.server.startswith(("ws://", "wss://")):
         raise UsageError(f"--server must be a ws:// or wss:// URL, got {args.server!r}")
-    _check_writable(args.out, "--out")
+    check_writable(args.out, "--out")
     if args.stats:
-        _check_writable(args.stats, "--stats")
+        check_writable(args.stats, "--stats")
 
     from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError
     from ciar_client.loop import generate, loop_config
@@ -131,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
 
     buf = io.BytesIO()
     Image.fromarray(image).save(buf, format="PNG")
-    _write(args.out, buf.getvalue(), "--out")
+    write_file(args.out, buf.getvalue(), "--out")
     n = int(result.tokens.shape[0])
     config = {"method": "ciar", "gate": cfg.gate, "tau": cfg.tau, "span": cfg.span, "burst": cfg.burst,
               "burst_entropy": cfg.burst_entropy, "prefix_rate": cfg.prefix_rate, "inter_enhance": cfg.inter_enhance,
@@ -142,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
              "server": conn.url, "model_dir": os.path.abspath(args.model_dir), "tokens": result.tokens.tolist(),
              "collab": {"config": config, "stats": result.stats}}
     if args.stats:
-        _write(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
+        write_file(args.stats, (json.dumps(stats, indent=1) + "\n").encode(), "--stats")
     return stats
 
 
