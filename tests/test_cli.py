@@ -75,7 +75,7 @@ def test_world_rejects_bad_sampling_metadata(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- CLI
 def test_png_written_same_seed_same_bytes(weights, tmp_path, capsys):
-    a, b, c = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.png"
+    a, b, c = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "new" / "c.png"  # a missing folder is created
     stats = tmp_path / "a.json"
     code, out, _ = run_cli(capsys, "--prompt", PROMPT, "--method", "cloud", "--seed", "3", "--out", str(a),
                            "--stats", str(stats), "--weights", weights)
@@ -136,12 +136,14 @@ def test_too_long_prompt_reports_the_encoder_message(weights, tmp_path, capsys):
 
 
 def test_unwritable_outputs_and_missing_weights(weights, tmp_path, capsys):
-    code, _, err = run_cli(capsys, "--prompt", PROMPT, "--out", str(tmp_path / "nope" / "x.png"), "--weights", weights)
-    assert_usage_error(code, err, "--out", "does not exist")
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be created: its parent is a file
+    code, _, err = run_cli(capsys, "--prompt", PROMPT, "--out", str(tmp_path / "a-file" / "x.png"), "--weights",
+                           weights)
+    assert_usage_error(code, err, "--out", "cannot create folder")
     code, _, err = run_cli(capsys, "--prompt", PROMPT, "--out", str(tmp_path), "--weights", weights)
     assert_usage_error(code, err, "is a directory")
     code, _, err = run_cli(capsys, "--prompt", PROMPT, "--out", str(tmp_path / "x.png"), "--stats",
-                           str(tmp_path / "nope" / "s.json"), "--weights", weights)
+                           str(tmp_path / "a-file" / "s.json"), "--weights", weights)
     assert_usage_error(code, err, "--stats")
     code, _, err = run_cli(capsys, "--prompt", PROMPT, "--out", str(tmp_path / "x.png"), "--weights",
                            str(tmp_path / "missing"))

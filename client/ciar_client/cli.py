@@ -1,5 +1,5 @@
 """What the command lines share (`python -m ciar_client` and the project's `python -m ciar.generate`): one-line
-usage errors (exit status 2), output-path checks before any work, and the prompt / seed checks."""
+usage errors (exit status 2), output-path checks before any work (missing folders created), and the prompt / seed checks."""
 
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def check_writable(path: str, flag: str) -> None:
-    """Refuse an output path that cannot be written, before any work is done."""
+    """Refuse an output path that cannot be written, before any work is done; a missing folder is created (as
+    `mkdir -p` would: `--out out/img.png` works in a fresh checkout)."""
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path!r} is a directory, expected a file path")
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag}: folder {folder!r} does not exist")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot create folder {folder!r}: {e.strerror or e}") from None
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{flag}: folder {folder!r} is not writable")
 

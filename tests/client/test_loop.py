@@ -191,12 +191,13 @@ def _cli(*args, cwd=REPO):
     (["--server", "http://x", "--key", "k", "--prompt", "p", "--out", "o.png"], "ws://"),
     (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png"],
      "could not fetch the device model from ws://127.0.0.1:1"),
-    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "/nonexistent-dir/o.png", "--model-dir", "."],
-     "does not exist"),
+    (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "a-file/o.png", "--model-dir", "."],
+     "cannot create folder"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--model-dir", "/nonexistent"],
      "manifest.json"),
 ])
 def test_cli_errors_one_line_exit_2(args, match, tmp_path):
+    (tmp_path / "a-file").write_text("")  # a folder that cannot be created: its parent is a file
     p = _cli(*args, cwd=str(tmp_path))
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
