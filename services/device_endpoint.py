@@ -163,6 +163,15 @@ class _Close(Exception):
         self.code, self.reason = code, reason
 
 
+def _cluster_decoding() -> dict:
+    """How the cluster decodes a frame: torch tensors and SamplingParams (validated on construction)."""
+    import torch
+
+    from ciar.decoding.sampling import SamplingParams
+
+    return {"array": torch.from_numpy, "sampling": SamplingParams}
+
+
 class DeviceEndpoint:
     """Serves device connections (`serve(websocket)`, a Starlette WebSocket) against a VerifierBackend."""
 
@@ -176,6 +185,7 @@ class DeviceEndpoint:
         self.connections = 0
         self.counts: dict[str, int] = {}  # frames by type, errors by status, closes by code (stats, tests)
         self._observe = observe  # optional callback(event, label) feeding Prometheus
+        self._decoding = _cluster_decoding()
 
     def device_of(self, key: str) -> str | None:
         """The device id of a device key, None for an unknown key (compared by digest, in constant time per key)."""
@@ -314,7 +324,7 @@ class DeviceEndpoint:
         sid = ""
         try:
             try:
-                frame = wire.decode_frame(data, **self._decoding())
+                frame = wire.decode_frame(data, **self._decoding)
             except WireError as e:
                 raise RequestFailed(422 if e.field not in (None, "header", "body", "type") else 400, str(e),
                                     e.field or "") from None
@@ -331,14 +341,6 @@ class DeviceEndpoint:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status; logged by type only
             await self._error(ws, rid, self._failure(e, device_id, sid), sid)
-
-    def _decoding(self) -> dict:
-        """How the cluster decodes a frame: torch tensors and SamplingParams (validated on construction)."""
-        import torch
-
-        from ciar.decoding.sampling import SamplingParams
-
-        return {"array": torch.from_numpy, "sampling": SamplingParams}
 
     async def _dispatch(self, device_id: str, frame: Frame, sid: str) -> Frame:
         t, rid, body = frame.type, frame.request_id, frame.body
