@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{st['cloud_requests']} cloud requests, measured latency {st['total_s']:.3f} s (device {st['device_s']:.3f} "
           f"s, cloud {st['cloud_s']:.3f} s, comm {st['comm_s']:.3f} s) (gate {cf['gate']}, tau {cf['tau']}, "
           f"burst {cf['burst']}, span {cf['span']})")
+    if st.get("degraded"):
+        print(f"degraded: the server became unreachable mid-image; this device made the last "
+              f"{st['degraded_tokens']} tokens alone, without verification")
     return 0
 
 

@@ -12,6 +12,9 @@ tau: accept locally (its hidden state and interval features go with the next req
 decoding is on); else draft a span of `span` tokens and verify it with the cloud, commit span[:n] + [next] + burst,
 roll the device cache back to the accepted prefix and feed the rest. The knobs left at None come from the export's
 manifest (the device file's calibrated gate, tau, span, burst; the sampling settings, prefix rate, feature width).
+Link loss: when the cloud becomes unreachable after the open (the connection is gone after its retries, or 503),
+the device keeps the span it drafted and decodes the rest alone (no gate, no verification); the stats count the
+image as `degraded` with the tokens it made alone (`degraded_tokens`), as the torch loop's do.
 
 The device's draws use numpy's Generator seeded `seed + 2**32` (the torch loop's DEVICE_SEED_OFFSET): the same
 distribution as the torch loop, not the same draws. Stats: the keys of `ciar.collab.stats.GenerationStats.to_dict`
@@ -79,18 +82,26 @@ def loop_config(manifest: dict, *, tau=None, gate=None, span=None, burst=None, p
 
 
 def generate(runtime, client, prompt: str, seed: int, *, session_id: str | None = None, tau=None, gate=None,
-             span=None, burst=None, prefix_rate=None, inter_enhance: bool = True,
+             span=None, burst=None, prefix_rate=None, inter_enhance: bool = True, fallback: bool = True,
              on_progress: Callable[[list[int], dict], None] | None = None) -> Result:
     """One image's tokens. `on_progress(tokens_so_far, stats_so_far)` after the prefix, every 12 more decided tokens
-    and at the end."""
+    and at the end. `fallback`: when the cloud becomes unreachable after the open (see `unreachable`), finish the
+    image on the device alone and mark it degraded, as the in-cluster device does; False raises instead."""
     cfg = loop_config(runtime.manifest, tau=tau, gate=gate, span=span, burst=burst, prefix_rate=prefix_rate,
                       inter_enhance=inter_enhance)
-    return _Loop(runtime, client, cfg, seed, session_id or uuid.uuid4().hex, on_progress).run(prompt)
+    return _Loop(runtime, client, cfg, seed, session_id or uuid.uuid4().hex, on_progress, fallback).run(prompt)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a CloudClient's error means the cloud cannot be reached (the device may finish alone): the connection
+    is gone after its retries (ConnectionError / OSError) or no verifier can take the work (status 503)."""
+    return isinstance(exc, OSError) or getattr(exc, "status", None) == 503
 
 
 class _Loop:
-    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress):
+    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress, fallback: bool = True):
         self.rt, self.client, self.cfg, self.seed, self.sid = rt, client, cfg, int(seed), sid
+        self.fallback, self.offline = fallback, False
         self.n_total, self.vocab = rt.num_tokens, rt.vocab_size
         self.cfg_rows = cfg.sampling.cfg_scale > 1.0
         self.temp = cfg.sampling.temperature or 1.0  # greedy sampling: the box is taken at temperature 1
@@ -104,7 +115,8 @@ class _Loop:
         self.pend_box: list[tuple[np.ndarray, np.ndarray]] = []
         self.st = dict.fromkeys(("total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens",
                                  "drafted", "accepted", "verifications", "cloud_requests", "resumes",
-                                 "cloud_forward_passes", "device_forward_passes", "bytes_up", "bytes_down"), 0)
+                                 "cloud_forward_passes", "device_forward_passes", "bytes_up", "bytes_down",
+                                 "degraded", "degraded_tokens"), 0)
         self.st.update(device_s=0.0, cloud_s=0.0, comm_s=0.0, images=1)
 
     # ------------------------------------------------------------------ the loop
@@ -128,7 +140,14 @@ class _Loop:
                     self.feed(self.tokens, 0)
                 self.st["device_s"] += time.perf_counter() - t
                 self.draft_all()
-        finally:
+        except BaseException:
+            if not self.offline:
+                try:  # the error in flight is the one to report
+                    self.client.close(self.sid)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        if not self.offline:  # an unreachable cloud frees the session after its idle timeout
             self.client.close(self.sid)
         st = self.st
         st["total_tokens"] = len(self.tokens)
@@ -143,7 +162,7 @@ class _Loop:
             t = time.perf_counter()
             q_sent, q_used, x = self.draft()
             self.box = None
-            escalate = self.score(q_used, x) > cfg.tau
+            escalate = not self.offline and self.score(q_used, x) > cfg.tau
             if not escalate:
                 self.accept_local(x)
                 self.st["device_s"] += time.perf_counter() - t
@@ -158,7 +177,13 @@ class _Loop:
             self.st["device_s"] += time.perf_counter() - t
             req = VerifyRequest(self.sid, np.array(self.pending, np.int64), np.array(span, np.int64),
                                 np.stack(span_q), hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
-            rep = self.exchange(req, req.nbytes(self.vocab), lambda: self.client.verify(req))
+            try:
+                rep = self.exchange(req, req.nbytes(self.vocab), lambda: self.client.verify(req))
+            except Exception as e:
+                if not (self.fallback and unreachable(e)):
+                    raise
+                self.go_offline(span)
+                continue
             self.commit(span, rep)
 
     def draft(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -189,8 +214,9 @@ class _Loop:
         self.tokens.append(x)
         self.who.append("device")
         self.st["device_tokens"] += 1
+        self.st["degraded_tokens"] += int(self.offline)
         self.pending.append(x)
-        if self.cfg.inter_enhance:
+        if self.cfg.inter_enhance and not self.offline:
             self.pend_hidden.append(self.step.hidden[0].copy())
             self.pend_box.append(self.guided_box())
         if len(self.tokens) < self.n_total:
@@ -230,6 +256,20 @@ class _Loop:
             self.feed(self.tokens[keep:], keep)
             st["device_s"] += time.perf_counter() - t
 
+    def go_offline(self, span: list[int]) -> None:
+        """The cloud is unreachable: keep the drafted span (the device's own samples) and go on alone."""
+        t, i, k = time.perf_counter(), len(self.tokens), len(span)
+        self.offline = True
+        self.st["degraded"] = 1
+        self.tokens.extend(span)
+        self.who.extend(["device"] * k)
+        self.st["device_tokens"] += k
+        self.st["degraded_tokens"] += k
+        self.pending, self.pend_hidden, self.pend_box = [], [], []
+        if len(self.tokens) < self.n_total:  # span[:k-1] are in the cache already
+            self.feed([span[-1]], i + k - 1)
+        self.st["device_s"] += time.perf_counter() - t
+
     # ------------------------------------------------------------------ plumbing
     def feed(self, toks: list[int], start: int) -> None:
         self.step = self.rt.feed(toks, start)
@@ -241,7 +281,11 @@ class _Loop:
         log = getattr(self.client, "exchanges", None)
         seen = len(log) if log is not None else 0
         t = time.perf_counter()
-        reply = call()
+        try:
+            reply = call()
+        except Exception:
+            self.st["comm_s"] += time.perf_counter() - t  # the device waited for a reply that did not come
+            raise
         wall = time.perf_counter() - t
         st = self.st
         st["cloud_requests"] += 1

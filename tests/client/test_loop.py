@@ -266,3 +266,65 @@ def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_
                "--model-dir", onnx_dir])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "error:" in err[0], err
+
+
+class _CloudGoneAfter:
+    """Test double: the in-process cloud answers the open and `n` verifies, then raises as a DeviceConnection does
+    once its retries are spent (ConnectionError)."""
+
+    def __init__(self, cloud, n):
+        self.cloud, self.n, self.vocab_size = cloud, n, cloud.vocab_size
+        self.verifies = 0
+
+    def open(self, request):
+        return self.cloud.open(request)
+
+    def verify(self, request):
+        self.verifies += 1
+        if self.verifies > self.n:
+            raise ConnectionError("lost the connection 4 times")
+        return self.cloud.verify(request)
+
+    def close(self, session_id):
+        self.closed = True
+        raise ConnectionError("lost the connection 4 times")
+
+
+def test_link_loss_finishes_on_the_device_degraded(runtime, cloud):
+    from ciar_client.loop import generate
+
+    prompt = _val(1)[0]
+    ref = generate(runtime, cloud, prompt, seed=2, session_id="gone-ref")
+    assert ref.stats["degraded"] == 0 == ref.stats["degraded_tokens"] and ref.stats["verifications"] > 2
+    gone = _CloudGoneAfter(cloud, 2)
+    r = generate(runtime, gone, prompt, seed=2, session_id="gone")
+    assert not hasattr(gone, "closed")  # an unreachable cloud is not asked to close
+    st, n = r.stats, runtime.num_tokens
+    assert r.tokens.shape == (n,) and st["total_tokens"] == n and st["degraded"] == 1
+    assert st["verifications"] == 2 and st["cloud_tokens"] + st["device_tokens"] == n
+    # everything after the second verify's commit is the device's own, counted as degraded
+    first_alone = max(i for i, w in enumerate(r.who) if w == "cloud") + 1
+    assert r.who[first_alone:] == ["device"] * (n - first_alone) and st["degraded_tokens"] > 0
+    assert np.array_equal(r.tokens[:first_alone], ref.tokens[:first_alone])  # the same until the link went
+    cloud.v.close("gone")
+    with pytest.raises(ConnectionError, match="lost the connection"):  # the verify's error, not the close's
+        generate(runtime, _CloudGoneAfter(cloud, 0), prompt, seed=2, session_id="gone-strict", fallback=False)
+    cloud.v.close("gone-strict")
+
+
+def test_server_gone_mid_image_over_a_real_socket(server, runtime, capsys):
+    """The server stops answering mid-image (the connection drops and every reconnect is refused): the loop
+    finishes the image alone, marked degraded."""
+    from ciar_client.connection import DeviceConnection
+    from ciar_client.loop import generate
+
+    conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size, retries=2, backoff_s=0.01)
+
+    def vanish(tokens, stats):  # after the first verification: the server is gone
+        if stats["verifications"] >= 1 and not conn.url.startswith("ws://127.0.0.1:1/"):
+            conn.url = "ws://127.0.0.1:1/v1/device/sessions"  # nothing listens on port 1
+            conn.drop()
+
+    r = generate(runtime, conn, _val(2)[1], seed=7, session_id="vanish", on_progress=vanish)
+    assert r.stats["degraded"] == 1 and r.stats["degraded_tokens"] > 0
+    assert r.stats["total_tokens"] == runtime.num_tokens == len(r.tokens)
