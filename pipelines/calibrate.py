@@ -1,5 +1,6 @@
 """Calibrate a device model's CIAR defaults on val prompts and write them into its file (like set_sampling).
 
+    python -m pipelines.calibrate weights/scenes-v2/device.safetensors --target-rate 0.3   # gate, burst, span: the file's
     python -m pipelines.calibrate weights/scenes-v2/device.safetensors --gate lower --burst 4 --span 2 --target-rate 0.3
     python -m pipelines.calibrate --world llamagen.yaml --captions val_captions.json --gate lower --burst 4
 
@@ -28,7 +29,7 @@ from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES
 from ciar.collab.runtime import make_verifier
-from ciar.models.checkpoint import update_extra
+from ciar.models.checkpoint import read_model_metadata, update_extra
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 
@@ -54,13 +55,15 @@ def main(argv=None) -> int:
     add_world_arguments(p)
     p.add_argument("--captions", default=None, help="COCO-format val captions (needed by a LlamaGen world; default "
                                                     "for the scenes world: its val split)")
-    p.add_argument("--gate", default="lower", choices=GATES, help="CIAR's own gate (default: lower)")
+    p.add_argument("--gate", default=None, choices=GATES,
+                   help="CIAR's own gate (default: the device file's, else lower)")
     p.add_argument("--gates", default=",".join(DEFAULT_GATES), help="gates to calibrate (comma list)")
     p.add_argument("--target-rate", type=float, default=0.3)
-    p.add_argument("--burst", type=int, default=0, help="cloud burst g CIAR runs with (0: the paper's CIAR)")
-    p.add_argument("--burst-entropy", type=float, default=0.0)
-    p.add_argument("--span", type=int, default=4, help="draft tokens per verification CIAR runs with (written with "
-                   "the taus: a threshold holds for the span it was calibrated at)")
+    p.add_argument("--burst", type=int, default=None, help="cloud burst g CIAR runs with (0: the paper's CIAR; "
+                   "default: the device file's)")
+    p.add_argument("--burst-entropy", type=float, default=None, help="adaptive burst stop (default: the device file's)")
+    p.add_argument("--span", type=int, default=None, help="draft tokens per verification CIAR runs with (written "
+                   "with the taus: a threshold holds for the span it was calibrated at; default: the device file's)")
     p.add_argument("--prompts", type=int, default=48, help="val prompts (16 gave a rate 2-5 points under the one on other "
                    "prompts: an easy sample)")
     p.add_argument("--seed", type=int, default=0)
@@ -74,8 +77,6 @@ def main(argv=None) -> int:
     bad = [g for g in gates if g not in GATES]
     if bad:
         p.error(f"unknown gates {bad}; known: {', '.join(GATES)}")
-    if args.gate not in gates:
-        gates.insert(0, args.gate)
     if not 0.0 < args.target_rate < 1.0:
         p.error("--target-rate must be in (0, 1)")
     if args.device is not None and not os.path.isfile(args.device):
@@ -101,6 +102,14 @@ def main(argv=None) -> int:
     else:
         p.error("a LlamaGen world calibrates on --captions (a COCO-format file of val captions)")
     weights = source
+    # the knobs not given keep the device file's (a re-calibration changes only what it is told to), else the
+    # built-in defaults (ciar.collab.defaults)
+    current = CIARDefaults.from_extra(read_model_metadata(args.device)[2], args.device) or CIARDefaults()
+    for name in ("gate", "burst", "burst_entropy", "span"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(current, name))
+    if args.gate not in gates:
+        gates.insert(0, args.gate)
     if args.span < 1:
         p.error("--span must be >= 1")
     knobs = {"burst": args.burst, "burst_entropy": args.burst_entropy, "span": args.span}

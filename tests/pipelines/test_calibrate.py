@@ -25,6 +25,7 @@ def test_calibrate_writes_the_device_defaults(tmp_path, shipped_world_copy):
     assert all(torch.equal(before[k], after[k]) for k in before)
     d = DeviceModel.load(str(dev_path)).ciar_defaults
     assert d.gate == "lower" and d.burst == 2 and d.target_rate == 0.5 and set(d.taus) == {"lower"}
+    assert d.span == 2 == DeviceModel.load(f"{DEFAULT_WEIGHTS_DIR}/device.safetensors").ciar_defaults.span  # kept
     rate = d.calibration["measured_rates"]["lower"]
     assert abs(rate - 0.5) < 0.1
     cfg = method_config("ciar").resolve(d)
