@@ -19,9 +19,20 @@ Verifier replicas' batch-size histograms and the application's Prometheus counte
     ciar_requests_total{code=200}), verifier {batch_size_hist, mean_batch_size, ...}, responses {per method, ...},
     slo {ok, reasons, ...}, exit_code
 
-The exit code is Locust's, i.e. the SLO gate's (0 passed, 1 failed); 124 when Locust had to be stopped.
-Other files in --out: locust_stats.csv (+ _failures, _exceptions, _stats_history), report.html, locust.log,
-responses.jsonl (one line per response), slo.json.
+Real devices beside the simulated ones: `--device-clients N` starts N device-client processes
+(`loadtests.devices`: the torch-free CIAR loop over the WebSocket device endpoint, held-out prompts, at most
+--device-images images each, no image started after --duration) against the same cluster while Locust runs, and
+adds a `device_clients` section: images, images/s, latency p50 / p99 on real sockets, the network model's price of
+the same messages (--device-network for the headline), per-message overhead (codec times on real frames, framing
+bytes, round trip minus reported cloud time, the Verifier's handling time from Serve's metrics) and the batch sizes
+the real devices' verifications shared (the `verifier` histogram holds real and simulated works together).
+
+    python -m loadtests.run --users 2 --duration 60 --device-clients 4 --out runs/device-load
+
+The exit code is Locust's, i.e. the SLO gate's (0 passed, 1 failed), or 1 when a device client's image failed;
+124 when Locust had to be stopped. Other files in --out: locust_stats.csv (+ _failures, _exceptions,
+_stats_history), report.html, locust.log, responses.jsonl (one line per response), slo.json, clients/ (the device
+clients' plans, logs and per-image records).
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ import urllib.request
 
 import yaml
 
+from loadtests.devices import DEVICE_KEY, ClientsConfig, DeviceClients, codec_bench
+from loadtests.devices import print_summary as print_device_summary
+from loadtests.devices import report as device_report
 from loadtests.plan import (SCENARIOS, csv_totals, figures, hist_mean, merge_hists, read_locust_stats,
                             summarise_responses)
 
@@ -274,6 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-timeout", type=float, default=15.0,
                    help="seconds Locust lets users finish their request when the load ends")
+    p.add_argument("--device-clients", type=int, default=0, help="real device-client processes beside Locust")
+    p.add_argument("--device-images", type=int, default=64, help="images per device client, at most")
+    p.add_argument("--device-network", default="5g", help="the network profile of the model's headline prediction")
+    p.add_argument("--device-key", default=os.environ.get("CIAR_DEVICE_KEY", DEVICE_KEY))
+    p.add_argument("--device-model-dir", default=None,
+                   help="the device model's ONNX export (default: downloaded from the cluster, as a device does)")
+    p.add_argument("--device-grace", type=float, default=60.0,
+                   help="seconds past --duration before a device client still running is stopped")
     args = p.parse_args(argv)
 
     out = os.path.abspath(args.out)
@@ -292,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         use_key(app, args.api_key)
     api_key = client_key(app if args.host is None else None, args.api_key)
 
-    cluster = None
+    cluster = clients = None
     t_start = time.time()
     summary: dict = {"scenario": args.scenario, "users": args.users, "duration_s": args.duration}
     try:
@@ -306,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             url = cluster.url
         else:
             url = args.host.rstrip("/")
+        if args.device_clients:
+            clients = DeviceClients(ClientsConfig(
+                "ws" + url[len("http"):], args.device_clients, args.device_images, args.duration, out,
+                args.device_key, args.device_model_dir, args.seed, grace_s=args.device_grace))
+            print(f"device clients: {args.device_clients} processes, at most {args.device_images} images each",
+                  flush=True)
+            clients.start()
         env = {**os.environ, "CIAR_SCENARIO": args.scenario, "CIAR_USERS": str(args.users),
                "CIAR_DURATION": str(args.duration), "CIAR_API_KEY": api_key, "CIAR_LOAD_STATS": stats_path,
                "CIAR_SLO_REPORT": slo_path, "CIAR_SLO_MAX_FAIL": str(args.slo_max_fail),
@@ -316,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = run_locust(url, out, env, timeout_s=args.duration + args.stop_timeout + 120,
                         stop_timeout_s=args.stop_timeout)
         summary["locust_wall_s"] = round(time.monotonic() - t0, 1)
+        if clients is not None:
+            clients.wait()
 
         records = _read_jsonl(stats_path)
         responses = summarise_responses(records)
@@ -325,9 +356,16 @@ def main(argv: list[str] | None = None) -> int:
             cfg = AppConfig(**app["args"])
             summary["verifier"] = cluster.verifier_stats(cfg.verifier_replicas)
             summary["metrics"] = cluster.metrics(want_ok=responses["images"])
+        if clients is not None:
+            metrics_url = f"http://127.0.0.1:{cluster.metrics_port}/metrics" if cluster is not None else None
+            summary["device_clients"] = device_report(clients, args.device_network, metrics_url, codec=False)
     finally:
+        if clients is not None:
+            clients.stop()
         if cluster is not None:
             cluster.stop()
+    if "device_clients" in summary:  # the codec microbenchmark, on the clients' real frames, with the cluster down
+        summary["device_clients"]["codec"] = codec_bench(clients.frames())
 
     csv_path = os.path.join(out, "locust_stats.csv")
     slo = None
@@ -351,8 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         "files": {"csv": csv_path, "html": os.path.join(out, "report.html"), "log": os.path.join(out, "locust.log"),
                   "responses": stats_path},
     })
+    dev = summary.get("device_clients")
+    if dev is not None and rc == 0 and (dev["failures"] or not dev["images"]):
+        rc = summary["exit_code"] = 1
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if dev is not None:
+        print_device_summary(dev)
     _print_summary(summary, out)
     return rc
 
