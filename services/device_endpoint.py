@@ -35,8 +35,11 @@ import hmac
 import logging
 import re
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from ciar_client import wire
 from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
@@ -44,6 +47,7 @@ from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RES
 
 logger = logging.getLogger("ray.serve")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+IDLE = object()  # what _receive returns when nothing came in time (an empty frame is b"", a malformed frame)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -185,6 +189,8 @@ class DeviceEndpoint:
         self.connections = 0
         self.counts: dict[str, int] = {}  # frames by type, errors by status, closes by code (stats, tests)
         self._observe = observe  # optional callback(event, label) feeding Prometheus
+        # one send at a time per connection: concurrent sends on a backpressured socket fail in the transport
+        self._send_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._decoding = _cluster_decoding()
 
     def device_of(self, key: str) -> str | None:
@@ -212,6 +218,8 @@ class DeviceEndpoint:
             await self._loop(ws, device_id)
         except _Close as c:
             await self._close(ws, c.code, c.reason)
+        except WebSocketDisconnect:  # the device went away (a reply could not be sent): nobody to tell
+            pass
         except Exception as e:  # noqa: BLE001 - a socket error or a bug: never a traceback with a token in it
             logger.warning("device connection ended by %s", type(e).__name__)
             await self._close(ws, 1011, "internal error")
@@ -221,19 +229,23 @@ class DeviceEndpoint:
                 self.devices[device_id].connections -= 1
 
     async def _close(self, ws, code: int, reason: str) -> None:
+        if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED:
+            return  # closed already (by a request whose reply could not be delivered)
         self._count("close", str(code))
         try:
             await ws.close(code=code, reason=reason[:120])
         except Exception:  # noqa: BLE001 - already closed
             pass
 
-    async def _receive(self, ws, timeout: float | None) -> bytes | None:
-        """The next binary frame; None when the peer went away; _Close on a text frame or an oversized one."""
+    async def _receive(self, ws, timeout: float | None):
+        """The next binary frame; None when the peer went away, IDLE when nothing came in `timeout` s; _Close on a
+        text frame or an oversized one."""
         try:
             msg = await asyncio.wait_for(ws.receive(), timeout)
         except asyncio.TimeoutError:
-            return b""
-        if msg["type"] == "websocket.disconnect":
+            return IDLE
+        if msg["type"] == "websocket.disconnect" or getattr(ws, "application_state", None) == \
+                WebSocketState.DISCONNECTED:  # gone, or closed by a request whose reply could not be delivered
             return None
         data = msg.get("bytes")
         if data is None:
@@ -244,14 +256,22 @@ class DeviceEndpoint:
         return data
 
     async def _send(self, ws, frame: Frame) -> None:
-        try:
-            await asyncio.wait_for(ws.send_bytes(wire.encode_frame(frame)), self.limits.send_timeout_s)
+        lock = self._send_locks.setdefault(ws, asyncio.Lock())
+
+        async def send(data: bytes) -> None:
+            async with lock:
+                if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED:
+                    raise WebSocketDisconnect(1006)  # closed meanwhile (a slow reader): nobody to answer
+                await ws.send_bytes(data)
+
+        try:  # the wait for the lock counts: behind a reply that cannot be delivered, none can
+            await asyncio.wait_for(send(wire.encode_frame(frame)), self.limits.send_timeout_s)
         except asyncio.TimeoutError:
             raise _Close(wire.CLOSE_POLICY, "slow reader: a reply could not be delivered in time") from None
 
     async def _hello(self, ws) -> str:
         data = await self._receive(ws, self.limits.hello_timeout_s)
-        if not data:
+        if data is None or data is IDLE or not data:
             raise _Close(wire.CLOSE_PROTOCOL, "expected a HELLO frame first")
         try:
             frame = wire.decode_frame(data)
@@ -271,9 +291,14 @@ class DeviceEndpoint:
                                             f"({self.limits.max_connections_per_device})")
         dev.connections += 1
         lim = self.limits
-        await self._send(ws, Frame(WELCOME, frame.request_id, Welcome(device_id, lim.max_frame_bytes,
-                                                                      lim.max_sessions_per_device, lim.messages_per_s,
-                                                                      lim.idle_timeout_s, self.server)))
+        try:
+            await self._send(ws, Frame(WELCOME, frame.request_id, Welcome(device_id, lim.max_frame_bytes,
+                                                                          lim.max_sessions_per_device,
+                                                                          lim.messages_per_s, lim.idle_timeout_s,
+                                                                          self.server)))
+        except BaseException:  # gone before its WELCOME: not connected (its connection must not stay counted)
+            dev.connections -= 1
+            raise
         return device_id
 
     async def _loop(self, ws, device_id: str) -> None:
@@ -286,7 +311,7 @@ class DeviceEndpoint:
                 data = await self._receive(ws, lim.idle_timeout_s)
                 if data is None:
                     return
-                if data == b"":  # nothing for idle_timeout_s
+                if data is IDLE:  # nothing for idle_timeout_s
                     if inflight:
                         continue
                     raise _Close(wire.CLOSE_GOING_AWAY, f"idle for {lim.idle_timeout_s:g} s")
@@ -321,6 +346,16 @@ class DeviceEndpoint:
         await self._send(ws, Frame(ERROR, rid, ErrorReply(e.status, str(e), e.retry_after_s, session_id, e.field)))
 
     async def _request(self, ws, device_id: str, rid: int, data: bytes) -> None:
+        """Answer one request (a task of the connection's loop); a reply that cannot be delivered in time ends the
+        connection here (the loop, waiting for the next frame, then sees it closed)."""
+        try:
+            await self._answer(ws, device_id, rid, data)
+        except _Close as c:
+            await self._close(ws, c.code, c.reason)
+        except WebSocketDisconnect:  # the device went away: nobody to answer
+            pass
+
+    async def _answer(self, ws, device_id: str, rid: int, data: bytes) -> None:
         sid = ""
         try:
             try:
@@ -335,9 +370,7 @@ class DeviceEndpoint:
             await self._send(ws, reply)
         except RequestFailed as e:
             await self._error(ws, rid, e, sid)
-        except _Close:
-            raise
-        except asyncio.CancelledError:
+        except (_Close, WebSocketDisconnect, asyncio.CancelledError):  # the reply's delivery, not the request, failed
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status; logged by type only
             await self._error(ws, rid, self._failure(e, device_id, sid), sid)
@@ -351,30 +384,30 @@ class DeviceEndpoint:
         scoped = f"{device_id}/{sid}"
         dev = self.devices[device_id]
         token = frame.token.hex()
-        if t in (OPEN, RESUME) and sid not in dev.sessions and \
-                dev.live(self.limits.session_ttl_s) >= self.limits.max_sessions_per_device:
-            raise RequestFailed(429, f"this device has {self.limits.max_sessions_per_device} open sessions: close one "
-                                "first", "session_id", self.limits.retry_after_s)
-        if t == OPEN:
-            dev.sessions[sid] = time.monotonic()
-            try:
-                reply, issued = await self.backend.open(replace(body, session_id=scoped), session_id=scoped,
-                                                        device_id=device_id)
-            except BaseException:
-                dev.sessions.pop(sid, None)
-                raise
-            return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), bytes.fromhex(issued))
         if t == VERIFY:
-            dev.sessions[sid] = time.monotonic()
             reply = await self.backend.verify(replace(body, session_id=scoped), session_id=scoped,
                                               device_id=device_id, token=token)
+            dev.sessions[sid] = time.monotonic()  # after the verifier answered: a refused VERIFY counts nothing
             return Frame(VERIFY_REPLY, rid, replace(reply, session_id=sid))
-        if t == RESUME:
-            dev.sessions[sid] = time.monotonic()
-            request = replace(body.request, session_id=scoped)
-            reply = await self.backend.resume(request, body.history, body.injected, session_id=scoped,
-                                              device_id=device_id, token=token)
-            return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), frame.token)
+        if t in (OPEN, RESUME):
+            live = dev.live(self.limits.session_ttl_s)
+            fresh = sid not in dev.sessions
+            if fresh and live >= self.limits.max_sessions_per_device:
+                raise RequestFailed(429, f"this device has {self.limits.max_sessions_per_device} open sessions: "
+                                    "close one first", "session_id", self.limits.retry_after_s)
+            dev.sessions[sid] = time.monotonic()  # counted from now: concurrent OPENs cannot pass the limit together
+            try:
+                if t == OPEN:
+                    reply, issued = await self.backend.open(replace(body, session_id=scoped), session_id=scoped,
+                                                            device_id=device_id)
+                    return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), bytes.fromhex(issued))
+                reply = await self.backend.resume(replace(body.request, session_id=scoped), body.history,
+                                                  body.injected, session_id=scoped, device_id=device_id, token=token)
+                return Frame(OPEN_REPLY, rid, replace(reply, session_id=sid), frame.token)
+            except BaseException:
+                if fresh:  # uncount only what this frame counted (an OPEN of an id already open keeps it counted)
+                    dev.sessions.pop(sid, None)
+                raise
         await self.backend.close(session_id=scoped, device_id=device_id, token=token)
         dev.sessions.pop(sid, None)
         return Frame(CLOSED, rid, CloseReply(sid))

@@ -11,6 +11,7 @@ The Serve application's own route (services.app) is tested against the real depl
 from __future__ import annotations
 
 import hmac
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -54,16 +55,22 @@ class InProcessBackend:
 
 
 @contextmanager
-def loopback_endpoint(endpoint, timeout_s: float = 30.0) -> Iterator[str]:
+def loopback_endpoint(endpoint, timeout_s: float = 30.0, sndbuf: int | None = None) -> Iterator[str]:
     """Serve `endpoint` (a services.device_endpoint.DeviceEndpoint) at ws://127.0.0.1:PORT/v1/device/sessions in a
-    background thread; yields the URL without the route (what DeviceConnection takes) and stops the server after."""
+    background thread; yields the URL without the route (what DeviceConnection takes) and stops the server after.
+    `sndbuf`: the server sockets' send buffer in bytes (small: a reader that does not read blocks the server's sends
+    after a few hundred kB instead of the kernel's megabytes; the slow-reader tests)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
 
     app = Starlette(routes=[WebSocketRoute(ROUTE, endpoint.serve)])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
-    thread = threading.Thread(target=server.run, daemon=True, name="loopback-endpoint")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if sndbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="loopback-endpoint")
     thread.start()
     deadline = time.monotonic() + timeout_s
     while not server.started:
