@@ -43,16 +43,16 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from ciar.collab.decoder import method_config
+from ciar.collab.decoder import check_method_overrides
 from ciar.collab.defaults import UncalibratedError
-from ciar.collab.protocol import CloudUnreachableError
-from ciar.collab.protocol import CapacityError
+from ciar.collab.knobs import SIMULATION_KNOBS
+from ciar.collab.protocol import CapacityError, CloudUnreachableError
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
 from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause
-from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
-                              GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
+from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
+                              ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.verifier import Verifier
 
 logger = logging.getLogger("ray.serve")
@@ -92,14 +92,14 @@ GENERATION_RESPONSES = {
           "content": {"image/png": {"schema": {"type": "string", "format": "binary"}},
                       "text/event-stream": {"schema": SSE_EVENT}}},
     400: _error("a request the schema admits but this deployment cannot serve: body not JSON, response_format url, "
-                "size other than the world's, unknown model (or one that disagrees with method), n over max_images, "
-                "n > 1 with png or stream"),
+                "size other than the world's, unknown model, n over max_images, n > 1 with png or stream"),
     401: AUTH_ERROR,
     413: _error("request body over 16 KiB"),
-    422: _error("a field out of range, of the wrong type or unknown (error.field names it); also a prompt over the "
-                "caption encoder's token budget, params that make no valid method config (e.g. cloud with "
-                "prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation knobs "
-                "params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
+    422: _error("a field out of range, of the wrong type or unknown (error.field names it), or `method` given with a "
+                "`model` that names a method (the schema's `not`); also a prompt over the caption encoder's token "
+                "budget, params that make no valid method config (e.g. cloud with prefix_rate < 1), a gate with no "
+                "calibrated threshold and no params.tau, and the simulation knobs params.device_slowdown / "
+                "params.link_drop_after where the deployment does not allow them"),
     500: _error("internal error (logged with its traceback)"),
     503: _error("overloaded (every device busy and the queue full, or no free verifier KV-cache slot) or the cloud "
                 "unreachable before the image could start: retry after Retry-After seconds", RETRY_AFTER),
@@ -131,7 +131,7 @@ def openapi_schema(world: dict | None = None, max_images: int | None = None,
         props["n"] = {**props["n"], "maximum": max_images}
     if not allow_simulation_params:  # the deployment refuses them (422): the contract does not offer them
         params = comps["schemas"].get("MethodParams", {}).get("properties", {})
-        for name in SIMULATION_PARAMS:
+        for name in SIMULATION_KNOBS:
             params.pop(name, None)
     return doc
 
@@ -371,12 +371,13 @@ class Ingress:
         if refused is not None:
             return refused
         if not self.allow_simulation_params:
-            for name in SIMULATION_PARAMS:
+            for name in SIMULATION_KNOBS:
                 if getattr(req.params, name) is not None:
                     return error_body(422, f"params.{name} is a simulation knob this deployment does not accept "
                                       "(allow_simulation_params)", field=f"params.{name}")
-        try:  # the combination of method and params must make a valid config (same checks as the CLI)
-            method_config(req.method, network=req.network, **req.params.collab_overrides())
+        try:  # each knob's range is the schema's; the method may tie knobs together (cloud: prefix_rate 1). The
+            # device checks the whole config once, with its live defaults merged (services.device.Device.config_for)
+            check_method_overrides(req.method, req.params.collab().given())
         except ValueError as e:
             return error_body(422, str(e), field="params")
         jobs = [GenerationJob.of(req, uuid.uuid4().hex, i) for i in range(req.n)]
@@ -417,10 +418,7 @@ class Ingress:
             if req.model not in models:
                 return req, error_body(400, f"unknown model {req.model!r}; accepted: {', '.join(models)} "
                                        "(GET /v1/models)", field="model")
-            if models[req.model] == "method":
-                if "method" in req.model_fields_set and req.method != req.model:
-                    return req, error_body(400, f"model {req.model!r} and method {req.method!r} name different "
-                                           "methods: give one", field="model")
+            if models[req.model] == "method":  # (then the request has no `method`: GenerationRequest refuses both)
                 req = req.model_copy(update={"method": req.model})
         return req, None
 

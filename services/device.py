@@ -26,15 +26,13 @@ from collections.abc import Callable
 import torch
 from ray import serve
 
-from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import (CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, VerifyReply,
-                                  VerifyRequest)
+from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
+from ciar.collab.protocol import (CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, SessionLostError,
+                                  VerifyReply, VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
-from ciar.collab.protocol import SessionLostError
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
-from services.schemas import DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
-
+from services.schemas import CollabOverrides, DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
 
 
 def is_replica_loss(exc: BaseException) -> bool:
@@ -140,12 +138,11 @@ class Device:
         self.live = DeviceLiveConfig(**(config or {}))  # raises a ValidationError naming the field
 
     # ------------------------------------------------------------------ one generation
-    def config_for(self, method: str, network: str, overrides: dict):
-        live = self.live
-        knobs = shared_knobs(method, {"network": network, "span": live.span, "device_slowdown": live.device_slowdown,
-                                      "tau": live.tau, "gate": live.gate, "burst": live.burst,
-                                      "prefix_rate": live.prefix_rate})
-        knobs.update(overrides)  # a request's own params apply as given
+    def config_for(self, method: str, network: str, overrides: CollabOverrides) -> CollabConfig:
+        """The request's config: the method's preset, the fleet's live defaults that the method takes, the request's
+        own knobs over them; validated here, once (the decoder does not check it again)."""
+        knobs = shared_knobs(method, {"network": network, **self.live.knobs()})
+        knobs.update(overrides.given())  # a request's own params apply as given
         return method_config(method, **knobs)
 
     def _run(self, job: GenerationJob | dict, on_progress=None) -> GenerationOutput:
@@ -154,7 +151,7 @@ class Device:
         t0 = time.perf_counter()
         job = job if isinstance(job, GenerationJob) else GenerationJob.model_validate(job)
         cfg = self.config_for(job.method, job.network, job.collab)
-        sampling = dataclasses.replace(self.side.sampling, **job.sampling).validate()
+        sampling = dataclasses.replace(self.side.sampling, **job.sampling.given()).validate()
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
                                 progress_every=self.live.preview_every)

@@ -3,12 +3,18 @@
     GenerationRequest   body of POST /v1/images/generations (OpenAI's Images API fields + CIAR's own)
     ImagesResponse      its JSON answer (ImageData per image, ImageStats); ErrorResponse: every error's body
     ModelList           GET /v1/models
+    MethodParams        the request's `params`: its collaborative knobs (CollabOverrides) and sampling knobs
+                        (SamplingOverrides) in one object
     GenerationJob / GenerationOutput / ProgressEvent
                         what the ingress and a Device replica pass each other (typed, as Ray Serve LLM passes
-                        pydantic requests between its deployments)
+                        pydantic requests between its deployments; the job's knobs as CollabOverrides)
     AppConfig           the builder's args in serve_config.yaml (deployment sizes, API keys, weights)
     DeviceLiveConfig    `user_config` of the Device deployment (tau, span, prefix rate, slowdown): live via reconfigure
     VerifierLiveConfig  `user_config` of the Verifier deployment (batch size, batch wait, idle timeout): live
+
+The collaborative knobs are declared once, in `ciar.collab.knobs` (type, range, default, description, who may set
+them); `knob_field` turns one into a pydantic field, so MethodParams, CollabOverrides and DeviceLiveConfig state the
+same ranges as `CollabConfig.validate` checks.
 """
 
 # No `from __future__ import annotations`: FastAPI and pydantic must see the classes themselves.
@@ -16,10 +22,11 @@ import hashlib
 import math
 import os
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS, Knob
 from ciar.collab.names import METHODS, NETWORKS
 
 MAX_PROMPT_CHARS = 400
@@ -31,62 +38,104 @@ QUALITIES = ("auto", "standard", "hd", "low", "medium", "high", "xhigh", "max") 
 STYLES = ("vivid", "natural")  # OpenAI's values: accepted, ignored
 API_KEYS_ENV = "CIAR_API_KEYS"
 DEVICE_KEYS_ENV = "CIAR_DEVICE_KEYS"
-SIMULATION_PARAMS = ("device_slowdown", "link_drop_after")  # MethodParams an operator must enable
+SIMULATION_NOTE = "simulation (only where the deployment sets allow_simulation_params, else 422): "
 
 
-def _integral(cls, v):
+def _integral(v):
     """JSON Schema's integer: 5.0 is one (the request models are otherwise strict: no "5", no true for a number)."""
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
+Integer = Annotated[int, BeforeValidator(_integral)]
+# (not `Integer | None`: a field's range would then reach the JSON schema as "ge" / "le", not minimum / maximum)
+OptionalInteger = Annotated[int | None, BeforeValidator(_integral)]
 
-class MethodParams(BaseModel):
-    """Per-request knobs; None keeps the deployment's live default (or the world's sampling default)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema states them
-    tau: float | None = Field(None, ge=0.0, le=1e6, description=(
-        "ciar: gate threshold on the gate's own scale (default: the device model's calibrated one)"))
-    burst: int | None = Field(None, ge=0, le=256, description=(
-        "ciar: cloud burst, tokens the cloud samples itself after a rejection (default: the device model's)"))
-    span: int | None = Field(None, ge=1, le=32, description="draft tokens per verification")
-    prefix_rate: float | None = Field(None, ge=0.0, le=1.0, description="fraction of tokens the cloud makes first")
-    inter_enhance: bool | None = Field(None, description="send interval features with locally accepted tokens")
-    device_slowdown: float | None = Field(None, ge=1.0, le=100.0, description=(
-        "simulation (only where the deployment sets allow_simulation_params, else 422): simulated device compute "
-        "factor"))
+def knob_field(knob: Knob, live: bool = False) -> tuple[Any, Any]:
+    """The pydantic field of a knob (`ciar.collab.knobs`): its type, range and description. For a request (default
+    None: the fleet's live default applies) or, with `live`, for the device fleet's live defaults (CollabConfig's
+    default; None where the device model's calibrated value applies)."""
+    default = knob.default if live else None
+    if knob.kind is int:
+        kind = OptionalInteger if default is None else Integer
+    else:
+        kind = Literal[knob.choices] if knob.choices else knob.kind
+        kind = kind | None if default is None else kind
+    note = SIMULATION_NOTE if knob.simulation and not live else ""
+    if knob.unset is None:
+        unset = ""
+    else:
+        unset = f"; null: {knob.unset}" if live else f" (unset: the deployment's default, else {knob.unset})"
+    return (kind, Field(default, ge=knob.ge, gt=knob.gt, le=knob.le, description=f"{note}{knob.description}{unset}"))
+
+
+class _Knobs(BaseModel):
+    """Knob values as a request gives them: JSON types as the schema states them, unknown keys refused, and None
+    for a knob not given."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    def given(self) -> dict:
+        """The knobs set (not None), by name."""
+        return self.model_dump(exclude_none=True)
+
+
+CollabOverrides = create_model(
+    "CollabOverrides", __base__=_Knobs, __module__=__name__,
+    __doc__="A request's collaborative knobs (`ciar.collab.knobs`, request=True), validated: what a job carries to "
+            "a device, which merges them over its live defaults into one CollabConfig.",
+    **{name: knob_field(KNOBS[name]) for name in REQUEST_KNOBS})
+
+
+class SamplingOverrides(_Knobs):
+    """A request's sampling knobs (`ciar.decoding.sampling.SamplingParams`); unset: the world's sampling."""
+
     cfg_scale: float | None = Field(None, ge=1.0, le=20.0, description="classifier-free guidance scale")
     temperature: float | None = Field(None, ge=0.0, le=5.0, description="0 = greedy")
-    top_k: int | None = Field(None, ge=0, le=1_000_000, description="0 disables top-k")
+    top_k: OptionalInteger = Field(None, ge=0, le=1_000_000, description="0 disables top-k")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="1 disables top-p")
-    link_drop_after: int | None = Field(None, ge=0, le=100_000, description=(
-        "simulation (only where the deployment sets allow_simulation_params, else 422): the device's link goes down "
-        "after this many messages; the device finishes the image alone and the result is marked degraded "
-        "(stats.degraded)"))
 
-    _integers = field_validator("burst", "span", "top_k", "link_drop_after", mode="before")(_integral)
 
-    def collab_overrides(self) -> dict:
-        keys = ("tau", "burst", "span", "prefix_rate", "inter_enhance", "device_slowdown", "link_drop_after")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+class _Params(_Knobs):
+    """MethodParams' split into the two typed parts a job carries."""
 
-    def sampling_overrides(self) -> dict:
-        keys = ("cfg_scale", "temperature", "top_k", "top_p")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+    def collab(self) -> CollabOverrides:
+        """The collaborative knobs, typed (checked already: the same fields)."""
+        return CollabOverrides.model_construct(**self.model_dump(include=set(CollabOverrides.model_fields),
+                                                                 exclude_none=True))
+
+    def sampling(self) -> SamplingOverrides:
+        return SamplingOverrides.model_construct(**self.model_dump(include=set(SamplingOverrides.model_fields),
+                                                                   exclude_none=True))
+
+
+MethodParams = create_model(
+    "MethodParams", __base__=_Params, __module__=__name__,
+    __doc__="Per-request knobs (the request's `params`): the collaborative ones (CollabOverrides) and the sampling "
+            "ones (SamplingOverrides) in one object; None keeps the deployment's live default (or the world's "
+            "sampling default).",
+    **{name: knob_field(KNOBS[name]) for name in REQUEST_KNOBS},
+    **{name: (f.annotation, f) for name, f in SamplingOverrides.model_fields.items()})
 
 
 class GenerationRequest(BaseModel):
     """OpenAI's Images API request (`prompt`, `model`, `n`, `size`, `response_format`, `user`, `quality`, `style`)
     plus CIAR's own fields (`method`, `seed`, `params`, `network`, `stream`, `response_format` png | tokens).
     Checks that depend on the deployment (the world's size and alias, the cap on `n`) and combinations the schema
-    cannot state are answered 400 naming the field; a value out of the schema's range, 422 naming the field."""
+    cannot state are answered 400 naming the field; a value out of the schema's range, 422 naming the field.
+    `model` and `method` are two names of one knob: a body where `model` names a method may not give `method` too
+    (the schema's `not`; 422 naming both)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as the schema states them
+    # strict: JSON types as the schema states them
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
+        "not": {"required": ["model", "method"], "properties": {"model": {"enum": list(METHODS)}}}})
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN},
                         description="caption of the image (not blank; a caption over the world's caption encoder "
                         "budget, e.g. 40 tokens, is answered 422)")
-    model: str | None = Field(None, max_length=64, description="OpenAI: a decoding method (as `method`) or the "
-                              "world's alias (then `method` applies); GET /v1/models lists them; else 400")
-    n: int = Field(1, ge=1, le=MAX_IMAGES_LIMIT, description="OpenAI: images to generate, 1 to the deployment's "
+    model: str | None = Field(None, max_length=64, description="OpenAI: a decoding method (instead of `method`, "
+                              "never with it) or the world's alias (then `method` applies); GET /v1/models lists "
+                              "them; else 400")
+    n: Integer = Field(1, ge=1, le=MAX_IMAGES_LIMIT, description="OpenAI: images to generate, 1 to the deployment's "
                    "max_images (else 400); image i uses seed + i and they run on n devices concurrently; "
                    "n > 1 needs a JSON answer (b64_json or tokens) without stream")
     size: str | None = Field(None, max_length=32, pattern=r"^([0-9]{1,5}x[0-9]{1,5}|auto)$", description="OpenAI: "
@@ -96,8 +145,9 @@ class GenerationRequest(BaseModel):
     style: Literal[STYLES] | None = Field(None, description="OpenAI: accepted and ignored")  # type: ignore[valid-type]
     user: str | None = Field(None, max_length=256, description="OpenAI: an id of the end user; accepted, ignored "
                              "and never logged")
-    seed: int = Field(0, ge=0, le=2**62, description="same prompt + seed -> same image (image i of n: seed + i)")
-    method: Literal[METHODS] = Field("ciar", description="decoding method")  # type: ignore[valid-type]
+    seed: Integer = Field(0, ge=0, le=2**62, description="same prompt + seed -> same image (image i of n: seed + i)")
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "ciar", description="decoding method (or `model`: not both)")
     params: MethodParams = Field(default_factory=MethodParams)
     network: Literal[NETWORKS] = Field("5g", description="simulated device link")  # type: ignore[valid-type]
     # "url" parses (the OpenAI client's other value) and is answered 400 saying why; the schema lists what works
@@ -107,7 +157,14 @@ class GenerationRequest(BaseModel):
         "who decided it (`who`); url is not supported (400)")
     stream: bool = Field(False, description="server-sent events with progress and partial previews (n = 1)")
 
-    _integers = field_validator("n", "seed", mode="before")(_integral)
+    @field_validator("method")
+    @classmethod
+    def _one_name(cls, v: str, info: ValidationInfo) -> str:
+        """`method` given while `model` names a method: two names for one knob (the schema's `not` says so)."""
+        if info.data.get("model") in METHODS:
+            raise ValueError(f"model {info.data['model']!r} names the decoding method already: give `model` or "
+                             "`method`, not both")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -117,36 +174,21 @@ class GenerationRequest(BaseModel):
         return v  # (pydantic itself refuses strings with lone surrogates: "string_unicode")
 
 
-class DeviceLiveConfig(BaseModel):
-    """Live defaults of the device fleet (Serve `user_config` -> `reconfigure`)."""
-
+class _DeviceLive(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tau: float | None = Field(None, ge=0.0, description=(
-        "CIAR gate threshold; null: the device model's calibrated one (its file's metadata, pipelines.calibrate)"))
-    gate: str | None = Field(None, description="CIAR gate; null: the device model's calibrated gate")
-    burst: int | None = Field(None, ge=0, le=256, description="cloud burst g; null: the device model's")
-    span: int | None = Field(None, ge=1, le=32, description="draft tokens per verification; null: the device "
-                             "model's (the span its thresholds were calibrated with)")
-    prefix_rate: float = Field(0.06, ge=0.0, le=1.0)
-    device_slowdown: float = Field(1.0, ge=1.0, le=100.0, description="simulated device compute factor")
     realtime: bool = Field(True, description="spend simulated network/device time for real (the request waits)")
     preview_every: int = Field(24, ge=1, le=10_000, description="tokens between streamed previews")
 
-    @field_validator("tau")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and math.isnan(v):
-            raise ValueError("tau must not be NaN")
-        return v
+    def knobs(self) -> dict:
+        """The fleet's collaborative knobs by name (None: the device model's calibrated value applies)."""
+        return {name: getattr(self, name) for name in LIVE_KNOBS}
 
-    @field_validator("gate")
-    @classmethod
-    def _known_gate(cls, v: str | None) -> str | None:
-        from ciar.collab.gating import GATES
 
-        if v is not None and v not in GATES:
-            raise ValueError(f"gate must be one of {GATES}")
-        return v
+DeviceLiveConfig = create_model(
+    "DeviceLiveConfig", __base__=_DeviceLive, __module__=__name__,
+    __doc__="Live defaults of the device fleet (Serve `user_config` -> `reconfigure`): the knobs of "
+            "`ciar.collab.knobs` with live=True, and how the simulated phones run.",
+    **{name: knob_field(KNOBS[name], live=True) for name in LIVE_KNOBS})
 
 
 class VerifierLiveConfig(BaseModel):
@@ -387,15 +429,16 @@ class GenerationJob(BaseModel):
     seed: int = Field(ge=0)
     method: Literal[METHODS] = "ciar"  # type: ignore[valid-type]
     network: Literal[NETWORKS] = "5g"  # type: ignore[valid-type]
-    collab: dict[str, Any] = Field(default_factory=dict, description="MethodParams.collab_overrides()")
-    sampling: dict[str, Any] = Field(default_factory=dict, description="MethodParams.sampling_overrides()")
+    collab: CollabOverrides = Field(default_factory=CollabOverrides, description="the request's collaborative "
+                                    "knobs; unset: the device fleet's live defaults")
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides, description="the request's sampling "
+                                        "knobs; unset: the world's")
 
     @classmethod
     def of(cls, req: GenerationRequest, session_id: str, index: int = 0) -> "GenerationJob":
         """Image `index` of a request: seed + index."""
         return cls(session_id=session_id, prompt=req.prompt, seed=req.seed + index, method=req.method,
-                   network=req.network, collab=req.params.collab_overrides(),
-                   sampling=req.params.sampling_overrides())
+                   network=req.network, collab=req.params.collab(), sampling=req.params.sampling())
 
 
 class GenerationOutput(BaseModel):

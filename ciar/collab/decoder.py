@@ -56,10 +56,11 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError, is_int_at_least
+from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
 from ciar.collab.interval import guided_interval, interval_features
+from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
@@ -71,59 +72,61 @@ DEVICE_SEED_OFFSET = 1 << 32
 GATE_SEED_OFFSET = 2 << 32
 
 
-@dataclass
+def _default(name: str):
+    return KNOBS[name].default
+
+
+@dataclass(frozen=True)
 class CollabConfig:
-    """Every knob of collaborative decoding. `gate`, `tau`, `burst`, `burst_entropy` and `span` left at None come
-    from the device model's calibrated defaults (`resolve`, `ciar.collab.defaults`): a threshold is a property of
-    the weights, and so is the span it was calibrated with."""
+    """Every knob of collaborative decoding; ranges, defaults and meanings are declared once in `ciar.collab.knobs`.
+    `gate`, `tau`, `burst`, `burst_entropy` and `span` left at None come from the device model's calibrated defaults
+    (`resolve`, `ciar.collab.defaults`): a threshold is a property of the weights, and so is the span it was
+    calibrated with.
+
+    Frozen, and validated once: `validate` checks every field against the knob table and remembers that it did, so
+    the decoder built from a `method_config` does not check again (change a field with `dataclasses.replace`, which
+    makes a new, unchecked config)."""
 
     method: str = "ciar"
-    prefix_rate: float = 0.06  # rho: fraction of the N tokens the cloud generates first
-    gate: str | None = None  # ciar.collab.gating.GATES, "always" (verify every token) / "never"; None: the device's
-    tau: float | None = None  # escalate when gate score > tau (the gate's own scale); None: the device's calibrated
-    span: int | None = None  # draft tokens per verification, the uncertain one included; None: the device's
+    prefix_rate: float = _default("prefix_rate")  # rho: fraction of the N tokens the cloud generates first
+    gate: str | None = _default("gate")  # ciar.collab.gating.GATES, "always" / "never"; None: the device's
+    tau: float | None = _default("tau")  # escalate when gate score > tau (the gate's own scale); None: the device's
+    span: int | None = _default("span")  # draft tokens per verification, the uncertain one included
     rule: RuleConfig = field(default_factory=RuleConfig)
-    burst: int | None = None  # cloud burst: after a rejection the cloud samples up to this many more tokens (0: off)
-    burst_entropy: float | None = None  # adaptive burst: stop once the cloud's entropy / log V <= this (0: fixed g)
-    inter_enhance: bool = True  # send interval features with locally accepted tokens (off: "w/o Inter-Enhance")
-    topk: int = 200  # set size of the "topk" gate
-    margin: float = 0.0  # InterFuse safety margin before the gate scores (0: the tight bounds, see gating)
-    feature_top: int = 8  # interval_features(top=...) for the projector
-    device_slowdown: float = 1.0  # device compute time = measured time x this factor
-    cloud_slowdown: float = 1.0  # cloud compute time = reported time x this factor (emulates a larger cloud model)
-    network: str = "5g"  # ciar.collab.network profile name
-    link_drop_after: int | None = None  # simulation: the link goes down after this many messages (both directions)
-    fallback: bool = True  # cloud unreachable mid-generation: finish on the device (degraded) instead of failing
+    burst: int | None = _default("burst")  # cloud burst g after a rejection (0: off)
+    burst_entropy: float | None = _default("burst_entropy")  # adaptive burst stop (0: fixed g)
+    inter_enhance: bool = _default("inter_enhance")  # interval features with locally accepted tokens
+    topk: int = _default("topk")  # set size of the "topk" gate
+    margin: float = _default("margin")  # InterFuse safety margin before the gate scores
+    feature_top: int = _default("feature_top")  # interval_features(top=...) for the projector
+    device_slowdown: float = _default("device_slowdown")  # device compute time = measured time x this factor
+    cloud_slowdown: float = _default("cloud_slowdown")  # cloud compute time = reported time x this factor
+    network: str = "5g"  # ciar.collab.network profile name (options: get_profile)
+    link_drop_after: int | None = _default("link_drop_after")  # simulation: the link goes down after this many messages
+    fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
+
+    @property
+    def validated(self) -> bool:
+        return self.__dict__.get("_validated", False)
 
     def validate(self) -> "CollabConfig":
+        """ValueError naming the first field that is not allowed (`ciar.collab.knobs`); -> self. Runs once per
+        config: a validated config returns at once."""
+        if self.validated:
+            return self
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
-        if not 0.0 <= self.prefix_rate <= 1.0:
-            raise ValueError(f"prefix_rate must be in [0, 1], got {self.prefix_rate}")
-        if self.gate is not None and self.gate not in GATES + ("always", "never"):
-            raise ValueError(f"unknown gate {self.gate!r}; known: {', '.join(GATES + ('always', 'never'))}")
-        if self.span is not None and not is_int_at_least(self.span, 1):
-            raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
-        if self.tau is not None and math.isnan(self.tau):
-            raise ValueError("tau must not be NaN")
-        if self.burst is not None and not is_int_at_least(self.burst, 0):
-            raise ValueError(f"burst must be an integer >= 0, got {self.burst!r}")
-        if self.burst_entropy is not None and not 0.0 <= self.burst_entropy <= 1.0:
-            raise ValueError(f"burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
-        if not self.device_slowdown > 0:
-            raise ValueError(f"device_slowdown must be > 0, got {self.device_slowdown}")
-        if not self.cloud_slowdown > 0:
-            raise ValueError(f"cloud_slowdown must be > 0, got {self.cloud_slowdown}")
-        if self.link_drop_after is not None and not (isinstance(self.link_drop_after, int)
-                                                     and self.link_drop_after >= 0):
-            raise ValueError(f"link_drop_after must be an integer >= 0, got {self.link_drop_after!r}")
+        for knob in KNOBS.values():
+            knob.check(getattr(self, knob.name))
         get_profile(self.network)
+        object.__setattr__(self, "_validated", True)  # not a field: `replace` and `==` ignore it
         return self
 
     def resolve(self, defaults: CIARDefaults | None) -> "CollabConfig":
         """Fill the knobs left at None from a device's calibrated defaults (or the built-in ones: gate "interval",
         burst 0, span 4). A gate that scores positions needs a threshold: ValueError when neither the config nor
-        the device file has one for it."""
+        the device file has one for it. The filled values are checked where the defaults are made (`CIARDefaults`,
+        against the same knob table), so a validated config stays validated without checking again."""
         d = defaults or CIARDefaults()
         gate = self.gate if self.gate is not None else d.gate
         tau = self.tau if self.tau is not None else d.taus.get(gate)
@@ -132,9 +135,13 @@ class CollabConfig:
                       burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy,
                       span=self.span if self.span is not None else d.span)
         if gate in GATES and tau is None:
-            raise UncalibratedError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call rate) "
-                             f"or write the device's calibrated thresholds with `python -m pipelines.calibrate`")
-        return out.validate()
+            raise UncalibratedError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call "
+                                    f"rate) or write the device's calibrated thresholds with `python -m "
+                                    f"pipelines.calibrate`")
+        if not self.validated:
+            return out.validate()
+        object.__setattr__(out, "_validated", True)
+        return out
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -162,10 +169,19 @@ def shared_knobs(method: str, knobs: dict) -> dict:
     return out
 
 
-def method_config(method: str, **overrides) -> CollabConfig:
-    """The preset of a method name, with overrides (e.g. `method_config("ciar", tau=0.2, span=8)`)."""
+def check_method_overrides(method: str, overrides: dict) -> None:
+    """The rules that tie knobs to a method (each knob's own range is `ciar.collab.knobs`'): ValueError for an unknown
+    method, or for "cloud" with a prefix rate other than 1 (it makes every token on the cloud). The HTTP ingress
+    checks a request with this before any device runs it; `method_config` applies it to every config."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
+        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")
+
+
+def method_config(method: str, **overrides) -> CollabConfig:
+    """The preset of a method name, with overrides (e.g. `method_config("ciar", tau=0.2, span=8)`), validated."""
+    check_method_overrides(method, overrides)
     base = CollabConfig(method=method)
     no_burst = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN)  # the baselines as their papers run them
     preset: dict = {
@@ -181,8 +197,6 @@ def method_config(method: str, **overrides) -> CollabConfig:
         "topk": dict(gate="topk"),
     }[method]
     rule = overrides.pop("rule", None)
-    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
-        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")
     cfg = replace(base, **{**preset, **overrides})  # an override wins over the preset (e.g. code's prefix_rate)
     if rule is not None:
         cfg = replace(cfg, rule=rule if isinstance(rule, RuleConfig) else RuleConfig(**rule))
@@ -219,10 +233,11 @@ class CollabDecoder:
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,
                  sampling: SamplingParams, num_tokens: int | None = None,
                  wait: Callable[[float], None] | None = None, progress_every: int = 12):
-        """`config`'s gate / tau / burst left at None are filled from the device model's calibrated defaults
-        (`CollabConfig.resolve`). `wait`: when given (e.g. `time.sleep`), simulated time is spent for real: each
-        message waits for its uplink before it is sent and for its downlink after the reply, and device compute is
-        stretched by `device_slowdown` (a simulated device in a live cluster). Without it, time is only accounted.
+        """`config`'s gate / tau / burst / span left at None are filled from the device model's calibrated defaults
+        (`CollabConfig.resolve`); a config already validated (`method_config`'s) is not checked again. `wait`: when
+        given (e.g. `time.sleep`), simulated time is spent for real: each message waits for its uplink before it is
+        sent and for its downlink after the reply, and device compute is stretched by `device_slowdown` (a simulated
+        device in a live cluster). Without it, time is only accounted.
         `progress_every`: `generate(on_progress=...)` is called each time this many more tokens are decided."""
         self.wait = wait
         self.progress_every = max(1, int(progress_every))

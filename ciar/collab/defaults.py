@@ -14,16 +14,13 @@ evaluation, the Serve device fleet with `tau: null`) uses them unless told other
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
+
+from ciar.collab.knobs import KNOBS
+from ciar.collab.names import GATES
 
 EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
-
-
-def is_int_at_least(value, minimum: int) -> bool:
-    """An integer (not a bool) >= minimum: how burst and span are checked, in a device file and in a config."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 class UncalibratedError(ValueError):
@@ -33,7 +30,7 @@ class UncalibratedError(ValueError):
 
 @dataclass(frozen=True)
 class CIARDefaults:
-    gate: str = "interval"  # CIAR's gate (ciar.collab.gating.GATES)
+    gate: str = "interval"  # CIAR's gate (ciar.collab.names.GATES)
     taus: dict = field(default_factory=dict)  # gate -> calibrated tau at `target_rate` (CIAR's gate and baselines)
     burst: int = 0  # cloud burst g (ciar.collab.protocol.VerifyRequest.burst)
     burst_entropy: float = 0.0  # adaptive burst stop (0: fixed g)
@@ -42,19 +39,18 @@ class CIARDefaults:
     calibration: dict = field(default_factory=dict)  # prompts, seed, measured rates, the command
 
     def __post_init__(self):
-        from ciar.collab.gating import GATES
-
+        """Each value is checked against its knob (`ciar.collab.knobs`, the same table `CollabConfig` uses); the
+        gate must be one that scores positions (it has thresholds)."""
         if self.gate not in GATES:
             raise ValueError(f"ciar defaults: gate must be one of {GATES}, got {self.gate!r}")
-        for g, t in self.taus.items():
-            if g not in GATES or not isinstance(t, (int, float)) or math.isnan(t):
-                raise ValueError(f"ciar defaults: bad calibrated threshold {g!r}: {t!r}")
-        if not is_int_at_least(self.burst, 0):
-            raise ValueError(f"ciar defaults: burst must be an integer >= 0, got {self.burst!r}")
-        if not 0.0 <= self.burst_entropy <= 1.0:
-            raise ValueError(f"ciar defaults: burst_entropy must be in [0, 1], got {self.burst_entropy!r}")
-        if not is_int_at_least(self.span, 1):
-            raise ValueError(f"ciar defaults: span must be an integer >= 1, got {self.span!r}")
+        for g in self.taus:
+            if g not in GATES:
+                raise ValueError(f"ciar defaults: a threshold for an unknown gate {g!r}; known: {', '.join(GATES)}")
+        values = [(f"taus[{g!r}]", "tau", t) for g, t in self.taus.items()] + \
+            [(name, name, getattr(self, name)) for name in ("burst", "burst_entropy", "span")]
+        for label, knob, value in values:
+            if value is None or not KNOBS[knob].allows(value):
+                raise ValueError(f"ciar defaults: {label} must be {KNOBS[knob].values()}, got {value!r}")
 
     @property
     def tau(self) -> float | None:

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from ciar.collab.interval import inter_fuse, interval_uncertainty
+from ciar.collab.names import GATES  # the gates' names, defined once without torch
 
-GATES = ("interval", "lower", "entropy", "softmax", "random", "topk")
 INTERVAL_GATES = ("interval", "lower", "topk")  # gates that read the device's logit box
 
 

@@ -5,7 +5,9 @@ imports torch; the HTTP schemas and the load tests list the same names).
 
 METHODS   decoding methods (`ciar.collab.decoder.method_config` presets; the CLI's --method, the API's `method`)
 NETWORKS  simulated device links (`ciar.collab.network.PROFILES`; the CLI's --network, the API's `network`)
+GATES     gates that score a draft (`ciar.collab.gating.gate_scores`; the `gate` knob, `ciar.collab.knobs`)
 """
 
 METHODS = ("cloud", "ciar", "eagle", "lantern", "cascade", "code", "entropy", "softmax", "random", "topk")
 NETWORKS = ("5g", "4g", "wifi", "none")
+GATES = ("interval", "lower", "entropy", "softmax", "random", "topk")

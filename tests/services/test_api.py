@@ -100,9 +100,11 @@ def test_openai_client_errors_name_the_field(cluster, client):
             client.images.generate(prompt=PROMPT, **kwargs)
         err = e.value.body
         assert e.value.status_code == 400 and err["field"] == field and hint in err["message"], err
-    with pytest.raises(openai.BadRequestError) as e:  # the two names of the method must agree
-        client.images.generate(prompt=PROMPT, model="cloud", extra_body={"method": "ciar"})
-    assert e.value.body["field"] == "model"
+    for method in ("ciar", "cloud"):  # two names of one knob: `model` naming a method, or `method` (the schema's not)
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            client.images.generate(prompt=PROMPT, model="cloud", extra_body={"method": method})
+        err = e.value.body
+        assert err["field"] == "method" and "`model` or `method`, not both" in err["message"], err
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.images.generate(prompt=PROMPT, n=0)
     assert e.value.body["field"] == "n"
@@ -138,6 +140,8 @@ def test_openapi_documents_bodies_answers_and_errors(cluster):
             "params", "network", "stream"} <= set(props)
     assert props["size"]["anyOf"][0]["enum"] == [SIZE, "auto"] and props["n"]["maximum"] == 3
     assert props["method"]["enum"] == list(METHODS) and props["network"]["enum"] == list(NETWORKS)
+    assert doc["components"]["schemas"][body]["not"] == {"required": ["model", "method"],
+                                                         "properties": {"model": {"enum": list(METHODS)}}}
     for status in ("400", "401", "413", "422", "500", "503", "504"):
         content = op["responses"][status]["content"]["application/json"]["schema"]
         assert content["$ref"].endswith("/ErrorResponse"), status

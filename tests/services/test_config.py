@@ -3,6 +3,7 @@ shipped YAML files parsed and built into real Serve applications."""
 
 import hashlib
 import json
+import math
 import os
 
 import pytest
@@ -12,6 +13,7 @@ pytest.importorskip("ray.serve")
 
 from pydantic import ValidationError  # noqa: E402
 
+from ciar.collab.names import METHODS  # noqa: E402
 from services.schemas import AppConfig, DeviceLiveConfig, GenerationRequest, MethodParams, VerifierLiveConfig  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,17 +50,65 @@ def test_live_configs_validate_with_field_names():
 
 def test_request_schema():
     r = GenerationRequest(prompt="a red circle", params={"tau": 0.1, "cfg_scale": 2})
-    assert r.method == "ciar" and r.params.collab_overrides() == {"tau": 0.1}
-    assert r.params.sampling_overrides() == {"cfg_scale": 2.0}
+    assert r.method == "ciar" and r.params.collab().given() == {"tau": 0.1}
+    assert r.params.sampling().given() == {"cfg_scale": 2.0}
     with pytest.raises(ValidationError, match="method"):
         GenerationRequest(prompt="x", method="dalle")
     with pytest.raises(ValidationError, match="prompt"):
         GenerationRequest(prompt=" ")
     with pytest.raises(ValidationError, match="unicode"):  # a lone surrogate, as json.loads gives it
         GenerationRequest.model_validate(json.loads('{"prompt": "a red \\ud800 circle"}'))
-    assert GenerationRequest(prompt="a 😀 circle", params={"link_drop_after": 3}).params.collab_overrides() == \
+    assert GenerationRequest(prompt="a 😀 circle", params={"link_drop_after": 3}).params.collab().given() == \
         {"link_drop_after": 3}
-    assert MethodParams().collab_overrides() == {}
+    assert MethodParams().collab().given() == {}
+
+
+def test_model_and_method_are_one_knob():
+    """`model` naming a method and `method` are two names of one knob: a body may give one (the schema's `not` says
+    so, and the model refuses both, naming them); `model` naming the world leaves `method` to say the method."""
+    with pytest.raises(ValidationError, match="give `model` or `method`, not both") as e:
+        GenerationRequest.model_validate({"prompt": "x", "model": "ciar", "method": "ciar"})
+    assert e.value.errors()[0]["loc"] == ("method",)
+    assert GenerationRequest.model_validate({"prompt": "x", "model": "scenes-v2", "method": "cloud"}).method == "cloud"
+    assert GenerationRequest.model_validate({"prompt": "x", "model": None, "method": "cloud"}).method == "cloud"
+    assert GenerationRequest.model_validate({"prompt": "x", "model": "eagle"}).model == "eagle"
+    rule = GenerationRequest.model_json_schema()["not"]
+    assert rule["required"] == ["model", "method"] and rule["properties"]["model"]["enum"] == list(METHODS)
+
+
+def test_the_schemas_take_each_knob_from_the_one_table():
+    """MethodParams, CollabOverrides and DeviceLiveConfig state each knob's range as ciar.collab.knobs declares it,
+    which is what CollabConfig.validate checks: at and around every bound, all of them agree."""
+    from ciar.collab.decoder import CollabConfig
+    from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS
+    from services.schemas import CollabOverrides
+
+    assert set(CollabOverrides.model_fields) == set(REQUEST_KNOBS)
+    assert set(REQUEST_KNOBS) < set(MethodParams.model_fields) and set(LIVE_KNOBS) < set(DeviceLiveConfig.model_fields)
+    for knob in KNOBS.values():
+        if knob.kind in (int, float):
+            bounds = [b for b in (knob.ge, knob.gt, knob.le) if b is not None]
+            values = [knob.kind(b + d) for b in bounds for d in (-1, -0.5, 0, 0.5, 1)
+                      if knob.kind is float or float(d).is_integer()] + [math.inf, math.nan]
+        else:
+            values = list(knob.choices or ()) + ["nope", True, False, 1]
+        for v in values:
+            core = knob.allows(v)
+            try:
+                CollabConfig(**{knob.name: v}).validate()
+                assert core, (knob.name, v)
+            except ValueError as e:
+                assert not core and knob.name in str(e), (knob.name, v)
+            models = ([MethodParams, CollabOverrides] if knob.request else []) + \
+                ([DeviceLiveConfig] if knob.live else [])
+            for model in models:
+                try:
+                    model(**{knob.name: v})
+                    ok = True
+                except ValidationError as e:
+                    ok = False
+                    assert knob.name in str(e)
+                assert ok == core, (model.__name__, knob.name, v)
 
 
 def test_api_keys_from_config_and_env(monkeypatch):
@@ -157,3 +207,22 @@ def test_json_safe_drops_non_finite_floats():
     got = json_safe({"a": float("inf"), "b": [1.5, float("nan"), {"c": -float("inf")}], "d": "x", "e": 3})
     assert got == {"a": None, "b": [1.5, None, {"c": None}], "d": "x", "e": 3}
     json.dumps(got, allow_nan=False)
+
+
+def test_a_device_merges_its_live_defaults_under_the_requests_knobs():
+    """Device.config_for: the method's preset, the fleet's live knobs the method takes, the request's over them,
+    validated once (the decoder does not check again)."""
+    from types import SimpleNamespace
+
+    from services.device import Device
+    from services.schemas import CollabOverrides
+
+    phone = SimpleNamespace(live=DeviceLiveConfig(tau=0.3, gate="lower", span=4, burst=2, prefix_rate=0.1))
+    cfg = Device.config_for(phone, "ciar", "4g", CollabOverrides(span=8, link_drop_after=5))
+    assert (cfg.tau, cfg.gate, cfg.span, cfg.burst, cfg.prefix_rate, cfg.network, cfg.link_drop_after) == \
+        (0.3, "lower", 8, 2, 0.1, "4g", 5)
+    assert cfg.validated
+    eagle = Device.config_for(phone, "eagle", "5g", CollabOverrides())
+    assert (eagle.gate, eagle.tau, eagle.burst, eagle.span) == ("always", None, 0, 4)  # the baseline's own knobs
+    with pytest.raises(ValueError, match="cloud"):
+        Device.config_for(phone, "cloud", "5g", CollabOverrides(prefix_rate=0.5))
