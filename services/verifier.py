@@ -38,8 +38,7 @@ import torch
 from ray import serve
 
 from ciar.collab.engine import KINDS, AsyncStepper
-from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.protocol import SessionError
+from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, SessionError, VerifyReply, VerifyRequest
 from ciar.collab.verifier import CloudVerifier, VerifyWork
 from ciar.world import load_world
 from services.device_endpoint import session_token
@@ -85,7 +84,7 @@ class Verifier:
         self.live = VerifierLiveConfig(**(config or {}))  # raises a ValidationError naming the field
         self.core.engine.config = self.live.scheduler()
         self.stepper.wait_s = self.live.batch_wait_timeout_s
-        self.core.idle_timeout_s = self.live.idle_timeout_s
+        self.core.table.idle_timeout_s = self.live.idle_timeout_s
 
     # ------------------------------------------------------------------ housekeeping
     def _ensure_evictor(self) -> None:

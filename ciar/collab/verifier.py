@@ -42,16 +42,15 @@ position-keyed randomness the resumed session continues with the same tokens as 
 and draws; the rebuilt cache equals the original up to floating-point summation order, like any difference in
 batching).
 
-Slots: `max_sessions` sessions (2 cache slots each with CFG, 1 without). Every open/resume/verify stamps the
-session's `last_used` (time.monotonic); `evict_idle(s)` closes sessions idle for at least s seconds, and with
-`idle_timeout_s` set, an open/resume that finds too few free slots first evicts such idle sessions (least recently
-used first) before raising `CapacityError`.
+Sessions and slots: `ciar.collab.sessions.SessionTable` (`verifier.table`) holds the open sessions, their cache
+slots (2 each with CFG, 1 without, `max_sessions` sessions) and their idle expiry; `close` here also fails a
+request still in flight for the session.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, replace
 
 import torch
 
@@ -59,9 +58,10 @@ from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, 
 from ciar.collab.engine import DECODE, HISTORY, PREFILL, SPAN, Piece, SchedulerConfig, StepEngine, Work
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
-from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, RuleConfig,  # noqa: F401
-                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
-from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
+from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionError,
+                                  SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
+from ciar.collab.sessions import Session, SessionTable, slots_needed
+from ciar.decoding.sampling import logits_to_probs, sample
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
 
@@ -83,19 +83,6 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(position) & _MASK64)) >> 1
 
 
-@dataclass
-class _Session:
-    slots: list[int]  # [cond] or [cond, uncond]
-    tokens: list[int]  # committed image tokens
-    sampling: SamplingParams
-    rule: RuleConfig
-    generator: torch.Generator
-    first_logits: torch.Tensor | None  # [rows, V] prefill logits, kept while no token is committed
-    seed: int = 0  # the OpenRequest's seed (prefix stream; position-keyed acceptance seeds)
-    last_used: float = 0.0  # time.monotonic() of the last open/resume/verify
-    work: object = None  # the request in flight for this session (one at a time), or None
-
-
 class CloudVerifier:
     def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int = 16,
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
@@ -107,11 +94,8 @@ class CloudVerifier:
         self.text = text
         self.config = cloud.config
         self.vocab_size = cloud.config.vocab_size
-        self.max_sessions = max_sessions
-        self.idle_timeout_s = idle_timeout_s
         self.cache = cloud.new_cache(2 * max_sessions)
-        self.free_slots = list(range(2 * max_sessions))
-        self.sessions: dict[str, _Session] = {}
+        self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
         self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
         self._neighbors: dict[int, NeighborTable] = {}
@@ -123,12 +107,17 @@ class CloudVerifier:
         return self.cloud.tok_embeddings.weight.device
 
     @property
+    def sessions(self) -> dict[str, Session]:
+        """The open sessions by id (`table.sessions`)."""
+        return self.table.sessions
+
+    @property
     def num_sessions(self) -> int:
-        return len(self.sessions)
+        return len(self.table)
 
     @property
     def free_slot_count(self) -> int:
-        return len(self.free_slots)
+        return len(self.table.free_slots)
 
     # ------------------------------------------------------------------ sessions
     def _neighbor_table(self, k: int) -> NeighborTable:
@@ -141,43 +130,16 @@ class CloudVerifier:
 
     def close(self, session_id: str, cancel: bool = True) -> None:
         """Free a session's slots; a request of it still in flight fails with SessionLostError."""
-        s = self.sessions.pop(session_id, None)
+        s = self.table.pop(session_id)
         if s is not None:
             if cancel and s.work is not None:
                 self.engine.cancel(session_id, SessionLostError(f"session {session_id!r} was closed while a "
                                                                 f"request was in flight", session_id))
-            self.cache.reset(s.slots)
-            self.free_slots.extend(s.slots)
+            self.table.free(s)
 
     def evict_idle(self, max_idle_s: float) -> list[str]:
         """Close the sessions idle (no open/resume/verify) for at least `max_idle_s` seconds; -> their ids."""
-        now = time.monotonic()
-        gone = [sid for sid, s in self.sessions.items() if s.work is None and now - s.last_used >= max_idle_s]
-        for sid in gone:
-            self.close(sid)
-        return gone
-
-    def _reserve(self, need: int) -> None:
-        """Make sure `need` slots are free: evict idle sessions (least recently used first, only those idle for at
-        least `idle_timeout_s`, only as many as needed), else raise CapacityError."""
-        if need > len(self.free_slots) and self.idle_timeout_s is not None:
-            now = time.monotonic()
-            idle = sorted((s.last_used, sid) for sid, s in self.sessions.items()
-                          if s.work is None and now - s.last_used >= self.idle_timeout_s)
-            for _, sid in idle:
-                if need <= len(self.free_slots):
-                    break
-                self.close(sid)
-        if need > len(self.free_slots):
-            raise CapacityError(f"verifier full: {len(self.sessions)} sessions open, {len(self.free_slots)} free "
-                                f"slots, this batch needs {need}")
-
-    def _session(self, session_id: str) -> _Session:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise SessionLostError(f"unknown session {session_id!r} (never opened, closed, or evicted)",
-                                   session_id) from None
+        return self.table.evict_idle(max_idle_s)
 
     # ------------------------------------------------------------------ submitting work (step-level engine)
     def submit_open(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
@@ -259,15 +221,6 @@ class CloudVerifier:
             w.cond = cond[row:row + w.rows]
             row += w.rows
 
-    def _take_slots(self, request: OpenRequest) -> _Session:
-        self._reserve(2 if request.sampling.uses_cfg else 1)
-        slots = [self.free_slots.pop(0) for _ in range(2 if request.sampling.uses_cfg else 1)]
-        s = _Session(slots, [], request.sampling, request.rule,
-                     torch.Generator(device="cpu").manual_seed(int(request.seed)), None, seed=int(request.seed),
-                     last_used=time.monotonic())
-        self.sessions[request.session_id] = s
-        return s
-
     # ------------------------------------------------------------------ judging (one batched call per rule)
     def judge_ready(self, works: list) -> None:
         """Engine hook: judge every verification in `works` whose feed is complete, one `verify_span` call per
@@ -319,13 +272,13 @@ class CloudVerifier:
                           span_len=torch.tensor([w.k for w in works], device=dev), **kwargs)
         return list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.recovered.tolist()))
 
-    def _probs(self, s: _Session, logits: torch.Tensor) -> torch.Tensor:
+    def _probs(self, s: Session, logits: torch.Tensor) -> torch.Tensor:
         """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
         if len(s.slots) == 2:
             return logits_to_probs(logits[0], s.sampling, uncond_logits=logits[1])
         return logits_to_probs(logits[0], s.sampling)
 
-    def _sample(self, s: _Session, logits: torch.Tensor) -> int:
+    def _sample(self, s: Session, logits: torch.Tensor) -> int:
         return int(sample(self._probs(s, logits).unsqueeze(0), s.generator)[0])
 
     # ------------------------------------------------------------------ the batch API (submit, step until done)
@@ -336,9 +289,8 @@ class CloudVerifier:
         slots raises before any session is created."""
         self._check_batch(requests, caption_emb)
         for r in requests:
-            if r.session_id in self.sessions:
-                raise SessionError(f"session {r.session_id!r} is already open")
-        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
+            self.table.check_new(r.session_id)
+        self.table.reserve(sum(slots_needed(r) for r in requests))
         return self._run([self.submit_open(r, *_caption(caption_emb, caption_mask, i))
                           for i, r in enumerate(requests)])
 
@@ -362,7 +314,7 @@ class CloudVerifier:
                  for i, (r, h, inj) in enumerate(zip(requests, histories, injected))]
         for r in requests:  # stale copies of the same sessions
             self.close(r.session_id)
-        self._reserve(sum(2 if r.sampling.uses_cfg else 1 for r in requests))
+        self.table.reserve(sum(slots_needed(r) for r in requests))
         return self._run([self.engine.submit(w) for w in works])
 
     def verify_batch(self, requests: list[VerifyRequest]) -> list[VerifyReply]:
@@ -400,7 +352,7 @@ class OpenWork(Work):
         if not 0 <= request.prefix_len <= c.block_size:
             raise SessionError(f"prefix_len must be in [0, {c.block_size}], got {request.prefix_len}")
         request.sampling.validate()
-        self.s: _Session | None = None
+        self.s: Session | None = None
         self.cond: torch.Tensor | None = None  # [rows, cls, dim] embedded condition
         self.cond_pos = 0  # condition positions fed
 
@@ -413,9 +365,7 @@ class OpenWork(Work):
         return len(self.s.slots)
 
     def admit(self) -> None:
-        if self.session_id in self.v.sessions:
-            raise SessionError(f"session {self.session_id!r} is already open")
-        self.s = self.v._take_slots(self.request)
+        self.s = self.v.table.open(self.request)
         self.s.work = self
 
     def release(self) -> None:
@@ -424,7 +374,7 @@ class OpenWork(Work):
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         if error is not None and not self.done and self.s is not None and \
-                self.v.sessions.get(self.session_id) is self.s:
+                self.v.table.sessions.get(self.session_id) is self.s:
             self.v.close(self.session_id, cancel=False)  # a half-built session is of no use: free its slots
         super().finish(result, error)
 
@@ -561,7 +511,7 @@ class VerifyWork(Work):
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v.vocab_size):
                 raise SessionError(f"token ids must be in [0, {v.vocab_size})")
         self.k, self.m = k, m
-        self.s: _Session | None = None
+        self.s: Session | None = None
         self.phase = "feed"  # feed -> judge -> (burst) -> done
         self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.burst_tokens: list[int] = []
@@ -575,8 +525,8 @@ class VerifyWork(Work):
     def rows(self) -> int:
         return len(self.s.slots)
 
-    def check_state(self) -> _Session:
-        s = self.v._session(self.session_id)
+    def check_state(self) -> Session:
+        s = self.v.table.get(self.session_id)
         if s.work is not None:
             raise SessionError(f"session {self.session_id!r} has a request in flight")
         if len(s.tokens) + self.m + self.k > self.v.config.block_size:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ciar.collab.decoder import CollabDecoder, method_config
-from ciar.collab.protocol import OpenRequest, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, InProcessCloud, SessionError
+from ciar.collab.protocol import OpenRequest, SessionError, VerifyRequest
+from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)

@@ -7,8 +7,8 @@ import torch
 
 from ciar.collab.decoder import DEVICE_SEED_OFFSET, CollabDecoder, method_config
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
-from ciar.collab.protocol import OpenRequest, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, InProcessCloud, SessionError
+from ciar.collab.protocol import OpenRequest, SessionError, VerifyRequest
+from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.generate import generate_cloud
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 

@@ -5,8 +5,8 @@ import torch
 
 from ciar.collab.acceptance import CascadeConfig, verify_span
 from ciar.collab.engine import SchedulerConfig
-from ciar.collab.protocol import OpenRequest, VerifyRequest
-from ciar.collab.verifier import CapacityError, CloudVerifier, SessionLostError
+from ciar.collab.protocol import CapacityError, OpenRequest, SessionLostError, VerifyRequest
+from ciar.collab.verifier import CloudVerifier
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)

@@ -7,10 +7,9 @@ import torch
 
 from ciar.collab.decoder import CollabDecoder, method_config
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
-from ciar.collab.protocol import OpenRequest, VerifyRequest
+from ciar.collab.protocol import CapacityError, OpenRequest, SessionError, SessionLostError, VerifyRequest
 from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import (CapacityError, CloudVerifier, InProcessCloud, SessionError, SessionLostError,
-                                  position_seed)
+from ciar.collab.verifier import CloudVerifier, InProcessCloud, position_seed
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
