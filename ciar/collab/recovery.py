@@ -29,44 +29,17 @@ calls must be sequential (as `CollabDecoder` makes them); different sessions may
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.protocol import SessionLostError
+from ciar_client.history import SessionHistory
 
 
 def _is_session_lost(exc: BaseException) -> bool:
     return isinstance(exc, SessionLostError)
-
-
-@dataclass
-class TrackedSession:
-    """A session as its device knows it: enough to re-create it on a verifier (`resume`)."""
-
-    request: OpenRequest  # want_caption=False: what `resume` is sent
-    tokens: list[int]  # committed tokens as the cloud counts them
-    positions: list[int] = field(default_factory=list)  # history indices of tokens sent with interval features
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [m_i, d_device] per verify that sent features
-    features: list[torch.Tensor] = field(default_factory=list)  # [m_i, F]
-
-    def injected(self) -> InjectedFeatures | None:
-        if not self.positions:
-            return None
-        return InjectedFeatures(torch.tensor(self.positions, dtype=torch.long), torch.cat(self.hidden),
-                                torch.cat(self.features))
-
-    def commit(self, request: VerifyRequest, reply: VerifyReply) -> None:
-        """Record what a verification committed (and the interval features it injected)."""
-        m = int(request.new_tokens.numel())
-        if request.device_hidden is not None and request.features is not None and m:
-            self.positions.extend(range(len(self.tokens), len(self.tokens) + m))
-            self.hidden.append(request.device_hidden.detach().cpu())
-            self.features.append(request.features.detach().cpu())
-        burst = reply.burst_tokens.tolist() if reply.num_burst else []
-        self.tokens.extend(request.new_tokens.tolist() + request.draft_tokens[:reply.num_accepted].tolist()
-                           + [int(reply.next_token)] + burst)
 
 
 class RecoveringClient:
@@ -76,7 +49,7 @@ class RecoveringClient:
     def __init__(self, inner: CloudClient, is_lost: Callable[[BaseException], bool] | None = None):
         self.inner = inner
         self.is_lost = is_lost or _is_session_lost
-        self._sessions: dict[str, TrackedSession] = {}
+        self._sessions: dict[str, SessionHistory] = {}
         self.resumes = 0  # sessions re-created through this wrapper (all sessions together)
 
     @property
@@ -90,8 +63,8 @@ class RecoveringClient:
 
     def open(self, request: OpenRequest) -> OpenReply:
         reply = self.inner.open(request)
-        self._sessions[request.session_id] = TrackedSession(replace(request, want_caption=False),
-                                                      reply.prefix_tokens.tolist())
+        self._sessions[request.session_id] = SessionHistory(replace(request, want_caption=False),
+                                                            reply.prefix_tokens.tolist())
         return reply
 
     def resume(self, request: OpenRequest, history: torch.Tensor,
@@ -99,11 +72,8 @@ class RecoveringClient:
         """Pass-through (the wrapper then tracks the session from `history`)."""
         reply = self.inner.resume(request, history) if injected is None else \
             self.inner.resume(request, history, injected)
-        t = TrackedSession(replace(request, want_caption=False), torch.as_tensor(history).long().tolist())
-        if injected is not None and injected.positions.numel():
-            t.positions = injected.positions.tolist()
-            t.hidden, t.features = [injected.device_hidden], [injected.features]
-        self._sessions[request.session_id] = t
+        self._sessions[request.session_id] = SessionHistory.resumed(replace(request, want_caption=False), history,
+                                                                    injected)
         return reply
 
     def verify(self, request: VerifyRequest) -> VerifyReply:
@@ -118,9 +88,8 @@ class RecoveringClient:
             t.commit(request, reply)
         return reply
 
-    def _resume_and_retry(self, t: TrackedSession, request: VerifyRequest) -> VerifyReply:
-        history = torch.tensor(t.tokens, dtype=torch.long)
-        injected = t.injected()
+    def _resume_and_retry(self, t: SessionHistory, request: VerifyRequest) -> VerifyReply:
+        history, injected = t.history(torch.from_numpy), t.injected(torch.from_numpy)
         # only pass `injected` when there is some, so that clients without interval features need not accept it
         res = self.inner.resume(t.request, history) if injected is None else \
             self.inner.resume(t.request, history, injected)

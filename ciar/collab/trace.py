@@ -31,7 +31,7 @@ import torch
 
 from ciar.collab.network import NetworkModel
 from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, SessionLostError, VerifyReply, VerifyRequest
-from ciar.collab.recovery import TrackedSession
+from ciar_client.history import SessionHistory
 
 
 @dataclass
@@ -159,7 +159,7 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
     open_req = replace(trace.open, session_id=session_id)
     reply = await cloud.open(open_req)
     await link(trace.open_bytes[1])
-    tracked = TrackedSession(replace(open_req, want_caption=False), reply.prefix_tokens.tolist())
+    tracked = SessionHistory(replace(open_req, want_caption=False), reply.prefix_tokens.tolist())
     mismatches = int(reply.prefix_tokens.tolist() != trace.prefix_tokens)
     passes, cloud_s, resumes = reply.forward_passes, reply.cloud_s, 0
     for i, step in enumerate(trace.steps):
@@ -173,8 +173,8 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
             except Exception as e:  # noqa: BLE001 - only a lost session is recovered here
                 if not is_lost(e):
                     raise
-                res = await cloud.resume(tracked.request, torch.tensor(tracked.tokens, dtype=torch.long),
-                                         tracked.injected())
+                res = await cloud.resume(tracked.request, tracked.history(torch.from_numpy),
+                                         tracked.injected(torch.from_numpy))
                 resumes += 1
                 passes += res.forward_passes
                 rep = await cloud.verify(req)

@@ -22,12 +22,13 @@ closed and sent again (its prefix tokens are drawn from the session's seed: the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from ciar_client import wire
+from ciar_client.history import SessionHistory
 from ciar_client.wire import (CLOSE, ERROR, HELLO, OPEN, RESUME, VERIFY, WELCOME, CloseRequest, Frame, Hello,
                               InjectedFeatures, OpenReply, OpenRequest, ResumeRequest, VerifyReply, VerifyRequest)
 
@@ -61,30 +62,12 @@ class _Dropped(Exception):
 FATAL_CLOSES = (wire.CLOSE_UNAUTHORIZED, wire.CLOSE_VERSION, wire.CLOSE_PROTOCOL, wire.CLOSE_TOO_BIG)
 
 
-@dataclass
-class _Session:
-    request: OpenRequest  # want_caption=False: what RESUME sends
-    token: bytes
-    tokens: list[int]  # committed tokens as the cloud counts them
-    positions: list[int] = field(default_factory=list)  # history indices sent with interval features
-    hidden: list[np.ndarray] = field(default_factory=list)
-    features: list[np.ndarray] = field(default_factory=list)
+class _Session(SessionHistory):
+    """A session's history plus the token the verifier issued for it (sent with every later request)."""
 
-    def injected(self) -> InjectedFeatures | None:
-        if not self.positions:
-            return None
-        return InjectedFeatures(np.array(self.positions, np.int64), np.concatenate(self.hidden),
-                                np.concatenate(self.features))
-
-    def commit(self, request: VerifyRequest, reply: VerifyReply) -> None:
-        new = wire._np(request.new_tokens, np.int64).reshape(-1).tolist()
-        drafts = wire._np(request.draft_tokens, np.int64).reshape(-1).tolist()
-        if request.device_hidden is not None and request.features is not None and new:
-            self.positions.extend(range(len(self.tokens), len(self.tokens) + len(new)))
-            self.hidden.append(wire._np(request.device_hidden, np.float16))
-            self.features.append(wire._np(request.features, np.float16))
-        burst = wire._np(reply.burst_tokens, np.int64).reshape(-1).tolist() if reply.num_burst else []
-        self.tokens.extend(new + drafts[:reply.num_accepted] + [int(reply.next_token)] + burst)
+    def __init__(self, request: OpenRequest, token: bytes, tokens: list[int]):
+        super().__init__(request, tokens)
+        self.token = token
 
 
 @dataclass
@@ -258,7 +241,7 @@ class DeviceConnection:
 
     def _resume(self, s: _Session) -> OpenReply:
         self.resumes += 1
-        body = ResumeRequest(s.request, np.array(s.tokens, np.int64), s.injected(), self.vocab_size)
+        body = ResumeRequest(s.request, s.history(), s.injected(), self.vocab_size)
         return self._exchange(RESUME, body, s.token).body
 
     def resume(self, request: OpenRequest, history, injected: InjectedFeatures | None = None) -> OpenReply:
@@ -266,14 +249,9 @@ class DeviceConnection:
         s = self.sessions.get(request.session_id)
         if s is None:
             raise SessionLost(410, f"session {request.session_id!r} was not opened on this connection: no token")
-        s.request = replace(request, want_caption=False)
-        s.tokens = wire._np(history, np.int64).reshape(-1).tolist()
-        s.positions, s.hidden, s.features = [], [], []
-        if injected is not None and wire._count(injected.positions):
-            s.positions = wire._np(injected.positions, np.int64).tolist()
-            s.hidden = [wire._np(injected.device_hidden, np.float16)]
-            s.features = [wire._np(injected.features, np.float16)]
-        body = ResumeRequest(request, np.array(s.tokens, np.int64), s.injected(), self.vocab_size)
+        h = SessionHistory.resumed(replace(request, want_caption=False), history, injected)
+        s.request, s.tokens, s.positions, s.hidden, s.features = h.request, h.tokens, h.positions, h.hidden, h.features
+        body = ResumeRequest(request, s.history(), s.injected(), self.vocab_size)
         return self._retrying(lambda: self._exchange(RESUME, body, s.token)).body
 
     def close(self, session_id: str) -> None:
