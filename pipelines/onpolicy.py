@@ -5,7 +5,7 @@
         --data-dir data_cache/llamagen-xl       # a LlamaGen world: COCO captions encoded by its T5 (resumable)
 
 The device drafts from the *guided* cloud distribution, so it is distilled on the prefixes the cloud actually
-produces under CFG (DESIGN.md section 4), not on VQ codes of rendered images. This stage samples one image per
+produces under CFG (docs/architecture.md §12.2), not on VQ codes of rendered images. This stage samples one image per
 caption of a `TokenisedScenes` split (captions embedded by `pipelines.data.build_split`'s "text" stage) with
 `ciar.decoding.generate_cloud` and writes the tokens into a memory-mapped array next to the captions:
 

@@ -4,7 +4,7 @@
         --data-dir data_cache/scenes-v2-s3
 
 The device drafts from the *guided* cloud distribution (CFG -> temperature -> top-k/p), so that is what it is
-distilled towards (DESIGN.md section 4):
+distilled towards (docs/architecture.md §10, §12.2):
 
 - **Data** (`--data onpolicy`, the default): token sequences the cloud sampled itself with the world's sampling
   settings (`pipelines.onpolicy`, cached to disk, built here when missing) for captions of the scenes train split;

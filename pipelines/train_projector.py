@@ -3,7 +3,7 @@
     python -m pipelines.train_projector --out weights/scenes-v2 --steps 400 --batch-size 16 --seed 3 \
         --data-dir data_cache/scenes-v2-s3
 
-What it learns (our reading of the paper's "distribution alignment"; DESIGN.md section 4): during collaborative
+What it learns (our reading of the paper's "distribution alignment"; docs/architecture.md §7): during collaborative
 decoding the cloud catches up on tokens the device accepted locally, and those can differ from what the cloud
 would have chosen. Each training sequence is an on-policy cloud sequence (`--data onpolicy`, the device's
 distillation set; `--data data`: VQ codes of rendered scenes) in which every image token is, with probability

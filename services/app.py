@@ -1,4 +1,4 @@
-"""The CIAR Ray Serve application: HTTP ingress -> simulated device fleet -> verifier pool (DESIGN.md sections 2, 8).
+"""The CIAR Ray Serve application: HTTP ingress -> simulated device fleet -> verifier pool (docs/architecture.md §4).
 
     serve run serve_config.yaml          # or: make serve
     curl -s localhost:8000/healthz

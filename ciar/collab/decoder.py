@@ -4,7 +4,7 @@
     result = decoder.generate("a small red circle at the top on a gray background", seed=0)
     result.tokens   # [N] int64 image tokens;  result.stats  # GenerationStats (ciar.collab.stats)
 
-One generation (DESIGN.md sections 2 and 4):
+One generation (docs/architecture.md §4, §7):
 1. *open*: the cloud encodes the caption, generates the first ceil(prefix_rate * N) tokens itself (prefix
    injection) and returns them with the caption embeddings;
 2. the device prefills its cache and drafts token by token from its Inter-Head centers (post-guidance, through

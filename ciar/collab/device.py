@@ -6,7 +6,7 @@
     out = device.prefill(cache, cond, mask, drop)                                # first image token
     out = device.decode(cache, tok, pos, kv_len=pos + 1)                          # next token(s)
 
-The device drafts from the Inter-Head's center logits `c` (DESIGN.md section 4); the radius `r` gives the logit
+The device drafts from the Inter-Head's center logits `c` (docs/architecture.md §7); the radius `r` gives the logit
 box `[c - r, c + r]` that InterFuse turns into a probability interval. The trunk is `ciar.models.gpt.GPT` built
 with `lm_head=False` (same keys as the cloud under `gpt.`), so every cached-decoding facility of the cloud —
 per-row positions, slots, rollback by position — is the device's too.

@@ -1,4 +1,4 @@
-"""CIAR's Inter-Head, InterFuse and interval uncertainty (paper Sec. 3; DESIGN.md section 4).
+"""CIAR's Inter-Head, InterFuse and interval uncertainty (paper Sec. 3; docs/architecture.md §7).
 
 The device model predicts, per position, a *box* of logits: a center c [V] and a radius r >= 0 [V], i.e. every
 logit vector l with c - r <= l <= c + r. InterFuse turns the box into the tight per-token probability bounds of

@@ -1,4 +1,4 @@
-"""Inter-DRO: the training loss of the device model's Inter-Head (DESIGN.md section 4, paper Eq. 5-8).
+"""Inter-DRO: the training loss of the device model's Inter-Head (docs/architecture.md §7, paper Eq. 5-8).
 
     cfg = InterDROConfig(kl_weight=1.0, dro_eta=1.0).ablate("lower")     # paper Table 7 ablations
     total, parts = inter_dro_loss(center, radius, targets, cloud_probs, cfg)   # center/radius [M, V], targets [M]
@@ -87,7 +87,7 @@ def inter_dro_loss(center: torch.Tensor, radius: torch.Tensor, targets: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Distillation against the *guided* cloud, with a coverage-trained interval (DESIGN.md section 4, "what we measured")
+# Distillation against the *guided* cloud, with a coverage-trained interval (docs/architecture.md §12.2)
 # ---------------------------------------------------------------------------------------------------------------
 
 DISTILL_TERMS = ("kl", "cond_kl", "coverage", "inter_dro")

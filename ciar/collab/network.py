@@ -1,4 +1,4 @@
-"""Simulated device <-> cloud link (the paper's appendix A.2.7, DESIGN.md section 7).
+"""Simulated device <-> cloud link (the paper's appendix A.2.7, docs/architecture.md §8).
 
     net = NetworkModel(get_profile("5g"), seed=0)
     t = net.round_trip(up_bytes=1200, down_bytes=72)      # LinkTiming(uplink_s, downlink_s, retransmissions)

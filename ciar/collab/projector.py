@@ -5,7 +5,7 @@ embedding of each locally accepted token when the cloud catches up (CIAR's inter
     extra = proj(device_hidden, interval_features)      # [..., cloud_dim]
     logits = cloud.decode(cache, tokens, pos, extra_emb=extra * accepted_locally[..., None])
 
-`h = block(e(x_t) + proj(f_t))` (DESIGN.md section 4). The output layer starts at zero, so an untrained
+`h = block(e(x_t) + proj(f_t))` (docs/architecture.md §7). The output layer starts at zero, so an untrained
 projector is exactly "w/o Inter-Enhance"; it is trained with the cloud frozen (`pipelines.train_projector`).
 Files: `projector.safetensors` (kind "ciar_projector").
 """

@@ -1,4 +1,4 @@
-"""One accounting struct for every decoding method (DESIGN.md section 7), and the payload encodings behind bytes.
+"""One accounting struct for every decoding method (docs/architecture.md §8), and the payload encodings behind bytes.
 
     stats = GenerationStats(total_tokens=144, cloud_tokens=40, ...)
     total = sum(per_image_stats, GenerationStats())          # aggregate over images

@@ -1,4 +1,4 @@
-"""Procedural captioned scenes: the default world's dataset (DESIGN.md section 3).
+"""Procedural captioned scenes: the default world's dataset (docs/architecture.md §9).
 
 A deterministic renderer of small RGB scenes (one to three objects on a background) with a caption from a fixed
 grammar and structured labels per object. The same (split, seed, index) always gives the same scene.

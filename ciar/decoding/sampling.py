@@ -2,7 +2,7 @@
 
 This is the one place where logits become probabilities. The cloud-only loop, every drafter, every verifier and
 every acceptance rule call `logits_to_probs`, so that drafts and verification compare the *same* distribution
-(DESIGN.md section 4: "CFG -> temperature -> top-k/top-p, in that order").
+(docs/architecture.md §7: "CFG -> temperature -> top-k/top-p, in that order").
 
 Order of operations in `logits_to_probs` (all in float32, over the last dim, any leading shape):
 
@@ -72,7 +72,7 @@ class SamplingParams:
         return asdict(self)
 
 
-# LlamaGen's text-to-image sampling defaults (DESIGN.md section 5).
+# LlamaGen's text-to-image sampling defaults (docs/architecture.md §9).
 LLAMAGEN_T2I_DEFAULTS = SamplingParams(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
 
 

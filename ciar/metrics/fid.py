@@ -1,4 +1,4 @@
-"""FID with a pluggable feature extractor (DESIGN.md section 7).
+"""FID with a pluggable feature extractor (docs/architecture.md §8).
 
 - kind="scenes": `SceneFeatureNet`, a small CNN trained on rendered scenes (split "probe") to classify every
   cell's shape/colour/size and the background, the image's attribute histogram, and which degradation (if any)

@@ -1,4 +1,4 @@
-"""The FID Inception-v3 network, loaded from a LOCAL weights file (DESIGN.md section 7, the real-model path).
+"""The FID Inception-v3 network, loaded from a LOCAL weights file (docs/architecture.md §8, the real-model path).
 
 FID on real images is defined by one network: the TensorFlow Inception-v3 graph of 2015-12-05 that the original
 FID code used, converted to PyTorch as `pt_inception-2015-12-05-6726825d.pth` (pytorch-fid) and

@@ -1,4 +1,4 @@
-"""Attribute probe: the default world's caption-fidelity instrument (DESIGN.md section 7).
+"""Attribute probe: the default world's caption-fidelity instrument (docs/architecture.md §8).
 
 A small CNN trained on rendered scenes (split "probe", every attribute combination) that reads, for each cell
 of the 3x3 grid, the object's shape (0 = empty, 1..4), colour and size, plus the background. It stands in for

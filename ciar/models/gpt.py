@@ -1,7 +1,7 @@
 """LlamaGen's GPT for image tokens (text- or class-conditional), with a static KV cache for span verification.
 
 Architecture and parameter names follow LlamaGen's `autoregressive/models/gpt.py` so its checkpoints load
-strictly (`load_llamagen_gpt`); the code is ours. Facts reproduced (DESIGN.md section 5):
+strictly (`load_llamagen_gpt`); the code is ours. Facts reproduced (docs/architecture.md §9):
 - bias-free linear layers, RMSNorm (eps 1e-5), SwiGLU FFN `w2(silu(w1 x) * w3 x)` with hidden size
   int(8d/3) rounded up to a multiple of 256, fused `wqkv` (q|k|v);
 - 2D RoPE over the image grid (head_dim halves: rows / columns, interleaved pairs), and zero cos/sin for the

@@ -192,7 +192,7 @@ SIZES = {"GPT-B": (12, 12, 768), "GPT-L": (24, 16, 1024), "GPT-XL": (36, 20, 128
 
 def expected_llamagen_layout(n_layer: int, d: int, hidden: int, vocab: int = 16384, model_type: str = "t2i",
                              caption_dim: int = 2048, token_num: int = 120, num_classes: int = 1000):
-    """Parameter names -> shapes of a LlamaGen GPT checkpoint, written from DESIGN.md section 5."""
+    """Parameter names -> shapes of a LlamaGen GPT checkpoint, as docs/architecture.md §9 gives them."""
     keys = {"tok_embeddings.weight": (vocab, d), "norm.weight": (d,), "output.weight": (vocab, d)}
     if model_type == "t2i":
         keys.update({"cls_embedding.uncond_embedding": (token_num, caption_dim),
