@@ -20,11 +20,13 @@ What is sent (`DeviceFuzzer.run`), every wait bounded by `Target.timeout_s` (an 
   sessions   a device opening hundreds of sessions, also opening each id twice and after VERIFYs of sessions it does
              not hold: exactly the per-device limit succeed, the rest are 429 naming session_id, and all of them can
              be opened again once closed (nothing leaked); the verifier holds as many sessions after the run as before;
-  readers    a slow reader (sends, never reads; tiny receive buffer): dropped by the server's send timeout while
-             another connection is answered meanwhile;
+  readers    a slow reader (sends, never reads; tiny receive buffer; asks for the largest replies, its sessions'
+             captions): dropped by the server's send timeout while another connection is answered meanwhile (the
+             serving processes' memory is recorded when `Target.server_memory` can read it);
   connections  up to the endpoint's connection limit and beyond (1013, "retry after N s"), the health route and a
-             new device answered meanwhile; the per-device connection limit (1008); connections that vanish right
-             after HELLO do not use up their device's connections.
+             new device answered meanwhile (inconclusive, not failed, when connections that sent no HELLO were
+             closed before the last ones were open: the limit was not reached); the per-device connection limit
+             (1008); connections that vanish right after HELLO do not use up their device's connections.
 Witnesses (`Witnesses`: `ciar_client.loop.generate` over a `DeviceConnection` on the second device key; the tests
 pass a torch decoder) make their images once before the fuzz and then in a loop during it: every image must be
 bit-identical to the quiet one, without a reconnect. After the fuzz the health route must answer and one more
@@ -32,12 +34,14 @@ witness image must be identical. Passes: no ERROR 5xx other than 503, no close 1
 another request id, every answer the expected one.
 
 `run()` -> the summary written to OUT/device_fuzz.json: frames (by kind), answers (by "close:CODE", "error:STATUS",
-"reply:TYPE", "timeout"), probes (per probe's figures), failures (the first 50, `failure_count` all), witnesses,
-healthy, ok. `secrets()` are the device keys and the session tokens seen (hex), for the log scan.
+"reply:TYPE", "timeout"), probes (per probe's figures), phases_s, failures (the first 50, `failure_count` all; a
+hang's or a server error's frame whole in `frame_b64`, to replay it), witnesses, healthy, ok. `secrets()`: the
+device keys and the session tokens seen (hex), for the log scan.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import struct
@@ -70,6 +74,8 @@ FRAME_KINDS = {"random_body": 0.08, "bad_magic": 0.04, "unknown_type": 0.04, "wr
 ANY_REQUEST_ANSWER = ("reply:", "error:400", "error:403", "error:410", "error:422", "error:429", "error:503")
 MAX_FAILURES_KEPT = 50
 HANGS_PER_KIND = 3  # a kind stops after this many hangs (each costs timeout_s)
+WITNESS_ERRORS = 5  # the witness loop stops after this many failed images
+FULL_FRAME_BYTES = 16 << 10  # a hang's or a server error's frame is kept whole (base64) up to this size
 
 
 # ---------------------------------------------------------------------- target, witnesses
@@ -85,6 +91,7 @@ class Target:
     send_timeout_s: float = 10.0  # the endpoint's send timeout (how long a slow reader is left unread)
     timeout_s: float = 30.0  # every probe's bound: no answer in this time is a hang
     verifier_sessions: Callable[[], int] | None = None  # sessions the verifier pool holds (leak check), if reachable
+    server_memory: Callable[[], dict] | None = None  # RSS of the serving processes in MB (slow reader), if reachable
 
     @property
     def ws_url(self) -> str:
@@ -135,20 +142,29 @@ class WitnessLoop(threading.Thread):
         self.images, self.mismatches, self.errors = 0, 0, []
         self.reconnects = self.resumes = 0
 
-    def run(self) -> None:
-        conn = _RecordingConnection(self.t.url, self.t.keys[1], self.w.vocab_size, array=self.w.array,
+    def _connection(self) -> DeviceConnection:
+        return _RecordingConnection(self.t.url, self.t.keys[1], self.w.vocab_size, array=self.w.array,
                                     timeout_s=self.t.timeout_s, connect_timeout_s=self.t.timeout_s, seen=self.seen)
-        try:
-            while not self.stop.is_set():
-                for i, (prompt, seed) in enumerate(self.w.cases):
+
+    def run(self) -> None:
+        conn = self._connection()
+        while not self.stop.is_set() and len(self.errors) < WITNESS_ERRORS:
+            for i, (prompt, seed) in enumerate(self.w.cases):
+                try:
                     tokens = np.asarray(self.w.image(conn, prompt, seed, f"witness-{i}"))
-                    self.images += 1
-                    self.mismatches += not np.array_equal(tokens, self.reference[i])
-        except Exception as e:  # noqa: BLE001 - reported in the summary
-            self.errors.append(f"{type(e).__name__}: {str(e)[:200]}")
-        finally:
-            self.reconnects, self.resumes = conn.reconnects, conn.resumes
-            conn.disconnect()
+                except Exception as e:  # noqa: BLE001 - reported; the next image on a fresh connection
+                    self.errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                    self._forget(conn)
+                    conn = self._connection()
+                    continue
+                self.images += 1
+                self.mismatches += not np.array_equal(tokens, self.reference[i])
+        self._forget(conn)
+
+    def _forget(self, conn: DeviceConnection) -> None:
+        self.reconnects += conn.reconnects
+        self.resumes += conn.resumes
+        conn.disconnect()
 
 
 # ---------------------------------------------------------------------- one raw connection
@@ -325,10 +341,11 @@ def frame_strategies(vocab: int, max_frame_bytes: int) -> dict[str, Any]:
         shape = draw(st.sampled_from(["uniform", "random", "wild"]))
         probs = np.full((k, v), 1.0 / v, np.float16) if shape == "uniform" else arr(draw, (k, v), shape == "wild")
         hidden = feats = None
+        wild = st.sampled_from([False, False, False, True])  # mostly finite: they reach the verifier's projector
         if draw(st.booleans()):
-            hidden = arr(draw, (m, draw(st.integers(0, 300))), draw(st.booleans()))
+            hidden = arr(draw, (m, draw(st.integers(0, 300))), draw(wild))
         if draw(st.booleans()):
-            feats = arr(draw, (m, draw(st.integers(0, 64))), draw(st.booleans()))
+            feats = arr(draw, (m, draw(st.integers(0, 64))), draw(wild))
         return VerifyRequest(sid if sid is not None else draw(sids), new, drafts, probs, hidden, feats,
                              draw(st.integers(0, 8) | st.integers(0, 2**16 - 1)), draw(st.floats(0, 1) | floats))
 
@@ -500,6 +517,9 @@ class DeviceFuzzer:
             if data is not None:
                 entry["frame"] = data[:60] if isinstance(data, str) else data[:48].hex() + \
                     (f"... ({len(data)} bytes)" if len(data) > 48 else "")
+                if isinstance(data, bytes) and len(data) <= FULL_FRAME_BYTES and answer is not None and \
+                        (answer.kind == "timeout" or answer.key.startswith("error:5")):
+                    entry["frame_b64"] = base64.b64encode(data).decode()  # to replay it
             if answer is not None:
                 entry["answer"] = answer.describe()
             self.failures.append(entry)
@@ -677,6 +697,12 @@ class DeviceFuzzer:
             self.fail("sessions", "verifier sessions", f"could not ask the verifier: {type(e).__name__}")
             return None
 
+    def _memory(self) -> dict | None:
+        try:
+            return self.t.server_memory() if self.t.server_memory is not None else None
+        except Exception as e:  # noqa: BLE001 - a figure, not a check
+            return {"error": type(e).__name__}
+
     def secrets(self) -> list[str]:
         """The device keys and every session token seen (hex): none may appear in a log."""
         return list(self.t.keys) + sorted(self.tokens_seen)
@@ -764,6 +790,7 @@ class DeviceFuzzer:
         a = self.ask(p, kind, "fuzzed frame on an open session", data, allowed)  # its token is valid: never 403
         if not p.alive or a.kind == "timeout":
             self._close_session_probe()
+            self._close_elsewhere(sid, token)
             return
         follow = self.ask(p, kind, "empty VERIFY after the fuzzed frame", self.empty_verify(sid, token, p.next_rid()),
                           ("reply:VERIFY_REPLY", "error:400", "error:410"))
@@ -772,6 +799,7 @@ class DeviceFuzzer:
                       data, follow)
         if follow.kind == "timeout":
             self._close_session_probe()
+            self._close_elsewhere(sid, token)
             return
         self.close_session(p, kind, sid, token)
 
@@ -1000,6 +1028,7 @@ class DeviceFuzzer:
                 time.sleep(0.1)
 
         sender = threading.Thread(target=send_for_a_while, daemon=True, name="device-fuzz-slow-reader")
+        memory = {"before": self._memory()}
         t0 = time.monotonic()
         sender.start()
         others = []
@@ -1013,24 +1042,27 @@ class DeviceFuzzer:
                 break
         stop.set()
         sender.join(timeout=self.t.timeout_s)
+        memory["unread"] = self._memory()
         self.frames[kind] += sent[0]
-        got, ended = 0, None  # now read: the replies that made it, then how the connection ended
+        got, ended = Counter(), None  # now read: the replies that made it, then how the connection ended
         deadline = time.monotonic() + self.t.timeout_s
         while time.monotonic() < deadline:
             a = p.answer(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             if a.kind in ("reply", "error"):
-                got += 1
+                got[a.key] += 1
             elif a.kind != "timeout":
                 ended = a
                 break
-        out.update({"sent": sent[0], "answers_read_after": got, "sender_blocked": sender.is_alive(),
+        out.update({"sent": sent[0], "answers_read_after": dict(got), "sender_blocked": sender.is_alive(),
                     "other_connection_s": others, "ended_by": ended.key if ended else "still open"})
+        if self.t.server_memory is not None:
+            out["server_rss_mb"] = memory
         if ended is not None and ended.kind == "close":
             self.answers[ended.key] += 1
         if ended is None or ended.kind != "close":
             self.fail(kind, "slow reader", f"not dropped: {sent[0]} frames sent in {send_s:g} s, nothing read for "
-                      f"{window_s:g} s, then {got} answers read and the connection still open (the endpoint's send "
-                      f"timeout is {self.t.send_timeout_s:g} s)")
+                      f"{window_s:g} s, then {sum(got.values())} answers read and the connection still open (the "
+                      f"endpoint's send timeout is {self.t.send_timeout_s:g} s)")
         elif ended.key not in ("close:1008", "close:1006"):
             self.fail(kind, "slow reader", "ended by an unexpected close", answer=ended)
         p.close()
@@ -1054,12 +1086,12 @@ class DeviceFuzzer:
         n = (limit + extra) if limit else 64
         out: dict[str, Any] = {"limit": limit, "tried": n}
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(min(32, n)) as ex:
+        with ThreadPoolExecutor(min(64, n)) as ex:
             conns = list(ex.map(lambda _: Probe.attempt(self.t), range(n)))
         out["open_s"] = round(time.perf_counter() - t0, 2)
         self.frames[kind] += n
         time.sleep(0.5)
-        held, refused, other, other_ok = [], Counter(), Counter(), Counter()
+        held, refused, other, expired = [], Counter(), Counter(), 0
         for c in conns:
             if isinstance(c, Exception):
                 other[f"handshake {type(c).__name__}: {str(c)[:80]}"] += 1
@@ -1072,7 +1104,7 @@ class DeviceFuzzer:
             if a.key == "close:1013" and "retry after" in a.reason:
                 refused[a.reason] += 1
             elif a.key == "close:4000" and "HELLO" in a.reason:
-                other_ok["closed for no HELLO in time (opening took long)"] += 1
+                expired += 1  # held past the endpoint's HELLO timeout while the others were being opened
             else:
                 other[a.describe()] += 1
         meanwhile = {}
@@ -1088,13 +1120,19 @@ class DeviceFuzzer:
         for c in conns:
             if not isinstance(c, Exception):
                 c.close()
+        # the limit was reached unless connections expired (no HELLO in time) before the last ones were open
+        conclusive = bool(refused) or not expired
         out.update({"held": len(held), "refused_1013": sum(refused.values()), "refusal_reasons": dict(refused),
-                    "other": dict(other), **dict(other_ok), "meanwhile": meanwhile})
+                    "expired_before_all_open": expired, "other": dict(other), "meanwhile": meanwhile,
+                    "conclusive": conclusive})
+        if not conclusive:
+            out["note"] = (f"the limit was not reached: {expired} connections were closed for sending no HELLO "
+                           f"before all {n} were open ({out['open_s']} s); open them faster or lower the limit")
         if other:
             self.fail(kind, "many connections", f"answers other than 1013 with a retry-after: {dict(other)}")
         if limit and len(held) > limit:
             self.fail(kind, "many connections", f"{len(held)} connections held, the limit is {limit}")
-        if limit and n > limit and not refused:
+        if limit and n > limit and conclusive and not refused:
             self.fail(kind, "many connections", f"{n} connections tried, the limit is {limit}: none refused with 1013")
         if meanwhile.get("health", 200) != 200:
             self.fail(kind, "health route at the connection limit", f"answered {meanwhile['health']}")

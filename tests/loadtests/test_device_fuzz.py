@@ -184,3 +184,18 @@ def test_a_broken_backend_is_reported(tiny_cloud, stub_text):
     assert fuzzer.failure_count >= 3 and "server error 500" in problems
     assert fuzzer.probes["order"]["CLOSE of a session never opened"] == "error:500"
     assert {f["kind"] for f in fuzzer.failures} == {"setup", "order"}
+
+
+def test_cli_refuses_a_device_run_it_cannot_do(capsys):
+    from loadtests.fuzz import device_target, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device-frames", "5", "--onnx-dir", "/nonexistent"])
+    assert e.value.code == 2 and "python -m pipelines.export_onnx" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--host", "http://127.0.0.1:1", "--device-frames", "5", "--device-key", "only-one"])
+    assert e.value.code == 2 and "two device keys" in capsys.readouterr().err
+    t = device_target("http://127.0.0.1:8000", ["a", "b"], None, 5.0)  # a running cluster: the default limits
+    assert t.ws_url == "ws://127.0.0.1:8000/v1/device/sessions" and t.health_url == "http://127.0.0.1:8000/healthz"
+    assert (t.max_connections, t.max_connections_per_device, t.send_timeout_s) == (256, 16, 10.0)
+    assert t.verifier_sessions is None and t.server_memory is None
