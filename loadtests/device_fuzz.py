@@ -24,9 +24,10 @@ What is sent (`DeviceFuzzer.run`), every wait bounded by `Target.timeout_s` (an 
              captions): dropped by the server's send timeout while another connection is answered meanwhile (the
              serving processes' memory is recorded when `Target.server_memory` can read it);
   connections  up to the endpoint's connection limit and beyond (1013, "retry after N s"), the health route and a
-             new device answered meanwhile (inconclusive, not failed, when connections that sent no HELLO were
-             closed before the last ones were open: the limit was not reached); the per-device connection limit
-             (1008); connections that vanish right after HELLO do not use up their device's connections.
+             new device answered meanwhile; a handshake held for seconds instead of refused is a failure (a queue in
+             front of the endpoint); inconclusive, not failed, when connections that sent no HELLO were closed
+             before the last ones were open (the limit was not reached); the per-device connection limit (1008);
+             connections that vanish right after HELLO do not use up their device's connections.
 Witnesses (`Witnesses`: `ciar_client.loop.generate` over a `DeviceConnection` on the second device key; the tests
 pass a torch decoder) make their images once before the fuzz and then in a loop during it: every image must be
 bit-identical to the quiet one, without a reconnect. After the fuzz the health route must answer and one more
@@ -75,6 +76,7 @@ ANY_REQUEST_ANSWER = ("reply:", "error:400", "error:403", "error:410", "error:42
 MAX_FAILURES_KEPT = 50
 HANGS_PER_KIND = 3  # a kind stops after this many hangs (each costs timeout_s)
 WITNESS_ERRORS = 5  # the witness loop stops after this many failed images
+QUEUED_HANDSHAKE_S = 5.0  # a WebSocket handshake this slow was queued, not refused (the connection-limit probe)
 FULL_FRAME_BYTES = 16 << 10  # a hang's or a server error's frame is kept whole (base64) up to this size
 
 
@@ -617,7 +619,8 @@ class DeviceFuzzer:
         return out
 
     # ------------------------------------------------------------------ the whole run
-    def run(self, frames: int = 1000, sessions_tried: int = 200, connections_extra: int = 8) -> dict:
+    def run(self, frames: int = 1000, sessions_tried: int = 200, connections_extra: int = 8,
+            slow_reader_s: float | None = None) -> dict:
         t0 = time.perf_counter()
         self.setup()
         sessions_before = self._verifier_sessions()
@@ -628,7 +631,8 @@ class DeviceFuzzer:
             witness = WitnessLoop(self.t, self.w, reference, self.tokens_seen)
             witness.start()
         phases = {"frames": lambda: self.fuzz_frames(frames), "frame_limits": self.probe_frame_limits,
-                  "order": self.probe_order, "tokens": self.probe_tokens, "slow_reader": self.probe_slow_reader,
+                  "order": self.probe_order, "tokens": self.probe_tokens,
+                  "slow_reader": lambda: self.probe_slow_reader(slow_reader_s),
                   "connections": lambda: self.probe_connections(connections_extra),
                   "device_connections": self.probe_device_connections,
                   "sessions": lambda: self.probe_sessions(sessions_tried)}  # last: it also sees what others leaked
@@ -991,10 +995,11 @@ class DeviceFuzzer:
             p.close()
             self.probes[kind] = out
 
-    def probe_slow_reader(self) -> None:
+    def probe_slow_reader(self, send_s: float | None = None) -> None:
         """A connection that sends but never reads (a tiny receive buffer, no read-ahead): it opens a few sessions,
         then asks for their captions again and again (RESUME with want_caption: the largest replies a device can
-        ask for) for send_timeout + 1 s and waits, unread. The server's send timeout must drop it, and another
+        ask for) for `send_s` (default send_timeout + 1 s; longer to get past the sockets' buffers, which hold
+        megabytes) and waits send_timeout + 1 s more, unread. The server's send timeout must drop it, and another
         connection must be answered meanwhile."""
         kind = "slow_reader"
         out: dict[str, Any] = {}
@@ -1014,7 +1019,8 @@ class DeviceFuzzer:
             OpenRequest(sid, PROMPT, self._sid, Sampling(), 1, want_caption=True), np.array([tok0], np.int64), None,
             self.vocab), token)) for sid, (token, tok0) in sessions.items()]
         sent, stop = [0], threading.Event()
-        send_s, window_s = self.t.send_timeout_s + 1.0, 2 * self.t.send_timeout_s + 2.0
+        send_s = send_s or self.t.send_timeout_s + 1.0
+        window_s = send_s + self.t.send_timeout_s + 1.0
 
         def send_for_a_while():  # at the endpoint's message rate, round robin over the sessions
             t0, chunk = time.monotonic(), max(1, int(self.welcome.messages_per_s / 10))
@@ -1085,10 +1091,18 @@ class DeviceFuzzer:
         limit = self.t.max_connections
         n = (limit + extra) if limit else 64
         out: dict[str, Any] = {"limit": limit, "tried": n}
+        def timed(_):
+            t1 = time.perf_counter()
+            c = Probe.attempt(self.t)
+            return c, time.perf_counter() - t1
+
         t0 = time.perf_counter()
         with ThreadPoolExecutor(min(64, n)) as ex:
-            conns = list(ex.map(lambda _: Probe.attempt(self.t), range(n)))
+            conns, handshake_s = zip(*ex.map(timed, range(n)))
         out["open_s"] = round(time.perf_counter() - t0, 2)
+        waited = sorted(x for x in handshake_s if x > QUEUED_HANDSHAKE_S)
+        out["handshake_s"] = {"p50": round(float(np.median(handshake_s)), 3), "max": round(max(handshake_s), 3),
+                              f"over_{QUEUED_HANDSHAKE_S:g}_s": len(waited)}
         self.frames[kind] += n
         time.sleep(0.5)
         held, refused, other, expired = [], Counter(), Counter(), 0
@@ -1096,7 +1110,7 @@ class DeviceFuzzer:
             if isinstance(c, Exception):
                 other[f"handshake {type(c).__name__}: {str(c)[:80]}"] += 1
                 continue
-            a = c.answer(timeout=0.05)
+            a = c.answer(timeout=0.001)  # a refusal came already: the close is queued on the client
             if a.kind == "timeout":
                 held.append(c)
                 continue
@@ -1120,19 +1134,24 @@ class DeviceFuzzer:
         for c in conns:
             if not isinstance(c, Exception):
                 c.close()
-        # the limit was reached unless connections expired (no HELLO in time) before the last ones were open
-        conclusive = bool(refused) or not expired
+        # the limit was reached unless connections expired (no HELLO in time) before the last ones were open and
+        # none waited: a handshake held (not refused) while the others were open says the server queued it
+        conclusive = bool(refused) or not expired or bool(waited)
         out.update({"held": len(held), "refused_1013": sum(refused.values()), "refusal_reasons": dict(refused),
                     "expired_before_all_open": expired, "other": dict(other), "meanwhile": meanwhile,
                     "conclusive": conclusive})
         if not conclusive:
             out["note"] = (f"the limit was not reached: {expired} connections were closed for sending no HELLO "
                            f"before all {n} were open ({out['open_s']} s); open them faster or lower the limit")
+        if waited and not refused:
+            self.fail(kind, "many connections", f"{len(waited)} connections waited {waited[0]:.1f}-{waited[-1]:.1f} s "
+                      f"for their handshake instead of being refused with 1013 (held in a queue before the endpoint: "
+                      f"its limit was never reached)")
         if other:
             self.fail(kind, "many connections", f"answers other than 1013 with a retry-after: {dict(other)}")
         if limit and len(held) > limit:
             self.fail(kind, "many connections", f"{len(held)} connections held, the limit is {limit}")
-        if limit and n > limit and conclusive and not refused:
+        if limit and n > limit and conclusive and not refused and not waited:
             self.fail(kind, "many connections", f"{n} connections tried, the limit is {limit}: none refused with 1013")
         if meanwhile.get("health", 200) != 200:
             self.fail(kind, "health route at the connection limit", f"answered {meanwhile['health']}")

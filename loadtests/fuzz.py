@@ -4,7 +4,7 @@ status and checks the logs for keys. With --device-frames, also the device chann
     python -m loadtests.fuzz --examples 500 --out runs/fuzz            # starts the cluster, as loadtests.run does
     python -m loadtests.fuzz --host http://127.0.0.1:8000 --api-key KEY --examples 200
     python -m loadtests.fuzz --examples 0 --contract-examples 100 --out runs/contract   # the OpenAPI contract only
-    python -m loadtests.fuzz --examples 0 --devices 1 --device-frames 2000 --out runs/device-fuzz   # device channel
+    python -m loadtests.fuzz --examples 0 --device-frames 2000 --device-timeout 20 --out runs/device-fuzz  # devices
 
 Every answer must be a 2xx, or a 4xx / 503 whose JSON body names the error (`error.message`); a 5xx other than 503
 is a failure. Without --host, the devices are reconfigured live to skip simulated waits (valid bodies still
@@ -23,7 +23,10 @@ the development key ciar-dev-device-key), a second device key being the other de
 witnesses' (`ciar_client.loop.generate` on the exported device model, --onnx-dir, default <weights>/onnx: make it
 with `python -m pipelines.export_onnx`). Without --host a second key is made up and accepted by its digest, and the
 endpoint's limits are read from the config. Their images during the fuzz must equal the quiet ones; the health
-route must answer after it; the logs are also searched for both device keys and every session token seen. Writes
+route must answer after it; the logs are also searched for both device keys and every session token seen. The slow
+reader sends for --device-slow-reader-s (40 s: behind Serve's proxy its replies sit in the proxy and the socket
+buffers, and the proxy's WebSocket keepalive drops it after 20 + 20 s; the endpoint's send timeout does not fire
+there, Serve's replica-side send never blocks). Writes
 OUT/device_fuzz.json (loadtests.device_fuzz: frames by kind, answers by close code / status, probes, failures,
 witnesses, healthy, secrets_in_logs, ok); the exit code is 1 on any failure of either part.
 """
@@ -230,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the fuzzed device's key, then another device's (needed with --host; else made up)")
     p.add_argument("--device-sessions", type=int, default=200, help="OPENs of the many-sessions probe")
     p.add_argument("--device-timeout", type=float, default=30.0, help="seconds: a device probe's bound (a hang)")
+    p.add_argument("--device-slow-reader-s", type=float, default=40.0, help="seconds the slow reader sends without "
+                   "reading (behind Serve's proxy its unread replies sit in socket buffers and the proxy until the "
+                   "proxy's WebSocket keepalive, 20 + 20 s, drops it)")
     p.add_argument("--onnx-dir", default=None, help="the exported device model the witnesses run (default: "
                    "<weights>/onnx, `python -m pipelines.export_onnx`)")
     args = p.parse_args(argv)
@@ -305,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"device channel: {args.device_frames} frames and the probes against {target.ws_url} ...",
                   flush=True)
             fuzzer = DeviceFuzzer(target, witnesses, seed=args.seed)
-            device = fuzzer.run(args.device_frames, sessions_tried=args.device_sessions)
+            device = fuzzer.run(args.device_frames, sessions_tried=args.device_sessions,
+                                slow_reader_s=args.device_slow_reader_s)
             report["device"] = {"ok": device["ok"], "failure_count": device["failure_count"],
                                 "file": os.path.join(args.out, "device_fuzz.json")}
         if cluster is not None:
