@@ -206,7 +206,13 @@ class StepEngine:
 
     def _admit(self) -> None:
         new, self.inbox = self.inbox, []
-        self.v.admit_works(new)  # each admitted or finished with its error
+        try:
+            self.v.admit_works(new)  # each admitted or finished with its error
+        except BaseException as e:  # admission itself broke: these works are in no queue, fail them here
+            for w in new:
+                if not w.done:
+                    w.finish(error=e)
+            raise
         self.active.extend(w for w in new if not w.done)
 
     def _select(self) -> list[Piece]:

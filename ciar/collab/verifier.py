@@ -174,8 +174,11 @@ class CloudVerifier:
                 continue
             try:
                 w.admit()
-            except (SessionError, CapacityError, ValueError) as e:
-                w.finish(error=e)
+            except Exception as e:  # noqa: BLE001 - one work's bad input fails that work only, never the step
+                if getattr(w, "s", None) is not None and w.s.work is w:
+                    w.s.work = None  # its session takes the next request (a resume, or a corrected verify)
+                w.finish(error=e if isinstance(e, (SessionError, CapacityError, ValueError)) else
+                         SessionError(f"session {w.session_id!r}: request refused ({type(e).__name__}: {e})"))
                 continue
             if isinstance(w, OpenWork):
                 starting.append(w)
@@ -446,6 +449,8 @@ class ResumeWork(OpenWork):
             n = int(injected.positions.numel())
             if injected.device_hidden.shape[0] != n or injected.features.shape[0] != n:
                 raise SessionError(f"session {request.session_id!r}: injected features need one row per position")
+            check_projector_inputs(v, injected.device_hidden, injected.features, n,
+                                   f"session {request.session_id!r}: injected")
             if n and (int(injected.positions.min()) < 0 or int(injected.positions.max()) >= h.numel() - 1):
                 raise SessionError(f"session {request.session_id!r}: injected positions must index history[:-1]")
         super().__init__(v, replace(request, prefix_len=0), caption_emb, caption_mask)
@@ -493,6 +498,23 @@ class ResumeWork(OpenWork):
             self.complete()
 
 
+def check_projector_inputs(v: "CloudVerifier", hidden, features, rows: int, what: str) -> None:
+    """Interval features sent to the verifier: both arrays or neither, one row per token, the projector's widths
+    (a malformed pair is refused with a SessionError before any session state changes)."""
+    if (hidden is None) != (features is None):
+        raise SessionError(f"{what}: device_hidden and features go together (one without the other)")
+    if hidden is None:
+        return
+    if hidden.dim() != 2 or features.dim() != 2 or hidden.shape[0] != rows or features.shape[0] != rows:
+        raise SessionError(f"{what}: device_hidden and features need one row per token ({rows}), got "
+                           f"{tuple(hidden.shape)} and {tuple(features.shape)}")
+    if v.projector is not None:
+        c = v.projector.config
+        if hidden.shape[1] != c.device_dim or features.shape[1] != c.feature_dim:
+            raise SessionError(f"{what}: device_hidden must be [{rows}, {c.device_dim}] and features "
+                               f"[{rows}, {c.feature_dim}], got {tuple(hidden.shape)} and {tuple(features.shape)}")
+
+
 class VerifyWork(Work):
     """A verification: its feed (committed-but-unfed token, new tokens, drafts) in one piece or chunks, one judge
     (batched with the step's other spans), then cloud-burst tokens one decode step at a time."""
@@ -510,6 +532,8 @@ class VerifyWork(Work):
         for t in (r.new_tokens, r.draft_tokens):
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= v.vocab_size):
                 raise SessionError(f"token ids must be in [0, {v.vocab_size})")
+        if m or r.device_hidden is not None or r.features is not None:
+            check_projector_inputs(v, r.device_hidden, r.features, m, f"session {r.session_id!r}")
         self.k, self.m = k, m
         self.s: Session | None = None
         self.phase = "feed"  # feed -> judge -> (burst) -> done

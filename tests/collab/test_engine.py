@@ -169,3 +169,61 @@ def test_a_failed_forward_fails_its_works_and_frees_their_sessions(tiny_cloud, s
     monkeypatch.undo()
     assert v.verify_batch([_span(v, "a")])[0].next_token >= 0  # the session takes its next request
     v.open_batch([_open_req("b", 1)])
+
+
+def _projecting_verifier(tiny_cloud, stub_text):
+    from ciar.collab.interval import interval_feature_dim
+    from ciar.collab.projector import IntervalProjector, ProjectorConfig
+
+    proj = IntervalProjector(ProjectorConfig(device_dim=16, cloud_dim=tiny_cloud.config.dim,
+                                             feature_dim=interval_feature_dim(8)))
+    return CloudVerifier(tiny_cloud, stub_text, max_sessions=4, projector=proj), proj.config
+
+
+def _with_features(v, sid, hidden_dim, feature_dim, m=2, seed=0):
+    from dataclasses import replace
+
+    r = _span(v, sid, m=m, seed=seed)
+    return replace(r, device_hidden=torch.randn(m, hidden_dim).half(), features=torch.randn(m, feature_dim).half())
+
+
+@torch.no_grad()
+def test_malformed_interval_features_are_refused_before_they_reach_a_session(tiny_cloud, stub_text):
+    """A verify (or resume) whose interval features do not fit the projector is refused up front, naming the shapes;
+    the session takes the next, well-formed request (found by the device-channel fuzz: one such frame wedged its
+    session and failed other devices' requests)."""
+    from dataclasses import replace
+
+    from ciar.collab.protocol import InjectedFeatures, SessionError
+
+    v, c = _projecting_verifier(tiny_cloud, stub_text)
+    v.open_batch([_open_req("a", 2)])
+    for bad, match in ((_with_features(v, "a", c.device_dim + 1, c.feature_dim), "device_hidden must be"),
+                       (replace(_with_features(v, "a", c.device_dim, c.feature_dim),
+                                features=torch.zeros(3, c.feature_dim)), "one row per token"),
+                       (replace(_with_features(v, "a", c.device_dim, c.feature_dim), features=None), "go together")):
+        with pytest.raises(SessionError, match=match):
+            v.verify_batch([bad])
+    assert v.sessions["a"].work is None
+    assert v.verify_batch([_with_features(v, "a", c.device_dim, c.feature_dim)])[0].next_token >= 0
+    history = torch.tensor(v.sessions["a"].tokens)
+    injected = InjectedFeatures(torch.tensor([0]), torch.zeros(1, c.device_dim + 3), torch.zeros(1, c.feature_dim))
+    with pytest.raises(SessionError, match="injected"):
+        v.resume_batch([_open_req("a", 2)], [history], injected=[injected])
+
+
+@torch.no_grad()
+def test_an_admission_that_breaks_fails_only_its_own_work(tiny_cloud, stub_text, monkeypatch):
+    v, c = _projecting_verifier(tiny_cloud, stub_text)
+    v.open_batch([_open_req("a", 2), _open_req("b", 2, seed=1)])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("projector exploded")
+
+    monkeypatch.setattr(v.projector, "forward", broken)
+    bad, good = v.submit_verify(_with_features(v, "a", c.device_dim, c.feature_dim)), v.submit_verify(_span(v, "b"))
+    v.engine.run([bad, good])
+    assert "RuntimeError" in str(bad.error) and good.error is None and good.result.next_token >= 0
+    assert v.sessions["a"].work is None and not v.engine.busy
+    monkeypatch.undo()
+    assert v.verify_batch([_with_features(v, "a", c.device_dim, c.feature_dim)])[0].next_token >= 0
