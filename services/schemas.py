@@ -24,7 +24,8 @@ import os
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS, Knob
 from ciar.collab.names import METHODS, NETWORKS
@@ -226,8 +227,9 @@ class DeviceEndpointConfig(BaseModel):
                                   "nothing for this long (1001)")
     session_ttl_s: float = Field(120.0, gt=0.0, description="a session unused this long no longer counts against "
                                  "its device's limit")
-    max_connections: int = Field(256, ge=1, description="connections per ingress replica; beyond, new ones are "
-                                 "closed with 1013 and a retry-after hint")
+    max_connections: int = Field(192, ge=1, description="connections per ingress replica; beyond, new ones are "
+                                 "closed with 1013 and a retry-after hint (below ingress_max_ongoing_requests: a "
+                                 "connection is one of the ingress's ongoing requests)")
     max_connections_per_device: int = Field(16, ge=1)
     send_timeout_s: float = Field(10.0, gt=0.0, description="a reply not delivered in this time closes the "
                                   "connection (a slow reader, 1008)")
@@ -284,7 +286,9 @@ class AppConfig(BaseModel):
                                          "hex digest")
     device_endpoint: DeviceEndpointConfig = Field(default_factory=DeviceEndpointConfig)
     ingress_num_cpus: float = Field(0.1, gt=0.0)
-    ingress_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_max_ongoing_requests: int = Field(256, ge=1, description="requests an ingress replica runs at once; "
+                                              "each open device connection is one, so this must exceed "
+                                              "device_endpoint.max_connections (the rest is HTTP's headroom)")
     ingress_max_queued_requests: int = Field(1024, ge=1, description="HTTP requests waiting for the ingress beyond "
                                              "this get 503 + Retry-After from Serve's proxy (BackpressureConfig)")
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0.0)
@@ -307,6 +311,16 @@ class AppConfig(BaseModel):
         from ciar.world_spec import read_world, spec_dict, world_source
 
         return spec_dict(read_world(world_source(self.world, self.weights_dir), need_device=True, need_text=True))
+
+    @model_validator(mode="after")
+    def _ingress_holds_the_device_connections(self) -> "AppConfig":
+        # behind Serve a WebSocket is an ongoing request of the ingress: at ingress_max_ongoing_requests connections
+        # new ones (and every HTTP request) queue in Serve's proxy and the endpoint's 1013 is never reached
+        if self.ingress_max_ongoing_requests <= self.device_endpoint.max_connections:
+            raise ValueError(f"ingress_max_ongoing_requests ({self.ingress_max_ongoing_requests}) must exceed "
+                             f"device_endpoint.max_connections ({self.device_endpoint.max_connections}): each device "
+                             "connection holds one of the ingress's ongoing requests")
+        return self
 
     @field_validator("api_keys", "device_keys")
     @classmethod

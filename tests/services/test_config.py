@@ -201,6 +201,19 @@ def test_no_keys_is_refused(monkeypatch):
         build_app({})
 
 
+def test_the_ingress_holds_the_device_connections():
+    """Behind Serve a device's WebSocket is one of the ingress's ongoing requests: an ingress that cannot hold the
+    endpoint's connections (plus HTTP) would queue them in the proxy and never answer 1013 (device-channel fuzz)."""
+    from pydantic import ValidationError
+
+    from services.schemas import AppConfig
+
+    default = AppConfig(api_keys=["test-key-1"])
+    assert default.ingress_max_ongoing_requests > default.device_endpoint.max_connections
+    with pytest.raises(ValidationError, match="must exceed device_endpoint.max_connections"):
+        AppConfig(api_keys=["test-key-1"], ingress_max_ongoing_requests=64, device_endpoint={"max_connections": 64})
+
+
 def test_json_safe_drops_non_finite_floats():
     from services.app import json_safe
 
