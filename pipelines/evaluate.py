@@ -281,21 +281,30 @@ class MetricFeatures:
 
 
 def parse_params(items: list[str]) -> dict:
-    from ciar.collab.decoder import CollabConfig
+    """`--param key=value` items -> collaborative knobs, each parsed by its kind and checked against its range in
+    the one table of knobs (`ciar.collab.knobs`)."""
+    from ciar.collab.knobs import KNOBS
 
-    known = {f for f in CollabConfig.__dataclass_fields__} - {"method", "rule", "network"}
+    known = sorted(KNOBS)
     out = {}
     for item in items:
         k, eq, v = item.partition("=")
-        if not eq or k not in known:
-            raise SystemExit(f"error: bad --param {item!r}: use key=value with key in {sorted(known)}")
-        if v.lower() in ("true", "false"):
-            out[k] = v.lower() == "true"
-        else:
-            try:
-                out[k] = int(v) if k in ("span", "topk", "feature_top", "link_drop_after") else float(v)
-            except ValueError:
-                raise SystemExit(f"error: --param {k} needs a number, got {v!r}") from None
+        if not eq or k not in KNOBS:
+            raise SystemExit(f"error: bad --param {item!r}: use key=value with key in {known}")
+        knob = KNOBS[k]
+        try:
+            if knob.kind is bool:
+                if v.lower() not in ("true", "false"):
+                    raise ValueError
+                value = v.lower() == "true"
+            elif knob.kind is str:
+                value = v
+            else:
+                value = knob.kind(v)
+            knob.check(value)
+        except ValueError:
+            raise SystemExit(f"error: --param {k} must be {knob.values()}, got {v!r}") from None
+        out[k] = value
     return out
 
 

@@ -3,6 +3,7 @@ summary, report; the summary agrees with the per-sample rows and with `benchmark
 re-runs skip finished shards; bad inputs give readable errors."""
 
 import json
+import re
 import os
 
 import pytest
@@ -113,3 +114,14 @@ def test_bad_params_and_methods():
         evaluate.main(["--captions", "x.json", "--out", "o", "--methods", "dalle"])
     with pytest.raises(SystemExit, match="bad --param"):
         evaluate.main(["--captions", "x.json", "--out", "o", "--param", "nope=1"])
+
+
+def test_params_are_parsed_by_their_kind_and_range():
+    from pipelines.evaluate import parse_params
+
+    assert parse_params(["gate=lower", "tau=7.5", "span=2", "inter_enhance=false"]) == \
+        {"gate": "lower", "tau": 7.5, "span": 2, "inter_enhance": False}  # `--param gate=lower` used to need a number
+    for bad, says in (("span=x", "span must be an integer in [1, 32]"), ("gate=nope", "gate must be one of"),
+                      ("tau=nan", "tau must be a number >= 0"), ("bogus=1", "bad --param")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            parse_params([bad])
