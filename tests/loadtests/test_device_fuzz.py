@@ -197,5 +197,9 @@ def test_cli_refuses_a_device_run_it_cannot_do(capsys):
     assert e.value.code == 2 and "two device keys" in capsys.readouterr().err
     t = device_target("http://127.0.0.1:8000", ["a", "b"], None, 5.0)  # a running cluster: the default limits
     assert t.ws_url == "ws://127.0.0.1:8000/v1/device/sessions" and t.health_url == "http://127.0.0.1:8000/healthz"
-    assert (t.max_connections, t.max_connections_per_device, t.send_timeout_s) == (256, 16, 10.0)
+    from services.schemas import DeviceEndpointConfig
+
+    d = DeviceEndpointConfig()
+    assert (t.max_connections, t.max_connections_per_device, t.send_timeout_s) == \
+        (d.max_connections, d.max_connections_per_device, d.send_timeout_s) == (192, 16, 10.0)
     assert t.verifier_sessions is None and t.server_memory is None
