@@ -8,7 +8,7 @@
 Methods: `cloud` (the cloud model samples every token; the reference) and the collaborative methods of
 `ciar.collab.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
 which need the weights folder's `device.safetensors`; `--gate`, `--tau`, `--burst`, `--span`, `--prefix-rate` and
-`--network` set their knobs (gate, tau and burst default to the device file's calibrated values,
+`--network` set their knobs (gate, tau, burst and span default to the device file's calibrated values,
 `python -m pipelines.calibrate`), and `--stats` then also holds the collaboration stats (cloud-call rate,
 requests, latency split).
 Sampling settings default to the

@@ -24,7 +24,7 @@ the missing one named with its field). Relative paths are taken relative to the 
 
 The evaluation's metric files (`t5_embeddings`, `inception_weights`, `clip_model`, `reference_images`) may sit in a
 LlamaGen world too; the flat `--model-config` JSON of `pipelines.evaluate` (no `kind`, sampling keys at the top level)
-is read as a LlamaGen world. The calibrated CIAR defaults (gate, tau, burst) travel in the device file's metadata.
+is read as a LlamaGen world. The calibrated CIAR defaults (gate, tau, burst, span) travel in the device file's metadata.
 No Ray imports here: the Serve deployments pass the parsed dict through their builder args.
 """
 

@@ -1,4 +1,4 @@
-"""One accounting struct for every decoding method (docs/architecture.md §8), and the payload encodings behind bytes.
+"""One accounting struct for every decoding method (docs/architecture.md §8).
 
     stats = GenerationStats(total_tokens=144, cloud_tokens=40, ...)
     total = sum(per_image_stats, GenerationStats())          # aggregate over images
@@ -25,7 +25,8 @@ Derived: cloud_call_rate = cloud_tokens / total_tokens; steps_compression = tota
 acceptance_rate = accepted / drafted; mean_accepted_length = 1 + accepted / verifications (tokens gained per
 verification, the bonus/recovered token included); total_s = device_s + cloud_s + comm_s.
 
-Payload byte encodings: `ciar.collab.protocol` (HEADER_BYTES, token_bytes, feature_bytes).
+Bytes: each message's exact frame size on the wire (`nbytes()` of the messages of `ciar_client.wire`, which
+`ciar.collab.protocol` re-exports).
 """
 
 from __future__ import annotations
