@@ -22,10 +22,9 @@ from ciar.models.checkpoint import load_strict, read_model_file
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.vq import VQ_IGNORED_KEY_PREFIXES, VQConfig, VQModel
 from ciar.text import TextEncoder
+from ciar.world_spec import (DEFAULT_WEIGHTS_DIR, WEIGHTS_ENV, LlamaGenWorldSpec, ScenesWorldSpec,  # noqa: F401
+                             WorldSpecError, default_weights_dir, read_world)  # (re-exported: one home)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v2")
-WEIGHTS_ENV = "CIAR_WEIGHTS"
 # used when the cloud file carries no sampling defaults
 FALLBACK_SAMPLING = SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0)
 
@@ -49,11 +48,6 @@ class World:
     @property
     def device(self) -> torch.device:
         return self.cloud.tok_embeddings.weight.device
-
-
-def default_weights_dir() -> str:
-    """$CIAR_WEIGHTS if set, else this repo's `weights/scenes-v2` (independent of the working directory)."""
-    return os.path.abspath(os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS_DIR)
 
 
 def _read(weights_dir: str, name: str, kind: str):
@@ -127,8 +121,6 @@ def load_world(source=None, device: str | torch.device = "cpu", need_device: boo
     """Load the world a description names (`ciar.world_spec.read_world`: a YAML / JSON file, a dict, a parsed spec,
     or None for the shipped scenes world). `need_device`: refuse a world without a CIAR device model; `need_text`:
     refuse a LlamaGen world that cannot encode new captions (no `text_encoder`). Every named file is checked first."""
-    from ciar.world_spec import ScenesWorldSpec, read_world
-
     spec = read_world(source, need_device=need_device, need_text=need_text)
     if isinstance(spec, ScenesWorldSpec):
         return load_default_world(spec.weights_dir(), device=device,
@@ -140,7 +132,6 @@ def load_world(source=None, device: str | torch.device = "cpu", need_device: boo
 def load_world_cloud(source=None, device: str | torch.device = "cpu") -> tuple[GPT, str]:
     """Only the cloud GPT of a world (a throughput benchmark needs nothing else) -> (GPT in eval mode, its file)."""
     from ciar.models.gpt import load_llamagen_gpt
-    from ciar.world_spec import ScenesWorldSpec, read_world
 
     spec = read_world(source)
     if isinstance(spec, ScenesWorldSpec):
@@ -164,7 +155,6 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
     naming mismatched keys. `text=False` skips the caption encoder (a trainer that reads cached captions)."""
     from ciar.models.gpt import load_llamagen_gpt
     from ciar.text import PrecomputedCaptions
-    from ciar.world_spec import LlamaGenWorldSpec, WorldSpecError, read_world
 
     if not isinstance(spec, LlamaGenWorldSpec):
         spec = read_world({"kind": "llamagen", **spec} if isinstance(spec, dict) and "kind" not in spec else spec)
@@ -201,8 +191,6 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
 
 def llamagen_sampling(spec) -> SamplingParams:
     """LlamaGen's t2i defaults (7.5 / 1.0 / 1000 / 1.0) with the world file's `sampling` on top (validated)."""
-    from ciar.world_spec import WorldSpecError
-
     try:
         return replace(LLAMAGEN_T2I_DEFAULTS, **spec.sampling.given())
     except ValueError as e:
@@ -211,7 +199,6 @@ def llamagen_sampling(spec) -> SamplingParams:
 
 def _llamagen_vq(spec, gpt_cfg: GPTConfig) -> VQModel:
     from ciar.models.vq import load_llamagen_vq
-    from ciar.world_spec import WorldSpecError
 
     vq = load_llamagen_vq(spec.path(spec.vq_checkpoint), spec.vq_config,
                           **{"image_size": spec.image_size, **spec.vq_overrides})
@@ -227,7 +214,6 @@ def _llamagen_vq(spec, gpt_cfg: GPTConfig) -> VQModel:
 
 def _llamagen_device(spec, gpt_cfg: GPTConfig, device) -> "DeviceModel":
     from ciar.collab.device import DeviceModel
-    from ciar.world_spec import WorldSpecError
 
     dm = DeviceModel.load(spec.path(spec.device_checkpoint), device=device)
     dc = dm.config
@@ -257,7 +243,6 @@ def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSi
     decoder and the sampling defaults. `world`: anything `ciar.world_spec.read_world` takes (a weights folder too)."""
     from ciar.collab.device import DeviceModel
     from ciar.models.checkpoint import read_model_metadata
-    from ciar.world_spec import ScenesWorldSpec, read_world
 
     spec = read_world(world, need_device=True)
     device = torch.device(device)

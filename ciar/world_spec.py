@@ -36,6 +36,15 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v2")  # the shipped world
+WEIGHTS_ENV = "CIAR_WEIGHTS"
+
+
+def default_weights_dir() -> str:
+    """$CIAR_WEIGHTS if set, else this repo's `weights/scenes-v2` (independent of the working directory)."""
+    return os.path.abspath(os.environ.get(WEIGHTS_ENV) or DEFAULT_WEIGHTS_DIR)
+
 SAMPLING_KEYS = ("cfg_scale", "temperature", "top_k", "top_p")
 
 
@@ -79,8 +88,6 @@ class ScenesWorldSpec(_Spec):
                                                                "projector.safetensors); relative to the weights folder")
 
     def weights_dir(self) -> str:
-        from ciar.world import default_weights_dir
-
         return self.path(self.weights) if self.weights else default_weights_dir()
 
     def file(self, name: str, override: str | None) -> str:
