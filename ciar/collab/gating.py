@@ -40,8 +40,6 @@ import torch.nn.functional as F
 from ciar.collab.interval import inter_fuse, interval_uncertainty
 from ciar.collab.names import GATES  # the gates' names, defined once without torch
 
-INTERVAL_GATES = ("interval", "lower", "topk")  # gates that read the device's logit box
-
 
 def _need(kind: str, **inputs) -> None:
     missing = [name for name, value in inputs.items() if value is None]

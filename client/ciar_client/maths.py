@@ -63,7 +63,6 @@ from collections.abc import Mapping
 import numpy as np
 
 GATES = ("interval", "lower", "entropy", "softmax", "random", "topk")
-INTERVAL_GATES = ("interval", "lower", "topk")
 FEATURE_LOGIT_FLOOR = -50.0  # ciar.collab.interval.FEATURE_LOGIT_FLOOR
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _SAMPLING_FIELDS = ("cfg_scale", "temperature", "top_k", "top_p")
