@@ -2,7 +2,7 @@
 
     spec = read_world("worlds/llamagen-xl-stage1.yaml")   # a YAML / JSON file, a dict, or None (the shipped world)
     world = load_world(spec, device="cuda")                # ciar.world.World: GPT, VQ, caption encoder, device model
-    side = load_device_half(spec)                          # what a phone loads: device model + VQ decoder
+    side = load_device_side(spec)                          # what a phone loads: device model + VQ decoder
 
 A world file is small and validated (pydantic, unknown keys refused, every named file checked before anything loads,
 the missing one named with its field). Relative paths are taken relative to the file. Two kinds:
