@@ -1,6 +1,7 @@
 # Two entry points (README quick start):
 #   make serve   set up .venv if missing, then start the Serve cluster with the shipped default models
 #   make test    set up .venv if missing, then run the test suite (what CI runs)
+# Both run `make web` (the playground's browser device; needs node and npm, skipped with a note without them).
 # torch is installed first and pinned (a CPU wheel is cached on our machines; an unpinned torch pulls GBs of
 # CUDA packages). GPU users: `make setup TORCH_SPEC=torch` or install their own torch into .venv first.
 
@@ -15,7 +16,7 @@ REFERENCE_STAMP := $(REFERENCE)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow serve load clean-venv browser onnx
+.PHONY: setup test test-slow serve load clean-venv browser onnx web
 
 $(STAMP): pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,7 +44,19 @@ browser:
 	  || { echo "could not install chromium (the playground's browser test needs it): apt-get install chromium, or set CIAR_CHROMIUM" >&2; exit 1; }; \
 	else echo "no chromium and no apt-get: install chromium and set CIAR_CHROMIUM to its binary" >&2; exit 1; fi
 
-test: $(STAMP) $(REFERENCE_STAMP) browser
+# the playground's browser device: onnxruntime-web, pinned by web/package-lock.json and served by the ingress at
+# /web/ort/ (services/web.py); installed again when the lockfile is newer than the install. Without npm the
+# cluster still serves and GET /web/ort/ says how to enable it.
+NPM ?= $(shell command -v npm)
+ORT := web/node_modules/onnxruntime-web
+
+web:
+	@if [ -d $(ORT) ] && [ web/node_modules/.package-lock.json -nt web/package-lock.json ]; then \
+	  echo "web: onnxruntime-web $$(sed -n 's/^  "version": "\(.*\)",/\1/p' $(ORT)/package.json)"; \
+	elif [ -n "$(NPM)" ]; then $(NPM) ci --prefix web --ignore-scripts --no-audit --no-fund --loglevel=error; \
+	else echo "web: no npm, so the playground's browser device is disabled (install node and npm, then: make web)"; fi
+
+test: $(STAMP) $(REFERENCE_STAMP) browser web
 	$(BIN)/python -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 test-slow: $(STAMP) $(REFERENCE_STAMP)
@@ -60,7 +73,7 @@ $(ONNX): $(STAMP) $(SHIPPED)/device.safetensors $(SHIPPED)/tokenizer.safetensors
 
 onnx: $(ONNX)
 
-serve: $(STAMP) $(ONNX)
+serve: $(STAMP) $(ONNX) web
 	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
 
 # a 30 s ramp to 8 users against a cluster it starts and stops itself (summary in runs/load/summary.json)

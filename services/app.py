@@ -14,7 +14,7 @@ request, answers and every error status with its body), /docs. GET / is the play
 Deployments (thin; all generation logic lives in `ciar/`):
   Ingress   FastAPI: API keys, pydantic validation (4xx naming the field), 503 + Retry-After on overload,
             JSON / PNG / tokens responses, server-sent events with progress and previews, Prometheus metrics,
-            GET /v1/models, the playground page
+            GET /v1/models, the playground page and its browser runtime (services.web)
   Device    one replica = one simulated phone (services.device)
   Verifier  cloud model replicas with session-affine routing and cross-session span batching (services.verifier)
 
@@ -49,6 +49,7 @@ from ciar.collab.knobs import SIMULATION_KNOBS
 from ciar.collab.protocol import CapacityError, CloudUnreachableError
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
+from services import web
 from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause
 from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
@@ -306,6 +307,22 @@ class Ingress:
         if name not in files:
             return error_body(404, f"no device model file {name!r}", field="name", kind="not_found")
         return FileResponse(os.path.join(folder, name), media_type="application/octet-stream")
+
+    @api.get("/web/ort/", include_in_schema=False)
+    async def ort_status(self) -> dict:
+        """Whether the browser device can run: onnxruntime-web's version and files, or how to enable it."""
+        return web.ort_status()
+
+    @api.get("/web/ort/{name}", include_in_schema=False)
+    async def ort_file(self, name: str):
+        """onnxruntime-web's installed files (services.web): the page's runtime, never fetched from the internet."""
+        from fastapi.responses import FileResponse
+
+        try:
+            path, media_type = web.ort_file(name)
+        except LookupError as e:
+            return error_body(404, str(e), field="name", kind="not_found")
+        return FileResponse(path, media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
 
     @api.get("/", include_in_schema=False)
     async def playground(self) -> HTMLResponse:

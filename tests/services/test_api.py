@@ -245,3 +245,23 @@ def test_the_device_model_is_served_to_devices(cluster, tmp_path):
     folder = fetch_model(f"ws://127.0.0.1:{PORT}", DEVICE_KEY, cache_dir=str(tmp_path))
     assert read_manifest(folder)["graphs"] == manifest["graphs"]
     assert fetch_model(f"ws://127.0.0.1:{PORT}", DEVICE_KEY, cache_dir=str(tmp_path)) == folder  # cached
+
+
+def test_the_browser_runtime_is_served_from_the_install(cluster):
+    """GET /web/ort/ says whether onnxruntime-web is installed (`make web`); its files are served with their
+    content types, byte for byte; an encoded or absolute traversal is a 404 (services.web; more in test_web.py)."""
+    from services import web
+
+    status = requests.get(f"{URL}/web/ort/", timeout=60).json()
+    assert status == web.ort_status()
+    for name in ("..%2Fpackage.json", "%2e%2e%2F%2e%2e%2Fpackage.json", "%2Fetc%2Fpasswd", "ort.min.mjs.map"):
+        assert requests.get(f"{URL}/web/ort/{name}", timeout=60).status_code == 404  # ours, or no route matched
+    if not status["available"]:
+        assert "make web" in requests.get(f"{URL}/web/ort/ort.min.mjs", timeout=60).json()["error"]["message"]
+        pytest.skip("onnxruntime-web is not installed: run `make web`")
+    for name in (status["entry"], "ort-wasm-simd-threaded.jsep.wasm"):
+        r = requests.get(f"{URL}/web/ort/{name}", timeout=60)
+        path, media_type = web.ort_file(name)
+        with open(path, "rb") as f:
+            assert r.status_code == 200 and r.content == f.read()
+        assert r.headers["content-type"].split(";")[0] == media_type
