@@ -1,11 +1,14 @@
-"""Shared plumbing for the training pipelines: seeding, device choice, resumable checkpoints, progress."""
+"""Shared plumbing for the training pipelines: the common arguments and set-up, seeding, device choice, resumable
+checkpoints, progress. Every `pipelines.train_*` main opens with `training_arguments(...)` and `setup(args)`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +25,44 @@ def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def training_arguments(prog: str, doc: str | None, *, out: str, steps: int, batch_size: int, lr: float, seed: int,
+                       ckpt_dir: str | None, ckpt_every: int = 50, warmup: int | None = None,
+                       stop_after: bool = True, out_help: str | None = None,
+                       ckpt_help: str | None = None) -> argparse.ArgumentParser:
+    """The parser every trainer starts from, holding the arguments they share; the defaults are the trainer's own.
+
+    --out --steps --batch-size --lr [--warmup] --seed --ckpt-dir --ckpt-every --device --threads [--stop-after].
+    `warmup=None` leaves --warmup out (a trainer with a fixed warm-up); `stop_after=False` leaves --stop-after out
+    (a trainer that always runs to --steps). `--threads` is 0 (torch's default) for every trainer: pass
+    `--threads 1` for the single-threaded runs the weight cards record.
+    """
+    p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n")[0])
+    p.add_argument("--out", default=out, help=out_help)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--lr", type=float, default=lr)
+    if warmup is not None:
+        p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--ckpt-dir", default=ckpt_dir, help=ckpt_help)
+    p.add_argument("--ckpt-every", type=int, default=ckpt_every)
+    p.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    if stop_after:
+        p.add_argument("--stop-after", type=int, default=0,
+                       help="stop this run after N steps (checkpointed; a later run resumes), 0: run to --steps")
+    return p
+
+
+def setup(args: argparse.Namespace) -> torch.device:
+    """The set-up every trainer runs after parsing: torch's CPU threads (`--threads`, 0 leaves torch's default),
+    every RNG seeded from `--seed`, and the device (`--device`)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(args.seed)
+    return pick_device(args.device)
 
 
 def save_training_state(path: str, step: int, **objects) -> None:
@@ -66,31 +107,60 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-class TrainingLoop:
-    """The loop every trainer runs: cosine learning rate with warm-up, a progress bar with an EMA of the loss,
-    evaluation into a history every `eval_every` steps (and at the end), atomic checkpoints (state + history) every
-    `ckpt_every` steps (and at the end), an export every `export_every` steps (default: with each checkpoint), and
-    `stop_after` (stop after that many steps of this run; the same command resumes).
+@dataclass
+class LoopConfig:
+    """What `TrainingLoop` runs: `steps` in all (a resumed run counts from its checkpoint), a cosine learning rate
+    from `lr` with `warmup` steps, checkpoints in `ckpt_dir` every `ckpt_every` steps (and at the end), evaluation
+    every `eval_every` steps (0: never), an export every `export_every` steps (0: with each checkpoint),
+    `stop_after` (stop after that many steps of this run, 0: never), the progress bar's `desc` and the loss parts
+    it shows (`postfix`)."""
 
-        loop = TrainingLoop(ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc="device",
-                            objects={"model": model, "optimizer": opt}, eval_every=500, evaluate=validate,
-                            export=lambda step: model.save(...), stop_after=args.stop_after)
+    ckpt_dir: str
+    steps: int
+    lr: float
+    warmup: int
+    desc: str
+    ckpt_every: int = 50
+    eval_every: int = 0
+    export_every: int = 0
+    stop_after: int = 0
+    postfix: tuple = ("agree", "tv")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, desc: str, **overrides) -> "LoopConfig":
+        """The config from a trainer's parsed arguments (`training_arguments` plus its own --eval-every,
+        --export-every when it has them); `overrides` win."""
+        names = ("ckpt_dir", "steps", "lr", "warmup", "ckpt_every", "eval_every", "export_every", "stop_after")
+        found = {n: getattr(args, n) for n in names if hasattr(args, n)}
+        return cls(**{"desc": desc, **found, **overrides})
+
+
+class TrainingLoop:
+    """The loop every trainer runs (`LoopConfig` says how long, how often and where): cosine learning rate with
+    warm-up, a progress bar with an EMA of the loss, evaluation into a history every `eval_every` steps (and at the
+    end), atomic checkpoints (state + history) every `ckpt_every` steps (and at the end), an export every
+    `export_every` steps (default: with each checkpoint), and `stop_after` (stop after that many steps of this run;
+    the same command resumes).
+
+        loop = TrainingLoop(LoopConfig.from_args(args, desc="device"), opt, {"model": model, "optimizer": opt},
+                            evaluate=validate, export=lambda step: model.save(...))
         for step in loop:                         # the learning rate is set; resumed runs start at loop.start
             loss = ...; opt.zero_grad(); loss.backward(); opt.step()
             loop.log(loss.item(), parts)          # EMA, progress bar, the history's train_parts
         if loop.stopped:
             return 0                              # stopped early: run again to resume
+
+    `objects` (name -> state-dict holder or tensor) are what the checkpoint saves and a resumed run restores;
+    `evaluate() -> dict` fills the history, `export(step)` writes the run's file, `before_checkpoint()` runs
+    before each checkpoint (to flush caches).
     """
 
-    def __init__(self, ckpt_dir: str, steps: int, optimizer: torch.optim.Optimizer, *, lr: float, warmup: int,
-                 desc: str, objects: dict, ckpt_every: int = 50, eval_every: int = 0, export_every: int = 0,
-                 evaluate=None, export=None, before_checkpoint=None, stop_after: int = 0, postfix=("agree", "tv")):
-        self.steps, self.optimizer, self.lr, self.warmup, self.desc = steps, optimizer, lr, warmup, desc
-        self.objects, self.ckpt_every, self.eval_every, self.export_every = objects, ckpt_every, eval_every, export_every
+    def __init__(self, config: LoopConfig, optimizer: torch.optim.Optimizer, objects: dict, *, evaluate=None,
+                 export=None, before_checkpoint=None):
+        self.config, self.optimizer, self.objects = config, optimizer, objects
         self.evaluate, self.export, self.before_checkpoint = evaluate, export, before_checkpoint
-        self.stop_after, self.postfix = stop_after, postfix
-        self.ckpt = os.path.join(ckpt_dir, "state.pt")
-        self.hist_path = os.path.join(ckpt_dir, "history.json")
+        self.ckpt = os.path.join(config.ckpt_dir, "state.pt")
+        self.hist_path = os.path.join(config.ckpt_dir, "history.json")
         self.start = load_training_state(self.ckpt, **objects)
         self.history: list[dict] = []
         if self.start and os.path.exists(self.hist_path):
@@ -107,7 +177,7 @@ class TrainingLoop:
     def log(self, loss: float, parts: dict | None = None) -> None:
         self.ema = loss if self.ema is None else 0.98 * self.ema + 0.02 * loss
         self.parts = parts or {}
-        shown = {k: f"{self.parts[k]:.3f}" for k in self.postfix if k in self.parts}
+        shown = {k: f"{self.parts[k]:.3f}" for k in self.config.postfix if k in self.parts}
         self._bar.set_postfix(loss=f"{self.ema:.3f}", **shown)
 
     def checkpoint(self, done: int) -> None:
@@ -122,25 +192,26 @@ class TrainingLoop:
     def __iter__(self):
         from tqdm import tqdm
 
-        self._bar = tqdm(range(self.start, self.steps), initial=self.start, total=self.steps, desc=self.desc,
+        c = self.config
+        self._bar = tqdm(range(self.start, c.steps), initial=self.start, total=c.steps, desc=c.desc,
                          dynamic_ncols=True)
         for step in self._bar:
-            set_lr(self.optimizer, cosine_lr(step, self.steps, self.lr, self.warmup))
+            set_lr(self.optimizer, cosine_lr(step, c.steps, c.lr, c.warmup))
             yield step
             done = step + 1
-            last = done == self.steps
-            if self.evaluate is not None and self.eval_every and (done % self.eval_every == 0 or last):
+            last = done == c.steps
+            if self.evaluate is not None and c.eval_every and (done % c.eval_every == 0 or last):
                 entry = {"step": done, "train_loss_ema": self.ema}
                 if self.parts:
                     entry["train_parts"] = self.parts
                 self.history.append({**entry, "seconds": time.time() - self.t0, **self.evaluate()})
                 print(json.dumps(self.history[-1]), flush=True)
-            stopping = bool(self.stop_after) and done - self.start >= self.stop_after
-            if done % self.ckpt_every == 0 or last or stopping:
+            stopping = bool(c.stop_after) and done - self.start >= c.stop_after
+            if done % c.ckpt_every == 0 or last or stopping:
                 self.checkpoint(done)
-                if self.export is not None and not self.export_every:
+                if self.export is not None and not c.export_every:
                     self.export(done)
-            if self.export is not None and self.export_every and (done % self.export_every == 0 or last or stopping):
+            if self.export is not None and c.export_every and (done % c.export_every == 0 or last or stopping):
                 self.export(done)
             if stopping and not last:
                 print(f"stopped after step {done}; run again to resume")

@@ -18,7 +18,6 @@ export records the file and the steps it had been trained for.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -31,7 +30,7 @@ from ciar.models.checkpoint import read_model_file, save_model
 from ciar.models.gpt import GPTConfig, build_gpt, gpt_config
 from ciar.models.vq import VQConfig, VQModel
 from ciar.text import TextEncoder
-from pipelines.common import TrainingLoop, pick_device, seed_everything
+from pipelines.common import LoopConfig, TrainingLoop, setup, training_arguments
 
 
 @torch.no_grad()
@@ -74,26 +73,15 @@ def init_from(path: str, cfg: GPTConfig, model=None) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.train_cloud", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v1")
+    p = training_arguments("python -m pipelines.train_cloud", __doc__, out="weights/scenes-v1", steps=3000,
+                           batch_size=16, lr=1e-3, warmup=100, seed=0, ckpt_dir="runs/cloud")
     p.add_argument("--config", default="scenes-cloud")
     p.add_argument("--num-train", type=int, default=30000)
     p.add_argument("--num-val", type=int, default=512)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default="data_cache/scenes-v1")
-    p.add_argument("--ckpt-dir", default="runs/cloud")
-    p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--export-every", type=int, default=250, help="also write OUT/cloud.safetensors every N steps")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--stop-after", type=int, default=0,
-                   help="stop this run after N steps (checkpointed; a later run resumes), 0: run to --steps")
-    p.add_argument("--threads", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a GPTConfig field of --config, e.g. --set n_layer=2 (repeatable)")
     p.add_argument("--init", default=None, metavar="FILE",
@@ -101,10 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--prepare-text-only", action="store_true",
                    help="only encode the captions (can run before the tokenizer exists), then exit")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-    device = pick_device(args.device)
+    device = setup(args)
 
     cfg = gpt_config(args.config, **parse_overrides(args.set))
     text = TextEncoder(max_length=cfg.cls_token_num, device=device)
@@ -136,10 +121,8 @@ def main(argv=None) -> int:
         save_model(model, os.path.join(args.out, "cloud.safetensors"), cfg.to_dict(), kind="gpt", extra=extra,
                    dtype=torch.float16)
 
-    loop = TrainingLoop(args.ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc="cloud",
-                        objects={"model": model, "optimizer": opt}, ckpt_every=args.ckpt_every,
-                        eval_every=args.eval_every, evaluate=lambda: {"val_loss": val_loss(model, val, device)},
-                        export=export, export_every=args.export_every, stop_after=args.stop_after)
+    loop = TrainingLoop(LoopConfig.from_args(args, desc="cloud"), opt, {"model": model, "optimizer": opt},
+                        evaluate=lambda: {"val_loss": val_loss(model, val, device)}, export=export)
     # a new run may start from an exported model; a resumed one (the loop restored its state) only checks the file
     init = init_from(args.init, cfg, model=None if loop.start else model) if args.init else None
     if init and not loop.start:

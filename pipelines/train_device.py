@@ -26,7 +26,6 @@ the positions where the device disagrees with the cloud and where the exact rule
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -45,7 +44,7 @@ from ciar.decoding.sampling import SamplingParams, logits_to_probs
 from ciar.metrics.ranking import auroc
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
-from pipelines.common import TrainingLoop, pick_device, seed_everything
+from pipelines.common import LoopConfig, TrainingLoop, setup, training_arguments
 from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
 
 OBJECTIVES = ("coverage", "inter-dro")
@@ -273,9 +272,9 @@ def eval_only(args, world, dev) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.train_device", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v2", help="output folder (and the scenes world read, unless "
-                                                              "--world / --weights)")
+    p = training_arguments("python -m pipelines.train_device", __doc__, out="weights/scenes-v2", steps=6000,
+                           batch_size=32, lr=1e-3, warmup=100, seed=3, ckpt_dir=None, ckpt_help="default runs/<name>",
+                           out_help="output folder (and the scenes world read, unless --world / --weights)")
     add_world_arguments(p)
     p.add_argument("--captions", default=None, help="COCO-format training captions (a LlamaGen world)")
     p.add_argument("--val-captions", default=None, help="COCO-format val captions (a LlamaGen world)")
@@ -290,10 +289,6 @@ def main(argv=None) -> int:
     p.add_argument("--n-layer", type=int, default=1)
     p.add_argument("--num-heads", type=int, default=1)
     p.add_argument("--combine", default="ensemble", choices=["ensemble", "voting"])
-    p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--data", default="onpolicy", choices=["onpolicy", "data"])
     p.add_argument("--objective", default="coverage", choices=OBJECTIVES)
     p.add_argument("--ablate", action="append", default=[], choices=list(DISTILL_TERMS + LOSS_TERMS),
@@ -303,24 +298,15 @@ def main(argv=None) -> int:
     p.add_argument("--num-train", type=int, default=12000)
     p.add_argument("--num-val", type=int, default=512)
     p.add_argument("--eval-n", type=int, default=256, help="val sequences per evaluation")
-    p.add_argument("--seed", type=int, default=3)
     p.add_argument("--data-dir", default="data_cache/scenes-v2-s3")
-    p.add_argument("--ckpt-dir", default=None, help="default runs/<name>")
-    p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--stop-after", type=int, default=0, help="stop after this many steps of this run (resume later)")
     p.add_argument("--eval-only", default=None, metavar="DEVICE_FILE",
                    help="no training: measure this device file on on-policy sequences of --eval-split (the gate "
                         "AUROC table) and write --eval-out")
     p.add_argument("--eval-split", default="val", choices=["val", "heldout"])
     p.add_argument("--eval-out", default=None)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-    dev = pick_device(args.device)
+    dev = setup(args)
     ckpt_dir = args.ckpt_dir or os.path.join("runs", args.name)
     loss_cfg = distill_config(args.objective, args.ablate, args.dro_eta, args.kl_weight)
 
@@ -368,10 +354,9 @@ def main(argv=None) -> int:
         train.flush()
         val.flush()
 
-    loop = TrainingLoop(ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc=args.name,
-                        objects={"model": model, "optimizer": opt}, ckpt_every=args.ckpt_every,
-                        eval_every=args.eval_every, evaluate=lambda: evaluate(model, cloud, val, params, n=args.eval_n),
-                        export=export, before_checkpoint=flush, stop_after=args.stop_after)
+    loop = TrainingLoop(LoopConfig.from_args(args, desc=args.name, ckpt_dir=ckpt_dir), opt,
+                        {"model": model, "optimizer": opt}, export=export, before_checkpoint=flush,
+                        evaluate=lambda: evaluate(model, cloud, val, params, n=args.eval_n))
     print(f"device model: {sum(p_.numel() for p_ in model.parameters()) / 1e6:.2f}M params, {dcfg}, {loss_cfg}, "
           f"sampling {params}")
     for step in loop:

@@ -20,7 +20,6 @@ swapped 4x4 patches), which should be clearly larger. Training state for resumin
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -38,7 +37,8 @@ from ciar.metrics.fid import (DEGRADATIONS, FEATURES_KIND, FeatureNetConfig, Sce
 from ciar.metrics.probe import (PROBE_KIND, AttributeProbe, ProbeConfig, accuracy_from_predictions, attribute_accuracy,
                                 probe_loss, scene_targets)
 from ciar.models.checkpoint import save_model
-from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+from pipelines.common import (cosine_lr, load_training_state, save_training_state, seed_everything, set_lr, setup,
+                              training_arguments)
 
 
 def render_batch(split: str, start: int, n: int, seed: int, device) -> tuple[torch.Tensor, dict]:
@@ -208,26 +208,12 @@ def evaluate(probe, net, n: int = 500, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.train_probes", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v1")
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ckpt-dir", default="runs/probes")
-    p.add_argument("--ckpt-every", type=int, default=100)
+    p = training_arguments("python -m pipelines.train_probes", __doc__, out="weights/scenes-v1", steps=800,
+                           batch_size=64, lr=2e-3, warmup=50, seed=0, ckpt_dir="runs/probes", ckpt_every=100)
     p.add_argument("--eval-n", type=int, default=500, help="rendered references per evaluation set")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--stop-after", type=int, default=0,
-                   help="stop this run after N steps (checkpointed; a later run resumes), 0: run to --steps")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch default)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = setup(args)
 
-    device = pick_device(args.device)
-    seed_everything(args.seed)
     probe = AttributeProbe(ProbeConfig()).to(device)
     torch.manual_seed(args.seed + 1)  # the FID network: its own init seed
     net = SceneFeatureNet(FeatureNetConfig()).to(device)

@@ -20,7 +20,6 @@ Writes `OUT/projector.safetensors` and `OUT/projector.metrics.json`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -36,7 +35,7 @@ from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.decoding.sampling import logits_to_probs
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
-from pipelines.common import TrainingLoop, pick_device, seed_everything
+from pipelines.common import LoopConfig, TrainingLoop, setup, training_arguments
 from pipelines.train_device import load_sequences, rows
 
 
@@ -76,35 +75,23 @@ def cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, p
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.train_projector", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v2", help="output folder (and the scenes world read, unless "
-                                                              "--world / --weights)")
+    p = training_arguments("python -m pipelines.train_projector", __doc__, out="weights/scenes-v2", steps=400,
+                           batch_size=16, lr=1e-3, warmup=30, seed=3, ckpt_dir="runs/projector", stop_after=False,
+                           out_help="output folder (and the scenes world read, unless --world / --weights)")
     add_world_arguments(p)
     p.add_argument("--device-file", default=None, help="device model (default: the world's; a relative path is "
                                                        "taken in --out)")
     p.add_argument("--captions", default=None, help="COCO-format training captions (a LlamaGen world)")
     p.add_argument("--val-captions", default=None, help="COCO-format val captions (a LlamaGen world)")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--local-rate", type=float, default=0.7, help="fraction of tokens replaced by device draws")
     p.add_argument("--feature-top", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--data", default="onpolicy", choices=["onpolicy", "data"])
     p.add_argument("--num-train", type=int, default=12000)
     p.add_argument("--num-val", type=int, default=512)
-    p.add_argument("--seed", type=int, default=3)
     p.add_argument("--data-dir", default="data_cache/scenes-v2-s3")
-    p.add_argument("--ckpt-dir", default="runs/projector")
-    p.add_argument("--ckpt-every", type=int, default=50)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    seed_everything(args.seed)
-    dev = pick_device(args.device)
+    dev = setup(args)
 
     try:
         spec = read_world(world_from_args(args) or args.out, need_device=args.device_file is None, need_text=True)
@@ -147,8 +134,7 @@ def main(argv=None) -> int:
         projector.train()
         return {"val_ce_with_projector": float(np.mean(with_p)), "val_ce_without_projector": float(np.mean(without))}
 
-    loop = TrainingLoop(args.ckpt_dir, args.steps, opt, lr=args.lr, warmup=args.warmup, desc="projector",
-                        objects={"model": projector, "optimizer": opt}, ckpt_every=args.ckpt_every)
+    loop = TrainingLoop(LoopConfig.from_args(args, desc="projector"), opt, {"model": projector, "optimizer": opt})
     for step in loop:
         rng = np.random.default_rng([args.seed, step])
         tokens, emb, mask = train.batch(rng.choice(train.n, args.batch_size, replace=False))

@@ -9,7 +9,6 @@ holds train-split scenes s*B .. s*B+B-1, so a resumed run sees exactly the data 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -21,7 +20,7 @@ from tqdm import tqdm
 from ciar.data import scenes
 from ciar.models.checkpoint import save_model
 from ciar.models.vq import build_vq, images_to_tensor
-from pipelines.common import cosine_lr, load_training_state, pick_device, save_training_state, seed_everything, set_lr
+from pipelines.common import cosine_lr, load_training_state, save_training_state, set_lr, setup, training_arguments
 
 
 @torch.no_grad()
@@ -61,27 +60,14 @@ def reconstruction_loss(rec: torch.Tensor, x: torch.Tensor, edge_weight: float) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.train_tokenizer", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="weights/scenes-v1")
+    p = training_arguments("python -m pipelines.train_tokenizer", __doc__, out="weights/scenes-v1", steps=2500,
+                           batch_size=32, lr=1e-3, seed=0, ckpt_dir="runs/tokenizer", ckpt_every=100)
     p.add_argument("--config", default="scenes-small")
-    p.add_argument("--steps", type=int, default=2500)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ckpt-dir", default="runs/tokenizer")
-    p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--restart-every", type=int, default=100, help="re-seed unused codes every N steps (0: never)")
     p.add_argument("--edge-weight", type=float, default=10.0, help="extra loss weight on colour edges (0: off)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--stop-after", type=int, default=0,
-                   help="stop this run after N steps (checkpointed; a later run resumes), 0: run to --steps")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = setup(args)
 
-    seed_everything(args.seed)
-    device = pick_device(args.device)
     vq = build_vq(args.config).to(device)
     opt = torch.optim.AdamW(vq.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
