@@ -192,7 +192,7 @@ def summarize(results: dict, base: str, world, ps: PromptSet, probe, fid_net) ->
     return rows
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.collab", description=__doc__.split("\n")[0])
     p.add_argument("--methods", default="all", help=f"comma list of {','.join(METHODS)} or 'all'")
     p.add_argument("--num-prompts", type=int, default=200)
@@ -221,40 +221,40 @@ def main(argv=None) -> int:
                    help="table 1: skip the 'ciar w/o Inter-Enhance' row")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.num_prompts <= 0:
-        p.error("--num-prompts must be positive")
+    return p
 
-    try:
-        spec = read_world(world_from_args(args), need_device=True, need_text=True)
-    except WorldSpecError as e:
-        raise SystemExit(f"error: {e}") from None
-    if not isinstance(spec, ScenesWorldSpec) and not args.captions:
-        raise SystemExit("error: a LlamaGen world needs --captions (a COCO-format captions file)")
-    world = load_world(spec)
-    verifier = make_verifier(world)
-    ps = load_prompts(args.captions, args.num_prompts, args.seed)
-    cal = calibration_prompts(spec, args.captions, args.num_prompts, args.calib_prompts, args.seed)
-    common = {"network": args.network, "device_slowdown": args.device_slowdown,
-              "cloud_slowdown": args.cloud_slowdown}
+
+@dataclass
+class Run:
+    """What every variant of one benchmark run shares: the world, its verifier, the prompts (evaluated and
+    calibration), the knobs every method gets (`common`: network, slowdowns, span) and CIAR's (`ciar`: those plus
+    its gate, tau, burst, prefix rate), and the report being written."""
+
+    args: argparse.Namespace
+    world: object
+    verifier: object
+    prompts: PromptSet
+    calib: list[str]
+    common: dict
+    ciar: dict
+    report: dict
+
+
+def ciar_knobs(args, world, verifier, calib: list[str], report: dict) -> tuple[dict, dict]:
+    """-> (the knobs every method gets, CIAR's knobs); records how CIAR's threshold was chosen in `report`."""
+    common = {"network": args.network, "device_slowdown": args.device_slowdown, "cloud_slowdown": args.cloud_slowdown}
     if args.span:
         common["span"] = args.span
     ciar_ov = dict(common)
     if args.prefix_rate is not None:
         ciar_ov["prefix_rate"] = args.prefix_rate
-    report: dict = {"prompts": ps.source, "num_prompts": len(ps.captions), "seed": args.seed,
-                    "network": args.network, "device_slowdown": args.device_slowdown,
-                    "cloud_slowdown": args.cloud_slowdown, "sampling": world.sampling.to_dict(), "weights": world.weights_dir}
-    t0 = time.time()
     if args.gate is not None:
         ciar_ov["gate"] = args.gate
     if args.burst is not None:
         ciar_ov["burst"] = args.burst
     defaults = world.device_model.ciar_defaults
     if args.target_rate is not None:
-        report["ciar_threshold"] = calibrate_tau(world, verifier, "ciar", ciar_ov, args.target_rate, cal, args.seed)
+        report["ciar_threshold"] = calibrate_tau(world, verifier, "ciar", ciar_ov, args.target_rate, calib, args.seed)
         ciar_ov["tau"] = report["ciar_threshold"]["tau"]
     elif args.tau is not None:
         ciar_ov["tau"] = args.tau
@@ -267,122 +267,186 @@ def main(argv=None) -> int:
         report["ciar_threshold"] = {"tau": resolved.tau, "gate": resolved.gate, "burst": resolved.burst,
                                     "mode": "device file (python -m pipelines.calibrate on val prompts)",
                                     "calibration": defaults.calibration if defaults else None}
+    return common, ciar_ov
 
+
+def sweep_variants(run: Run, values: list[str]) -> dict:
+    """--sweep: one CIAR (or CASCADE) variant per value, beside cloud-only (cloud-cost: CIAR, EAGLE, LANTERN once,
+    re-priced afterwards)."""
+    args, common, ciar_ov, world = run.args, run.common, run.ciar, run.world
     variants: dict = {"cloud": ("cloud", dict(common), None)}
     if args.sweep == "cloud-cost":
-        variants.update({"ciar": ("ciar", dict(ciar_ov), None), "eagle": ("eagle", dict(common), None),
-                         "lantern": ("lantern", dict(common), None)})
-    title = f"Table 1 — methods side by side ({args.network}, {len(ps.captions)} prompts)"
+        return {**variants, "ciar": ("ciar", dict(ciar_ov), None), "eagle": ("eagle", dict(common), None),
+                "lantern": ("lantern", dict(common), None)}
+    for v in values:
+        if args.sweep == "cascade":
+            variants[f"cascade threshold={v}"] = ("cascade", {**common, "rule": RuleConfig(
+                rule="cascade", cascade_threshold=float(v))}, None)
+        elif args.sweep in ("tau", "rho", "span", "burst"):
+            key = {"tau": "tau", "rho": "prefix_rate", "span": "span", "burst": "burst"}[args.sweep]
+            val = int(v) if key in ("span", "burst") else float(v)
+            variants[f"ciar {args.sweep}={v}"] = ("ciar", {**ciar_ov, key: val}, None)
+        else:
+            name = f"device_l{v}" if args.sweep == "depth" else f"device_h{v}_{args.combine}"
+            path = os.path.join(world.weights_dir, f"{name}.safetensors")
+            dc = world.device_model.device_config
+            if int(v) == (dc.n_layer if args.sweep == "depth" else dc.num_heads) and not os.path.isfile(path):
+                # the shipped device model (device.safetensors) is this point of the sweep
+                variants[f"ciar {args.sweep}={v}"] = ("ciar", dict(ciar_ov), None)
+                continue
+            if not os.path.isfile(path):
+                raise SystemExit(f"missing {path}: train it with `python -m pipelines.train_device --name {name} "
+                                 + ("--n-layer " + v if args.sweep == "depth" else f"--num-heads {v} --combine "
+                                    f"{args.combine}") + "`")
+            variants[f"ciar {args.sweep}={v}"] = ("ciar", dict(ciar_ov), DeviceModel.load(path))
+    return variants
+
+
+def table1_variants(run: Run, methods: list[str]) -> dict:
+    """Table 1: every method; the baseline gates calibrated to CIAR's target rate when one is given; CIAR's
+    ablations (w/o Inter-Enhance, no burst, the paper's U gate)."""
+    args, common, ciar_ov, world, verifier = run.args, run.common, run.ciar, run.world, run.verifier
+    variants: dict = {"cloud": ("cloud", dict(common), None)}
+    run.report["gate_thresholds"] = {}
+    for m in methods:
+        if m == "cloud":
+            continue
+        if m in ("entropy", "softmax", "random", "topk"):
+            # each gate has its own score scale: calibrated to the same target cloud-call rate as CIAR (never
+            # CIAR's tau); without --target-rate, the method's preset threshold
+            ov = {k: v for k, v in ciar_ov.items() if k not in ("tau", "gate")}
+            if args.target_rate is not None:
+                th = calibrate_tau(world, verifier, m, ov, args.target_rate, run.calib, args.seed)
+                run.report["gate_thresholds"][m] = th
+                ov["tau"] = th["tau"]
+        else:
+            ov = dict(ciar_ov) if m == "ciar" else dict(common)
+        variants[m] = (m, ov, None)
+    if "ciar" in methods and not args.no_inter_enhance_ablation:
+        variants["ciar w/o Inter-Enhance"] = ("ciar", {**ciar_ov, "inter_enhance": False}, None)
+    if "ciar" in methods:
+        resolved = make_decoder(world, verifier, "ciar", **ciar_ov).config
+        if resolved.burst:  # the paper's CIAR: the same gate and threshold, no cloud burst
+            variants["ciar g=0 (no burst)"] = ("ciar", {**ciar_ov, "burst": 0}, None)
+        if resolved.gate != "interval" and "tau" not in ciar_ov:  # the paper's U at its own calibrated tau
+            variants["ciar gate=interval (paper U)"] = ("ciar", {**ciar_ov, "gate": "interval"}, None)
+    return variants
+
+
+def gate_table_variants(run: Run, table: int) -> dict:
+    """Tables 2 and 3: other gates (2) or discrete top-k sets (3), each calibrated to CIAR's own cloud-call rate on
+    the calibration prompts."""
+    args, ciar_ov, world, verifier = run.args, run.ciar, run.world, run.verifier
+    variants: dict = {"cloud": ("cloud", dict(run.common), None)}
+    rate = cloud_rate(world, verifier, "ciar", ciar_ov, run.calib, args.seed)
+    run.report["ciar_calibration_rate"] = rate
+    variants["ciar"] = ("ciar", ciar_ov, None)
+    own = make_decoder(world, verifier, "ciar", **ciar_ov).config.gate
+    gates = [("random", {}), ("entropy", {}), ("softmax", {})] + \
+        [("ciar", {"gate": g}) for g in ("interval", "lower") if g != own] if table == 2 else \
+        [("topk", {"topk": k}) for k in (100, 200, 300, 400)]
+    run.report["gate_thresholds"] = {}
+    for g, extra in gates:
+        name = {"topk": f"topk k={extra.get('topk')}", "ciar": f"ciar gate={extra.get('gate')}"}.get(g, g)
+        ov = {k: v for k, v in {**{k: v for k, v in ciar_ov.items() if k != "gate"}, **extra}.items()
+              if k != "tau"}
+        th = calibrate_tau(world, verifier, g, ov, rate, run.calib, args.seed)
+        run.report["gate_thresholds"][name] = th
+        variants[name] = (g, {**ov, "tau": th["tau"]}, None)
+    return variants
+
+
+def network_variants(run: Run) -> dict:
+    """Table 8: cloud-only and CIAR on each link."""
+    variants: dict = {}
+    for net in ("5g", "4g", "wifi"):
+        variants[f"cloud {net}"] = ("cloud", {**run.common, "network": net}, None)
+        variants[f"ciar {net}"] = ("ciar", {**run.ciar, "network": net}, None)
+    return variants
+
+
+def build_variants(run: Run, fail) -> tuple[dict, str]:
+    """-> ({name: (method, knobs, device model or None)}, the table's title) for the run's table or sweep;
+    `fail(message)` reports a bad command line."""
+    args = run.args
     if args.sweep:
-        vals = [v for v in (args.values or "").split(",") if v]
-        if not vals:
-            p.error("--sweep needs --values")
-        title = f"Sweep of {args.sweep}"
-        for v in vals:
-            if args.sweep == "cascade":
-                variants[f"cascade threshold={v}"] = ("cascade", {**common, "rule": RuleConfig(
-                    rule="cascade", cascade_threshold=float(v))}, None)
-            elif args.sweep == "cloud-cost":
-                continue  # re-priced from one run below
-            elif args.sweep in ("tau", "rho", "span", "burst"):
-                key = {"tau": "tau", "rho": "prefix_rate", "span": "span", "burst": "burst"}[args.sweep]
-                val = int(v) if key in ("span", "burst") else float(v)
-                variants[f"ciar {args.sweep}={v}"] = ("ciar", {**ciar_ov, key: val}, None)
-            else:
-                name = f"device_l{v}" if args.sweep == "depth" else f"device_h{v}_{args.combine}"
-                path = os.path.join(world.weights_dir, f"{name}.safetensors")
-                dc = world.device_model.device_config
-                if int(v) == (dc.n_layer if args.sweep == "depth" else dc.num_heads) and not os.path.isfile(path):
-                    # the shipped device model (device.safetensors) is this point of the sweep
-                    variants[f"ciar {args.sweep}={v}"] = ("ciar", dict(ciar_ov), None)
-                    continue
-                if not os.path.isfile(path):
-                    raise SystemExit(f"missing {path}: train it with `python -m pipelines.train_device --name {name} "
-                                     + ("--n-layer " + v if args.sweep == "depth" else f"--num-heads {v} --combine "
-                                        f"{args.combine}") + "`")
-                variants[f"ciar {args.sweep}={v}"] = ("ciar", dict(ciar_ov), DeviceModel.load(path))
-    elif args.table == 1:
+        values = [v for v in (args.values or "").split(",") if v]
+        if not values:
+            fail("--sweep needs --values")
+        return sweep_variants(run, values), f"Sweep of {args.sweep}"
+    if args.table == 1:
         methods = METHODS if args.methods == "all" else [m.strip() for m in args.methods.split(",")]
         bad = [m for m in methods if m not in METHODS]
         if bad:
-            p.error(f"unknown methods {bad}; known: {', '.join(METHODS)}")
-        report["gate_thresholds"] = {}
-        for m in methods:
-            if m == "cloud":
-                continue
-            if m in ("entropy", "softmax", "random", "topk"):
-                # each gate has its own score scale: calibrated to the same target cloud-call rate as CIAR (never
-                # CIAR's tau); without --target-rate, the method's preset threshold
-                ov = {k: v for k, v in ciar_ov.items() if k not in ("tau", "gate")}
-                if args.target_rate is not None:
-                    th = calibrate_tau(world, verifier, m, ov, args.target_rate, cal, args.seed)
-                    report["gate_thresholds"][m] = th
-                    ov["tau"] = th["tau"]
-            else:
-                ov = dict(ciar_ov) if m == "ciar" else dict(common)
-            variants[m] = (m, ov, None)
-        if "ciar" in methods and not args.no_inter_enhance_ablation:
-            variants["ciar w/o Inter-Enhance"] = ("ciar", {**ciar_ov, "inter_enhance": False}, None)
-        if "ciar" in methods:
-            resolved = make_decoder(world, verifier, "ciar", **ciar_ov).config
-            if resolved.burst:  # the paper's CIAR: the same gate and threshold, no cloud burst
-                variants["ciar g=0 (no burst)"] = ("ciar", {**ciar_ov, "burst": 0}, None)
-            if resolved.gate != "interval" and "tau" not in ciar_ov:  # the paper's U at its own calibrated tau
-                variants["ciar gate=interval (paper U)"] = ("ciar", {**ciar_ov, "gate": "interval"}, None)
-    elif args.table in (2, 3):
-        rate = cloud_rate(world, verifier, "ciar", ciar_ov, cal, args.seed)
-        report["ciar_calibration_rate"] = rate
-        variants["ciar"] = ("ciar", ciar_ov, None)
-        own = make_decoder(world, verifier, "ciar", **ciar_ov).config.gate
-        gates = [("random", {}), ("entropy", {}), ("softmax", {})] + \
-            [("ciar", {"gate": g}) for g in ("interval", "lower") if g != own] if args.table == 2 else \
-            [("topk", {"topk": k}) for k in (100, 200, 300, 400)]
-        report["gate_thresholds"] = {}
-        for g, extra in gates:
-            name = {"topk": f"topk k={extra.get('topk')}", "ciar": f"ciar gate={extra.get('gate')}"}.get(g, g)
-            ov = {k: v for k, v in {**{k: v for k, v in ciar_ov.items() if k != "gate"}, **extra}.items()
-                  if k != "tau"}
-            th = calibrate_tau(world, verifier, g, ov, rate, cal, args.seed)
-            report["gate_thresholds"][name] = th
-            variants[name] = (g, {**ov, "tau": th["tau"]}, None)
-        title = "Table 2 — gating at CIAR's cloud-call rate" if args.table == 2 else \
-            "Table 3 — discrete top-k set vs continuous interval"
-    elif args.table == 8:
-        variants = {}
-        for net in ("5g", "4g", "wifi"):
-            variants[f"cloud {net}"] = ("cloud", {**common, "network": net}, None)
-            variants[f"ciar {net}"] = ("ciar", {**ciar_ov, "network": net}, None)
-        title = "Table 8 — latency breakdown by network"
+            fail(f"unknown methods {bad}; known: {', '.join(METHODS)}")
+        return table1_variants(run, methods), \
+            f"Table 1 — methods side by side ({args.network}, {len(run.prompts.captions)} prompts)"
+    if args.table in (2, 3):
+        return gate_table_variants(run, args.table), ("Table 2 — gating at CIAR's cloud-call rate" if args.table == 2
+                                                      else "Table 3 — discrete top-k set vs continuous interval")
+    return network_variants(run), "Table 8 — latency breakdown by network"
 
-    results = run_variants(world, verifier, variants, ps.captions, args.seed)
+
+def score(run: Run, spec, results: dict) -> tuple[dict, str]:
+    """Each variant's row (`summarize`, against cloud-only on the same link), and the cloud-cost re-pricing where
+    the run asks for it. -> (rows, extra Markdown)."""
     from ciar.metrics.fid import make_fid
     from ciar.metrics.probe import load_probe
 
+    args, world, ps = run.args, run.world, run.prompts
     scenes_world = isinstance(spec, ScenesWorldSpec)  # the probe and FID features belong to the scenes world
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors")) \
         if ps.scenes is not None and scenes_world else None
     fid_net = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors")) \
         if ps.references is not None and scenes_world else None
-    md_extra = ""
     if args.sweep == "cloud-cost" or (args.table == 1 and not args.sweep):
         rows = summarize(results, "cloud", world, ps, probe, fid_net)
-        factors = [float(v) for v in vals] if args.sweep else [1, 2, 5, 10, 20, 50]
-        report["cloud_cost_sweep"] = cloud_cost_sweep(results, factors, args.network)
-        md_extra = cloud_cost_markdown(report["cloud_cost_sweep"])
-    elif args.table == 8:
+        factors = [float(v) for v in args.values.split(",") if v] if args.sweep else [1, 2, 5, 10, 20, 50]
+        run.report["cloud_cost_sweep"] = cloud_cost_sweep(results, factors, args.network)
+        return rows, cloud_cost_markdown(run.report["cloud_cost_sweep"])
+    if args.table == 8 and not args.sweep:
         rows = {}
         for net in ("5g", "4g", "wifi"):
             sub = {k: v for k, v in results.items() if k.endswith(net)}
             rows.update(summarize(sub, f"cloud {net}", world, ps, probe, fid_net))
-    else:
-        rows = summarize(results, "cloud", world, ps, probe, fid_net)
+        return rows, ""
+    return summarize(results, "cloud", world, ps, probe, fid_net), ""
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.num_prompts <= 0:
+        p.error("--num-prompts must be positive")
+    try:
+        spec = read_world(world_from_args(args), need_device=True, need_text=True)
+    except WorldSpecError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not isinstance(spec, ScenesWorldSpec) and not args.captions:
+        raise SystemExit("error: a LlamaGen world needs --captions (a COCO-format captions file)")
+
+    world = load_world(spec)
+    verifier = make_verifier(world)
+    ps = load_prompts(args.captions, args.num_prompts, args.seed)
+    calib = calibration_prompts(spec, args.captions, args.num_prompts, args.calib_prompts, args.seed)
+    report: dict = {"prompts": ps.source, "num_prompts": len(ps.captions), "seed": args.seed,
+                    "network": args.network, "device_slowdown": args.device_slowdown,
+                    "cloud_slowdown": args.cloud_slowdown, "sampling": world.sampling.to_dict(),
+                    "weights": world.weights_dir}
+    t0 = time.time()
+    common, ciar_ov = ciar_knobs(args, world, verifier, calib, report)
+    run = Run(args, world, verifier, ps, calib, common, ciar_ov, report)
+    variants, title = build_variants(run, p.error)
+
+    results = run_variants(world, verifier, variants, ps.captions, args.seed)
+    rows, md_extra = score(run, spec, results)
     report["methods"] = rows
     report["configs"] = {name: make_decoder(world, verifier, m, device_model=dev, **ov).config.to_dict()
                          for name, (m, ov, dev) in variants.items()}
     report["seconds"] = time.time() - t0
-    md = methods_markdown(rows, title)
-    if md_extra:
-        md += "\n" + md_extra
+    md = methods_markdown(rows, title) + ("\n" + md_extra if md_extra else "")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
