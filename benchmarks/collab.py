@@ -192,6 +192,16 @@ def summarize(results: dict, base: str, world, ps: PromptSet, probe, fid_net) ->
     return rows
 
 
+def write_results(out: str, report: dict, md: str) -> None:
+    """A benchmark's results: the JSON at `out`, its Markdown tables beside it (.md), and the tables printed."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.collab", description=__doc__.split("\n")[0])
     p.add_argument("--methods", default="all", help=f"comma list of {','.join(METHODS)} or 'all'")
@@ -447,12 +457,7 @@ def main(argv=None) -> int:
                          for name, (m, ov, dev) in variants.items()}
     report["seconds"] = time.time() - t0
     md = methods_markdown(rows, title) + ("\n" + md_extra if md_extra else "")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_results(args.out, report, md)
     return 0
 
 

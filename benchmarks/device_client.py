@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds or args.num_prompts < 2:
         p.error("give at least one seed and --num-prompts >= 2")
 
-    from benchmarks.collab import load_prompts
+    from benchmarks.collab import load_prompts, write_results
     from ciar.metrics.probe import load_probe
     from ciar.world import load_world
     from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config
@@ -242,13 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"prompts": ps.source, "num_prompts": args.num_prompts, "seeds": seeds, "host": args.host,
               "seconds": time.time() - t0, "client_resumes": raw["resumes"], "wire": raw["wire"], **summary,
               "per_image": {d: {s: raw[d][s]["rows"] for s in seeds} for d in DEVICES}}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    md = markdown(summary, seeds, args.num_prompts) + wire_markdown(raw["wire"])
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(md)
-    print(md)
+    write_results(args.out, result, markdown(summary, seeds, args.num_prompts) + wire_markdown(raw["wire"]))
     return 0
 
 

@@ -32,7 +32,8 @@ import time
 
 from ciar.collab.names import METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
 from ciar.world_spec import add_world_arguments, world_from_args
-from ciar_client.cli import OneLineParser, UsageError, check_prompt_and_seed, check_writable, write_file
+from ciar_client.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
+                             write_file)
 
 PROG = "python -m ciar.generate"
 
@@ -157,14 +158,9 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 ok, 2 bad input)."""
-    try:
-        args = build_parser().parse_args(argv)
-        stats = run(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
+    args, stats = run_command(PROG, build_parser(), run, argv)
+    if args is None:
+        return stats
     line = f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s " \
            f"(method {args.method}, seed {args.seed})"
     if "collab" in stats:

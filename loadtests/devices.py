@@ -72,6 +72,8 @@ from dataclasses import asdict, dataclass
 
 from ciar_client import wire
 from ciar_client.connection import ConnectionRefused, DeviceConnection
+from loadtests.plan import mean as _mean
+from loadtests.plan import percentile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE_KEY = "ciar-dev-device-key"  # the development device key serve_config.yaml accepts (by its digest)
@@ -303,19 +305,6 @@ class DeviceClients:
 
 
 # ---------------------------------------------------------------------------------------------------- arithmetic
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (loadtests.plan's rule)."""
-    s = sorted(v for v in values if v is not None)
-    if not s:
-        return None
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def _mean(values) -> float | None:
-    v = [x for x in values if x is not None]
-    return sum(v) / len(v) if v else None
-
-
 def ws_header_bytes(payload: int, masked: bool) -> int:
     """RFC 6455 frame header: 2 bytes, +2 (payload >= 126) or +8 (>= 65536) for the length, +4 when masked (every
     client -> server frame)."""

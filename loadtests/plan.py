@@ -170,7 +170,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def _mean(values) -> float | None:
+def mean(values) -> float | None:
+    """Mean of the values that are not None; None for none."""
     v = [x for x in values if x is not None]
     return sum(v) / len(v) if v else None
 
@@ -183,7 +184,7 @@ def summarise_responses(records: list[dict]) -> dict:
         rs = [r for r in records if r.get("method") == m]
         good = [r for r in rs if r.get("ok")]
         per_method[m] = {"requests": len(rs), "images": len(good),
-                         "cloud_calls_per_image": _mean(r.get("cloud_requests") for r in good),
+                         "cloud_calls_per_image": mean(r.get("cloud_requests") for r in good),
                          "latency_p50_ms": percentile([r["latency_ms"] for r in good], 50)}
     weighted = [(r["vbs_mean"], r.get("vbs_count") or 0) for r in ok if r.get("vbs_mean") is not None]
     n = sum(c for _, c in weighted)
@@ -191,12 +192,12 @@ def summarise_responses(records: list[dict]) -> dict:
     for r in records:
         status[str(r.get("status"))] = status.get(str(r.get("status")), 0) + 1
     return {"responses": len(records), "images": len(ok), "status_counts": status,
-            "cloud_calls_per_image": _mean(r.get("cloud_requests") for r in ok),
+            "cloud_calls_per_image": mean(r.get("cloud_requests") for r in ok),
             "server_total_s": {"p50": percentile([r.get("total_s") for r in ok], 50),
-                               "mean": _mean(r.get("total_s") for r in ok)},
+                               "mean": mean(r.get("total_s") for r in ok)},
             "server_wall_s": {"p50": percentile([r.get("wall_s") for r in ok], 50),
                               "p99": percentile([r.get("wall_s") for r in ok], 99),
-                              "mean": _mean(r.get("wall_s") for r in ok)},
+                              "mean": mean(r.get("wall_s") for r in ok)},
             "verifier_batch_size_seen_by_devices": {
                 "mean": sum(m * c for m, c in weighted) / n if n else None,
                 "max": max((r["vbs_max"] for r in ok if r.get("vbs_max") is not None), default=None)},

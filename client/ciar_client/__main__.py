@@ -21,7 +21,8 @@ import os
 import sys
 import time
 
-from ciar_client.cli import OneLineParser, UsageError, check_prompt_and_seed, check_writable, write_file
+from ciar_client.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
+                             write_file)
 
 PROG = "python -m ciar_client"
 
@@ -120,14 +121,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 ok, 2 bad input or a server-side failure)."""
-    try:
-        args = build_parser().parse_args(argv)
-        stats = run(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
+    args, stats = run_command(PROG, build_parser(), run, argv)
+    if args is None:
+        return stats
     st, cf = stats["collab"]["stats"], stats["collab"]["config"]
     print(f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s "
           f"(method ciar, seed {args.seed}); cloud calls {100 * st['cloud_call_rate']:.1f} %, "

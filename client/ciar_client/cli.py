@@ -45,3 +45,18 @@ def check_prompt_and_seed(prompt: str, seed: int) -> None:
         raise UsageError("--prompt is empty")
     if not 0 <= seed < 2 ** 63:
         raise UsageError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def run_command(prog: str, parser: argparse.ArgumentParser, run, argv: list[str] | None):
+    """Parse `argv` and call `run(args)`. -> (args, result), or (None, exit status) after a UsageError (printed as
+    one `prog: error:` line, status 2) or --help (status 0)."""
+    import sys
+
+    try:
+        args = parser.parse_args(argv)
+        return args, run(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return None, 2
+    except SystemExit as e:  # --help
+        return None, e.code if isinstance(e.code, int) else 0
