@@ -100,3 +100,16 @@ def median_tau(tiny_device, stub_text):
                                temperature=1.0)
     return float(gate_scores("interval", center=c, radius=r).median())
 
+
+@pytest.fixture(scope="session")
+def onnx_dir(tmp_path_factory):
+    """The shipped device model exported for the torch-free client (pipelines.export_onnx), once per test session;
+    $CIAR_TEST_ONNX_DIR names an existing export instead (skips the ~30 s export)."""
+    from pipelines.export_onnx import export_onnx
+
+    out = os.environ.get("CIAR_TEST_ONNX_DIR")
+    if out and os.path.isfile(os.path.join(out, "manifest.json")):
+        return out
+    out = str(tmp_path_factory.mktemp("onnx"))
+    export_onnx(None, out)
+    return out

@@ -54,18 +54,6 @@ class NumpyCloud:
 
 
 @pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory):
-    from pipelines.export_onnx import export_onnx
-
-    out = os.environ.get("CIAR_TEST_ONNX_DIR")  # an existing export (skips the ~30 s export)
-    if out and os.path.isfile(os.path.join(out, "manifest.json")):
-        return out
-    out = str(tmp_path_factory.mktemp("onnx"))
-    export_onnx(None, out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def world():
     from ciar.world import load_world
 

@@ -4,14 +4,12 @@ verifier of the shipped world, no Ray): records that add up to the loop's own st
 benchmark on the frames they carried; and a client the parent has to stop at its deadline."""
 
 import json
-import os
 import socket
 
 import pytest
 
 from loadtests import devices
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY, SECRET = "device-load-test-key", "device-load-test-secret"
 
 
@@ -88,18 +86,6 @@ def test_serve_latency_from_prometheus_text():
 
 
 # ---------------------------------------------------------------------------------------------------- real clients
-@pytest.fixture(scope="module")
-def onnx_dir(tmp_path_factory):
-    for out in (os.environ.get("CIAR_TEST_ONNX_DIR"), os.path.join(REPO, "weights", "scenes-v2", "onnx")):
-        if out and os.path.isfile(os.path.join(out, "manifest.json")):  # an existing export (make onnx)
-            return out
-    from pipelines.export_onnx import export_onnx
-
-    out = str(tmp_path_factory.mktemp("onnx"))
-    export_onnx(None, out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def endpoint():
     from ciar.collab.runtime import make_verifier
