@@ -267,10 +267,14 @@ class Ingress:
             return
         await self.endpoint.serve(ws)
 
-    def _device_authorized(self, request: Request) -> bool:
+    def _device_refusal(self, request: Request) -> JSONResponse | None:
+        """None for a request that carries a device key (Bearer), else the 401 to answer."""
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        return self.endpoint is not None and scheme.lower() == "bearer" and \
-            self.endpoint.device_of(key.strip()) is not None
+        if self.endpoint is not None and scheme.lower() == "bearer" and \
+                self.endpoint.device_of(key.strip()) is not None:
+            return None
+        return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
+                          field="authorization", kind="unauthorized")
 
     async def _device_model_dir(self) -> tuple[str | None, dict | None]:
         """The exported device model's folder and manifest (None, None when it was not exported)."""
@@ -285,9 +289,8 @@ class Ingress:
     async def device_model(self, request: Request):
         """The device model for real devices: the export's manifest (graphs with sha256 and size, the calibrated
         CIAR defaults, sampling, protocol facts). Authorised by a device key (Bearer)."""
-        if not self._device_authorized(request):
-            return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
-                              field="authorization", kind="unauthorized")
+        if (refused := self._device_refusal(request)) is not None:
+            return refused
         folder, manifest = await self._device_model_dir()
         if manifest is None:
             return error_body(404, "the device model is not exported on this deployment: run "
@@ -299,9 +302,8 @@ class Ingress:
         """One graph of the manifest (only the files it names)."""
         from fastapi.responses import FileResponse
 
-        if not self._device_authorized(request):
-            return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
-                              field="authorization", kind="unauthorized")
+        if (refused := self._device_refusal(request)) is not None:
+            return refused
         folder, manifest = await self._device_model_dir()
         files = {g["file"] for g in (manifest or {}).get("graphs", {}).values()}
         if name not in files:
