@@ -447,10 +447,8 @@ class ResumeWork(OpenWork):
             raise SessionError(f"token ids must be in [0, {v.vocab_size})")
         if injected is not None:
             n = int(injected.positions.numel())
-            if injected.device_hidden.shape[0] != n or injected.features.shape[0] != n:
-                raise SessionError(f"session {request.session_id!r}: injected features need one row per position")
             check_projector_inputs(v, injected.device_hidden, injected.features, n,
-                                   f"session {request.session_id!r}: injected")
+                                   f"session {request.session_id!r}: injected", required=True)
             if n and (int(injected.positions.min()) < 0 or int(injected.positions.max()) >= h.numel() - 1):
                 raise SessionError(f"session {request.session_id!r}: injected positions must index history[:-1]")
         super().__init__(v, replace(request, prefix_len=0), caption_emb, caption_mask)
@@ -498,12 +496,15 @@ class ResumeWork(OpenWork):
             self.complete()
 
 
-def check_projector_inputs(v: "CloudVerifier", hidden, features, rows: int, what: str) -> None:
-    """Interval features sent to the verifier: both arrays or neither, one row per token, the projector's widths
-    (a malformed pair is refused with a SessionError before any session state changes)."""
+def check_projector_inputs(v: "CloudVerifier", hidden, features, rows: int, what: str,
+                           required: bool = False) -> None:
+    """Interval features sent to the verifier: both arrays (or, unless `required`, neither), one row per token, the
+    projector's widths (a malformed pair is refused with a SessionError before any session state changes)."""
     if (hidden is None) != (features is None):
         raise SessionError(f"{what}: device_hidden and features go together (one without the other)")
     if hidden is None:
+        if required:
+            raise SessionError(f"{what}: device_hidden and features are missing")
         return
     if hidden.dim() != 2 or features.dim() != 2 or hidden.shape[0] != rows or features.shape[0] != rows:
         raise SessionError(f"{what}: device_hidden and features need one row per token ({rows}), got "

@@ -227,3 +227,17 @@ def test_an_admission_that_breaks_fails_only_its_own_work(tiny_cloud, stub_text,
     assert v.sessions["a"].work is None and not v.engine.busy
     monkeypatch.undo()
     assert v.verify_batch([_with_features(v, "a", c.device_dim, c.feature_dim)])[0].next_token >= 0
+
+
+@torch.no_grad()
+def test_injected_features_need_one_row_per_position(tiny_cloud, stub_text):
+    from ciar.collab.protocol import InjectedFeatures, SessionError
+
+    v, c = _projecting_verifier(tiny_cloud, stub_text)
+    history = torch.tensor(v.open_batch([_open_req("a", 4)])[0].prefix_tokens)
+    two_rows = InjectedFeatures(torch.tensor([0, 1]), torch.zeros(1, c.device_dim), torch.zeros(2, c.feature_dim))
+    with pytest.raises(SessionError, match="one row per token"):
+        v.resume_batch([_open_req("a", 4)], [history], injected=[two_rows])
+    missing = InjectedFeatures(torch.tensor([0]), None, None)
+    with pytest.raises(SessionError, match="are missing"):
+        v.resume_batch([_open_req("a", 4)], [history], injected=[missing])
