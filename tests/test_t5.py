@@ -1,6 +1,6 @@
 """`ciar.t5.T5CaptionEncoder` on a tiny RANDOM T5 encoder + tokenizer saved with `save_pretrained` (the real folder
 format): the same numbers as a direct `T5EncoderModel` call on that folder, rearranged to LlamaGen's left padding;
-truncation at max_length; LlamaGen's caption cleaning; clear errors; bfloat16."""
+a caption over max_length refused (the caption contract); LlamaGen's caption cleaning; clear errors; bfloat16."""
 
 import pytest
 import torch
@@ -36,13 +36,17 @@ def test_same_numbers_as_a_direct_t5_call_left_padded(folder):
     assert enc.count_tokens(CAPS[1]) == 3 and enc.dim == 32 and got.emb.dtype == torch.float32
 
 
-def test_truncated_at_max_length_like_llamagen(folder):
+def test_a_caption_over_max_length_is_refused_never_cut(folder):
+    from ciar.text import CaptionTooLongError
+
     enc = T5CaptionEncoder(folder, max_length=6)
-    b = enc.encode([CAPS[2]])
-    assert b.mask.all() and b.emb.shape == (1, 6, 32)
-    assert enc.count_tokens(CAPS[2]) > 6
-    long = T5CaptionEncoder(folder, max_length=40).encode([CAPS[2]])
-    assert not torch.allclose(long.emb[0, -6:], b.emb[0])  # truncation drops the tail (its EOS included)
+    n = enc.count_tokens(CAPS[2])  # cleaned caption + EOS
+    assert n > 6
+    with pytest.raises(CaptionTooLongError, match=f"caption is {n} tokens long, the model accepts at most 6"):
+        enc.encode([CAPS[1], CAPS[2]])  # the whole batch is refused, naming the long caption
+    exact = T5CaptionEncoder(folder, max_length=n).encode([CAPS[2]])  # exactly the positions: accepted, whole
+    assert exact.mask.all() and exact.emb.shape == (1, n, 32)
+    assert enc.encode([CAPS[1]]).mask.sum() == 3
 
 
 def test_batches_do_not_change_the_numbers(folder):
@@ -86,3 +90,22 @@ def test_bfloat16_runs_on_cpu_close_to_float32(folder):
     half = T5CaptionEncoder(folder, max_length=16, dtype="bfloat16").encode(CAPS)
     assert half.emb.dtype == torch.float32 and torch.equal(half.mask, full.mask)
     assert (half.emb - full.emb).abs().max() < 0.1 * full.emb.abs().max()
+
+
+def test_the_verifier_refuses_a_long_caption_and_keeps_serving(folder):
+    """The caption contract on the cloud: a T5 world's open with a caption over the GPT's caption positions fails
+    with CaptionTooLongError (the API's 422), frees its slots, and the next open is served."""
+    from ciar.collab.protocol import OpenRequest
+    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.decoding.sampling import SamplingParams
+    from ciar.models.gpt import build_gpt
+    from ciar.text import CaptionTooLongError
+
+    gpt = build_gpt("GPT-B", n_layer=1, dim=32, n_head=2, caption_dim=32, cls_token_num=8, vocab_size=16,
+                    block_size=4).eval()
+    cloud = InProcessCloud(CloudVerifier(gpt, T5CaptionEncoder(folder, max_length=8), max_sessions=1))
+    params = SamplingParams(cfg_scale=2.0)
+    with pytest.raises(CaptionTooLongError, match="at most 8"):
+        cloud.open(OpenRequest("long", CAPS[2], 0, params, 2))
+    reply = cloud.open(OpenRequest("short", CAPS[1], 0, params, 2))
+    assert len(reply.prefix_tokens) == 2 and int(reply.caption_mask.sum()) == 3

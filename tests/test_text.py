@@ -35,8 +35,9 @@ def test_batching_does_not_change_embeddings(enc):
 def test_bad_captions(enc):
     with pytest.raises(ValueError, match="empty"):
         enc.encode(["  "])
-    with pytest.raises(CaptionTooLongError, match="at most 40"):
-        enc.encode(["red " * 60])
+    with pytest.raises(CaptionTooLongError, match="caption is 62 tokens long, the model accepts at most 40"):
+        enc.encode(["a red circle", "red " * 60])  # [CLS] + 60 + [SEP]: the batch is refused, never cut
+    assert enc.count_tokens("red " * 38) == 40 and enc.encode(["red " * 38]).mask.all()  # exactly fits
     with pytest.raises(ValueError, match="surrogate"):  # the tokenizer itself would raise a TypeError
         enc.encode(["a red \ud800 circle"])
 
