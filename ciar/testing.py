@@ -12,9 +12,10 @@ from ciar.models.vq import build_vq
 
 
 def write_random_world(folder: str, sampling: dict | None = None, cloud_dtype: torch.dtype = torch.float16,
-                       seed: int = 0, with_device: bool = False) -> str:
+                       seed: int = 0, with_device: bool = False, ciar_defaults: dict | None = None) -> str:
     """Write `tokenizer.safetensors` (scenes-small) and a 2-layer, 64-wide `cloud.safetensors` into `folder`; with
-    `with_device`, also a 1-layer CIAR `device.safetensors` initialised from that cloud (random Inter-Head radii)."""
+    `with_device`, also a 1-layer CIAR `device.safetensors` initialised from that cloud (random Inter-Head radii),
+    carrying `ciar_defaults` (ciar.collab.defaults.CIARDefaults fields, e.g. a gate and its tau) when given."""
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
     vq = build_vq("scenes-small")
@@ -35,7 +36,8 @@ def write_random_world(folder: str, sampling: dict | None = None, cloud_dtype: t
                 torch.nn.init.normal_(head.weight[V:], std=0.15)
                 head.bias[:V].zero_()
                 head.bias[V:].fill_(-4.0)
-        dev.save(os.path.join(folder, "device.safetensors"))
+        dev.save(os.path.join(folder, "device.safetensors"),
+                 extra={"ciar": ciar_defaults} if ciar_defaults is not None else None)
     return str(folder)
 
 
@@ -108,6 +110,31 @@ def write_random_fid_inception(path: str, seed: int = 0, with_batch_counts: bool
     return path
 
 
+def write_llamagen_checkpoints(folder: str, gpt_config: str, block_size: int, gpt_overrides: dict, image_size: int,
+                               vq_overrides: dict, seed: int = 0,
+                               names=("t2i.pt", "vq.pt", "device.safetensors")) -> tuple[str, str, str]:
+    """RANDOM weights in LlamaGen's checkpoint formats, any size (the registry's `gpt_config` and VQ-16 with
+    overrides): a t2i GPT `{"model": state_dict}` .pt (LlamaGen's keys, float32 as its releases), a VQ-16
+    `{"model": ...}` .pt, and a 1-layer CIAR device model made from the GPT (small radii) -> the three paths."""
+    from ciar.collab.device import DeviceConfig, DeviceModel
+
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(seed)
+    paths = tuple(os.path.join(folder, n) for n in names)
+    gpt = build_gpt(gpt_config, block_size=block_size, **gpt_overrides)
+    torch.nn.init.normal_(gpt.output.weight, std=0.5)
+    torch.save({"model": gpt.state_dict(), "steps": 0}, paths[0])
+    vq = build_vq("VQ-16", image_size=image_size, **vq_overrides)
+    torch.save({"model": vq.state_dict()}, paths[1])
+    del vq
+    dev = DeviceModel.from_cloud(gpt, DeviceConfig(n_layer=1))
+    with torch.no_grad():
+        for head in dev.inter_head.heads:
+            head.bias[gpt.config.vocab_size:].fill_(-4.0)
+    dev.save(paths[2])
+    return paths
+
+
 def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0) -> dict:
     """RANDOM-weight stand-ins for the real-model path's local files, in their real formats: a LlamaGen t2i GPT
     checkpoint (`{"model": state_dict}` .pt, LlamaGen's keys), a VQ-16 `.pt`, a CIAR device model for that GPT,
@@ -117,20 +144,8 @@ def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0
     import numpy as np
     from PIL import Image
 
-    from ciar.collab.device import DeviceConfig, DeviceModel
-
-    os.makedirs(folder, exist_ok=True)
-    torch.manual_seed(seed)
-    gpt = build_gpt("GPT-B", block_size=16, **LLAMAGEN_SMALL_GPT)
-    torch.nn.init.normal_(gpt.output.weight, std=0.5)
-    torch.save({"model": gpt.state_dict(), "steps": 0}, os.path.join(folder, "t2i_small.pt"))
-    vq = build_vq("VQ-16", image_size=64, **LLAMAGEN_SMALL_VQ)
-    torch.save({"model": vq.state_dict()}, os.path.join(folder, "vq_small.pt"))
-    dev = DeviceModel.from_cloud(gpt, DeviceConfig(n_layer=1))
-    with torch.no_grad():
-        for head in dev.inter_head.heads:
-            head.bias[gpt.config.vocab_size:].fill_(-4.0)
-    dev.save(os.path.join(folder, "device.safetensors"))
+    write_llamagen_checkpoints(folder, "GPT-B", 16, LLAMAGEN_SMALL_GPT, 64, LLAMAGEN_SMALL_VQ, seed=seed,
+                               names=("t2i_small.pt", "vq_small.pt", "device.safetensors"))
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(folder, "t5"), exist_ok=True)
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
@@ -156,11 +171,13 @@ TINY_T5_WORDS = ("a an the of on in at with and to by next near two three small 
                  "square triangle top bottom left right middle background").split()
 
 
-def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads: int = 2, seed: int = 0) -> str:
+def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads: int = 2, seed: int = 0,
+                 config: dict | None = None, dtype: torch.dtype = torch.float32) -> str:
     """A tiny RANDOM-weight `T5EncoderModel` and a real fast tokenizer (T5's special tokens <pad>=0, </s>=1, <unk>=2,
     an EOS appended to every caption; a word-level vocabulary built in code, no sentencepiece, no network), saved
     with `save_pretrained` into `folder` so `AutoTokenizer` / `T5EncoderModel.from_pretrained(folder)` load them as
-    a real flan-t5 folder. -> folder."""
+    a real flan-t5 folder. `config` (T5Config fields, e.g. flan-t5-xl's) replaces the tiny sizes, `dtype` the
+    weights' type (built in it). -> folder."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
@@ -175,10 +192,11 @@ def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
                                    padding_side="right", model_max_length=512)
     torch.manual_seed(seed)
-    cfg = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // num_heads, d_ff=2 * d_model,
-                   num_layers=num_layers, num_heads=num_heads, relative_attention_num_buckets=8,
-                   feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-    model = T5EncoderModel(cfg).eval()
+    cfg = T5Config(**(config or dict(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // num_heads,
+                                     d_ff=2 * d_model, num_layers=num_layers, num_heads=num_heads,
+                                     relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
+                                     eos_token_id=1, decoder_start_token_id=0)))
+    model = T5EncoderModel._from_config(cfg, dtype=dtype).eval()
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     fast.save_pretrained(folder)

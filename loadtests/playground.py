@@ -4,6 +4,7 @@ in docs/:
 
     python -m loadtests.playground --out docs                  # starts a cluster with the shipped world
     python -m loadtests.playground --host http://127.0.0.1:8000 --api-key ciar-dev-key --out docs
+    python -m loadtests.playground --device browser --network 5g --out docs   # this tab is the device
 
 `drive(url, key, ...)` opens the page, types the prompt and key, picks the method and network, submits, screenshots
 the image mid-way (the first preview past `mid` of the tokens) when `shots` is given, waits for the finished image
@@ -31,10 +32,16 @@ def chromium_path() -> str | None:
 
 
 def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = "5g", seed: int = 0,
-          shots: str | None = None, timeout_s: float = 180.0, mid: float = 0.4) -> dict:
+          shots: str | None = None, timeout_s: float = 180.0, mid: float = 0.4, device: str = "cluster",
+          device_key: str | None = None, prompts: list[tuple[str, int]] | None = None) -> dict:
     """-> {"status", "state", "previews", "stats": {row: value}, "image_src_prefix", "overlay_cells": {colour
-    counts}, "methods", "networks"}; with `shots` (a folder), writes playground-running.png (mid-image) and
-    playground-done.png (finished, token map on)."""
+    counts}, "methods", "networks", "console"}; with `shots` (a folder), writes playground-running.png (mid-image)
+    and playground-done.png (finished, token map on).
+
+    device "browser": the page's own tab is the device (a Web Worker on onnxruntime-web, `device_key`), then the
+    cluster's device runs the same prompt and seed; "stats" are the tab's figures, "cluster_stats" the cluster
+    device's; the screenshots are playground-browser-running.png / -done.png. `prompts` [(prompt, seed), ...]: more
+    generations in the same page after the first (the model is downloaded once), each's figures in "more"."""
     from playwright.sync_api import sync_playwright
 
     exe = chromium_path()
@@ -45,42 +52,70 @@ def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = 
         browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 720})
+            console: list[str] = []
+            page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning")
+                    else None)
+            page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
             page.goto(f"{url.rstrip('/')}/", timeout=ms)
             page.wait_for_function("document.querySelectorAll('#network option').length > 1", timeout=ms)
             methods = page.eval_on_selector_all("#method option", "os => os.map(o => o.value)")
             networks = page.eval_on_selector_all("#network option", "os => os.map(o => o.value)")
-            page.fill("#prompt", prompt)
+            prefix = "playground"
+            if device == "browser":
+                page.wait_for_function(BROWSER_CHECKED, timeout=ms)
+                if page.is_disabled('#devicemode option[value="browser"]'):
+                    return {"state": "unavailable", "status": page.inner_text("#browsernote"), "console": console}
+                page.select_option("#devicemode", "browser")
+                page.fill("#devkey", device_key or "")
+                prefix = "playground-browser"
             page.fill("#key", key)
-            page.select_option("#method", method)
+            if device != "browser":
+                page.select_option("#method", method)
             page.select_option("#network", network)
-            page.fill("#seed", str(seed))
-            page.click("#go")
-            # a preview on screen past `mid` of the image (the image building up), or the end if it came first
-            page.wait_for_function("(document.getElementById('image').src.startsWith('data:image/png') && "
-                                   f"document.getElementById('progress').value >= {mid}) || "
-                                   "['done', 'error'].includes(document.getElementById('status').dataset.state)",
-                                   timeout=ms)
-            if shots:
-                os.makedirs(shots, exist_ok=True)
-                page.screenshot(path=os.path.join(shots, "playground-running.png"), full_page=True)
-            page.wait_for_function("['done', 'error'].includes(document.getElementById('status').dataset.state)",
-                                   timeout=ms)
+            shown = []
+            for i, (text, s) in enumerate([(prompt, seed)] + list(prompts or [])):
+                page.fill("#prompt", text)
+                page.fill("#seed", str(s))
+                page.click("#go")
+                if i == 0:
+                    # a preview on screen past `mid` of the image (the image building up), or the end if it came first
+                    page.wait_for_function("(document.getElementById('image').src.startsWith('data:image/png') && "
+                                           f"document.getElementById('progress').value >= {mid}) || "
+                                           "['done', 'error'].includes(document.getElementById('status').dataset.state)",
+                                           timeout=ms)
+                    if shots:
+                        os.makedirs(shots, exist_ok=True)
+                        page.screenshot(path=os.path.join(shots, f"{prefix}-running.png"), full_page=True)
+                page.wait_for_function("['done', 'error'].includes(document.getElementById('status').dataset.state)",
+                                       timeout=ms)
+                shown.append(_shown(page))
             page.check("#showmap")
             if shots:
-                page.screenshot(path=os.path.join(shots, "playground-done.png"), full_page=True)
-            return {
-                "status": page.inner_text("#status"),
-                "state": page.get_attribute("#status", "data-state"),
-                "previews": int(page.get_attribute("#status", "data-previews") or 0),
-                "stats": dict(page.eval_on_selector_all(
-                    "#stats tr", "rows => rows.map(r => [r.dataset.key, r.cells[1].textContent])")),
-                "image_src_prefix": page.get_attribute("#image", "src")[:22],
-                "overlay_cells": page.evaluate(OVERLAY_COUNT),
-                "overlay_visible": page.is_visible("#overlay"),
-                "methods": methods, "networks": networks,
-            }
+                page.screenshot(path=os.path.join(shots, f"{prefix}-done.png"), full_page=True)
+            return dict(shown[0], overlay_cells=shown[0]["overlay"], overlay_visible=page.is_visible("#overlay"),
+                        methods=methods, networks=networks, console=console, more=shown[1:])
         finally:
             browser.close()
+
+
+# whether the page has checked that this tab can be the device (the option enabled, or the reason shown)
+BROWSER_CHECKED = """() => !document.querySelector('#devicemode option[value="browser"]').disabled ||
+  !document.getElementById('browsernote').classList.contains('hidden')"""
+
+
+def _shown(page) -> dict:
+    """What the page shows after one generation: status, previews, both stats columns, the image, the token map."""
+    columns = page.eval_on_selector_all("#stats tr", "rows => rows.filter(r => r.dataset.key).map(r => "
+                                        "[r.dataset.key, ...Array.from(r.cells).slice(1).map(c => c.textContent)])")
+    return {
+        "status": page.inner_text("#status"),
+        "state": page.get_attribute("#status", "data-state"),
+        "previews": int(page.get_attribute("#status", "data-previews") or 0),
+        "stats": {k: v[0] for k, *v in columns},
+        "cluster_stats": {k: v[1] for k, *v in columns if len(v) > 1},
+        "image_src_prefix": (page.get_attribute("#image", "src") or "")[:22],
+        "overlay": page.evaluate(OVERLAY_COUNT),
+    }
 
 
 # counts the overlay's cells by colour (sampled at each cell's centre): {"device": n, "cloud": m}
@@ -99,6 +134,7 @@ OVERLAY_COUNT = """() => {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loadtests.devices import DEVICE_KEY
     from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, use_key
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -111,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="ciar")
     p.add_argument("--network", default="4g")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cluster", "browser"), default="cluster",
+                   help="who drafts: the cluster's device, or the page's own tab (onnxruntime-web, `make web`)")
+    p.add_argument("--device-key", default=os.environ.get("CIAR_DEVICE_KEY", DEVICE_KEY),
+                   help="the browser device's key (default: the development device key)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="as in loadtests.run (e.g. Device.preview_every=8)")
     args = p.parse_args(argv)
@@ -126,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             url = cluster.url
         else:
             url, key = args.host, client_key(None, args.api_key)
-        shown = drive(url, key, args.prompt, args.method, args.network, args.seed, shots=args.out)
+        shown = drive(url, key, args.prompt, args.method, args.network, args.seed, shots=args.out,
+                      device=args.device, device_key=args.device_key)
     finally:
         if cluster is not None:
             cluster.stop()

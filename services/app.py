@@ -326,6 +326,17 @@ class Ingress:
             return error_body(404, str(e), field="name", kind="not_found")
         return FileResponse(path, media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
 
+    @api.get("/web/device/{name}", include_in_schema=False)
+    async def device_script(self, name: str):
+        """The browser device's modules (web/src): the page's Web Worker runs the CIAR loop with them."""
+        from fastapi.responses import FileResponse
+
+        try:
+            path = web.device_file(name)
+        except LookupError as e:
+            return error_body(404, str(e), field="name", kind="not_found")
+        return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
+
     @api.get("/", include_in_schema=False)
     async def playground(self) -> HTMLResponse:
         """The playground page: one static file, no build step, nothing fetched from the internet."""

@@ -1,8 +1,10 @@
-"""The browser device's runtime: onnxruntime-web's installed files, served by the ingress at /web/ort/ (issue 28).
+"""The browser device: its scripts (web/src, served at /web/device/) and its runtime, onnxruntime-web's installed
+files (served at /web/ort/).
 
     make web                                  # npm ci --prefix web (web/package.json pins the version)
     curl -s localhost:8000/web/ort/           # {"available": true, "version": "1.30.0", "entry": "ort.min.mjs", ...}
     curl -sI localhost:8000/web/ort/ort-wasm-simd-threaded.jsep.wasm
+    curl -s localhost:8000/web/device/worker.js  # the page's Web Worker: the CIAR device loop (web/src/loop.js)
 
 Only the files a page loads are served: the ESM entry points (`ort.min.mjs`: WebGPU where the browser has it, else
 WebAssembly; `ort.wasm.min.mjs`, `ort.webgpu.min.mjs`) and the WebAssembly builds they import. A name is looked up
@@ -15,11 +17,14 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the installed package (npm ci --prefix web); tests point it at an empty folder
+# the page's own modules (plain ES modules, no build step) and the installed package (npm ci --prefix web; tests
+# point it at an empty folder)
+DEVICE_SRC = os.path.join(ROOT, "web", "src")
 ORT_PACKAGE = os.path.join(ROOT, "web", "node_modules", "onnxruntime-web")
 ENTRY = "ort.min.mjs"
 ENABLE = "the browser device is disabled: run `make web` (needs node and npm) to install onnxruntime-web"
 SERVED = re.compile(r"ort(\.wasm|\.webgpu)?\.min\.mjs|ort-wasm-simd-threaded(\.[a-z]+)?\.(mjs|wasm)")
+DEVICE_FILE = re.compile(r"[a-z]+\.js")
 MEDIA_TYPES = {".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm"}
 
 
@@ -49,3 +54,12 @@ def ort_file(name: str) -> tuple[str, str]:
     if name not in files:
         raise LookupError(f"no onnxruntime-web file {name!r} (served: {', '.join(files)})")
     return files[name], MEDIA_TYPES[os.path.splitext(name)[1]]
+
+
+def device_file(name: str) -> str:
+    """GET /web/device/{name}: a module of the browser device (web/src/*.js); LookupError (a 404) otherwise."""
+    path = os.path.join(DEVICE_SRC, name)
+    if not DEVICE_FILE.fullmatch(name) or not os.path.isfile(path):
+        served = sorted(n for n in os.listdir(DEVICE_SRC) if DEVICE_FILE.fullmatch(n))
+        raise LookupError(f"no browser device file {name!r} (served: {', '.join(served)})")
+    return path

@@ -32,8 +32,10 @@ SIZE = "48x48"  # the random world: 12 x 12 tokens, downsampling 4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    # the device file carries its gate's threshold as a calibrated one does (the browser device reads it)
     weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
-                                 with_device=True)
+                                 with_device=True, ciar_defaults={"gate": "interval", "taus": {"interval": TAU},
+                                                                  "span": 4})
     patient_serve_env()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
@@ -265,3 +267,40 @@ def test_the_browser_runtime_is_served_from_the_install(cluster):
         with open(path, "rb") as f:
             assert r.status_code == 200 and r.content == f.read()
         assert r.headers["content-type"].split(";")[0] == media_type
+
+
+def test_the_browser_is_the_device_in_a_headless_browser(cluster, tmp_path):
+    """The playground's browser mode in chromium: the tab downloads the device model, runs it on onnxruntime-web in
+    a Web Worker, drafts and gates every token, sends the uncertain spans over the device endpoint; three prompts
+    each finish with an image, the token map and the tab's stats beside the cluster device's for the same prompt and
+    seed (different draws, so different tokens: a loose bound on the cloud-call rates)."""
+    pytest.importorskip("playwright")
+    from loadtests.playground import chromium_path, drive
+    from pipelines.export_onnx import export_onnx
+
+    if chromium_path() is None:
+        pytest.fail("no chromium: `make test` installs Debian's (apt-get install chromium), or set CIAR_CHROMIUM")
+    if not requests.get(f"{URL}/web/ort/", timeout=60).json()["available"]:
+        pytest.fail("onnxruntime-web is not installed: `make test` runs `make web` (npm ci --prefix web)")
+    export_onnx({"kind": "scenes", "weights": cluster["weights"]}, None)
+    prompts = [("a large blue square at the bottom right on a white background", 3),
+               ("a small green triangle at the center on a black background", 4)]
+    shown = drive(URL, KEY, PROMPT, network="5g", seed=2, shots=str(tmp_path), device="browser",
+                  device_key=DEVICE_KEY, prompts=prompts, timeout_s=240)
+    assert not [m for m in shown["console"] if "pageerror" in m], shown["console"]
+    rates = []
+    for one in [shown] + shown["more"]:
+        assert one["state"] == "done", (one["status"], shown["console"])
+        assert one["previews"] >= 1 and one["image_src_prefix"] == "data:image/png;base64,"
+        mine, theirs = one["stats"], one["cluster_stats"]
+        assert mine["device"] == "this browser" and mine["tokens"] == "144" and int(mine["cloud requests"]) >= 1
+        assert theirs["method"] == "ciar" and theirs["tokens"] == "144"
+        cells = one["overlay"]  # the tab's token map: every token coloured
+        assert cells["none"] == 0 and cells["device"] + cells["cloud"] == 144
+        assert mine["decided by the cloud"] == str(cells["cloud"])
+        assert float(mine["device ms / token"]) > 0 and float(mine["round trip ms"]) > 0
+        rates.append((float(mine["cloud-call rate"]), float(theirs["cloud-call rate"])))
+    browser, cluster_device = (sum(r) / len(rates) for r in zip(*rates))
+    assert 0 < browser < 1 and abs(browser - cluster_device) < 0.25, rates
+    for shot in ("playground-browser-running.png", "playground-browser-done.png"):
+        assert (tmp_path / shot).stat().st_size > 10_000

@@ -1,4 +1,5 @@
-"""services.web: onnxruntime-web's installed files as the ingress serves them at /web/ort/ (issue 28).
+"""services.web: the browser device as the ingress serves it: its modules at /web/device/ and onnxruntime-web's installed
+files at /web/ort/ (issue 28).
 
     .venv/bin/python -m pytest tests/services/test_web.py
 
@@ -70,3 +71,27 @@ def test_not_installed_says_how_to_enable_the_browser_device(tmp_path, monkeypat
     (tmp_path / "dist").mkdir()  # an install without the entry point is not a browser device
     (tmp_path / "dist" / "ort-wasm-simd-threaded.wasm").write_bytes(b"\0asm")
     assert not web.ort_status()["available"]
+
+
+# ---------------------------------------------------------------------------------------------- /web/device/
+def test_every_module_of_the_browser_device_is_served_and_its_imports_resolve():
+    import re
+
+    names = sorted(n for n in os.listdir(web.DEVICE_SRC) if n.endswith(".js"))
+    assert {"worker.js", "loop.js", "maths.js", "wire.js", "connection.js", "runtime.js"} <= set(names)
+    for name in names:
+        path = web.device_file(name)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        for imported in re.findall(r'from "\./([^"]+)"', source):
+            assert web.device_file(imported)  # a relative import the page can load from /web/device/
+    with open(web.device_file("worker.js"), encoding="utf-8") as f:
+        entry = re.search(r'import\(`\$\{ORT\}([^`]+)`\)', f.read()).group(1)
+    assert web.SERVED.fullmatch(entry)  # the runtime it imports is one the ingress serves
+
+
+@pytest.mark.parametrize("name", ["../package.json", "..", "harness.mjs", "../test/harness.mjs", "/etc/passwd",
+                                  "worker.js/", "WORKER.JS", "worker", "", "maths.js.map"])
+def test_only_the_browser_devices_modules_are_served(name):
+    with pytest.raises(LookupError, match="no browser device file"):
+        web.device_file(name)

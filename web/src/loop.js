@@ -1,0 +1,295 @@
+// The CIAR device loop in the page: `ciar_client.loop` (numpy) ported message for message, on onnxruntime-web and
+// maths.js, against a DeviceConnection (or any object with async open / verify / close).
+//
+//   const result = await generate(runtime, conn, prompt, seed, { onProgress });
+//   result.tokens   // [N] token ids;  result.who  // "cloud" / "device" per token;  result.stats
+//
+// Open (the cloud makes ceil(prefix_rate * N) tokens and returns the caption embeddings), prefill the device and feed
+// the prefix, then per position: draft x from the float16 draft distribution, score it with the gate (the device
+// file's calibrated gate and tau, served with the model); score <= tau: accept locally (its hidden state and interval
+// features go with the next request); else draft a span of `span` tokens and verify it with the cloud, commit
+// span[:n] + [next] + burst, roll the device cache back to the accepted prefix and feed the rest. When the cloud
+// becomes unreachable after the open, the device keeps the span it drafted and finishes alone (`degraded`).
+//
+// Stats: the Python client's keys (device_s: runtime + maths, cloud_s as the replies report it, comm_s: wall time of
+// the exchanges minus their cloud_s, bytes as the socket carried them), plus `round_trips` and `round_trip_ms`.
+
+import * as M from "./maths.js";
+
+export const DEVICE_SEED_OFFSET = 2n ** 32n; // ciar.collab.decoder.DEVICE_SEED_OFFSET
+export const PROGRESS_EVERY = 12;
+
+/** The loop's knobs: the given ones, else the manifest's (Error on an unsupported gate or no threshold). */
+export function loopConfig(manifest, { tau = null, gate = null, span = null, burst = null, prefixRate = null,
+  interEnhance = true } = {}) {
+  const d = manifest.ciar_defaults || {};
+  gate = gate ?? d.gate ?? "interval";
+  if (!M.GATES.includes(gate)) throw new Error(`gate "${gate}" is not supported by the browser device; supported: ${M.GATES.join(", ")}`);
+  tau = tau ?? (d.taus || {})[gate];
+  if (tau === undefined || tau === null || Number.isNaN(tau)) throw new Error(`no threshold for the "${gate}" gate: the device model is not calibrated`);
+  span = span ?? d.span ?? 4;
+  burst = burst ?? d.burst ?? 0;
+  prefixRate = prefixRate ?? manifest.prefix_rate ?? 0.06;
+  if (!(span >= 1 && burst >= 0 && prefixRate >= 0 && prefixRate <= 1)) throw new Error(`need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got ${span}, ${burst}, ${prefixRate}`);
+  return { gate, tau, span, burst, burstEntropy: d.burst_entropy ?? 0, prefixRate, featureTop: manifest.feature_top ?? 8,
+    interEnhance, sampling: M.checkSampling(manifest.sampling) };
+}
+
+const COUNTERS = ["total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens", "drafted", "accepted",
+  "verifications", "cloud_requests", "resumes", "cloud_forward_passes", "device_forward_passes", "bytes_up",
+  "bytes_down", "degraded", "degraded_tokens"];
+
+/** Counters -> counters + the derived figures of the Python side's stats (null where undefined). */
+export function finishStats(st) {
+  const ratio = (a, b) => (b ? a / b : null);
+  return { ...st, cloud_call_rate: ratio(st.cloud_tokens, st.total_tokens),
+    steps_compression: ratio(st.total_tokens, st.cloud_forward_passes),
+    acceptance_rate: ratio(st.accepted, st.drafted),
+    mean_accepted_length: st.verifications ? 1 + st.accepted / st.verifications : null,
+    total_s: st.device_s + st.cloud_s + st.comm_s,
+    device_ms_per_token: ratio(1000 * st.device_s, st.total_tokens),
+    round_trip_ms: ratio(st.round_trip_s * 1000, st.cloud_requests) };
+}
+
+/** Whether an error means the cloud cannot be reached (the device may finish alone). */
+export function unreachable(err) {
+  return err && (err.name === "Unreachable" || err.status === 503);
+}
+
+/** One image's tokens (see the module's comment). options: the loopConfig knobs, sessionId, fallback (default
+ *  true), onProgress(tokens, who, stats) after the prefix, every 12 more decided tokens and at the end. */
+export async function generate(runtime, client, prompt, seed, options = {}) {
+  const cfg = loopConfig(runtime.manifest, options);
+  const sid = options.sessionId || `web-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 10)}`;
+  return new Loop(runtime, client, cfg, seed, sid, options.onProgress || null, options.fallback ?? true).run(prompt);
+}
+
+class Loop {
+  constructor(rt, client, cfg, seed, sid, onProgress, fallback) {
+    Object.assign(this, { rt, client, cfg, seed, sid, onProgress, fallback });
+    this.offline = false;
+    this.nTotal = rt.numTokens;
+    this.V = rt.vocabSize;
+    this.cfgRows = cfg.sampling.cfg_scale > 1;
+    this.temp = cfg.sampling.temperature || 1; // greedy sampling: the box is taken at temperature 1
+    this.rng = new M.DeviceRandom(BigInt(seed) + DEVICE_SEED_OFFSET);
+    this.lastProgress = -PROGRESS_EVERY;
+    this.tokens = [];
+    this.who = [];
+    this.box = null;
+    this.pending = []; // accepted locally since the last exchange, with their projector inputs
+    this.pendHidden = [];
+    this.pendBox = [];
+    this.st = Object.fromEntries(COUNTERS.map((k) => [k, 0]));
+    Object.assign(this.st, { device_s: 0, cloud_s: 0, comm_s: 0, round_trip_s: 0, images: 1 });
+  }
+
+  row(a, r) { // row r of a [rows, n] output
+    const n = a.length / this.rt.rows;
+    return a.subarray(r * n, (r + 1) * n);
+  }
+
+  async run(prompt) {
+    const cfg = this.cfg, n = this.nTotal, t0 = performance.now();
+    const prefixLen = cfg.prefixRate >= 1 ? n : Math.min(n, Math.ceil(cfg.prefixRate * n));
+    const drafting = prefixLen < n;
+    const req = { session_id: this.sid, prompt, seed: this.seed, sampling: cfg.sampling, prefix_len: prefixLen,
+      want_caption: drafting };
+    const reply = await this.exchange(() => this.client.open(req), true);
+    try {
+      this.tokens = [...reply.prefix_tokens];
+      this.who = this.tokens.map(() => "cloud");
+      Object.assign(this.st, { prefix_tokens: this.tokens.length, cloud_tokens: this.tokens.length });
+      this.progress();
+      if (drafting) {
+        const t = performance.now();
+        this.step = await this.rt.start(M.fromFloat16Array(reply.caption_emb), reply.caption_mask, this.cfgRows ? 2 : 1);
+        this.st.device_forward_passes += 1;
+        if (this.tokens.length) await this.feed(this.tokens, 0);
+        this.st.device_s += (performance.now() - t) / 1000;
+        await this.draftAll();
+      }
+    } catch (err) {
+      if (!this.offline) await this.client.close(this.sid).catch(() => {}); // the error in flight is the one to report
+      throw err;
+    }
+    if (!this.offline) await this.client.close(this.sid);
+    this.st.total_tokens = this.tokens.length;
+    this.st.wall_s = (performance.now() - t0) / 1000;
+    this.progress(true);
+    return { tokens: this.tokens, who: this.who, stats: finishStats(this.st) };
+  }
+
+  async draftAll() {
+    const cfg = this.cfg;
+    while (this.tokens.length < this.nTotal) {
+      this.progress();
+      const t = performance.now();
+      const { sent, used, x } = this.draft();
+      this.box = null;
+      const escalate = !this.offline && this.score(used, x) > cfg.tau;
+      if (!escalate) {
+        await this.acceptLocal(x);
+        this.st.device_s += (performance.now() - t) / 1000;
+        continue;
+      }
+      const { span, spanQ } = await this.draftSpan(x, sent);
+      let hidden = null, features = null;
+      if (cfg.interEnhance && this.pending.length) {
+        hidden = { dim: this.pendHidden[0].length, bits: M.toFloat16Array(concat(this.pendHidden)) };
+        const feats = this.pendBox.map(({ center, radius }) => M.intervalFeatures(center, radius, cfg.featureTop));
+        features = { dim: M.intervalFeatureDim(cfg.featureTop), bits: M.toFloat16Array(concat(feats)) };
+      }
+      this.st.device_s += (performance.now() - t) / 1000;
+      const req = { session_id: this.sid, vocab_size: this.V, new_tokens: [...this.pending], draft_tokens: span,
+        draft_probs: concatU16(spanQ), device_hidden: hidden, features, burst: cfg.burst, burst_entropy: cfg.burstEntropy };
+      let rep;
+      try {
+        rep = await this.exchange(() => this.client.verify(req), false);
+      } catch (err) {
+        if (!(this.fallback && unreachable(err))) throw err;
+        await this.goOffline(span);
+        continue;
+      }
+      await this.commit(span, rep);
+    }
+  }
+
+  /** At the current position: { sent: the float16 bits as sent, used: the float32 q drawn from, x: the token }. */
+  draft() {
+    const c = this.step.center;
+    const q32 = M.logitsToProbs(this.row(c, 0), this.cfg.sampling, this.cfgRows ? this.row(c, 1) : null);
+    const { sent, used } = M.quantizeDraft(q32);
+    return { sent, used, x: M.sample(used, this.rng) };
+  }
+
+  /** The guided logit box of the current position, computed once per position. */
+  guidedBox() {
+    if (this.box === null) {
+      const { center: c, radius: r } = this.step, s = this.cfg.sampling;
+      this.box = this.cfgRows
+        ? M.guidedInterval(this.row(c, 0), this.row(r, 0), this.row(c, 1), this.row(r, 1), s.cfg_scale, this.temp)
+        : M.guidedInterval(this.row(c, 0), this.row(r, 0), null, null, 1, this.temp);
+    }
+    return this.box;
+  }
+
+  score(used, x) {
+    if (this.cfg.gate === "entropy" || this.cfg.gate === "softmax") return M.gateScore(this.cfg.gate, { probs: used });
+    const { center, radius } = this.guidedBox();
+    return M.gateScore(this.cfg.gate, { center, radius, drafted: x });
+  }
+
+  async acceptLocal(x) {
+    const i = this.tokens.length;
+    this.tokens.push(x);
+    this.who.push("device");
+    this.st.device_tokens += 1;
+    this.st.degraded_tokens += this.offline ? 1 : 0;
+    this.pending.push(x);
+    if (this.cfg.interEnhance && !this.offline) {
+      this.pendHidden.push(Float32Array.from(this.row(this.step.hidden, 0)));
+      this.pendBox.push(this.guidedBox());
+    }
+    if (this.tokens.length < this.nTotal) await this.feed([x], i);
+  }
+
+  /** The uncertain draft x and up to span - 1 more (span[:-1] are fed). */
+  async draftSpan(x, sent) {
+    const i = this.tokens.length, k = Math.min(this.cfg.span, this.nTotal - i);
+    const span = [x], spanQ = [sent];
+    for (let j = 1; j < k; j++) {
+      await this.feed([span[span.length - 1]], i + j - 1);
+      const d = this.draft();
+      span.push(d.x);
+      spanQ.push(d.sent);
+    }
+    return { span, spanQ };
+  }
+
+  /** span[:n] + [next] + burst; roll the device cache back to the accepted prefix and feed the rest. */
+  async commit(span, rep) {
+    const st = this.st, i = this.tokens.length, k = span.length, n = rep.num_accepted;
+    st.cloud_forward_passes += rep.forward_passes;
+    st.verifications += 1;
+    st.resumes += rep.resumed ? 1 : 0;
+    st.drafted += k;
+    st.accepted += n;
+    const fresh = [...span.slice(0, n), rep.next_token, ...rep.burst_tokens].slice(0, this.nTotal - i);
+    st.burst_tokens += Math.max(0, fresh.length - n - 1);
+    st.cloud_tokens += fresh.length;
+    this.tokens.push(...fresh);
+    this.who.push(...fresh.map(() => "cloud"));
+    this.pending = [];
+    this.pendHidden = [];
+    this.pendBox = [];
+    if (this.tokens.length < this.nTotal) {
+      const t = performance.now(), keep = i + Math.min(n, k - 1); // span[:k-1] were fed; the accepted ones stay
+      this.rt.rollback(keep);
+      await this.feed(this.tokens.slice(keep), keep);
+      st.device_s += (performance.now() - t) / 1000;
+    }
+  }
+
+  /** The cloud is unreachable: keep the drafted span (the device's own samples) and go on alone. */
+  async goOffline(span) {
+    const t = performance.now(), i = this.tokens.length, k = span.length;
+    this.offline = true;
+    this.st.degraded = 1;
+    this.tokens.push(...span);
+    this.who.push(...span.map(() => "device"));
+    this.st.device_tokens += k;
+    this.st.degraded_tokens += k;
+    this.pending = [];
+    this.pendHidden = [];
+    this.pendBox = [];
+    if (this.tokens.length < this.nTotal) await this.feed([span[k - 1]], i + k - 1); // span[:k-1] are fed already
+    this.st.device_s += (performance.now() - t) / 1000;
+  }
+
+  async feed(toks, start) {
+    this.step = await this.rt.feed(toks, start);
+    this.st.device_forward_passes += 1;
+  }
+
+  /** One request/reply: wall time minus the reported cloud time is communication; bytes as the socket saw them. */
+  async exchange(call, isOpen) {
+    const log = this.client.exchanges || null, seen = log ? log.length : 0, t = performance.now();
+    let reply;
+    try {
+      reply = await call();
+    } catch (err) {
+      this.st.comm_s += (performance.now() - t) / 1000; // the device waited for a reply that did not come
+      throw err;
+    }
+    const wall = (performance.now() - t) / 1000, st = this.st;
+    st.cloud_requests += 1;
+    st.cloud_s += reply.cloud_s;
+    st.comm_s += Math.max(0, wall - reply.cloud_s);
+    st.round_trip_s += wall;
+    if (log) for (const e of log.slice(seen)) { st.bytes_up += e.up; st.bytes_down += e.down; }
+    if (isOpen) st.cloud_forward_passes += reply.forward_passes;
+    return reply;
+  }
+
+  progress(final = false) {
+    if (this.onProgress && (final || this.tokens.length - this.lastProgress >= PROGRESS_EVERY)) {
+      this.lastProgress = this.tokens.length;
+      this.onProgress([...this.tokens], [...this.who], finishStats({ ...this.st, total_tokens: this.tokens.length }));
+    }
+  }
+}
+
+function concat(arrays) {
+  const out = new Float32Array(arrays.reduce((n, a) => n + a.length, 0));
+  let o = 0;
+  for (const a of arrays) { out.set(a, o); o += a.length; }
+  return out;
+}
+
+function concatU16(arrays) {
+  const out = new Uint16Array(arrays.reduce((n, a) => n + a.length, 0));
+  let o = 0;
+  for (const a of arrays) { out.set(a, o); o += a.length; }
+  return out;
+}
