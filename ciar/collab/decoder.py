@@ -44,6 +44,10 @@ Timing: device compute is measured (perf_counter around the device's forwards, g
 by `device_slowdown`; cloud compute is what the cloud reports per request times `cloud_slowdown` (1 by default:
 as measured; a larger value emulates a larger cloud model relative to the network); communication comes from the network
 model for the exact bytes of each message (`ciar.collab.protocol`).
+
+Structure: `CollabDecoder` holds the configuration and builds each generation; `_Link` is one generation's link (every
+request/reply and what it costs); `_Generation` is one generation's device-side state with its draft step (draw,
+score, escalate, send, commit, roll back).
 """
 
 from __future__ import annotations
@@ -127,13 +131,13 @@ class CollabConfig:
         burst 0, span 4). A gate that scores positions needs a threshold: ValueError when neither the config nor
         the device file has one for it. The filled values are checked where the defaults are made (`CIARDefaults`,
         against the same knob table), so a validated config stays validated without checking again."""
-        d = defaults or CIARDefaults()
-        gate = self.gate if self.gate is not None else d.gate
-        tau = self.tau if self.tau is not None else d.taus.get(gate)
+        calibrated = defaults or CIARDefaults()
+        gate = self.gate if self.gate is not None else calibrated.gate
+        tau = self.tau if self.tau is not None else calibrated.taus.get(gate)
         out = replace(self, gate=gate, tau=tau,
-                      burst=self.burst if self.burst is not None else d.burst,
-                      burst_entropy=self.burst_entropy if self.burst_entropy is not None else d.burst_entropy,
-                      span=self.span if self.span is not None else d.span)
+                      burst=self.burst if self.burst is not None else calibrated.burst,
+                      burst_entropy=self.burst_entropy if self.burst_entropy is not None else calibrated.burst_entropy,
+                      span=self.span if self.span is not None else calibrated.span)
         if gate in GATES and tau is None:
             raise UncalibratedError(f"no threshold for the {gate!r} gate: pass tau (or calibrate one to a cloud-call "
                                     f"rate) or write the device's calibrated thresholds with `python -m "
@@ -144,9 +148,9 @@ class CollabConfig:
         return out
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["rule"] = dict(vars(self.rule))
-        return d
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["rule"] = dict(vars(self.rule))
+        return out
 
 
 GATED_METHODS = ("ciar", "entropy", "softmax", "random", "topk")  # CIAR with its own or a baseline gate
@@ -183,14 +187,15 @@ def method_config(method: str, **overrides) -> CollabConfig:
     """The preset of a method name, with overrides (e.g. `method_config("ciar", tau=0.2, span=8)`), validated."""
     check_method_overrides(method, overrides)
     base = CollabConfig(method=method)
-    no_burst = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN)  # the baselines as their papers run them
+    # the baselines as their papers run them: no cloud burst, and the span fixed (not the device file's CIAR span)
+    as_published = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN)
     preset: dict = {
-        "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **no_burst),
+        "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **as_published),
         "ciar": {},
-        "eagle": dict(gate="always", inter_enhance=False, **no_burst),
-        "lantern": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="lantern"), **no_burst),
-        "cascade": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="cascade"), **no_burst),
-        "code": dict(prefix_rate=0.3, gate="never", inter_enhance=False, **no_burst),
+        "eagle": dict(gate="always", inter_enhance=False, **as_published),
+        "lantern": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="lantern"), **as_published),
+        "cascade": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="cascade"), **as_published),
+        "code": dict(prefix_rate=0.3, gate="never", inter_enhance=False, **as_published),
         "entropy": dict(gate="entropy"),
         "softmax": dict(gate="softmax"),
         "random": dict(gate="random"),
@@ -230,6 +235,10 @@ class _Clock:
 
 
 class CollabDecoder:
+    """The configuration of collaborative decoding (config, sampling, the device model, the cloud client) and the
+    construction of each generation: `generate` opens the session over a `_Link` and hands the drafting to a
+    `_Generation`."""
+
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,
                  sampling: SamplingParams, num_tokens: int | None = None,
                  wait: Callable[[float], None] | None = None, progress_every: int = 12):
@@ -267,18 +276,17 @@ class CollabDecoder:
         sid = session_id or uuid.uuid4().hex
         n_total = self.num_tokens or (self.device_model.config.block_size if self.device_model is not None
                                       else None)
-        stats = GenerationStats()
-        net = NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after)
-        prefix_len = n_total if n_total is not None and cfg.prefix_rate >= 1.0 else None
         if n_total is None:
             raise ValueError("num_tokens is required without a device model")
-        if prefix_len is None:
-            prefix_len = min(n_total, math.ceil(cfg.prefix_rate * n_total))
+        stats = GenerationStats()
+        link = _Link(self.client, NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after),
+                     stats, cfg.cloud_slowdown, self.wait)
+        prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
         drafting = prefix_len < n_total
 
         open_req = OpenRequest(sid, prompt, seed, params, prefix_len, cfg.rule, want_caption=drafting)
         try:
-            reply = self._exchange(stats, net, open_req.nbytes(), lambda: self.client.open(open_req))
+            reply = link.exchange(open_req.nbytes(), lambda: self.client.open(open_req))
         except CloudUnreachableError:
             self.client.close(sid)  # the cloud may have opened it before the reply was lost: drop local state
             raise
@@ -292,7 +300,7 @@ class CollabDecoder:
             who = ["cloud"] * len(tokens)
             progress(tokens, stats)
             if drafting:
-                _Generation(self, reply, tokens, who, n_total, seed, sid, stats, net, progress).run()
+                _Generation(self, link, reply, tokens, who, n_total, seed, sid, progress).run()
         finally:
             self.client.close(sid)  # also after a link loss (frees local state; a real device sends it later)
         stats.total_tokens = len(tokens)
@@ -300,226 +308,238 @@ class CollabDecoder:
         progress(tokens, stats, final=True)
         return tokens, who, stats
 
-    def _exchange(self, stats: GenerationStats, net: NetworkModel, up_bytes: int, call: Callable):
-        """One request/reply over the simulated link: uplink transmission, `call()`, downlink transmission of the
-        reply's bytes (in this order, so the link's seeded jitter/loss stream does not depend on `wait`). A link that
-        goes down costs the sender's give-up time (LinkDownError.waited_s) before the error is raised."""
+
+class _Link:
+    """One generation's link to the cloud: the client, the simulated network of the device's connection, and the
+    stats every request/reply is charged to (bytes, communication and cloud seconds)."""
+
+    def __init__(self, client: CloudClient, network: NetworkModel, stats: GenerationStats, cloud_slowdown: float,
+                 wait: Callable[[float], None] | None):
+        self.client, self.network, self.stats = client, network, stats
+        self.cloud_slowdown = cloud_slowdown  # cloud compute time = reported time x this factor
+        self.wait = wait  # spends simulated seconds for real (None: accounted only)
+
+    def exchange(self, up_bytes: int, call: Callable):
+        """One request/reply: uplink transmission of `up_bytes`, `call()`, downlink transmission of the reply's bytes
+        (in this order, so the link's seeded jitter/loss stream does not depend on `wait`). A link that goes down
+        costs the sender's give-up time (LinkDownError.waited_s) before the error is raised. -> the reply."""
+        stats = self.stats
         try:
-            up_s, _ = net.transmit(up_bytes)
-            if self.wait is not None:
-                self.wait(up_s)
+            up_s, _ = self.network.transmit(up_bytes)
+            self._spend(up_s)
             reply = call()
             down_bytes = reply.nbytes()
-            down_s, _ = net.transmit(down_bytes)
+            down_s, _ = self.network.transmit(down_bytes)
         except LinkDownError as e:
             stats.comm_s += e.waited_s
-            if self.wait is not None:
-                self.wait(e.waited_s)
+            self._spend(e.waited_s)
             raise
-        cloud_s = reply.cloud_s * self.config.cloud_slowdown
-        if self.wait is not None:
-            self.wait(down_s + reply.cloud_s * (self.config.cloud_slowdown - 1.0))
+        self._spend(down_s + reply.cloud_s * (self.cloud_slowdown - 1.0))
         stats.bytes_up += up_bytes
         stats.bytes_down += down_bytes
         stats.comm_s += up_s + down_s
-        stats.cloud_s += cloud_s
+        stats.cloud_s += reply.cloud_s * self.cloud_slowdown
         return reply
 
-    def _guided(self, cur):
-        """Guided interval (center, radius) [V] of the current position (cond row 0, uncond row 1 with CFG); with
-        greedy sampling (temperature 0) the box is taken at temperature 1."""
-        p = self.sampling
-        if p.uses_cfg:
-            return guided_interval(cur.center[0], cur.radius[0], cur.center[1], cur.radius[1],
-                                   cfg_scale=p.cfg_scale, temperature=p.temperature or 1.0)
-        return guided_interval(cur.center[0], cur.radius[0], temperature=p.temperature or 1.0)
-
-    def _draft_one(self, cur, gen, gate_gen, score_it: bool = True, box: Callable[[], tuple] | None = None):
-        """-> (q [V] float16 draft distribution as sent, drawn token, gate score). The token is drawn from the float16
-        values, normalised (`quantize_draft`), so the cloud judges it by exactly the distribution it came from.
-        `box()`: the guided interval of `cur` (a cache of `_guided(cur)`, shared with the projector's features)."""
-        cfg, p = self.config, self.sampling
-        q32 = logits_to_probs(cur.center[0], p, uncond_logits=cur.center[1] if p.uses_cfg else None)
-        q, q_used = quantize_draft(q32)
-        x = int(sample(q_used.unsqueeze(0), gen)[0])
-        score = 0.0
-        if score_it and cfg.gate in GATES:
-            if cfg.gate == "random":
-                score = float(gate_scores("random", probs=q_used.unsqueeze(0), generator=gate_gen)[0])
-            elif cfg.gate in ("entropy", "softmax"):
-                score = float(gate_scores(cfg.gate, probs=q_used.unsqueeze(0))[0])
-            else:
-                score = self._interval_score(cur, x, box or (lambda: self._guided(cur)))
-        return q, x, score
-
-    def _interval_score(self, cur, x: int, box: Callable[[], tuple]) -> float:
-        cfg = self.config
-        dev = self.device_model
-        drafted = torch.tensor([x])
-        if dev.device_config.num_heads > 1 and dev.device_config.combine == "voting":
-            centers, radii = cur.heads  # [H, rows, V]
-            votes = 0
-            for h in range(centers.shape[0]):
-                c_, r_ = self._guided(_HeadView(centers[h], radii[h]))
-                s = float(gate_scores(cfg.gate, center=c_.unsqueeze(0), radius=r_.unsqueeze(0), topk=cfg.topk,
-                                      margin=cfg.margin, drafted=drafted)[0])
-                votes += s > cfg.tau
-            # majority of heads says "uncertain" -> a score above tau, else below
-            return math.inf if votes * 2 > centers.shape[0] else -math.inf
-        center, radius = box()
-        return float(gate_scores(cfg.gate, center=center.unsqueeze(0), radius=radius.unsqueeze(0), topk=cfg.topk,
-                                 margin=cfg.margin, drafted=drafted)[0])
+    def _spend(self, seconds: float) -> None:
+        if self.wait is not None:
+            self.wait(seconds)
 
 
 class _Generation:
-    """One generation's device-side state after the open: the committed tokens and who decided each, the tokens
-    accepted locally since the last exchange (with their projector inputs), the device's KV cache and its output at
-    the current position, and the stats. `run` drafts until the image is complete; each step either accepts a
-    token locally or sends a span (`send_span`) and commits the cloud's answer (`commit`); a lost link switches to
+    """One generation's device-side state after the open, and the draft step that advances it.
+
+    State: the committed tokens and who decided each, the tokens accepted locally since the last exchange (with
+    their projector inputs), the device's KV cache and its output at the current position (`current`), the device's
+    and the random gate's generators, and the link (with the stats). `run` drafts until the image is complete: each
+    step draws a draft and scores it (`draft`), then either accepts it locally (`accept_local`) or drafts a span
+    (`draft_span`), sends it (`send_span`) and commits the cloud's answer (`commit`); a lost link switches to
     device-only decoding (`go_offline`)."""
 
-    def __init__(self, decoder: CollabDecoder, reply, tokens: list[int], who: list[str], n_total: int, seed: int,
-                 sid: str, stats: GenerationStats, net: NetworkModel, progress: "_Progress"):
-        self.d, self.cfg, self.params, self.dev = decoder, decoder.config, decoder.sampling, decoder.device_model
-        self.tokens, self.who, self.n_total, self.sid = tokens, who, n_total, sid
-        self.stats, self.net, self.progress = stats, net, progress
-        self.clock = _Clock(self.cfg.device_slowdown, decoder.wait)
-        self.gen = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
-        self.gate_gen = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)
-        dc = self.dev.device_config
-        self.voting = dc.num_heads > 1 and dc.combine == "voting"
+    def __init__(self, decoder: CollabDecoder, link: _Link, reply, tokens: list[int], who: list[str], n_total: int,
+                 seed: int, session_id: str, progress: "_Progress"):
+        self.config, self.sampling, self.device_model = decoder.config, decoder.sampling, decoder.device_model
+        self.link, self.stats = link, link.stats
+        self.tokens, self.who, self.n_total = tokens, who, n_total  # committed tokens, "cloud" / "device" per token
+        self.session_id, self.progress = session_id, progress
+        self.clock = _Clock(self.config.device_slowdown, decoder.wait)
+        self.draw_rng = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)  # the device's draws
+        self.gate_rng = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)  # the random gate's scores
+        device_config = self.device_model.device_config
+        self.voting = device_config.num_heads > 1 and device_config.combine == "voting"  # heads vote on escalation
         self.pending: list[int] = []  # accepted locally since the last exchange
-        self.pend_hidden: list[torch.Tensor] = []
-        self.pend_box: list[tuple[torch.Tensor, torch.Tensor]] = []  # their guided boxes (features at send time)
+        self.pending_hidden: list[torch.Tensor] = []  # their device hidden states [dim] (projector inputs)
+        self.pending_boxes: list[tuple[torch.Tensor, torch.Tensor]] = []  # their guided boxes (features at send time)
         self.offline = False  # the cloud became unreachable: the device decides the rest alone
-        self._box: tuple | None = None  # (cur, guided center, guided radius): the box of `cur`, computed once
-        w = self.dev.gpt.tok_embeddings.weight
+        self._box_cache: tuple | None = None  # (current, guided center, guided radius), computed once per position
+        w = self.device_model.gpt.tok_embeddings.weight
         with self.clock:
             emb = reply.caption_emb.to(w.device, w.dtype).unsqueeze(0)
             mask = reply.caption_mask.to(w.device).unsqueeze(0)
             drop = None
-            if self.params.uses_cfg:
+            if self.sampling.uses_cfg:
                 emb, mask = emb.expand(2, -1, -1), mask.expand(2, -1)
                 drop = torch.tensor([False, True], device=w.device)
-            self.rows = emb.shape[0]
-            self.cache = self.dev.new_cache(self.rows)
-            out = self.dev.prefill(self.cache, emb, mask, drop, torch.arange(self.rows, device=w.device),
-                                   with_heads=self.voting)
-            stats.device_forward_passes += 1
+            self.rows = emb.shape[0]  # cache rows: cond (and uncond with CFG)
+            self.cache = self.device_model.new_cache(self.rows)
+            out = self.device_model.prefill(self.cache, emb, mask, drop, torch.arange(self.rows, device=w.device),
+                                            with_heads=self.voting)
+            self.stats.device_forward_passes += 1
             if tokens:
                 out = self.feed(tokens, 0)
-            self.cur = _last(out)
+            self.current = _last(out)  # DeviceOutput [rows, ...] of the next position to draft
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        cfg = self.cfg
         while len(self.tokens) < self.n_total:
             self.progress(self.tokens, self.stats)
             with self.clock:
-                q, x, score = self.d_draft(score_it=not self.offline)
-                escalate = not self.offline and (cfg.gate == "always" or (cfg.gate != "never" and score > cfg.tau))
-                if not escalate:
+                q_sent, x, score = self.draft(score_it=not self.offline)
+                if not self.escalates(score):
                     self.accept_local(x)
                     continue
-                span, span_q = self.draft_span(x, q)
+                span, span_q = self.draft_span(x, q_sent)
             self.send_span(span, span_q)
-        self.stats.device_s += self.clock.seconds * cfg.device_slowdown
+        self.stats.device_s += self.clock.seconds * self.config.device_slowdown
+
+    def escalates(self, score: float) -> bool:
+        """Whether the draft with this gate score goes to the cloud (never offline)."""
+        gate = self.config.gate
+        return not self.offline and (gate == "always" or (gate != "never" and score > self.config.tau))
 
     def accept_local(self, x: int) -> None:
         """Commit a draft the gate let through (and keep its projector inputs for the next exchange)."""
-        i = len(self.tokens)
+        position = len(self.tokens)
         self.tokens.append(x)
         self.who.append("device")
         self.stats.device_tokens += 1
         self.stats.degraded_tokens += int(self.offline)
         self.pending.append(x)
-        if self.cfg.inter_enhance and not self.offline:
-            self.pend_hidden.append(self.cur.hidden[0])
-            self.pend_box.append(self.box())
+        if self.config.inter_enhance and not self.offline:
+            self.pending_hidden.append(self.current.hidden[0])
+            self.pending_boxes.append(self.box())
         if len(self.tokens) < self.n_total:
-            self.cur = _last(self.feed([x], i))
+            self.current = _last(self.feed([x], position))
 
-    def draft_span(self, x: int, q: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    def draft_span(self, x: int, q_sent: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """The uncertain draft x and up to span-1 more, each drawn from the device (span[:-1] are fed)."""
-        i = len(self.tokens)
-        k = min(self.cfg.span, self.n_total - i)
-        span, span_q = [x], [q]
-        for j in range(1, k):
-            self.cur = _last(self.feed([span[-1]], i + j - 1))
-            qj, xj, _ = self.d_draft(score_it=False)
-            span.append(xj)
-            span_q.append(qj)
+        position = len(self.tokens)
+        span_len = min(self.config.span, self.n_total - position)
+        span, span_q = [x], [q_sent]
+        for j in range(1, span_len):
+            self.current = _last(self.feed([span[-1]], position + j - 1))
+            q_j, x_j, _ = self.draft(score_it=False)
+            span.append(x_j)
+            span_q.append(q_j)
         return span, span_q
 
     def send_span(self, span: list[int], span_q: list[torch.Tensor]) -> None:
         """Send the pending tokens and the span; commit the reply, or go offline when the cloud is unreachable."""
-        cfg = self.cfg
+        cfg = self.config
         hidden = feats = None
         if cfg.inter_enhance and self.pending:
             with self.clock:  # one batched call for every pending box (the same values row by row); float16 as the
                 # wire carries them (ciar_client.wire), so every transport gives the cloud the same projector inputs
-                hidden = torch.stack(self.pend_hidden).to(torch.float16).cpu()
-                feats = interval_features(torch.stack([c for c, _ in self.pend_box]),
-                                          torch.stack([r for _, r in self.pend_box]),
+                hidden = torch.stack(self.pending_hidden).to(torch.float16).cpu()
+                feats = interval_features(torch.stack([c for c, _ in self.pending_boxes]),
+                                          torch.stack([r for _, r in self.pending_boxes]),
                                           top=cfg.feature_top).to(torch.float16).cpu()
         req = VerifyRequest(
-            self.sid, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
+            self.session_id, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
             hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
-        client = self.d.client
+        client = self.link.client
         try:
-            rep = self.d._exchange(self.stats, self.net, req.nbytes(client.vocab_size), lambda: client.verify(req))
+            reply = self.link.exchange(req.nbytes(client.vocab_size), lambda: client.verify(req))
         except CloudUnreachableError:
             if not cfg.fallback:
                 raise
             self.go_offline(span)
             return
-        self.commit(span, rep)
+        self.commit(span, reply)
 
-    def commit(self, span: list[int], rep) -> None:
+    def commit(self, span: list[int], reply) -> None:
         """Commit span[:n] + [next] + burst tokens, roll the device cache back to the accepted prefix, feed the rest."""
-        st, i, k = self.stats, len(self.tokens), len(span)
-        st.cloud_requests += 1
-        st.cloud_forward_passes += rep.forward_passes
-        st.verifications += 1
-        st.resumes += int(getattr(rep, "resumed", False))
-        st.drafted += k
-        st.accepted += rep.num_accepted
-        n = rep.num_accepted
-        burst = rep.burst_tokens.tolist() if rep.num_burst else []
-        new = (span[:n] + [rep.next_token] + burst)[: self.n_total - i]
-        st.burst_tokens += max(0, len(new) - n - 1)
-        self.tokens.extend(new)
-        self.who.extend(["cloud"] * len(new))
-        st.cloud_tokens += len(new)
-        self.pending, self.pend_hidden, self.pend_box = [], [], []
+        stats, start, span_len, accepted = self.stats, len(self.tokens), len(span), reply.num_accepted
+        stats.cloud_requests += 1
+        stats.cloud_forward_passes += reply.forward_passes
+        stats.verifications += 1
+        stats.resumes += int(getattr(reply, "resumed", False))
+        stats.drafted += span_len
+        stats.accepted += accepted
+        burst = reply.burst_tokens.tolist() if reply.num_burst else []
+        committed = (span[:accepted] + [reply.next_token] + burst)[: self.n_total - start]
+        stats.burst_tokens += max(0, len(committed) - accepted - 1)
+        self.tokens.extend(committed)
+        self.who.extend(["cloud"] * len(committed))
+        stats.cloud_tokens += len(committed)
+        self.pending, self.pending_hidden, self.pending_boxes = [], [], []
         if len(self.tokens) < self.n_total:
             with self.clock:
-                keep = i + min(n, k - 1)  # span[:k-1] were fed; the accepted ones stay in the cache
+                keep = start + min(accepted, span_len - 1)  # span[:-1] were fed; the accepted ones stay in the cache
                 for r in range(self.rows):
-                    self.cache.rollback(r, self.dev.config.cls_token_num + keep)
-                self.cur = _last(self.feed(self.tokens[keep:], keep))
+                    self.cache.rollback(r, self.device_model.config.cls_token_num + keep)
+                self.current = _last(self.feed(self.tokens[keep:], keep))
 
     def go_offline(self, span: list[int]) -> None:
         """The cloud is unreachable: keep the drafted span (the device's own samples) and go on alone."""
-        st, k = self.stats, len(span)
-        i = len(self.tokens)
+        stats, start, span_len = self.stats, len(self.tokens), len(span)
         self.offline = True
-        st.degraded = 1
+        stats.degraded = 1
         self.tokens.extend(span)
-        self.who.extend(["device"] * k)
-        st.device_tokens += k
-        st.degraded_tokens += k
+        self.who.extend(["device"] * span_len)
+        stats.device_tokens += span_len
+        stats.degraded_tokens += span_len
         if len(self.tokens) < self.n_total:
-            with self.clock:  # span[:k-1] are in the cache already
-                self.cur = _last(self.feed([span[-1]], i + k - 1))
+            with self.clock:  # span[:-1] are in the cache already
+                self.current = _last(self.feed([span[-1]], start + span_len - 1))
+
+    # ------------------------------------------------------------------ the draft step
+    def draft(self, score_it: bool = True) -> tuple[torch.Tensor, int, float]:
+        """Draft at the current position: -> (q [V] float16 draft distribution as sent, drawn token, gate score; 0
+        unless `score_it` and the gate scores positions). The token is drawn from the float16 values, normalised
+        (`quantize_draft`), so the cloud judges it by exactly the distribution it came from."""
+        p, current = self.sampling, self.current
+        q32 = logits_to_probs(current.center[0], p, uncond_logits=current.center[1] if p.uses_cfg else None)
+        q_sent, q_used = quantize_draft(q32)
+        x = int(sample(q_used.unsqueeze(0), self.draw_rng)[0])
+        score = self.gate_score(x, q_used) if score_it and self.config.gate in GATES else 0.0
+        return q_sent, x, score
+
+    def gate_score(self, x: int, q_used: torch.Tensor) -> float:
+        """The gate's score of draft x at the current position (higher: more uncertain); `q_used` [V] is the
+        distribution it was drawn from. Voting heads score +-inf: a majority of heads above tau, or not."""
+        cfg = self.config
+        if cfg.gate == "random":
+            return float(gate_scores("random", probs=q_used.unsqueeze(0), generator=self.gate_rng)[0])
+        if cfg.gate in ("entropy", "softmax"):
+            return float(gate_scores(cfg.gate, probs=q_used.unsqueeze(0))[0])
+        if self.voting:
+            centers, radii = self.current.heads  # [H, rows, V]
+            votes = sum(self._box_score(*_guided_box(centers[h], radii[h], self.sampling), x) > cfg.tau
+                        for h in range(centers.shape[0]))
+            return math.inf if votes * 2 > centers.shape[0] else -math.inf
+        return self._box_score(*self.box(), x)
+
+    def _box_score(self, center: torch.Tensor, radius: torch.Tensor, x: int) -> float:
+        """The interval gate's score of draft x from a guided box (center, radius) [V]."""
+        cfg = self.config
+        return float(gate_scores(cfg.gate, center=center.unsqueeze(0), radius=radius.unsqueeze(0), topk=cfg.topk,
+                                 margin=cfg.margin, drafted=torch.tensor([x]))[0])
+
+    def box(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The guided interval (center, radius) [V] of the current position, computed once per position (the gate and
+        the projector's features both read it)."""
+        if self._box_cache is None or self._box_cache[0] is not self.current:
+            self._box_cache = (self.current, *_guided_box(self.current.center, self.current.radius, self.sampling))
+        return self._box_cache[1], self._box_cache[2]
 
     # ------------------------------------------------------------------ device model
     def feed(self, toks: list[int], start: int):
         """Feed image tokens toks (indices start..) to the device cache; -> DeviceOutput of the last fed position
         ([rows, 1, ...]: only the next token's distribution is ever read)."""
         self.stats.device_forward_passes += 1
-        dev = self.dev
+        dev = self.device_model
         w = dev.gpt.tok_embeddings.weight
         t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(self.rows, -1)
         pos0 = dev.config.cls_token_num + start
@@ -528,24 +548,15 @@ class _Generation:
         self.cache.set_length(range(self.rows), pos0 + len(toks))
         return out
 
-    def d_draft(self, score_it: bool = True):
-        """Draft at the current position: (q as sent, token, gate score)."""
-        return self.d._draft_one(self.cur, self.gen, self.gate_gen, score_it=score_it, box=self.box)
 
-    def box(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The guided interval (center, radius) of the current position, computed once per position (the gate and
-        the projector's features both read it)."""
-        if self._box is None or self._box[0] is not self.cur:
-            self._box = (self.cur, *self.d._guided(self.cur))
-        return self._box[1], self._box[2]
-
-
-@dataclass
-class _HeadView:
-    """One Inter-Head's rows, shaped like a DeviceOutput for `_guided`."""
-
-    center: torch.Tensor  # [rows, V]
-    radius: torch.Tensor  # [rows, V]
+def _guided_box(center: torch.Tensor, radius: torch.Tensor, sampling: SamplingParams):
+    """Guided interval (center, radius) [V] from a position's box [rows, V] (cond row 0, uncond row 1 with CFG); with
+    greedy sampling (temperature 0) the box is taken at temperature 1."""
+    temperature = sampling.temperature or 1.0
+    if sampling.uses_cfg:
+        return guided_interval(center[0], radius[0], center[1], radius[1], cfg_scale=sampling.cfg_scale,
+                               temperature=temperature)
+    return guided_interval(center[0], radius[0], temperature=temperature)
 
 
 class _Progress:
