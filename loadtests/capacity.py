@@ -2,6 +2,7 @@
 
     python -m loadtests.capacity --out runs/capacity [--slo-p99-s 5] [--phones 1,2,4,8,16,32] [--duration 20]
         [--traces 12] [--network 5g] [--world FILE | --weights DIR] [--verifier-autoscaling JSON]
+    python -m loadtests.capacity --out DIR --cost-model gpu:h100,a100,l4 [--traces-dir DIR]   # a MODEL, no GPU
 
 1. Record (in this process, no Ray): the world's cloud and device generate `--traces` images with CIAR (the
    device file's calibrated defaults: gate, tau, burst) and `--traces` with cloud-only, through
@@ -25,6 +26,13 @@
    milliseconds per image at 1, 4, 16 and 64 sessions per forward: a fixed per-forward cost (memory-bound, a GPU)
    rewards CIAR's fewer passes, a per-position cost (compute-bound, this CPU) its equal positions.
 
+`--cost-model gpu:NAMES` replaces steps 2-4 by a model (`loadtests.gpu_model`, nothing runs on a GPU): the same
+recorded phones replayed in simulated time against one modelled replica at LlamaGen-XL's shapes, each forward
+priced max(bytes / bandwidth, flops / peak) + overhead from the named GPUs' datasheet figures; it writes
+`OUT/gpu_capacity.json` and `.md`: phones per replica at the SLO for CIAR and cloud-only and cloud forward-seconds
+per image, per GPU, every figure labelled as modelled. `--traces-dir DIR` keeps the recorded phones (DIR/ciar.pt,
+DIR/cloud.pt: read when there, written after recording otherwise).
+
 Every phone starts at once and keeps its session count constant; images that finish inside the measuring window
 (after `--warmup`) count, whenever they started; phones drain their last image afterwards. What is measured is the
 replica: the phones cost the driver a sleep and a message per exchange. `padding` is the share of the forwards'
@@ -42,18 +50,24 @@ import time
 import numpy as np
 import torch
 
+from loadtests.gpu_model import GPUS
+
 METHODS = ("ciar", "cloud")
 
 
 def record(args) -> dict[str, list]:
-    """Record `args.traces` sessions per method with the world's models, in this process."""
+    """Record `args.traces` sessions per method with the world's models, in this process; with `args.traces_dir`,
+    read them from DIR/METHOD.pt when there, and write a new recording there."""
     from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.trace import TracingClient
+    from ciar.collab.trace import TracingClient, load_traces, save_traces
     from ciar.collab.verifier import CloudVerifier, InProcessCloud
     from ciar.collab.calibration import val_prompts
     from ciar.world import load_world
     from ciar.world_spec import world_from_args
 
+    folder = getattr(args, "traces_dir", None)
+    if folder and all(os.path.isfile(os.path.join(folder, f"{m}.pt")) for m in METHODS):
+        return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in METHODS}
     torch.set_num_threads(args.threads)
     world = load_world(world_from_args(args))
     prompts = val_prompts(args.traces, seed=args.seed)  # val captions: never the held-out evaluation ones
@@ -68,6 +82,9 @@ def record(args) -> dict[str, list]:
         out[method] = rec.sessions
         print(f"recorded {len(rec.sessions)} {method} sessions: {np.mean([1 + len(t.steps) for t in rec.sessions]):.1f}"
               f" cloud requests per image")
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            save_traces(rec.sessions, os.path.join(folder, f"{method}.pt"))
     return out
 
 
@@ -238,18 +255,20 @@ def image_positions(point: dict) -> float | None:
     return pos["span"] + pos["decode"] + pos["history"]
 
 
-def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup: dict) -> dict:
-    def at_slo(pts):
-        ok = [p["phones"] for p in pts if p["images"] and p["latency_s"]["p99"] is not None
-              and p["latency_s"]["p99"] <= slo and not p["errors"]]
-        return max(ok) if ok else 0
+def phones_at_slo(points: list[dict], slo: float) -> int:
+    """The largest load whose images' p99 latency holds the SLO without errors (0: none)."""
+    ok = [p["phones"] for p in points if p["images"] and p["latency_s"]["p99"] is not None
+          and p["latency_s"]["p99"] <= slo and not p.get("errors")]
+    return max(ok) if ok else 0
 
+
+def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup: dict) -> dict:
     def first(pts, fn):
         vals = [fn(p) for p in pts if p["images"]]
         vals = [v for v in vals if v is not None]
         return vals[0] if vals else None
 
-    phones = {m: at_slo(points[m]) for m in METHODS}
+    phones = {m: phones_at_slo(points[m], slo) for m in METHODS}
     return {
         "slo_p99_s": slo,
         "phones_at_slo": phones,
@@ -261,6 +280,34 @@ def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup
         "points": [dict(p, method=m) for m in METHODS for p in points[m]],
         "setup": setup,
     }
+
+
+def verifier_config(args) -> dict:
+    """The Verifier's user_config: serve_config.yaml's, a long idle timeout, `--verifier` JSON on top."""
+    import yaml
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_config.yaml")) as f:
+        deployments = yaml.safe_load(f)["applications"][0].get("deployments", [])
+    live = next((d.get("user_config", {}) for d in deployments if d["name"] == "Verifier"), {})
+    return {**live, "idle_timeout_s": 600, **json.loads(args.verifier)}
+
+
+def gpu_capacity(traces: dict[str, list], gpus: list[str], loads: list[int], args, argv: list[str]) -> int:
+    """`--cost-model gpu:...`: the recorded phones against the modelled GPU replica -> OUT/gpu_capacity.json / .md
+    (`argv`: the command's arguments, recorded with the results)."""
+    import shlex
+
+    from benchmarks.collab import write_results
+    from loadtests.gpu_model import Engine, markdown, plan
+
+    live = verifier_config(args)
+    engine = Engine(token_budget=live.get("token_budget", Engine.token_budget),
+                    max_works=live.get("max_batch_size", Engine.max_works), overhead_s=args.gpu_overhead_ms / 1e3)
+    result = plan(traces, gpus, loads, args.slo_p99_s, args.network, args.duration, args.warmup, engine)
+    command = "python -m loadtests.capacity " + " ".join(shlex.quote(a) for a in argv)
+    result["command"] = command
+    write_results(os.path.join(args.out, "gpu_capacity.json"), result, markdown(result, command))
+    return 0
 
 
 def plot(result: dict, path: str) -> None:
@@ -312,12 +359,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="Serve autoscaling_config of the Verifier as JSON, e.g. '{\"min_replicas\": 1, "
                          "\"max_replicas\": 2, \"target_ongoing_requests\": 4}': the run then shows replicas "
                          "coming and going under the ramp (sessions moved by the ring are resumed, nothing is lost)")
+    ap.add_argument("--cost-model", default="measured",
+                    help="'measured': one real Verifier replica on this machine; 'gpu:h100,a100,l4': the GPU MODEL of "
+                         "loadtests.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
+    ap.add_argument("--gpu-overhead-ms", type=float, default=3.0, help="the GPU model's fixed cost per forward")
+    ap.add_argument("--traces-dir", default=None, help="recorded phones: read from DIR/{ciar,cloud}.pt when there, "
+                                                        "else recorded and written there")
     args = ap.parse_args(argv)
     loads = sorted({int(x) for x in args.phones.split(",") if x.strip()})
     if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1:
         ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1")
+    gpus = args.cost_model.removeprefix("gpu:").split(",") if args.cost_model.startswith("gpu:") else None
+    if args.cost_model != "measured" and not (gpus and all(g in GPUS for g in gpus)):
+        ap.error(f"--cost-model is 'measured' or gpu:NAME[,NAME...] with names from {', '.join(GPUS)}")
     os.makedirs(args.out, exist_ok=True)
     traces = record(args)
+    if gpus:
+        import sys
+
+        return gpu_capacity(traces, gpus, loads, args, sys.argv[1:] if argv is None else argv)
     from ciar.world import load_world
     from ciar.world_spec import world_from_args as _source
 
@@ -326,16 +386,12 @@ def main(argv: list[str] | None = None) -> int:
           f"c {cost['c_ms_per_position']:.3f} ms/position (R^2 {cost['r2']:.3f})")
 
     import ray
-    import yaml
     from ray import serve
 
     from ciar.world_spec import world_from_args
     from services.deploy import deploy_config, patient_serve_env
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_config.yaml")) as f:
-        deployments = yaml.safe_load(f)["applications"][0].get("deployments", [])
-    live = next((d.get("user_config", {}) for d in deployments if d["name"] == "Verifier"), {})
-    live = {**live, "idle_timeout_s": 600, **json.loads(args.verifier)}
+    live = verifier_config(args)
     patient_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
