@@ -67,6 +67,7 @@ from ciar.collab.interval import guided_interval, interval_features
 from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
+from ciar.collab.policy import OperatingPoint
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
@@ -351,10 +352,10 @@ class _Generation:
 
     State: the committed tokens and who decided each, the tokens accepted locally since the last exchange (with
     their projector inputs), the device's KV cache and its output at the current position (`current`), the device's
-    and the random gate's generators, and the link (with the stats). `run` drafts until the image is complete: each
-    step draws a draft and scores it (`draft`), then either accepts it locally (`accept_local`) or drafts a span
-    (`draft_span`), sends it (`send_span`) and commits the cloud's answer (`commit`); a lost link switches to
-    device-only decoding (`go_offline`)."""
+    and the random gate's generators, the operating point of its escalations (`point`: span and burst), and the link
+    (with the stats). `run` drafts until the image is complete: each step draws a draft and scores it (`draft`),
+    then either accepts it locally (`accept_local`) or drafts a span (`draft_span`), sends it (`send_span`) and
+    commits the cloud's answer (`commit`); a lost link switches to device-only decoding (`go_offline`)."""
 
     def __init__(self, decoder: CollabDecoder, link: _Link, reply, tokens: list[int], who: list[str], n_total: int,
                  seed: int, session_id: str, progress: "_Progress"):
@@ -362,6 +363,9 @@ class _Generation:
         self.link, self.stats = link, link.stats
         self.tokens, self.who, self.n_total = tokens, who, n_total  # committed tokens, "cloud" / "device" per token
         self.session_id, self.progress = session_id, progress
+        # the span and burst of every escalation: the config's fixed point (`ciar.collab.policy` models what each
+        # point costs; choosing it per escalation from the observed costs is issue 29's next step)
+        self.point = OperatingPoint(self.config.span, self.config.burst)
         self.clock = _Clock(self.config.device_slowdown, decoder.wait)
         self.draw_rng = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)  # the device's draws
         self.gate_rng = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)  # the random gate's scores
@@ -422,9 +426,9 @@ class _Generation:
             self.current = _last(self.feed([x], position))
 
     def draft_span(self, x: int, q_sent: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
-        """The uncertain draft x and up to span-1 more, each drawn from the device (span[:-1] are fed)."""
+        """The uncertain draft x and up to point.span - 1 more, each drawn from the device (span[:-1] are fed)."""
         position = len(self.tokens)
-        span_len = min(self.config.span, self.n_total - position)
+        span_len = min(self.point.span, self.n_total - position)
         span, span_q = [x], [q_sent]
         for j in range(1, span_len):
             self.current = _last(self.feed([span[-1]], position + j - 1))
@@ -447,7 +451,7 @@ class _Generation:
         req = VerifyRequest(
             self.session_id, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
-            hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
+            hidden, feats, burst=self.point.burst, burst_entropy=cfg.burst_entropy)
         client = self.link.client
         try:
             reply = self.link.exchange(req.nbytes(client.vocab_size), lambda: client.verify(req))

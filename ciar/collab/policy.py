@@ -1,0 +1,272 @@
+"""CIAR's operating points and the cost model that chooses one: the expected time to finish an image (issue 29).
+
+    costs = Costs(device_step_s=1e-3, latency_s=0.010, bandwidth_Bps=300e6 / 8, cloud_step_s=0.060, queue_s=0.0,
+                  escalation_rate=0.25, accept_first=0.5, accept_next=0.9, vocab_size=1024)
+    expected_cost(costs, OperatingPoint(span=2, burst=4), remaining=135)   # Outlook(seconds, cloud_steps)
+    choose(costs, calibrated=OperatingPoint(span=2, burst=4), remaining=135)  # Decision: the cheapest allowed point
+    link = LinkEstimator(); link.observe(up_bytes, down_bytes, seconds)     # running latency and bandwidth
+
+An *operating point* is how the device makes the rest of the image: drafting with spans of `span` tokens and a cloud
+burst of `burst` tokens after a rejection (`OperatingPoint(span, burst)`), or handing the rest to the cloud
+(`CLOUD_ONLY`). Nothing here changes what the gate escalates: τ and the gate stay the calibrated ones.
+
+The cost model (written once, here; the notation of docs/architecture.md §2 and §8). Inputs (`Costs`): the device's
+step time t_d (one device forward with its draft and gate), the link's per-transmission latency l (the RTT that
+`ciar.collab.network` charges each message) and bandwidth b (bytes/s), the verifier's forward time t_c and queue
+wait w per exchange, the gate's escalation rate e (the share of drafted positions whose score is > τ), and the
+cloud's acceptance: α1 for the uncertain draft that opens a span, α for each later draft once the previous one was
+accepted. For a span of k drafts and a burst g:
+
+    P_full(k) = α1 α^(k-1)                                   all k drafts accepted (then no burst)
+    A(k)      = α1 (1 + α + ... + α^(k-1))                   expected accepted drafts ("accepted length" - 1)
+    L(k, g)   = A(k) + 1 + g (1 - P_full(k))                 tokens one exchange commits (+ the next token, burst)
+    S(k, g)   = 1 + g (1 - P_full(k))                        sequential cloud steps of one exchange
+    X(k, g)   = 2 l + (B_up(k) + B_down(g)) / b + w + t_c S(k, g)      one exchange, request to reply
+
+B_up is the exact size of the VerifyRequest (`ciar_client.wire`'s `nbytes`) with the k drafts, their [k, V] float16
+distributions and the m = round((1 - e) / e) tokens accepted locally since the last exchange (with their
+projector inputs under Inter-Enhance); B_down the VerifyReply's, averaged over a burst (1 - P_full) or none. Each
+drafted position costs one device step and ends locally with probability 1 - e; an escalation costs k device steps
+(the k - 1 further drafts, and the feed of the committed tokens) and an exchange. Over the R remaining tokens
+(renewal-reward: the cost per token of one drafted position, times R; the image's end cutting a span is ignored):
+
+    T(k, g) = R [(1 - e) t_d + e (k t_d + X(k, g))] / [(1 - e) + e L(k, g)]       expected seconds to finish
+    C(k, g) = R e S(k, g) / [(1 - e) + e L(k, g)]                                 expected cloud steps
+    T_cloud = 2 l + (B_up(0) + B_down(R)) / b + w + R t_c,   C_cloud = R          hand the rest to the cloud
+
+(B_up(0): the pending tokens alone; B_down(R): a reply carrying R tokens.) `choose` minimises T + π C, π an
+operator's price of a cloud step in seconds (0: the users' time alone), over the points that verify no less than the
+calibrated one: span >= its span and burst >= its burst (a longer span sends more drafts to the exact rule; a longer
+burst makes more exact cloud tokens), and cloud-only (every token the cloud's). Quality may only go up.
+
+The running estimates (`Ewma`, `LinkEstimator`) are fed from a generation's own exchanges: the device's measured
+step time, and each exchange's bytes and the seconds it spent on the link (its wall time minus the time the reply
+says the cloud spent: what a real socket sees, and what the simulated network charges).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# the messages' sizes come from the codec itself (numpy only, so a torch-free device can run this module)
+from ciar_client.wire import VerifyReply, VerifyRequest
+
+SESSION_ID = "0" * 32  # the decoder's session ids are uuid4().hex: 32 characters
+SPANS = tuple(range(1, 33))  # the span knob's range (ciar.collab.knobs)
+BURSTS = (0, 1, 2, 4, 8, 16, 32)  # T and C are monotone in g (linear over linear): a coarse grid finds the best
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """How the rest of an image is made: spans of `span` drafts and a cloud burst of up to `burst` tokens after a
+    rejection, or (`cloud_only`) the cloud makes every remaining token."""
+
+    span: int = 1
+    burst: int = 0
+    cloud_only: bool = False
+
+    def __post_init__(self):
+        if not self.cloud_only and (self.span < 1 or self.burst < 0):
+            raise ValueError(f"an operating point needs span >= 1 and burst >= 0, got {self.span}, {self.burst}")
+
+    def __str__(self) -> str:
+        return "cloud-only" if self.cloud_only else f"span {self.span}, burst {self.burst}"
+
+
+CLOUD_ONLY = OperatingPoint(span=0, cloud_only=True)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The costs the model reads (see the module docstring for the symbols)."""
+
+    device_step_s: float  # t_d: one device forward with its draft and gate
+    latency_s: float  # l: per transmission (ciar.collab.network's RTT, charged once per message)
+    bandwidth_Bps: float  # b: bytes per second (math.inf: no serialisation time)
+    cloud_step_s: float  # t_c: one sequential verifier forward
+    queue_s: float  # w: the verifier's queue wait per exchange
+    escalation_rate: float  # e: share of drafted positions the calibrated gate sends to the cloud
+    accept_first: float  # α1: the cloud accepts the uncertain draft that opens a span
+    accept_next: float  # α: it accepts a later draft, the previous one accepted
+    vocab_size: int  # V: the draft distributions' length
+    hidden_dim: int = 0  # device hidden values sent per locally accepted token (Inter-Enhance; 0: off)
+    feature_dim: int = 0  # interval features per locally accepted token (Inter-Enhance; 0: off)
+
+    def __post_init__(self):
+        for name in ("device_step_s", "latency_s", "cloud_step_s", "queue_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"costs: {name} must be >= 0, got {getattr(self, name)}")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"costs: bandwidth_Bps must be > 0, got {self.bandwidth_Bps}")
+        for name in ("escalation_rate", "accept_first", "accept_next"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"costs: {name} must be in [0, 1], got {getattr(self, name)}")
+        if self.vocab_size < 1 or self.hidden_dim < 0 or self.feature_dim < 0:
+            raise ValueError("costs: vocab_size must be >= 1, hidden_dim and feature_dim >= 0")
+
+    @property
+    def pending_per_exchange(self) -> int:
+        """m: tokens accepted locally between two escalations, (1 - e) / e rounded (0 when e is 0: no exchange)."""
+        e = self.escalation_rate
+        return round((1.0 - e) / e) if e > 0 else 0
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What finishing the image at one operating point is expected to cost."""
+
+    seconds: float  # T: expected time to finish
+    cloud_steps: float  # C: expected sequential cloud forwards
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A chosen operating point, what it is expected to cost, and the objective it minimised (T + price x C)."""
+
+    point: OperatingPoint
+    outlook: Outlook
+    objective_s: float
+
+
+def full_accept(costs: Costs, span: int) -> float:
+    """P_full(k): every draft of a k-draft span is accepted (no burst follows)."""
+    return costs.accept_first * costs.accept_next ** (span - 1)
+
+
+def accepted_drafts(costs: Costs, span: int) -> float:
+    """A(k): expected accepted drafts of a k-draft span."""
+    a = costs.accept_next
+    return costs.accept_first * (span if a == 1.0 else (1.0 - a ** span) / (1.0 - a))
+
+
+def request_bytes(costs: Costs, span: int, pending: int) -> int:
+    """B_up: the VerifyRequest's exact size with `span` drafts and `pending` locally accepted tokens."""
+    def shaped(*shape):  # nbytes reads shapes only: a zero-copy stand-in for the arrays
+        return np.broadcast_to(np.float16(0), shape)
+
+    enhance = pending > 0 and costs.hidden_dim + costs.feature_dim > 0
+    return VerifyRequest(SESSION_ID, shaped(pending), shaped(span), shaped(span, costs.vocab_size),
+                         shaped(pending, costs.hidden_dim) if enhance else None,
+                         shaped(pending, costs.feature_dim) if enhance else None).nbytes(costs.vocab_size)
+
+
+def reply_bytes(costs: Costs, tokens: int) -> int:
+    """B_down: the VerifyReply's exact size when it commits `tokens` cloud tokens (the next token and tokens - 1
+    burst tokens)."""
+    burst = np.broadcast_to(np.int64(0), (max(0, tokens - 1),))
+    return VerifyReply(SESSION_ID, 0, 0, False, 0.0, 1, burst_tokens=burst, vocab_size=costs.vocab_size).nbytes()
+
+
+def link_s(costs: Costs, up_bytes: float, down_bytes: float) -> float:
+    """One exchange's time on the link and in the verifier's queue: 2 l + (B_up + B_down) / b + w."""
+    return 2.0 * costs.latency_s + (up_bytes + down_bytes) / costs.bandwidth_Bps + costs.queue_s
+
+
+def expected_cost(costs: Costs, point: OperatingPoint, remaining: int, pending: int = 0) -> Outlook:
+    """T and C of finishing the `remaining` tokens at `point` (the module docstring's equations). `pending`: tokens
+    accepted locally since the last exchange, which a hand-over to the cloud carries."""
+    if remaining <= 0:
+        return Outlook(0.0, 0.0)
+    if point.cloud_only:
+        seconds = link_s(costs, request_bytes(costs, 0, pending), reply_bytes(costs, remaining))
+        return Outlook(seconds + remaining * costs.cloud_step_s, float(remaining))
+    e, k, g = costs.escalation_rate, point.span, point.burst
+    p_full = full_accept(costs, k)
+    burst = g * (1.0 - p_full)  # expected burst tokens of one exchange
+    down = p_full * reply_bytes(costs, 1) + (1.0 - p_full) * reply_bytes(costs, 1 + g)
+    steps = 1.0 + burst  # S(k, g)
+    exchange = link_s(costs, request_bytes(costs, k, costs.pending_per_exchange), down) + costs.cloud_step_s * steps
+    per_position = (1.0 - e) * costs.device_step_s + e * (k * costs.device_step_s + exchange)
+    tokens_per_position = (1.0 - e) + e * (accepted_drafts(costs, k) + 1.0 + burst)
+    return Outlook(remaining * per_position / tokens_per_position, remaining * e * steps / tokens_per_position)
+
+
+def allowed_points(calibrated: OperatingPoint, spans=SPANS, bursts=BURSTS) -> list[OperatingPoint]:
+    """The points that verify no less than `calibrated`: the calibrated point first, then every span >= its span
+    and burst >= its burst from the grids, then cloud-only. A cloud-only calibration allows cloud-only alone."""
+    if calibrated.cloud_only:
+        return [CLOUD_ONLY]
+    points = [calibrated]
+    points += [OperatingPoint(k, g) for k in spans for g in bursts
+               if k >= calibrated.span and g >= calibrated.burst and (k, g) != (calibrated.span, calibrated.burst)]
+    return points + [CLOUD_ONLY]
+
+
+def choose(costs: Costs, calibrated: OperatingPoint, remaining: int, cloud_step_price_s: float = 0.0,
+           pending: int = 0, spans=SPANS, bursts=BURSTS) -> Decision:
+    """The allowed point (`allowed_points`) with the least T + price x C; on a tie the earlier one (the calibrated
+    point first). `cloud_step_price_s`: the operator's price of one cloud step, in seconds of the user's time."""
+    if not cloud_step_price_s >= 0:
+        raise ValueError(f"cloud_step_price_s must be >= 0, got {cloud_step_price_s}")
+    best = None
+    for point in allowed_points(calibrated, spans, bursts):
+        outlook = expected_cost(costs, point, remaining, pending)
+        objective = outlook.seconds + cloud_step_price_s * outlook.cloud_steps
+        if best is None or objective < best.objective_s:
+            best = Decision(point, outlook, objective)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- running estimates
+class Ewma:
+    """An exponentially weighted running mean: each sample weighs `weight`, and the weights are normalised, so the
+    first sample is the estimate at once (no pull towards zero). `value` is `prior` before any sample."""
+
+    def __init__(self, weight: float = 0.2, prior: float | None = None):
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight, self.prior = weight, prior
+        self._sum = self._norm = 0.0  # decayed sum of samples, decayed sum of their weights
+        self.samples = 0
+
+    def update(self, x: float) -> float:
+        keep = 1.0 - self.weight
+        self._sum = keep * self._sum + self.weight * x
+        self._norm = keep * self._norm + self.weight
+        self.samples += 1
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        return self._sum / self._norm if self.samples else self.prior
+
+
+class LinkEstimator:
+    """Running latency and bandwidth of one device's link, fitted to its exchanges: an exchange that moves
+    up + down bytes spends 2 l + (up + down) / b on the link (the network model's two transmissions), so an
+    exponentially weighted least-squares line through (bytes, seconds) has slope 1 / b and intercept 2 l.
+
+    Until the exchanges' sizes differ enough to fit a slope (they do once their pending tokens, spans or features
+    differ), or when the fit is not positive (noise), the bandwidth is `prior_bandwidth_Bps` and the latency comes
+    from the mean exchange at that bandwidth; with no sample both are their priors."""
+
+    MIN_SPREAD_BYTES = 64.0  # the bytes' weighted standard deviation below which no slope is fitted
+
+    def __init__(self, weight: float = 0.2, prior_latency_s: float = 0.0, prior_bandwidth_Bps: float = math.inf):
+        self.prior_latency_s, self.prior_bandwidth_Bps = prior_latency_s, prior_bandwidth_Bps
+        self._x, self._y, self._xx, self._xy = (Ewma(weight) for _ in range(4))
+
+    def observe(self, up_bytes: int, down_bytes: int, seconds: float) -> None:
+        """One exchange: its bytes each way and the seconds it spent on the link (wall time from request to reply,
+        minus the cloud and queue time the reply reports)."""
+        x = float(up_bytes + down_bytes)
+        for est, value in ((self._x, x), (self._y, seconds), (self._xx, x * x), (self._xy, x * seconds)):
+            est.update(value)
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        if not self._x.samples:
+            return self.prior_bandwidth_Bps
+        mx = self._x.value
+        var = self._xx.value - mx * mx
+        slope = (self._xy.value - mx * self._y.value) / var if var > self.MIN_SPREAD_BYTES ** 2 else 0.0
+        return 1.0 / slope if slope > 0 else self.prior_bandwidth_Bps
+
+    @property
+    def latency_s(self) -> float:
+        if not self._x.samples:
+            return self.prior_latency_s
+        return max(0.0, (self._y.value - self._x.value / self.bandwidth_Bps) / 2.0)

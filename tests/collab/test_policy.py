@@ -1,0 +1,158 @@
+"""The cost model of an operating point (ciar.collab.policy): hand-worked cases, the choice and its quality floor,
+message sizes from the codec, and the running estimates."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ciar.collab.network import NetworkModel
+from ciar.collab.policy import (CLOUD_ONLY, Costs, Ewma, LinkEstimator, OperatingPoint, accepted_drafts,
+                                allowed_points, choose, expected_cost, full_accept, reply_bytes, request_bytes)
+from ciar.collab.protocol import VerifyReply, VerifyRequest
+
+R = 100  # remaining tokens in the hand-worked cases
+# no serialisation time (b = inf), no queue: every number below is worked out by hand in the test's docstring
+FOUR_G_CHEAP_CLOUD = Costs(device_step_s=0.001, latency_s=0.050, bandwidth_Bps=math.inf, cloud_step_s=0.002,
+                           queue_s=0.0, escalation_rate=0.25, accept_first=0.5, accept_next=0.5, vocab_size=1024)
+FIVE_G_DEAR_CLOUD = Costs(device_step_s=0.001, latency_s=0.010, bandwidth_Bps=math.inf, cloud_step_s=0.060,
+                          queue_s=0.0, escalation_rate=0.25, accept_first=0.5, accept_next=0.9, vocab_size=1024)
+
+
+def test_acceptance_terms():
+    c = FIVE_G_DEAR_CLOUD  # α1 0.5, α 0.9
+    assert full_accept(c, 1) == 0.5 and full_accept(c, 3) == pytest.approx(0.5 * 0.81)
+    assert accepted_drafts(c, 1) == pytest.approx(0.5)
+    assert accepted_drafts(c, 3) == pytest.approx(0.5 * (1 + 0.9 + 0.81))
+    assert accepted_drafts(replace(c, accept_next=1.0), 4) == pytest.approx(2.0)  # α = 1: α1 k
+
+
+def test_four_g_with_a_cheap_cloud_step_hands_the_image_to_the_cloud():
+    """4G (l = 50 ms), t_c = 2 ms, t_d = 1 ms, e = 0.25, α1 = α = 0.5, the calibrated point span 2, burst 4:
+    P_full = 0.25, A = 0.75, L = 0.75 + 1 + 4 x 0.75 = 4.75, S = 4, X = 0.1 + 4 x 0.002 = 0.108;
+    per drafted position 0.75 x 0.001 + 0.25 x (2 x 0.001 + 0.108) = 0.02825 s for 0.75 + 0.25 x 4.75 = 1.9375 tokens:
+    T = 100 x 0.02825 / 1.9375 = 1.4581 s, C = 100 x 0.25 x 4 / 1.9375 = 51.61 steps.
+    Cloud-only: 2 x 0.05 + 100 x 0.002 = 0.3 s (100 steps). CIAR is 4.9x slower than handing over."""
+    c, calibrated = FOUR_G_CHEAP_CLOUD, OperatingPoint(span=2, burst=4)
+    ciar = expected_cost(c, calibrated, R)
+    assert ciar.seconds == pytest.approx(100 * 0.02825 / 1.9375) and ciar.cloud_steps == pytest.approx(100 / 1.9375)
+    cloud = expected_cost(c, CLOUD_ONLY, R)
+    assert cloud.seconds == pytest.approx(0.3) and cloud.cloud_steps == 100
+    decision = choose(c, calibrated, R)
+    assert decision.point == CLOUD_ONLY and decision.objective_s == pytest.approx(0.3)
+
+
+def test_five_g_with_an_expensive_cloud_step_drafts_longer_spans():
+    """5G (l = 10 ms), t_c = 60 ms (the paper's profile), t_d = 1 ms, e = 0.25, α1 = 0.5, α = 0.9, no burst:
+    span 2: A = 0.95, X = 0.02 + 0.06 = 0.08, per position 0.00075 + 0.25 x 0.082 = 0.02125 s for 1.2375 tokens:
+    T = 1.7172 s. span 8: A = 0.5 (1 - 0.9^8) / 0.1 = 2.8477, per position 0.00075 + 0.25 x 0.088 = 0.02275 s for
+    0.75 + 0.25 x 3.8477 = 1.7119 tokens: T = 1.3289 s. Cloud-only: 0.02 + 100 x 0.06 = 6.02 s."""
+    c, calibrated = FIVE_G_DEAR_CLOUD, OperatingPoint(span=2, burst=0)
+    assert expected_cost(c, calibrated, R).seconds == pytest.approx(100 * 0.02125 / 1.2375)
+    a8 = 5 * (1 - 0.9 ** 8)
+    assert expected_cost(c, OperatingPoint(8, 0), R).seconds == pytest.approx(
+        100 * 0.02275 / (0.75 + 0.25 * (a8 + 1)))
+    assert expected_cost(c, CLOUD_ONLY, R).seconds == pytest.approx(6.02)
+    decision = choose(c, calibrated, R, spans=(2, 4, 8), bursts=(0, 4))
+    assert decision.point == OperatingPoint(8, 0)  # a burst token costs a 60 ms step: no burst
+    assert decision.outlook.seconds == pytest.approx(1.32892, rel=1e-4)
+    assert choose(c, calibrated, R).point.span > 8  # the full span range goes further still
+
+
+def test_a_cloud_step_price_keeps_the_work_on_the_device():
+    """The 4G case with a price of 50 ms per cloud step: cloud-only 0.3 + 100 x 0.05 = 5.3 s against CIAR's
+    1.4581 + 51.61 x 0.05 = 4.039 s at its calibrated point (span 2, burst 4), which no other allowed point beats."""
+    c, calibrated = FOUR_G_CHEAP_CLOUD, OperatingPoint(span=2, burst=4)
+    decision = choose(c, calibrated, R, cloud_step_price_s=0.05)
+    assert decision.point == calibrated
+    assert decision.objective_s == pytest.approx(100 * 0.02825 / 1.9375 + 0.05 * 100 / 1.9375)
+    with pytest.raises(ValueError, match="price"):
+        choose(c, calibrated, R, cloud_step_price_s=-1.0)
+
+
+def test_never_verifies_less_than_the_calibrated_point():
+    """Drafts the cloud mostly rejects and an expensive device step make span 1 without a burst the cheapest point,
+    but the calibrated point (span 4, burst 2) is the floor: the choice stays at it (cloud-only priced out)."""
+    c = replace(FOUR_G_CHEAP_CLOUD, device_step_s=0.05, accept_first=0.1, accept_next=0.1)
+    calibrated = OperatingPoint(span=4, burst=2)
+    cheaper = expected_cost(c, OperatingPoint(1, 0), R)
+    decision = choose(c, calibrated, R, cloud_step_price_s=1.0)
+    assert cheaper.seconds + cheaper.cloud_steps < decision.objective_s  # what the floor costs here
+    assert decision.point == calibrated
+    points = allowed_points(calibrated)
+    assert points[0] == calibrated and points[-1] == CLOUD_ONLY
+    assert all(p.span >= 4 and p.burst >= 2 for p in points[:-1])
+    assert allowed_points(CLOUD_ONLY) == [CLOUD_ONLY]
+
+
+def test_edges():
+    c = FOUR_G_CHEAP_CLOUD
+    assert expected_cost(c, OperatingPoint(2, 4), 0).seconds == 0.0
+    never = expected_cost(replace(c, escalation_rate=0.0), OperatingPoint(2, 4), R)  # the gate never escalates
+    assert never.seconds == pytest.approx(R * 0.001) and never.cloud_steps == 0
+    with pytest.raises(ValueError, match="escalation_rate"):
+        replace(c, escalation_rate=1.5)
+    with pytest.raises(ValueError, match="bandwidth"):
+        replace(c, bandwidth_Bps=0.0)
+    with pytest.raises(ValueError, match="span"):
+        OperatingPoint(span=0)
+
+
+def test_message_sizes_are_the_codecs_and_cost_bandwidth():
+    """B_up and B_down equal the nbytes of real messages; a finite bandwidth adds exactly the bytes' time."""
+    V, m, k, hidden, feats = 1024, 3, 2, 256, 20
+    c = replace(FOUR_G_CHEAP_CLOUD, vocab_size=V, hidden_dim=hidden, feature_dim=feats)
+    req = VerifyRequest("0" * 32, torch.zeros(m, dtype=torch.long), torch.zeros(k, dtype=torch.long),
+                        torch.zeros(k, V, dtype=torch.float16), torch.zeros(m, hidden, dtype=torch.float16),
+                        torch.zeros(m, feats, dtype=torch.float16))
+    assert request_bytes(c, k, m) == req.nbytes(V)
+    assert request_bytes(replace(c, hidden_dim=0, feature_dim=0), k, m) == \
+        VerifyRequest("0" * 32, req.new_tokens, req.draft_tokens, req.draft_probs).nbytes(V)
+    reply = VerifyReply("0" * 32, 1, 5, True, 0.0, 1, burst_tokens=torch.zeros(4, dtype=torch.long), vocab_size=V)
+    assert reply_bytes(c, 5) == reply.nbytes()
+    bandwidth = 20e6 / 8  # 4G
+    slow = replace(c, bandwidth_Bps=bandwidth)
+    up, down = request_bytes(c, 0, 7), reply_bytes(c, R)
+    assert expected_cost(slow, CLOUD_ONLY, R, pending=7).seconds - expected_cost(c, CLOUD_ONLY, R, pending=7).seconds \
+        == pytest.approx((up + down) / bandwidth)
+
+
+def test_ewma():
+    e = Ewma(weight=0.5, prior=3.0)
+    assert e.value == 3.0
+    assert e.update(10.0) == 10.0  # the first sample is the estimate
+    assert e.update(20.0) == pytest.approx((0.5 * 10 * 0.5 + 0.5 * 20) / (0.5 * 0.5 + 0.5))
+    for _ in range(60):
+        e.update(1.0)
+    assert e.value == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        Ewma(weight=0.0)
+
+
+@pytest.mark.parametrize("profile, latency_s, bandwidth_Bps", [("4g", 0.050, 20e6 / 8), ("5g", 0.010, 300e6 / 8)])
+def test_link_estimator_recovers_the_simulated_link(profile, latency_s, bandwidth_Bps):
+    """Fed the network model's own exchanges (requests of varying sizes, small replies), the fit finds its latency
+    and bandwidth exactly; with jitter, it predicts an exchange's link time within 2 % (on 5G the bytes' time is
+    below the jitter, and a noisy slope may leave the bandwidth at its prior: it then matters little)."""
+    sizes = [(400 + 700 * (i % 5) + 2100 * (i % 3), 60) for i in range(40)]
+    est = LinkEstimator(prior_latency_s=1.0, prior_bandwidth_Bps=1.0)
+    assert (est.latency_s, est.bandwidth_Bps) == (1.0, 1.0)
+    net = NetworkModel(profile, seed=0)
+    for up, down in sizes:
+        est.observe(up, down, net.round_trip(up, down).total_s)
+    assert est.latency_s == pytest.approx(latency_s, rel=1e-6)
+    assert est.bandwidth_Bps == pytest.approx(bandwidth_Bps, rel=1e-6)
+    jittery, net = LinkEstimator(), NetworkModel(f"{profile}:jitter_ms=0.5", seed=1)
+    for up, down in sizes * 5:
+        jittery.observe(up, down, net.round_trip(up, down).total_s)
+    for up, down in sizes[:5]:
+        mean_s = 2 * (latency_s + 0.0004) + (up + down) / bandwidth_Bps  # E|N(0, 0.5 ms)| = 0.4 ms per transmission
+        assert 2 * jittery.latency_s + (up + down) / jittery.bandwidth_Bps == pytest.approx(mean_s, rel=0.02)
+
+
+def test_link_estimator_without_a_spread_of_sizes_keeps_its_prior_bandwidth():
+    est = LinkEstimator(prior_bandwidth_Bps=1e6)
+    for _ in range(5):
+        est.observe(1000, 50, 0.1 + 1050 / 1e6)
+    assert est.bandwidth_Bps == 1e6 and est.latency_s == pytest.approx(0.05)
