@@ -4,6 +4,7 @@ one running cluster.
 
     python -m benchmarks.device_client --num-prompts 50 --seeds 0,1 --out runs/device_client.json
     python -m benchmarks.device_client --host http://127.0.0.1:8000 ...     # a cluster that already runs (make serve)
+    python -m benchmarks.device_client --browser --num-prompts 20 --seeds 0,1 --out ...   # + the browser device
 
 Without --host the cluster is started here from serve_config.yaml (as loadtests.run does) with the devices' simulated
 waits off (`Device.realtime=false`: the decisions do not depend on them) and stopped after. Per seed s and prompt i
@@ -12,7 +13,12 @@ ciar and the device file's calibrated defaults: the in-cluster device through PO
 (response_format tokens, network none), the client through `ws://.../v1/device/sessions` with the device model it
 downloads from the cluster (GET /v1/device/model), as `python -m ciar_client` does.
 
-Both make the same distributions with different draws (torch's generator vs numpy's), so their figures agree only
+With --browser, a third device makes the same images: the playground's browser device (web/src in a Web Worker of
+headless chromium, onnxruntime-web on WebAssembly, one thread), driven by `loadtests.playground.browser_generate`,
+over the same endpoint with the same downloaded model; its device time is the tab's own (onnxruntime-web + the
+page's maths). Every device is compared with the cluster's.
+
+All make the same distributions with different draws (torch's generator vs numpy's), so their figures agree only
 within noise. Noise is measured, not assumed: for each device the same figure under two seeds (different images of
 the same prompts), and the paired standard error over prompts of the client-minus-cluster difference. Reported per
 device and seed: cloud-call rate, cloud requests per image, fidelity (the attribute probe's accuracy on the decoded
@@ -33,7 +39,7 @@ import urllib.request
 import numpy as np
 
 METRICS = ("cloud_call_rate", "cloud_requests", "device_ms_per_token", "bytes_up", "bytes_down")
-DEVICES = ("cluster", "client")
+WARMUP_SEED = 10 ** 9  # a first image per device, not measured: first-call overheads out of the figures
 
 
 def _post(url: str, key: str, body: dict, timeout_s: float = 300.0) -> dict:
@@ -91,8 +97,10 @@ def wire_table(exchanges, accounted: dict) -> dict:
     return out
 
 
-def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds: list[int]) -> dict:
-    """-> {device: {seed: {"tokens": [n, N], "rows": [per-image dicts]}}}; prompts interleaved over the devices."""
+def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds: list[int],
+        browser: bool = False) -> dict:
+    """-> {device: {seed: {"tokens": [n, N], "rows": [per-image dicts]}}}; the cluster and the client interleaved
+    over the prompts, then (browser) the browser device on the same prompts and seeds."""
     from tqdm import tqdm
 
     from ciar_client.connection import DeviceConnection
@@ -104,11 +112,12 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
     runtime = DeviceRuntime(fetch_model(ws_url, device_key))
     conn = DeviceConnection(ws_url, device_key, vocab_size=runtime.vocab_size)
     client = AccountingClient(conn)
-    out = {d: {s: {"tokens": [], "rows": []} for s in seeds} for d in DEVICES}
+    devices = ("cluster", "client") + (("browser",) if browser else ())
+    out = {d: {s: {"tokens": [], "rows": []} for s in seeds} for d in devices}
     try:
-        generate(runtime, conn, prompts[0], seed=10 ** 9)  # first-call overheads out of the measurement
+        generate(runtime, conn, prompts[0], seed=WARMUP_SEED)
         conn.exchanges.clear()
-        _post(http_url, api_key, {"prompt": prompts[0], "seed": 10 ** 9, "method": "ciar", "network": "none",
+        _post(http_url, api_key, {"prompt": prompts[0], "seed": WARMUP_SEED, "method": "ciar", "network": "none",
                                   "response_format": "tokens"})
         for s in seeds:
             for i, prompt in enumerate(tqdm(prompts, desc=f"seed {s}", dynamic_ncols=True)):
@@ -124,6 +133,22 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
         conn.disconnect()
     out["resumes"] = conn.resumes
     out["wire"] = wire_table(conn.exchanges, client.accounted)
+    if browser:
+        from loadtests.playground import browser_generate
+
+        jobs = [{"prompt": prompts[0], "seed": WARMUP_SEED}] + \
+            [{"prompt": p, "seed": s * 1_000_003 + i} for s in seeds for i, p in enumerate(prompts)]
+        t = time.time()
+        done = browser_generate(http_url, device_key, jobs)[1:]
+        print(f"browser device: {len(done)} images in {time.time() - t:.0f} s", flush=True)
+        failed = [r["error"] for r in done if "error" in r]
+        if failed:
+            raise RuntimeError(f"the browser device failed {len(failed)} images, first: {failed[0]}")
+        for k, r in enumerate(done):
+            s = seeds[k // len(prompts)]
+            out["browser"][s]["tokens"].append(r["tokens"])
+            out["browser"][s]["rows"].append(_per_image(r["stats"]))
+        out["browser_model"] = done[0]["model"]
     return out
 
 
@@ -138,44 +163,49 @@ def fidelity(world, probe, tokens: list[list[int]], scenes) -> float:
     return attribute_accuracy(probe, images, scenes)["attribute_accuracy"]
 
 
-def summarize(raw: dict, seeds: list[int], fid: dict) -> dict:
-    """Means per device and seed; the client-minus-cluster differences per seed, with their paired standard error
-    over prompts; and each device's seed-to-seed difference (the noise the differences are read against)."""
+def summarize(raw: dict, seeds: list[int], fid: dict, devices: tuple[str, ...]) -> dict:
+    """Means per device and seed; each other device's difference from the cluster's per seed, with its paired
+    standard error over prompts; and each device's seed-to-seed difference (the noise the differences are read
+    against)."""
     mean = {d: {s: {m: float(np.mean([r[m] for r in raw[d][s]["rows"]])) if raw[d][s]["rows"][0][m] is not None
-                    else None for m in METRICS} | {"fidelity": fid[d][s]} for s in seeds} for d in DEVICES}
+                    else None for m in METRICS} | {"fidelity": fid[d][s]} for s in seeds} for d in devices}
     diff = {}
-    for s in seeds:
-        diff[s] = {}
-        for m in ("cloud_call_rate", "cloud_requests"):
-            d = np.array([a[m] - b[m] for a, b in zip(raw["client"][s]["rows"], raw["cluster"][s]["rows"])])
-            diff[s][m] = {"mean": float(d.mean()), "paired_se": float(d.std(ddof=1) / np.sqrt(len(d)))}
-        diff[s]["fidelity"] = {"mean": fid["client"][s] - fid["cluster"][s]}
+    for dev in devices[1:]:
+        diff[dev] = {}
+        for s in seeds:
+            diff[dev][s] = {}
+            for m in ("cloud_call_rate", "cloud_requests"):
+                d = np.array([a[m] - b[m] for a, b in zip(raw[dev][s]["rows"], raw["cluster"][s]["rows"])])
+                diff[dev][s][m] = {"mean": float(d.mean()), "paired_se": float(d.std(ddof=1) / np.sqrt(len(d)))}
+            diff[dev][s]["fidelity"] = {"mean": fid[dev][s] - fid["cluster"][s]}
     noise = {}
     if len(seeds) >= 2:
         a, b = seeds[:2]
         noise = {d: {m: mean[d][a][m] - mean[d][b][m] for m in ("cloud_call_rate", "cloud_requests", "fidelity")}
-                 for d in DEVICES}
-    return {"mean": mean, "client_minus_cluster": diff, "seed_to_seed": noise}
+                 for d in devices}
+    return {"mean": mean, "minus_cluster": diff, "seed_to_seed": noise}
 
 
 def markdown(summary: dict, seeds: list[int], n: int) -> str:
     mean = summary["mean"]
-    lines = [f"### Torch-free client vs in-cluster device, {n} held-out prompts per seed\n\n",
+    others = " and ".join(d for d in mean if d != "cluster")
+    lines = [f"### In-cluster device vs {others}, {n} held-out prompts per seed\n\n",
              "| device | seed | cloud-call rate | cloud requests / image | fidelity | device ms / token "
              "| bytes up / image | bytes down / image |\n", "|---|---|---|---|---|---|---|---|\n"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-    for d in DEVICES:
+    for d in mean:
         for s in seeds:
             r = mean[d][s]
             lines.append(f"| {d} | {s} | {r['cloud_call_rate']:.3f} | {r['cloud_requests']:.2f} | "
                          f"{fmt(r['fidelity'], '.3f')} | {r['device_ms_per_token']:.2f} | "
                          f"{fmt(r['bytes_up'], '.0f')} | {fmt(r['bytes_down'], '.0f')} |\n")
-    lines.append("\n| seed | client − cluster: cloud-call rate (± paired s.e.) | cloud requests (± s.e.) "
-                 "| fidelity |\n|---|---|---|---|\n")
-    for s, d in summary["client_minus_cluster"].items():
-        lines.append(f"| {s} | {d['cloud_call_rate']['mean']:+.3f} ± {d['cloud_call_rate']['paired_se']:.3f} | "
-                     f"{d['cloud_requests']['mean']:+.2f} ± {d['cloud_requests']['paired_se']:.2f} | "
-                     f"{d['fidelity']['mean']:+.3f} |\n")
+    lines.append("\n| device − cluster | seed | cloud-call rate (± paired s.e.) | cloud requests (± s.e.) "
+                 "| fidelity |\n|---|---|---|---|---|\n")
+    for dev, per_seed in summary["minus_cluster"].items():
+        for s, d in per_seed.items():
+            lines.append(f"| {dev} | {s} | {d['cloud_call_rate']['mean']:+.3f} ± {d['cloud_call_rate']['paired_se']:.3f}"
+                         f" | {d['cloud_requests']['mean']:+.2f} ± {d['cloud_requests']['paired_se']:.2f} | "
+                         f"{d['fidelity']['mean']:+.3f} |\n")
     if summary["seed_to_seed"]:
         lines.append(f"\nNoise, the same device under seed {seeds[0]} minus seed {seeds[1]}: "
                      + "; ".join(f"{d}: cloud-call rate {v['cloud_call_rate']:+.3f}, requests "
@@ -203,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="Serve config (default: serve_config.yaml)")
     p.add_argument("--api-key", default=None, help="bearer key (default: the config's first key)")
     p.add_argument("--device-key", default="ciar-dev-device-key")
+    p.add_argument("--browser", action="store_true", help="also the browser device (headless chromium, "
+                   "onnxruntime-web: `make test` installs both)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
@@ -231,17 +263,19 @@ def main(argv: list[str] | None = None) -> int:
             api_key = client_key(app, args.api_key)
         else:
             api_key = client_key(None, args.api_key)
-        raw = run(url.rstrip("/"), api_key, args.device_key, ps.captions, seeds)
+        raw = run(url.rstrip("/"), api_key, args.device_key, ps.captions, seeds, browser=args.browser)
     finally:
         if cluster is not None:
             cluster.stop()
     world = load_world(None)
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors"))
-    fid = {d: {s: fidelity(world, probe, raw[d][s]["tokens"], ps.scenes) for s in seeds} for d in DEVICES}
-    summary = summarize(raw, seeds, fid)
+    devices = ("cluster", "client") + (("browser",) if args.browser else ())
+    fid = {d: {s: fidelity(world, probe, raw[d][s]["tokens"], ps.scenes) for s in seeds} for d in devices}
+    summary = summarize(raw, seeds, fid, devices)
     result = {"prompts": ps.source, "num_prompts": args.num_prompts, "seeds": seeds, "host": args.host,
-              "seconds": time.time() - t0, "client_resumes": raw["resumes"], "wire": raw["wire"], **summary,
-              "per_image": {d: {s: raw[d][s]["rows"] for s in seeds} for d in DEVICES}}
+              "seconds": time.time() - t0, "client_resumes": raw["resumes"], "wire": raw["wire"],
+              "browser_model": raw.get("browser_model"), **summary,
+              "per_image": {d: {s: raw[d][s]["rows"] for s in seeds} for d in devices}}
     write_results(args.out, result, markdown(summary, seeds, args.num_prompts) + wire_markdown(raw["wire"]))
     return 0
 

@@ -98,6 +98,45 @@ def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = 
             browser.close()
 
 
+def browser_generate(url: str, device_key: str, jobs: list[dict], timeout_s: float = 600.0) -> list[dict]:
+    """The browser device without the page's form: chromium opens the playground and runs its Web Worker
+    (/web/device/worker.js, the same code the page uses) on each job {"prompt", "seed"} in turn, without previews;
+    -> per job {"tokens", "who", "stats", "model"} or {"error"}. The model is downloaded once (the first job's
+    figures include no download: `stats` times the loop only)."""
+    from playwright.sync_api import sync_playwright
+
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("no chromium found (apt-get install -y chromium; or set CIAR_CHROMIUM)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(timeout_s * 1000)
+            page.goto(f"{url.rstrip('/')}/")
+            return page.evaluate(WORKER_JOBS, {"jobs": jobs, "key": device_key})
+        finally:
+            browser.close()
+
+
+WORKER_JOBS = """async ({jobs, key}) => {
+  const worker = new Worker("/web/device/worker.js", {type: "module"});
+  const out = [];
+  for (const job of jobs) {
+    out.push(await new Promise((resolve) => {
+      worker.onmessage = ({data}) => {
+        if (data.type === "result") resolve({tokens: data.tokens, who: data.who, stats: data.stats, model: data.model});
+        else if (data.type === "error") resolve({error: data.message});
+      };
+      worker.onerror = (e) => resolve({error: e.message || "the worker failed"});
+      worker.postMessage({type: "generate", key, prompt: job.prompt, seed: job.seed, previews: false});
+    }));
+  }
+  worker.terminate();
+  return out;
+}"""
+
+
 # whether the page has checked that this tab can be the device (the option enabled, or the reason shown)
 BROWSER_CHECKED = """() => !document.querySelector('#devicemode option[value="browser"]').disabled ||
   !document.getElementById('browsernote').classList.contains('hidden')"""

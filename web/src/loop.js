@@ -12,7 +12,8 @@
 // becomes unreachable after the open, the device keeps the span it drafted and finishes alone (`degraded`).
 //
 // Stats: the Python client's keys (device_s: runtime + maths, cloud_s as the replies report it, comm_s: wall time of
-// the exchanges minus their cloud_s, bytes as the socket carried them), plus `round_trips` and `round_trip_ms`.
+// the exchanges minus their cloud_s, bytes as the socket carried them), plus `round_trip_ms` (the mean request's
+// wall time) and `device_graph_s` (the part of device_s spent in onnxruntime-web; the rest is the page's maths).
 
 import * as M from "./maths.js";
 
@@ -81,7 +82,7 @@ class Loop {
     this.pendHidden = [];
     this.pendBox = [];
     this.st = Object.fromEntries(COUNTERS.map((k) => [k, 0]));
-    Object.assign(this.st, { device_s: 0, cloud_s: 0, comm_s: 0, round_trip_s: 0, images: 1 });
+    Object.assign(this.st, { device_s: 0, device_graph_s: 0, cloud_s: 0, comm_s: 0, round_trip_s: 0, images: 1 });
   }
 
   row(a, r) { // row r of a [rows, n] output
@@ -104,6 +105,7 @@ class Loop {
       if (drafting) {
         const t = performance.now();
         this.step = await this.rt.start(M.fromFloat16Array(reply.caption_emb), reply.caption_mask, this.cfgRows ? 2 : 1);
+        this.st.device_graph_s += (performance.now() - t) / 1000;
         this.st.device_forward_passes += 1;
         if (this.tokens.length) await this.feed(this.tokens, 0);
         this.st.device_s += (performance.now() - t) / 1000;
@@ -248,7 +250,9 @@ class Loop {
   }
 
   async feed(toks, start) {
+    const t = performance.now();
     this.step = await this.rt.feed(toks, start);
+    this.st.device_graph_s += (performance.now() - t) / 1000;
     this.st.device_forward_passes += 1;
   }
 

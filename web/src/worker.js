@@ -2,7 +2,7 @@
 // Loaded by the playground (services/playground.html) from /web/device/worker.js; its runtime, onnxruntime-web, from
 // /web/ort/ (the installed package, never the internet); the device model from /v1/device/model with a device key.
 //
-// page -> worker   { type: "generate", key, prompt, seed }
+// page -> worker   { type: "generate", key, prompt, seed, previews }  (previews: false skips the partial images)
 // worker -> page   { type: "status", text }                             (loading the runtime, the model)
 //                  { type: "progress", tokens, who, stats, total, shape, rgb }   (rgb: the partial image [H * W * 3],
 //                                                        undecided tokens filled with the last decided one's code)
@@ -14,6 +14,7 @@ import { generate } from "./loop.js";
 import { DeviceRuntime, ImageDecoder } from "./runtime.js";
 
 const ORT = "/web/ort/";
+const WARMUP_S = 4;
 let ort = null;
 let loaded = null; // { key, digest, manifest, rt, decoder, loadS }
 
@@ -60,6 +61,18 @@ async function model(key) {
   }
   postMessage({ type: "status", text: "Starting onnxruntime-web (WebAssembly)…" });
   const [rt, decoder] = await Promise.all([DeviceRuntime.create(o, manifest, bytes), ImageDecoder.create(o, manifest, bytes.vq_decoder)]);
+  // warm up before the first image: the runtime's first runs allocate, and the browser compiles WebAssembly in
+  // tiers (a quick baseline first, optimised code once a function is hot), so the first few hundred steps run
+  // several times slower. Two images' worth of steps (at most WARMUP_S) belong to loading, not to the first image.
+  postMessage({ type: "status", text: "Warming up the device model…" });
+  const L = manifest.cls_token_num, rows = manifest.sampling.cfg_scale > 1 ? 2 : 1, n = manifest.num_tokens;
+  const tw = performance.now();
+  await rt.start(new Float32Array(L * manifest.caption_dim), Array(L).fill(true), rows);
+  for (let i = 0; i < 2 * n && performance.now() - tw < 1000 * WARMUP_S; i++) {
+    if (i % n === 0) rt.rollback(0);
+    await rt.feed([i % manifest.vocab_size], i % n);
+  }
+  await decoder.decode(Array(n).fill(0));
   loaded = { key, digest, manifest, rt, decoder, loadS: (performance.now() - t0) / 1000 };
   return loaded;
 }
@@ -69,7 +82,7 @@ async function partialImage(decoder, tokens, n) {
   return decoder.decode(tokens.concat(Array(n - tokens.length).fill(fill)));
 }
 
-async function run({ key, prompt, seed }) {
+async function run({ key, prompt, seed, previews = true }) {
   const m = await model(key);
   const url = `${location.protocol === "https:" ? "wss:" : "ws:"}//${location.host}`;
   const conn = new DeviceConnection(url, key, m.manifest.vocab_size);
@@ -79,7 +92,7 @@ async function run({ key, prompt, seed }) {
   try {
     const result = await generate(m.rt, conn, prompt, seed, {
       onProgress: (tokens, who, stats) => { // previews are decoded in turn, after the step that made them
-        if (tokens.length >= n) return;
+        if (!previews || tokens.length >= n) return;
         drawing = drawing.then(async () => postMessage({ type: "progress", tokens, who, stats, total: n,
           shape: m.manifest.image.shape, rgb: await partialImage(m.decoder, tokens, n) }));
       },
