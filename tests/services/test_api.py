@@ -304,3 +304,30 @@ def test_the_browser_is_the_device_in_a_headless_browser(cluster, tmp_path):
     assert 0 < browser < 1 and abs(browser - cluster_device) < 0.25, rates
     for shot in ("playground-browser-running.png", "playground-browser-done.png"):
         assert (tmp_path / shot).stat().st_size > 10_000
+
+
+def test_the_page_says_how_to_enable_the_browser_device(cluster):
+    """Where onnxruntime-web is not installed (GET /web/ort/ says so; here the answer is replaced in the browser), the
+    page disables "this browser" and shows the server's message naming `make web`; the cluster device still works."""
+    pytest.importorskip("playwright")
+    from playwright.sync_api import sync_playwright
+
+    from loadtests.playground import BROWSER_CHECKED, CHROMIUM_ARGS, chromium_path
+    from services.web import ENABLE
+
+    if chromium_path() is None:
+        pytest.fail("no chromium: `make test` installs Debian's (apt-get install chromium), or set CIAR_CHROMIUM")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.route("**/web/ort/", lambda route: route.fulfill(
+                json={"available": False, "message": ENABLE}))
+            page.goto(f"{URL}/?device=browser", timeout=120_000)
+            page.wait_for_function(BROWSER_CHECKED, timeout=120_000)
+            assert page.is_disabled('#devicemode option[value="browser"]')
+            assert page.input_value("#devicemode") == "cluster"
+            note = page.inner_text("#browsernote")
+            assert page.is_visible("#browsernote") and "make web" in note and "node and npm" in note
+        finally:
+            browser.close()
