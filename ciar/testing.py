@@ -41,8 +41,9 @@ def write_random_world(folder: str, sampling: dict | None = None, cloud_dtype: t
     return str(folder)
 
 
-# a small LlamaGen-layout t2i GPT (registry GPT-B with these overrides) and VQ-16 tokenizer: 64 px -> 4 x 4 tokens
-LLAMAGEN_SMALL_GPT = dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=8, vocab_size=64)
+# a small LlamaGen-layout t2i GPT (registry GPT-B with these overrides) and VQ-16 tokenizer: 64 px -> 4 x 4 tokens;
+# 24 caption positions: the tests' captions fit the tiny T5 (a longer one is refused, ciar.text's caption contract)
+LLAMAGEN_SMALL_GPT = dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=24, vocab_size=64)
 LLAMAGEN_SMALL_VQ = dict(ch=16, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=1, z_channels=16, codebook_size=64)
 
 
@@ -150,7 +151,7 @@ def write_random_llamagen_files(folder: str, image_ids: list[int], seed: int = 0
     os.makedirs(os.path.join(folder, "t5"), exist_ok=True)
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     for i in image_ids:
-        n = int(rng.integers(2, LLAMAGEN_SMALL_GPT["cls_token_num"] + 3))  # some longer than the 8 positions
+        n = int(rng.integers(2, LLAMAGEN_SMALL_GPT["cls_token_num"] + 3))  # some longer than the positions
         np.save(os.path.join(folder, "t5", f"{i}.npy"),
                 rng.standard_normal((1, n, LLAMAGEN_SMALL_GPT["caption_dim"])).astype(np.float32))
         Image.fromarray(rng.integers(0, 255, (40 + i % 3 * 8, 56, 3), dtype=np.uint8)).save(
