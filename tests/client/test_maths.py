@@ -393,6 +393,7 @@ def test_gate_score_dispatch_matches_gate_scores():
 def recorded(one_torch_thread):
     """Real device inputs: every draft of the shipped scenes device (CIAR, its calibrated gate, no network) on four
     val prompts: (center [rows, V], radius [rows, V], q as sent, drafted token, gate score, scored?) per draft."""
+    from ciar.collab.decoder import _Generation
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.data.scenes import scene_at
     from ciar.world import load_world
@@ -400,17 +401,21 @@ def recorded(one_torch_thread):
     world = load_world(None)
     decoder = make_decoder(world, make_verifier(world), "ciar", network="none")
     rows = []
-    draft_one = decoder._draft_one
+    draft = _Generation.draft
 
-    def spy(cur, gen, gate_gen, score_it=True, box=None):
-        q, x, score = draft_one(cur, gen, gate_gen, score_it=score_it, box=box)
+    def spy(generation, score_it=True):
+        q, x, score = draft(generation, score_it=score_it)
+        cur = generation.current
         rows.append((cur.center.numpy().copy(), cur.radius.numpy().copy(), q.numpy().copy(), x, score,
                      score_it and decoder.config.gate in G.GATES))
         return q, x, score
 
-    decoder._draft_one = spy
-    for i in range(4):
-        decoder.generate(scene_at("val", i).caption, seed=i)
+    _Generation.draft = spy
+    try:
+        for i in range(4):
+            decoder.generate(scene_at("val", i).caption, seed=i)
+    finally:
+        _Generation.draft = draft
     return SimpleNamespace(world=world, config=decoder.config, sampling=decoder.sampling, rows=rows)
 
 
