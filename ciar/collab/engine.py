@@ -84,6 +84,7 @@ class Work:
         self.seq = 0  # arrival order (set by the engine)
         self.passes = 0  # forwards this work took part in
         self.seconds = 0.0  # compute time of those steps (the whole step, as a reply's cloud_s always was)
+        self.created = time.perf_counter()  # submission: the reply's queue_s is its time in the verifier - seconds
         self.batch_size = 0  # works in the last forward this work took part in
         self.done = False
         self.result = None

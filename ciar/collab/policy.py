@@ -46,6 +46,7 @@ says the cloud spent: what a real socket sees, and what the simulated network ch
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -144,20 +145,31 @@ def accepted_drafts(costs: Costs, span: int) -> float:
 
 def request_bytes(costs: Costs, span: int, pending: int) -> int:
     """B_up: the VerifyRequest's exact size with `span` drafts and `pending` locally accepted tokens."""
-    def shaped(*shape):  # nbytes reads shapes only: a zero-copy stand-in for the arrays
-        return np.broadcast_to(np.float16(0), shape)
-
-    enhance = pending > 0 and costs.hidden_dim + costs.feature_dim > 0
-    return VerifyRequest(SESSION_ID, shaped(pending), shaped(span), shaped(span, costs.vocab_size),
-                         shaped(pending, costs.hidden_dim) if enhance else None,
-                         shaped(pending, costs.feature_dim) if enhance else None).nbytes(costs.vocab_size)
+    return _request_bytes(costs.vocab_size, costs.hidden_dim, costs.feature_dim, span, pending)
 
 
 def reply_bytes(costs: Costs, tokens: int) -> int:
     """B_down: the VerifyReply's exact size when it commits `tokens` cloud tokens (the next token and tokens - 1
     burst tokens)."""
+    return _reply_bytes(costs.vocab_size, tokens)
+
+
+# sizes depend on shapes only: cached, so that a device choosing at every escalation does not build messages
+@functools.lru_cache(maxsize=4096)
+def _request_bytes(vocab_size: int, hidden_dim: int, feature_dim: int, span: int, pending: int) -> int:
+    def shaped(*shape):  # nbytes reads shapes only: a zero-copy stand-in for the arrays
+        return np.broadcast_to(np.float16(0), shape)
+
+    enhance = pending > 0 and hidden_dim + feature_dim > 0
+    return VerifyRequest(SESSION_ID, shaped(pending), shaped(span), shaped(span, vocab_size),
+                         shaped(pending, hidden_dim) if enhance else None,
+                         shaped(pending, feature_dim) if enhance else None).nbytes(vocab_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reply_bytes(vocab_size: int, tokens: int) -> int:
     burst = np.broadcast_to(np.int64(0), (max(0, tokens - 1),))
-    return VerifyReply(SESSION_ID, 0, 0, False, 0.0, 1, burst_tokens=burst, vocab_size=costs.vocab_size).nbytes()
+    return VerifyReply(SESSION_ID, 0, 0, False, 0.0, 1, burst_tokens=burst, vocab_size=vocab_size).nbytes()
 
 
 def link_s(costs: Costs, up_bytes: float, down_bytes: float) -> float:

@@ -29,10 +29,10 @@ Frame = 8-byte header + body, little-endian:
 | OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, u32 forward_passes, u8 caption,   |
 |               | [u16 L, u16 D, f16[L*D] caption embedding, bits[L] caption mask]                               |
 | VERIFY 5      | str8 session, token32, u32 V, u16 m, u16 k, tokens[m + k] (new, then drafts), f16[k*V] draft    |
-|               | distributions, u8 flags (1 hidden, 2 features), [u16 d, f16[m*d]], [u16 F, f16[m*F]], u16 burst,|
-|               | f64 burst_entropy                                                                              |
+|               | distributions, u8 flags (1 hidden, 2 features, 4 hand over), [u16 d, f16[m*d]], [u16 F, f16[m*F]],|
+|               | u16 burst, f64 burst_entropy                                                                   |
 | VERIFY_REPLY 6| str8 session, u16 accepted, u32 next token, u8 flags (1 recovered, 2 resumed), f64 cloud_s,     |
-|               | u16 batch size, u16 forward passes, u32 V, u16 g, tokens[g] burst                              |
+|               | f64 queue_s, u16 batch size, u16 forward passes, u32 V, u16 g, tokens[g] burst                 |
 | RESUME 7      | OPEN's body, token32, u32 V, u16 c, tokens[c] history, u16 n, [u16[n] positions, u16 d, u16 F,  |
 |               | f16[n*d], f16[n*F]] injected interval features                                                 |
 | CLOSE 8       | str8 session, token32                                                                          |
@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: VERIFY_REPLY carries the verifier's queue wait, VERIFY the hand-over flag (issue 29)
 MAGIC = b"CI"
 HEADER_BYTES = 8
 TOKEN_BYTES = 32  # a session token: HMAC-SHA256
@@ -188,6 +188,8 @@ class VerifyRequest:
     features: Any = None  # [m, F] float16 interval features of the new tokens
     burst: int = 0  # cloud burst: after a rejection the cloud samples up to this many more tokens itself
     burst_entropy: float = 0.0  # ... and stops early once its next distribution's entropy / log V is below this
+    handover: bool = False  # the device hands the rest of the image to the cloud: the burst follows the span's
+    # judgement whether or not a draft was rejected (the adaptive policy's cloud-only choice, ciar.collab.policy)
 
     def nbytes(self, vocab_size: int) -> int:
         m, k = _count(self.new_tokens), _count(self.draft_tokens)
@@ -212,13 +214,14 @@ class VerifyReply:
     resumed: bool = False  # the client re-created the session before this reply (cloud_s / forward_passes include it)
     burst_tokens: Any = None  # [g] int64 the cloud's own samples after next_token (cloud burst)
     vocab_size: int = 0  # for the burst tokens' encoding
+    queue_s: float = 0.0  # seconds the request waited in the verifier besides its own forwards (queue, other steps)
 
     @property
     def num_burst(self) -> int:
         return _count(self.burst_tokens)
 
     def nbytes(self) -> int:
-        return HEADER_BYTES + _str_bytes(self.session_id, 1) + 2 + 4 + 1 + 8 + 2 + 2 + 4 + 2 + \
+        return HEADER_BYTES + _str_bytes(self.session_id, 1) + 2 + 4 + 1 + 8 + 8 + 2 + 2 + 4 + 2 + \
             token_bytes(self.num_burst, max(self.vocab_size, 2))
 
 
@@ -425,7 +428,7 @@ def encode_frame(frame: Frame) -> bytes:
             raise WireError(f"draft_probs must be [{k}, {vocab}], got {tuple(b.draft_probs.shape)}",
                             field="draft_probs")
         w.f16(b.draft_probs)
-        w.pack("B", int(b.device_hidden is not None) | 2 * int(b.features is not None))
+        w.pack("B", int(b.device_hidden is not None) | 2 * int(b.features is not None) | 4 * int(bool(b.handover)))
         for name, a in (("device_hidden", b.device_hidden), ("features", b.features)):
             if a is not None:
                 if a.shape[0] != m or len(a.shape) != 2:
@@ -435,8 +438,9 @@ def encode_frame(frame: Frame) -> bytes:
         w.pack("Hd", int(b.burst), float(b.burst_entropy))
     elif t == VERIFY_REPLY:
         w.str_(b.session_id, 1, "session_id")
-        w.pack("HIBdHHIH", int(b.num_accepted), int(b.next_token), int(bool(b.recovered)) | 2 * int(bool(b.resumed)),
-               float(b.cloud_s), int(b.batch_size), int(b.forward_passes), int(b.vocab_size), b.num_burst)
+        w.pack("HIBddHHIH", int(b.num_accepted), int(b.next_token), int(bool(b.recovered)) | 2 * int(bool(b.resumed)),
+               float(b.cloud_s), float(b.queue_s), int(b.batch_size), int(b.forward_passes), int(b.vocab_size),
+               b.num_burst)
         if b.num_burst:
             w.tokens(b.burst_tokens, b.vocab_size, "burst_tokens")
     elif t == RESUME:
@@ -584,7 +588,7 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
         if k and (probs < 0).any():
             raise WireError("draft_probs must be >= 0", field="draft_probs")
         (flags,) = r.unpack("B", "flags")
-        if flags & ~3:
+        if flags & ~7:
             raise WireError(f"unknown verify flags {flags:#x}", field="flags")
         hidden = feats = None
         if flags & 1:
@@ -595,15 +599,15 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
             feats = arr(r.f16((m, f), "features"))
         burst, burst_entropy = r.unpack("Hd", "burst")
         body = VerifyRequest(sid, arr(ids[:m].copy()), arr(ids[m:].copy()), arr(probs), hidden, feats, burst,
-                             burst_entropy)
+                             burst_entropy, bool(flags & 4))
     elif ftype == VERIFY_REPLY:
         sid = r.str_(1, "session_id", MAX_SESSION_ID)
-        n, z, flags, cloud_s, bs, passes, vocab, g = r.unpack("HIBdHHIH", "verify_reply")
+        n, z, flags, cloud_s, queue_s, bs, passes, vocab, g = r.unpack("HIBddHHIH", "verify_reply")
         burst = None
         if g:
             _check_vocab(vocab)
             burst = arr(r.tokens(g, vocab, "burst_tokens"))
-        body = VerifyReply(sid, n, z, bool(flags & 1), cloud_s, bs, passes, bool(flags & 2), burst, vocab)
+        body = VerifyReply(sid, n, z, bool(flags & 1), cloud_s, bs, passes, bool(flags & 2), burst, vocab, queue_s)
     elif ftype == RESUME:
         req = _open_read(r, sampling)
         token = r.token()

@@ -41,7 +41,7 @@ def _js_frame(f: Frame) -> dict:
     elif f.type == VERIFY:
         body = {"session_id": b.session_id, "vocab_size": int(b.draft_probs.shape[1]), "new_tokens": _ids(b.new_tokens),
                 "draft_tokens": _ids(b.draft_tokens), "draft_probs": _bits(b.draft_probs),
-                "burst": b.burst, "burst_entropy": b.burst_entropy}
+                "burst": b.burst, "burst_entropy": b.burst_entropy, "handover": b.handover}
         for name in ("device_hidden", "features"):
             a = getattr(b, name)
             body[name] = None if a is None else {"dim": int(a.shape[1]), "bits": _bits(a)}
@@ -83,8 +83,8 @@ def test_received_frames_decode_to_the_same_fields(node):
                 assert d["caption_shape"] == list(b.caption_emb.shape) and d["caption_emb"] == _bits(b.caption_emb)
                 assert d["caption_mask"] == np.asarray(b.caption_mask).tolist()
         elif f.type == VERIFY_REPLY:
-            for k in ("session_id", "num_accepted", "next_token", "recovered", "resumed", "cloud_s", "batch_size",
-                      "forward_passes", "vocab_size"):
+            for k in ("session_id", "num_accepted", "next_token", "recovered", "resumed", "cloud_s", "queue_s",
+                      "batch_size", "forward_passes", "vocab_size"):
                 assert d[k] == getattr(b, k), k
             assert d["burst_tokens"] == (_ids(b.burst_tokens) if b.num_burst else [])
         else:

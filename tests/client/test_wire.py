@@ -45,8 +45,9 @@ def _messages():
         Frame(VERIFY, 4, VerifyRequest("s1", r.integers(0, V, 5), r.integers(0, V, 2), probs,
                                        r.standard_normal((5, 256)).astype(np.float16),
                                        r.standard_normal((5, 20)).astype(np.float16), 4, 0.25), TOKEN),
-        Frame(VERIFY, 5, VerifyRequest("s1", np.zeros(0, np.int64), r.integers(0, V, 2), probs), TOKEN),
-        Frame(VERIFY_REPLY, 4, VerifyReply("s1", 1, 1023, True, 0.004, 7, 3, False, r.integers(0, V, 4), V)),
+        Frame(VERIFY, 5, VerifyRequest("s1", np.zeros(0, np.int64), r.integers(0, V, 2), probs, burst=140,
+                                       handover=True), TOKEN),
+        Frame(VERIFY_REPLY, 4, VerifyReply("s1", 1, 1023, True, 0.004, 7, 3, False, r.integers(0, V, 4), V, 0.0125)),
         Frame(VERIFY_REPLY, 5, VerifyReply("s1", 2, 0, False, 0.004, 1, 1, True, None, V)),
         Frame(RESUME, 6, ResumeRequest(replace(_open(), want_caption=False), r.integers(0, V, 30),
                                        InjectedFeatures(np.array([3, 4, 9]),
@@ -117,16 +118,16 @@ def test_float16_and_bitpacking_are_exact():
 
 def test_other_version_and_garbage_are_refused():
     data = bytearray(encode_frame(_messages()[0]))
-    data[2] = 2
-    with pytest.raises(VersionError, match="version 2.*speaks version 1") as e:
+    data[2] = wire.PROTOCOL_VERSION - 1  # the previous version (1: no queue wait, no hand-over)
+    with pytest.raises(VersionError, match=f"version 1.*speaks version {wire.PROTOCOL_VERSION}") as e:
         decode_frame(bytes(data))
-    assert e.value.version == 2
+    assert e.value.version == 1
     with pytest.raises(WireError, match="bad magic"):
         decode_frame(b"XX" + bytes(data[2:]))
     with pytest.raises(WireError, match="truncated"):
         decode_frame(b"CI\x01")
     with pytest.raises(WireError, match="unknown frame type"):
-        decode_frame(struct.pack("<2sBBI", b"CI", 1, 99, 0))
+        decode_frame(struct.pack("<2sBBI", b"CI", wire.PROTOCOL_VERSION, 99, 0))
     ok = encode_frame(_messages()[5])
     with pytest.raises(WireError, match="trailing"):
         decode_frame(ok + b"\x00")

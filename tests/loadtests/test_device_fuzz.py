@@ -155,7 +155,7 @@ def test_expected_answers_oracle():
     assert expected_answers(b"CI" + bytes(LIMIT), LIMIT) == ("close:1009",)
     assert expected_answers(ok[:7], LIMIT) == ("close:4000",)
     assert expected_answers(b"XX" + ok[2:], LIMIT) == ("close:4000",)
-    assert expected_answers(ok[:2] + b"\x02" + ok[3:], LIMIT) == ("close:4002",)
+    assert expected_answers(ok[:2] + bytes([wire.PROTOCOL_VERSION + 1]) + ok[3:], LIMIT) == ("close:4002",)
     assert expected_answers(ok[:3] + b"\xc8" + ok[4:], LIMIT) == ("error:400",)
     assert expected_answers(ok, LIMIT)[0] == "reply:CLOSED" and "error:403" in expected_answers(ok, LIMIT)
     assert "reply:OPEN_REPLY" in expected_answers(

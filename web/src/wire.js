@@ -10,7 +10,7 @@
 // Token ids travel bit-packed at ceil(log2 V) bits each (little-endian bit order); float16 arrays travel as their
 // bits (Uint16Array here: the device quantises with maths.toFloat16Array, exactly as numpy does).
 
-export const PROTOCOL_VERSION = 1;
+export const PROTOCOL_VERSION = 2;
 export const HEADER_BYTES = 8;
 export const TOKEN_BYTES = 32;
 export const [HELLO, WELCOME, OPEN, OPEN_REPLY, VERIFY, VERIFY_REPLY, RESUME, CLOSE, CLOSED, ERROR] =
@@ -112,7 +112,7 @@ function openBody(w, r) {
 /** A frame { type, requestId, body, token } -> Uint8Array. Bodies use the Python field names:
  *  HELLO { key, client }; OPEN { session_id, prompt, seed, sampling, prefix_len, rule?, want_caption };
  *  VERIFY { session_id, vocab_size, new_tokens, draft_tokens, draft_probs (Uint16Array [k * V] float16 bits),
- *  device_hidden?, features? ({ dim, bits }), burst, burst_entropy };
+ *  device_hidden?, features? ({ dim, bits }), burst, burst_entropy, handover? };
  *  RESUME { request (an OPEN body), vocab_size, history, injected? { positions, hidden_dim, hidden, feature_dim,
  *  features } }; CLOSE { session_id }. */
 export function encodeFrame({ type, requestId, body, token = null }) {
@@ -133,7 +133,7 @@ export function encodeFrame({ type, requestId, body, token = null }) {
     w.tokens([...body.new_tokens, ...body.draft_tokens], V, "tokens");
     w.f16(body.draft_probs);
     const h = body.device_hidden || null, f = body.features || null;
-    w.u8((h ? 1 : 0) | (f ? 2 : 0));
+    w.u8((h ? 1 : 0) | (f ? 2 : 0) | (body.handover ? 4 : 0));
     for (const [name, a] of [["device_hidden", h], ["features", f]]) {
       if (!a) continue;
       if (a.bits.length !== m * a.dim) throw new WireError(`${name} must be [${m}, ${a.dim}]`, name);
@@ -249,7 +249,7 @@ export function decodeFrame(data) {
     body = { session_id: r.str(1, "session_id"), num_accepted: r.u16("verify_reply"), next_token: r.u32("verify_reply") };
     const flags = r.u8("verify_reply");
     Object.assign(body, { recovered: (flags & 1) !== 0, resumed: (flags & 2) !== 0, cloud_s: r.f64("verify_reply"),
-      batch_size: r.u16("verify_reply"), forward_passes: r.u16("verify_reply"), vocab_size: r.u32("verify_reply") });
+      queue_s: r.f64("verify_reply"), batch_size: r.u16("verify_reply"), forward_passes: r.u16("verify_reply"), vocab_size: r.u32("verify_reply") });
     const g = r.u16("verify_reply");
     if (g) checkVocab(body.vocab_size);
     body.burst_tokens = g ? r.tokens(g, body.vocab_size, "burst_tokens") : [];
