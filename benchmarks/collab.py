@@ -5,7 +5,7 @@
     python -m benchmarks.collab --world llamagen.yaml --captions captions_val2017.json ...  # a LlamaGen world
     python -m benchmarks.collab --table 2 ...     # gates (U vs entropy / softmax / random) at CIAR's cloud-call rate
     python -m benchmarks.collab --table 3 ...     # discrete top-k set uncertainty (k = 100..400) vs continuous U
-    python -m benchmarks.collab --table 8 ...     # 5G / 4G / WiFi latency breakdown
+    python -m benchmarks.collab --table 8 ...     # 5G / 4G / WiFi: cloud-only, fixed and adaptive CIAR
     python -m benchmarks.collab --sweep tau --values 0.1,0.2,0.3,0.5 ...   # also: rho, span, burst, depth, heads, cascade
     python -m benchmarks.collab --sweep cloud-cost --values 1,2,5,10,20 ...  # speedup vs the cost of a cloud step
 
@@ -25,7 +25,8 @@ Thresholds: by default CIAR runs with the device file's calibrated gate, tau and
 their thresholds calibrated there at the same target rate. `--tau` / `--gate` / `--burst` override them;
 `--target-rate R` calibrates tau here instead (bisection on `--calib-prompts` val-split prompts, never the
 evaluated ones). The JSON records which was used. Table 2/3 gates are calibrated to CIAR's measured cloud-call
-rate on the val prompts.
+rate on the val prompts. CASCADE runs with the device file's cosine threshold (`python -m pipelines.calibrate
+--cascade`, chosen on val prompts), else its paper's 0.9; `--cascade-threshold` overrides it.
 
 Cost regimes. Latency is measured compute (device x `--device-slowdown`, cloud x `--cloud-slowdown`) plus the
 network model; that is the headline. Two derived views are computed from the same run's counters, no re-run:
@@ -50,6 +51,7 @@ from tqdm import tqdm
 
 from ciar.collab.calibration import bisect_threshold, calibrate_tau, cloud_rate  # noqa: F401 (re-exported)
 from ciar.collab.decoder import METHODS
+from ciar.collab.defaults import CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
@@ -100,19 +102,25 @@ def calibration_prompts(spec, captions: str | None, n_eval: int, n: int, seed: i
     return [r["caption"] for r in read_coco_captions(captions, limit=n, offset=n_eval)]
 
 
-def run_variants(world, verifier, variants: dict, prompts: list[str], seed: int, desc: str = "generate"):
+def run_variants(world, verifier, variants: dict, prompts: list[str], seed: int, desc: str = "generate",
+                 done: dict | None = None, on_prompt=None):
     """variants: name -> (method, overrides dict, device model or None). Interleaved over prompts.
+    `done` ({name: ([tokens], [GenerationStats])} of the first prompts, e.g. a checkpoint) resumes after them;
+    `on_prompt(i, done)` is called after prompt i with everything so far (to checkpoint it).
     -> {name: (tokens [n, N] int64, [GenerationStats])}."""
     decoders = {name: make_decoder(world, verifier, m, device_model=dev, **ov) for name, (m, ov, dev) in variants.items()}
     warm = prompts[0]
     for d in decoders.values():  # first-call overheads out of the measurement
         d.generate(warm, seed=10 ** 9)
-    out = {name: ([], []) for name in variants}
-    for i, prompt in enumerate(tqdm(prompts, desc=desc, dynamic_ncols=True)):
+    out = done or {name: ([], []) for name in variants}
+    start = len(next(iter(out.values()))[0])
+    for i in tqdm(range(start, len(prompts)), desc=desc, dynamic_ncols=True, initial=start, total=len(prompts)):
         for name, d in decoders.items():
-            r = d.generate(prompt, seed=seed * 1_000_003 + i)
+            r = d.generate(prompts[i], seed=seed * 1_000_003 + i)
             out[name][0].append(r.tokens)
             out[name][1].append(r.stats)
+        if on_prompt is not None:
+            on_prompt(i, out)
     return {name: (torch.stack(t), s) for name, (t, s) in out.items()}
 
 
@@ -216,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst", type=int, default=None, help="cloud burst g (default: the device file's)")
     p.add_argument("--target-rate", type=float, default=None, help="calibrate CIAR's tau to this cloud-call rate")
     p.add_argument("--span", type=int, default=None)
+    p.add_argument("--cascade-threshold", type=float, default=None,
+                   help="CASCADE's cosine threshold (default: the device file's, else the paper's 0.9)")
     p.add_argument("--prefix-rate", type=float, default=None)
     p.add_argument("--device-slowdown", type=float, default=1.0)
     p.add_argument("--cloud-slowdown", type=float, default=1.0,
@@ -280,6 +290,20 @@ def ciar_knobs(args, world, verifier, calib: list[str], report: dict) -> tuple[d
     return common, ciar_ov
 
 
+def cascade_rule(args, world, report: dict) -> RuleConfig:
+    """CASCADE's acceptance rule: `--cascade-threshold`, else the device file's threshold (chosen on val prompts),
+    else the paper's; records which in `report`."""
+    defaults = world.device_model.ciar_defaults or CIARDefaults()
+    threshold = defaults.cascade_threshold_or(args.cascade_threshold)
+    report["cascade_threshold"] = {
+        "threshold": threshold,
+        "mode": "raw" if args.cascade_threshold is not None else
+        "device file (python -m pipelines.calibrate --cascade on val prompts)" if defaults.cascade_threshold
+        is not None else "the paper's (the device file has none)",
+        "calibration": defaults.cascade_calibration or None}
+    return RuleConfig(rule="cascade", cascade_threshold=threshold)
+
+
 def sweep_variants(run: Run, values: list[str]) -> dict:
     """--sweep: one CIAR (or CASCADE) variant per value, beside cloud-only (cloud-cost: CIAR, EAGLE, LANTERN once,
     re-priced afterwards)."""
@@ -331,6 +355,8 @@ def table1_variants(run: Run, methods: list[str]) -> dict:
                 ov["tau"] = th["tau"]
         else:
             ov = dict(ciar_ov) if m == "ciar" else dict(common)
+        if m == "cascade":
+            ov["rule"] = cascade_rule(args, world, run.report)
         variants[m] = (m, ov, None)
     if "ciar" in methods and not args.no_inter_enhance_ablation:
         variants["ciar w/o Inter-Enhance"] = ("ciar", {**ciar_ov, "inter_enhance": False}, None)
@@ -367,11 +393,12 @@ def gate_table_variants(run: Run, table: int) -> dict:
 
 
 def network_variants(run: Run) -> dict:
-    """Table 8: cloud-only and CIAR on each link."""
+    """Table 8: cloud-only, CIAR at its fixed (calibrated) point and CIAR with the adaptive policy on each link."""
     variants: dict = {}
     for net in ("5g", "4g", "wifi"):
         variants[f"cloud {net}"] = ("cloud", {**run.common, "network": net}, None)
-        variants[f"ciar {net}"] = ("ciar", {**run.ciar, "network": net}, None)
+        variants[f"ciar {net}"] = ("ciar", {**run.ciar, "network": net, "policy": "fixed"}, None)
+        variants[f"ciar adaptive {net}"] = ("ciar", {**run.ciar, "network": net, "policy": "adaptive"}, None)
     return variants
 
 

@@ -210,6 +210,16 @@ class Ingress:
         self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
                                            boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
                                            tag_keys=("method", "part"))
+        self.m_handovers = metrics.Counter("ciar_handovers_total", description="images whose device handed the rest "
+                                           "to the cloud (adaptive policy)", tag_keys=("method",))
+        self.m_adapted = metrics.Counter("ciar_adapted_escalations_total", description="escalations the adaptive "
+                                         "policy sent at another span / burst than the calibrated one",
+                                         tag_keys=("method",))
+        self.m_costs = metrics.Histogram("ciar_observed_cost_seconds", description="per image, the costs its device "
+                                         "observed: verifier queue wait (summed), and under the adaptive policy its "
+                                         "estimates of the link latency, the cloud step and the device step",
+                                         boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1],
+                                         tag_keys=("method", "cost"))
         self.m_device_events = metrics.Counter("ciar_device_endpoint_events_total", description="device endpoint: "
                                                "frames by type, errors by status, closes by code, refused keys",
                                                tag_keys=("event", "label"))
@@ -499,6 +509,14 @@ class Ingress:
             self.m_cloud.inc(stats["cloud_requests"], tags={"method": m})
         if stats.get("degraded"):
             self.m_degraded.inc(tags={"method": m})
+        if stats.get("handovers"):
+            self.m_handovers.inc(tags={"method": m})
+        if stats.get("adapted"):
+            self.m_adapted.inc(stats["adapted"], tags={"method": m})
+        for cost, key in (("queue", "queue_s"), ("link_latency", "est_link_latency_s"),
+                          ("cloud_step", "est_cloud_step_s"), ("device_step", "est_device_step_s")):
+            if stats.get(key):  # 0: not observed (fixed policy, or no verify request)
+                self.m_costs.observe(stats[key], tags={"method": m, "cost": cost})
         if stats.get("mean_accepted_length") is not None:
             self.m_accept.observe(stats["mean_accepted_length"], tags={"method": m})
         for part, key in (("device", "device_s"), ("cloud", "cloud_s"), ("comm", "comm_s"), ("total", "total_s"),

@@ -67,7 +67,8 @@ from ciar.collab.interval import guided_interval, interval_features
 from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
-from ciar.collab.policy import OperatingPoint
+from ciar.collab.interval import interval_feature_dim
+from ciar.collab.policy import BURSTS, Costs, Ewma, LinkEstimator, OperatingPoint, choose
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
@@ -109,6 +110,8 @@ class CollabConfig:
     network: str = "5g"  # ciar.collab.network profile name (options: get_profile)
     link_drop_after: int | None = _default("link_drop_after")  # simulation: the link goes down after this many messages
     fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
+    policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar.collab.policy)
+    cloud_step_price_s: float = _default("cloud_step_price_s")  # adaptive: an operator's price of one cloud step
 
     @property
     def validated(self) -> bool:
@@ -167,8 +170,8 @@ def shared_knobs(method: str, knobs: dict) -> dict:
         out.pop("tau", None)
         out.pop("gate", None)
     if method not in GATED_METHODS:
-        out.pop("burst", None)
-        out.pop("burst_entropy", None)
+        for name in ("burst", "burst_entropy", "policy", "cloud_step_price_s"):
+            out.pop(name, None)
     if method in ("cloud", "code"):
         out.pop("prefix_rate", None)
     return out
@@ -189,7 +192,7 @@ def method_config(method: str, **overrides) -> CollabConfig:
     check_method_overrides(method, overrides)
     base = CollabConfig(method=method)
     # the baselines as their papers run them: no cloud burst, and the span fixed (not the device file's CIAR span)
-    as_published = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN)
+    as_published = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN, policy="fixed")
     preset: dict = {
         "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **as_published),
         "ciar": {},
@@ -319,6 +322,11 @@ class _Link:
         self.client, self.network, self.stats = client, network, stats
         self.cloud_slowdown = cloud_slowdown  # cloud compute time = reported time x this factor
         self.wait = wait  # spends simulated seconds for real (None: accounted only)
+        # what the exchanges show of the costs (the adaptive policy reads them): the link's latency and bandwidth,
+        # the verifier's seconds per sequential forward and its queue wait per request
+        self.link_costs = LinkEstimator()
+        self.cloud_step = Ewma()
+        self.queue = Ewma(prior=0.0)
 
     def exchange(self, up_bytes: int, call: Callable):
         """One request/reply: uplink transmission of `up_bytes`, `call()`, downlink transmission of the reply's bytes
@@ -328,7 +336,9 @@ class _Link:
         try:
             up_s, _ = self.network.transmit(up_bytes)
             self._spend(up_s)
+            t = time.perf_counter()
             reply = call()
+            wall = time.perf_counter() - t
             down_bytes = reply.nbytes()
             down_s, _ = self.network.transmit(down_bytes)
         except LinkDownError as e:
@@ -336,10 +346,17 @@ class _Link:
             self._spend(e.waited_s)
             raise
         self._spend(down_s + reply.cloud_s * (self.cloud_slowdown - 1.0))
+        queue_s = float(getattr(reply, "queue_s", 0.0))  # verify replies say how long the request queued
         stats.bytes_up += up_bytes
         stats.bytes_down += down_bytes
         stats.comm_s += up_s + down_s
         stats.cloud_s += reply.cloud_s * self.cloud_slowdown
+        stats.queue_s += queue_s
+        # the link: the simulated transmissions plus whatever the call took beyond the verifier's own time (a real
+        # socket's transport); the verifier: seconds per sequential forward, and the queue wait
+        self.link_costs.observe(up_bytes, down_bytes, up_s + down_s + max(0.0, wall - reply.cloud_s - queue_s))
+        self.cloud_step.update(reply.cloud_s * self.cloud_slowdown / max(1, reply.forward_passes))
+        self.queue.update(queue_s)
         return reply
 
     def _spend(self, seconds: float) -> None:
@@ -363,9 +380,11 @@ class _Generation:
         self.link, self.stats = link, link.stats
         self.tokens, self.who, self.n_total = tokens, who, n_total  # committed tokens, "cloud" / "device" per token
         self.session_id, self.progress = session_id, progress
-        # the span and burst of every escalation: the config's fixed point (`ciar.collab.policy` models what each
-        # point costs; choosing it per escalation from the observed costs is issue 29's next step)
-        self.point = OperatingPoint(self.config.span, self.config.burst)
+        # the span and burst of every escalation: the config's calibrated point, or under the adaptive policy the
+        # point `choose_point` picks at each escalation from the costs observed so far (`ciar.collab.policy`)
+        self.calibrated = self.point = OperatingPoint(self.config.span, self.config.burst)
+        self.scored = self.escalated = 0  # drafts the gate scored / sent to the cloud (the escalation rate)
+        self.first_accepted = self.later_offered = self.later_accepted = 0  # the cloud's acceptance, per draft
         self.clock = _Clock(self.config.device_slowdown, decoder.wait)
         self.draw_rng = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)  # the device's draws
         self.gate_rng = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)  # the random gate's scores
@@ -395,16 +414,60 @@ class _Generation:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
+        scores = self.config.gate in GATES
         while len(self.tokens) < self.n_total:
             self.progress(self.tokens, self.stats)
             with self.clock:
                 q_sent, x, score = self.draft(score_it=not self.offline)
-                if not self.escalates(score):
+                escalate = self.escalates(score)
+                self.scored += int(scores and not self.offline)
+                self.escalated += int(escalate)
+                if not escalate:
                     self.accept_local(x)
                     continue
-                span, span_q = self.draft_span(x, q_sent)
+                self.point = self.choose_point()
+                span, span_q = ([x], [q_sent]) if self.point.cloud_only else self.draft_span(x, q_sent)
             self.send_span(span, span_q)
         self.stats.device_s += self.clock.seconds * self.config.device_slowdown
+
+    # ------------------------------------------------------------------ the operating point
+    ESCALATION_PRIOR = (0.15, 8.0)  # (rate, pseudo-drafts): the estimates before an image has shown its own
+    ACCEPT_PRIOR = (0.5, 0.8, 4.0)  # (alpha1, alpha, pseudo-verifications)
+
+    def choose_point(self) -> OperatingPoint:
+        """The operating point of this escalation: the calibrated one under the fixed policy; under the adaptive
+        policy, the allowed point (never verifying less than the calibrated one) with the least expected time to
+        finish the image (+ the operator's price per cloud step), from the costs observed so far."""
+        cfg = self.config
+        if cfg.policy != "adaptive":
+            return self.calibrated
+        costs = self.costs()
+        st = self.stats
+        st.est_device_step_s, st.est_link_latency_s = costs.device_step_s, costs.latency_s
+        st.est_cloud_step_s = costs.cloud_step_s
+        k, g = self.calibrated.span, self.calibrated.burst
+        spans = sorted({min(32, s) for s in (k, k + 1, k + 2, 2 * k, 3 * k, 4 * k, 8, 12, 16)} - set(range(k)))
+        point = choose(costs, self.calibrated, self.n_total - len(self.tokens), cfg.cloud_step_price_s,
+                       pending=len(self.pending), spans=spans, bursts=[b for b in BURSTS if b >= g]).point
+        st.adapted += int(point != self.calibrated)
+        return point
+
+    def costs(self) -> Costs:
+        """The cost model's inputs as this generation has observed them (priors where it has not yet)."""
+        cfg, link = self.config, self.link
+        e0, n0 = self.ESCALATION_PRIOR
+        a1, a, m0 = self.ACCEPT_PRIOR
+        n_verified = self.stats.verifications
+        return Costs(
+            device_step_s=self.clock.seconds * cfg.device_slowdown / max(1, self.stats.device_forward_passes),
+            latency_s=link.link_costs.latency_s, bandwidth_Bps=link.link_costs.bandwidth_Bps,
+            cloud_step_s=link.cloud_step.value or 0.0, queue_s=link.queue.value or 0.0,
+            escalation_rate=(self.escalated + e0 * n0) / (self.scored + n0),
+            accept_first=(self.first_accepted + a1 * m0) / (n_verified + m0),
+            accept_next=(self.later_accepted + a * m0) / (self.later_offered + m0),
+            vocab_size=self.link.client.vocab_size,
+            hidden_dim=self.device_model.config.dim if cfg.inter_enhance else 0,
+            feature_dim=interval_feature_dim(cfg.feature_top) if cfg.inter_enhance else 0)
 
     def escalates(self, score: float) -> bool:
         """Whether the draft with this gate score goes to the cloud (never offline)."""
@@ -448,10 +511,13 @@ class _Generation:
                 feats = interval_features(torch.stack([c for c, _ in self.pending_boxes]),
                                           torch.stack([r for _, r in self.pending_boxes]),
                                           top=cfg.feature_top).to(torch.float16).cpu()
+        handover = self.point.cloud_only  # the cloud judges the uncertain draft and makes every token after it
+        remaining = self.n_total - len(self.tokens)  # the span's position onwards
         req = VerifyRequest(
             self.session_id, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
-            hidden, feats, burst=self.point.burst, burst_entropy=cfg.burst_entropy)
+            hidden, feats, burst=remaining if handover else self.point.burst,
+            burst_entropy=0.0 if handover else cfg.burst_entropy, handover=handover)
         client = self.link.client
         try:
             reply = self.link.exchange(req.nbytes(client.vocab_size), lambda: client.verify(req))
@@ -471,9 +537,15 @@ class _Generation:
         stats.resumes += int(getattr(reply, "resumed", False))
         stats.drafted += span_len
         stats.accepted += accepted
+        self.first_accepted += int(accepted > 0)
+        self.later_offered += min(accepted, span_len - 1)  # a later draft is judged once the one before it passed
+        self.later_accepted += max(0, accepted - 1)
         burst = reply.burst_tokens.tolist() if reply.num_burst else []
         committed = (span[:accepted] + [reply.next_token] + burst)[: self.n_total - start]
         stats.burst_tokens += max(0, len(committed) - accepted - 1)
+        if self.point.cloud_only:
+            stats.handovers = 1
+            stats.handover_tokens += len(committed)
         self.tokens.extend(committed)
         self.who.extend(["cloud"] * len(committed))
         stats.cloud_tokens += len(committed)

@@ -116,6 +116,12 @@ _KNOBS = (
          unset="the link stays up", ge=0, le=100_000, request=True, simulation=True),
     Knob("fallback", bool, True, "the cloud unreachable mid-generation: finish on the device (degraded) instead of "
          "failing"),
+    Knob("policy", str, "fixed", "how each escalation is sent: fixed, at the calibrated span and burst; adaptive, "
+         "at the span and burst (or a hand-over of the rest to the cloud) that minimise the expected time to finish "
+         "the image from the link, device and verifier costs observed so far (ciar.collab.policy), never verifying "
+         "less than the fixed point", choices=("fixed", "adaptive"), request=True, live=True),
+    Knob("cloud_step_price_s", float, 0.0, "adaptive policy: the operator's price of one cloud step, in seconds of "
+         "the user's time (0: the user's time alone)", ge=0.0, le=60.0, request=True, live=True),
 )
 KNOBS: dict[str, Knob] = {k.name: k for k in _KNOBS}
 REQUEST_KNOBS = tuple(k.name for k in _KNOBS if k.request)

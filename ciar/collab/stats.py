@@ -19,7 +19,13 @@ Counters (per image, summed by `+`):
   device_forward_passes  device forwards
   bytes_up / bytes_down  payload bytes device -> cloud / cloud -> device
   device_s, cloud_s, comm_s  device compute (measured x slowdown), cloud compute, communication (network model)
+  queue_s                time the verify requests waited in the verifier besides their own forwards (as replied)
   images                 images accounted
+The adaptive policy's decisions (ciar.collab.policy; 0 under the fixed policy):
+  adapted                escalations sent at an operating point other than the calibrated one
+  handovers              images whose device handed the rest to the cloud; handover_tokens: the tokens it made then
+  est_device_step_s, est_link_latency_s, est_cloud_step_s   the policy's estimates at the image's last decision
+                         (per image; an aggregate divides them by `images`)
 
 Derived: cloud_call_rate = cloud_tokens / total_tokens; steps_compression = total_tokens / cloud_forward_passes;
 acceptance_rate = accepted / drafted; mean_accepted_length = 1 + accepted / verifications (tokens gained per
@@ -59,7 +65,14 @@ class GenerationStats:
     device_s: float = 0.0
     cloud_s: float = 0.0
     comm_s: float = 0.0
+    queue_s: float = 0.0
     images: int = 0
+    adapted: int = 0
+    handovers: int = 0
+    handover_tokens: int = 0
+    est_device_step_s: float = 0.0
+    est_link_latency_s: float = 0.0
+    est_cloud_step_s: float = 0.0
 
     # ------------------------------------------------------------------ derived
     @property

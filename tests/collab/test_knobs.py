@@ -19,7 +19,8 @@ def test_every_knob_is_a_config_field_with_the_tables_default():
         knob.check(knob.default)  # every default is allowed
     assert set(SIMULATION_KNOBS) <= set(REQUEST_KNOBS)
     assert SIMULATION_KNOBS == ("device_slowdown", "link_drop_after")
-    assert set(LIVE_KNOBS) == {"tau", "gate", "span", "burst", "prefix_rate", "device_slowdown"}
+    assert set(LIVE_KNOBS) == {"tau", "gate", "span", "burst", "prefix_rate", "device_slowdown", "policy",
+                               "cloud_step_price_s"}
 
 
 @pytest.mark.parametrize("name, good, bad", [
@@ -33,6 +34,8 @@ def test_every_knob_is_a_config_field_with_the_tables_default():
     ("cloud_slowdown", [0.1, 50.0], [0.0, -1.0]),
     ("link_drop_after", [0, 100_000, None], [-1, 1.5, 100_001]),
     ("inter_enhance", [True, False], [1, None]),
+    ("policy", ["fixed", "adaptive"], ["Adaptive", None, 1]),
+    ("cloud_step_price_s", [0.0, 0.05, 60], [-0.01, 61, None, math.nan]),
 ])
 def test_ranges(name, good, bad):
     knob = KNOBS[name]
