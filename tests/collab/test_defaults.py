@@ -72,3 +72,19 @@ def test_device_file_carries_its_defaults_to_the_decoder(tmp_path, tiny_cloud, t
     assert (dec.config.gate, dec.config.tau, dec.config.burst, dec.config.span) == ("lower", 2.5, 3, 2)
     r = dec.generate("a red circle", seed=0)
     assert r.stats.total_tokens == tiny_cloud.config.block_size
+
+
+def test_cascade_threshold_travels_with_the_defaults():
+    from ciar.collab.protocol import RuleConfig
+
+    d = CIARDefaults(gate="lower", taus={"lower": 2.5}, cascade_threshold=0.4,
+                     cascade_calibration={"tolerance": 0.01})
+    assert CIARDefaults.from_extra({EXTRA_KEY: d.to_dict()}) == d
+    assert d.cascade_threshold_or(None) == 0.4  # the calibrated one
+    assert d.cascade_threshold_or(0.7) == 0.7  # an explicit value wins
+    # a file calibrated before the field: the paper's threshold
+    assert CIARDefaults.from_extra({EXTRA_KEY: {"gate": "lower"}}).cascade_threshold_or(None) \
+        == RuleConfig().cascade_threshold == 0.9
+    for bad in (1.5, -2, True, "0.4", float("nan")):
+        with pytest.raises(ValueError, match="cascade_threshold"):
+            CIARDefaults(cascade_threshold=bad)

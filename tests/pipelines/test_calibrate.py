@@ -39,3 +39,52 @@ def test_calibrate_refuses_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         calibrate.main([str(tmp_path / "x"), "--gates", "nope"])
     assert "unknown gates" in capsys.readouterr().err
+
+
+def test_choose_cascade_threshold_takes_the_lowest_within_tolerance_from_the_top():
+    choose = calibrate.choose_cascade_threshold
+    assert choose({0.6: 0.80, 0.5: 0.795, 0.4: 0.78, 0.3: 0.79}, exact=0.80, tolerance=0.01) == 0.5
+    # a noisy pass below a failure is not taken
+    assert choose({0.6: 0.80, 0.5: 0.70, 0.4: 0.80}, exact=0.80, tolerance=0.01) == 0.6
+    assert choose({0.6: 0.75, 0.5: 0.80}, exact=0.80, tolerance=0.01) is None
+    assert choose({0.2: 0.81, 0.6: 0.80}, exact=0.80, tolerance=0.0) == 0.2
+
+
+def test_cascade_calibration_changes_nothing_else(tmp_path, shipped_world_copy):
+    from ciar.collab.defaults import EXTRA_KEY
+    from ciar.models.checkpoint import read_model_metadata
+    from ciar.world import DEFAULT_WEIGHTS_DIR
+
+    world = tmp_path / "w"
+    shutil.copytree(shipped_world_copy, world)
+    for name in ("device.safetensors", "probe.safetensors"):
+        shutil.copy(f"{DEFAULT_WEIGHTS_DIR}/{name}", world / name)
+    dev_path = str(world / "device.safetensors")
+    before_tensors, before = read_model_file(dev_path)[0], read_model_metadata(dev_path)[2]
+    assert calibrate.main([dev_path, "--gates", "none", "--cascade", "--cascade-prompts", "1",
+                           "--cascade-thresholds", "0.5,-1", "--cascade-tolerance", "1"]) == 0
+    after_tensors, after = read_model_file(dev_path)[0], read_model_metadata(dev_path)[2]
+    assert all(torch.equal(before_tensors[k], after_tensors[k]) for k in before_tensors)
+    new = after[EXTRA_KEY]
+    assert new.pop("cascade_threshold") == -1.0  # tolerance 1: every candidate passes, the lowest is chosen
+    record = new.pop("cascade_calibration")
+    assert set(record["thresholds"]) == {"0.5", "-1"} and "--gates none" in record["command"]
+    assert record["exact"]["fidelity"] is not None
+    old = dict(before[EXTRA_KEY])
+    old.pop("cascade_threshold", None), old.pop("cascade_calibration", None)
+    assert new == old and {k: v for k, v in after.items() if k != EXTRA_KEY} == \
+        {k: v for k, v in before.items() if k != EXTRA_KEY}  # gate, taus, span, burst, training facts: as they were
+    d = DeviceModel.load(dev_path).ciar_defaults
+    assert d.cascade_threshold_or(None) == -1.0
+
+
+def test_gates_none_takes_no_knobs(tmp_path, capsys):
+    from ciar.world import DEFAULT_WEIGHTS_DIR
+
+    dev = f"{DEFAULT_WEIGHTS_DIR}/device.safetensors"
+    with pytest.raises(SystemExit):
+        calibrate.main([dev, "--gates", "none"])
+    assert "calibrates nothing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        calibrate.main([dev, "--gates", "none", "--cascade", "--burst", "2"])
+    assert "burst" in capsys.readouterr().err
