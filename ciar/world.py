@@ -32,7 +32,7 @@ FALLBACK_SAMPLING = SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_
 @dataclass
 class World:
     vq: VQModel  # image tokenizer (eval mode, float32)
-    cloud: GPT  # cloud text-to-image GPT (eval mode, float32)
+    cloud: GPT  # cloud text-to-image GPT (eval mode; float32, or a LlamaGen world's gpt_dtype)
     text: TextEncoder  # caption encoder, max_length = cloud.config.cls_token_num
     weights_dir: str  # absolute path of the folder the weights came from
     sampling: SamplingParams  # the world's default sampling settings
@@ -142,7 +142,7 @@ def load_world_cloud(source=None, device: str | torch.device = "cpu") -> tuple[G
     else:
         path = spec.path(spec.gpt_checkpoint)
         cloud = load_llamagen_gpt(path, spec.gpt_config, image_size=spec.image_size, downsample=spec.downsample,
-                                  **spec.gpt_overrides)
+                                  **spec.gpt_overrides).to(_gpt_dtype(spec))
     return cloud.to(torch.device(device)).eval(), path
 
 
@@ -162,7 +162,7 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
             raise WorldSpecError(f"expected a LlamaGen world, got {spec.describe()}")
     device = torch.device(device)
     cloud = load_llamagen_gpt(spec.path(spec.gpt_checkpoint), spec.gpt_config, image_size=spec.image_size,
-                              downsample=spec.downsample, **spec.gpt_overrides)
+                              downsample=spec.downsample, **spec.gpt_overrides).to(_gpt_dtype(spec))
     vq = _llamagen_vq(spec, cloud.config)
     device_model = projector = None
     if spec.device_checkpoint:
@@ -187,6 +187,13 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=enc,
                  weights_dir=os.path.dirname(spec.path(spec.gpt_checkpoint)), sampling=llamagen_sampling(spec),
                  device_model=device_model, projector=projector, cloud_file=spec.path(spec.gpt_checkpoint))
+
+
+def _gpt_dtype(spec) -> torch.dtype:
+    """The cloud GPT's dtype the world gives (`gpt_dtype`)."""
+    from ciar.t5 import DTYPES
+
+    return DTYPES[spec.gpt_dtype]
 
 
 def llamagen_sampling(spec) -> SamplingParams:

@@ -18,6 +18,7 @@ the missing one named with its field). Relative paths are taken relative to the 
     vq_checkpoint: /models/vq_ds16_t2i.pt
     text_encoder: /models/flan-t5-xl  # a local transformers T5 folder, encoded at runtime on the verifier
     text_dtype: bfloat16
+    gpt_dtype: bfloat16               # the cloud GPT's weights and KV cache (default float32)
     device_checkpoint: /models/ciar/device.safetensors        # trained for this GPT (pipelines.train_device)
     projector_checkpoint: /models/ciar/projector.safetensors  # optional
     sampling: {cfg_scale: 7.5, temperature: 1.0, top_k: 1000, top_p: 1.0}
@@ -133,6 +134,9 @@ class LlamaGenWorldSpec(_Spec):
     text_encoder: str | None = Field(None, description="local transformers T5 folder (flan-t5-xl), encoded at runtime")
     text_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     text_max_length: int | None = Field(None, ge=1, description="T5 tokens (default: the GPT's cls_token_num, 120)")
+    gpt_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the cloud GPT's weights and KV cache (LlamaGen samples in bfloat16: half the bytes "
+                               "each step reads, the bound of a GPU's step)")
     device_checkpoint: str | None = None
     projector_checkpoint: str | None = None
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)

@@ -1,0 +1,387 @@
+"""LlamaGen-XL at its real sizes on this machine: random weights in the real layouts, loaded and run end to end.
+
+    python -m benchmarks.real_scale --out DIR --results benchmarks/results/DATE/real_scale.json [--threads 1]
+        [--images cloud,ciar] [--steps measure,images,serve,collab] [--gpt-dtype float32|bfloat16] [--prompt TEXT]
+        [--keep] [--sizes real|tiny]
+
+1. Write (into DIR, ~6.5 GB) RANDOM weights in the real formats and sizes, with `ciar.testing`'s writers: LlamaGen's
+   t2i GPT-XL checkpoint (`{"model": state_dict}` .pt, float32 as LlamaGen releases it, 775 M parameters, 16 x 16
+   tokens at 256 px), the VQ-16 tokenizer .pt, a CIAR device model made from the GPT's first layer, and a T5 encoder
+   folder with flan-t5-xl's config in bfloat16 (`save_pretrained`; the tokenizer is a word-level stand-in with
+   T5's special tokens: flan-t5's sentencepiece file is not here, and the encoder always runs over its 120 padded
+   positions, so the timing does not depend on it); and `DIR/world.yaml`, a LlamaGen world naming them (as
+   `worlds/llamagen-xl-stage1.yaml`, text_dtype bfloat16; the GPT's `gpt_dtype` is `--gpt-dtype`).
+2. Measure, in a fresh process (its peak RSS is the replica's): `ciar.world.load_world` (GPT + VQ + T5 + device
+   model) time and peak RSS; T5 encode time per caption; one verifier forward (`GPT.forward_cached`, the engine's
+   call) over 1 / 8 / 32 rows of a 5-position span (4 drafts + the committed token) at mid-image, logits included;
+   the device model's one-token step (`DeviceModel.decode`, 2 CFG rows, last position only); the KV cache one
+   session holds on the verifier (2 CFG rows, allocated up front for every `verifier_max_sessions` slot) and what
+   `serve_config.gpu.yaml`'s `verifier_max_sessions` allocates at that size.
+3. One image per method (`--images`, default cloud-only and CIAR) through `python -m ciar.generate --world
+   DIR/world.yaml`, each in its own process: wall time, peak RSS, its stats. CIAR's knobs are given (the random
+   device model is not calibrated): gate `lower`, tau 0.5, span 4, burst 2.
+4. The same images through the real Serve application (`services.app:build_app`, CPU, `num_gpus: 0`: one Verifier
+   replica with `--threads` torch threads, one Device replica, the Ingress), POST /v1/images/generations per
+   method: deploy time (the replicas load the world), each request's seconds and stats, and each replica's peak
+   RSS (its process sampled every second).
+5. `benchmarks.collab` on 4 prompts (`CAPTIONS`, as a COCO-format captions file; `CALIBRATION` after them, the
+   prompts it may calibrate on, unused with the knobs given), cloud-only and CIAR (the knobs above), in its own
+   process.
+
+A step that fails is recorded with its error (`broke`) and the others still run.
+
+Writes `--results` (JSON) and its Markdown beside it. The weights are random: the images are noise and the CIAR
+acceptance rates mean nothing; the shapes, memory and times are those of the real models on this CPU, in the
+dtypes the world file gives (T5 in bfloat16, the GPT in `--gpt-dtype`). DIR is removed
+afterwards unless `--keep`. `--sizes tiny` runs the same steps on small shapes (the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+CAPTIONS = ["A red double-decker bus parked on a city street next to a tall building.",
+            "Two dogs playing with a frisbee on a sunny beach.",
+            "A bowl of pasta and a glass of wine on a wooden kitchen table.",
+            "A man rides a surfboard on a large wave near the beach."]
+CALIBRATION = ["A giraffe standing next to a tall tree.", "A laptop on a desk near a window.",
+               "Children flying kites in a park.", "A white plate with a sandwich on a table."]
+SPAN_WIDTH = 5  # 4 drafts + the committed-but-unfed token
+CIAR_KNOBS = ["--gate", "lower", "--tau", "0.5", "--span", "4", "--burst", "2"]
+# the files' shapes: LlamaGen-XL at 256 px with flan-t5-xl (the registry's GPT-XL and VQ-16), or tiny ones for tests
+SIZES = {
+    "real": {"gpt_overrides": {}, "vq_overrides": {}, "image_size": 256, "t5": "flan-t5-xl"},
+    "tiny": {"gpt_overrides": dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=32, vocab_size=64),
+             "vq_overrides": dict(ch=16, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=1, z_channels=16, codebook_size=64),
+             "image_size": 64, "t5": None},
+}
+
+
+def _mb(nbytes: float) -> float:
+    return round(nbytes / 2**20, 1)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (Linux: ru_maxrss in KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") -> dict:
+    """The random files (`SIZES[sizes]`) and the world file naming them -> what was written (paths, MB, seconds)."""
+    import torch
+    import yaml
+
+    from ciar.testing import make_tiny_t5, write_llamagen_checkpoints
+    from loadtests.gpu_model import FLAN_T5_XL
+
+    size = SIZES[sizes]
+    grid = size["image_size"] // 16
+    os.makedirs(folder, exist_ok=True)
+    t0 = time.perf_counter()
+    gpt, vq, device = write_llamagen_checkpoints(folder, "GPT-XL", grid * grid, size["gpt_overrides"],
+                                                 size["image_size"], size["vq_overrides"],
+                                                 names=("t2i_XL_stage1_256.pt", "vq_ds16_t2i.pt", "device.safetensors"))
+    t1 = time.perf_counter()
+    t5 = make_tiny_t5(os.path.join(folder, "t5-ckpt", "flan-t5-xl"),
+                      config=FLAN_T5_XL if size["t5"] == "flan-t5-xl" else None, dtype=torch.bfloat16)
+    t2 = time.perf_counter()
+    world = {"kind": "llamagen", "gpt_checkpoint": gpt, "gpt_config": "GPT-XL", "image_size": size["image_size"],
+             "vq_checkpoint": vq, "vq_config": "VQ-16", "text_encoder": t5, "text_dtype": "bfloat16",
+             "gpt_dtype": gpt_dtype, "device_checkpoint": device,
+             "sampling": {"cfg_scale": 7.5, "temperature": 1.0, "top_k": 1000, "top_p": 1.0}}
+    if size["gpt_overrides"]:
+        world["gpt_overrides"] = size["gpt_overrides"]
+        world["vq_overrides"] = {k: list(v) if isinstance(v, tuple) else v for k, v in size["vq_overrides"].items()}
+    path = os.path.join(folder, "world.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(world, f, sort_keys=False)
+    sizes = {name: _mb(os.path.getsize(p)) for name, p in (("gpt", gpt), ("vq", vq), ("device", device))}
+    sizes["t5"] = _mb(sum(os.path.getsize(os.path.join(t5, n)) for n in os.listdir(t5)))
+    return {"world_file": path, "file_mb": sizes, "write_s": {"gpt_vq_device": t1 - t0, "t5": t2 - t1}}
+
+
+def _median_s(fn, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def measure(world_file: str, reps: int) -> dict:
+    """Load the world and time its parts (this process is the replica: its peak RSS is reported)."""
+    import torch
+
+    from ciar.world import load_world
+
+    t0 = time.perf_counter()
+    world = load_world(world_file, need_device=True, need_text=True)
+    out = {"load_s": time.perf_counter() - t0, "peak_rss_after_load_mb": peak_rss_mb()}
+    cloud, c = world.cloud, world.cloud.config
+    out["gpt"] = {"params": sum(p.numel() for p in cloud.parameters()), "dtype": str(cloud.tok_embeddings.weight.dtype)}
+    out["t5"] = {"params": sum(p.numel() for p in world.text.model.parameters()), "dtype": str(world.text.dtype),
+                 "positions": world.text.max_length}
+    out["t5_encode_s_per_caption"] = float(np.median([_median_s(lambda cap=cap: world.text.encode([cap]), 1)
+                                                      for cap in CAPTIONS]))
+    session = cloud.new_cache(2)  # what CloudVerifier allocates per session (two rows), up front
+    out["kv_cache_mb_per_session"] = _mb(sum(t.numel() * t.element_size() for t in session.k + session.v))
+    del session
+    start = c.cls_token_num + c.block_size // 2
+    forward = {}
+    with torch.inference_mode():
+        for rows in (1, 8, 32):
+            cache = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16)
+            cache.key_valid[:] = True
+            tokens = torch.randint(0, c.vocab_size, (rows, SPAN_WIDTH), generator=torch.Generator().manual_seed(rows))
+            pos = torch.arange(start, start + SPAN_WIDTH)
+
+            def step():
+                cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tokens), pos, kv_len=start + SPAN_WIDTH))
+
+            forward[str(rows)] = _median_s(step, reps)
+            del cache
+        out["verifier_forward_s"] = {"span_width": SPAN_WIDTH, "context": start, "by_rows": forward}
+        dm = world.device_model
+        cap = world.text.encode([CAPTIONS[0]])
+        cache = dm.new_cache(2)
+        cond, mask, drop = dm.gpt.cfg_condition(cap.emb, cap.mask)
+        dm.prefill(cache, cond, mask, drop)
+        state = {"pos": c.cls_token_num}
+
+        def device_step():
+            p = state["pos"]
+            dm.decode(cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([p]), last_only=True)
+            state["pos"] = p + 1
+
+        out["device_step_s"] = _median_s(device_step, 10)
+        out["device"] = {"params": sum(p.numel() for p in dm.parameters()), "layers": dm.config.n_layer}
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def gpu_config_max_sessions() -> int:
+    """`verifier_max_sessions` of serve_config.gpu.yaml (the KV-cache slots a GPU replica allocates)."""
+    import yaml
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_config.gpu.yaml")) as f:
+        return int(yaml.safe_load(f)["applications"][0]["args"]["verifier_max_sessions"])
+
+
+def run_child(cmd: list[str]) -> dict:
+    """Run a command in its own process -> exit status, wall seconds, its peak RSS (MB), the tail of its output."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+            "output_tail": output[-1500:]}
+
+
+def serve_run(world_file: str, methods: list[str], prompt: str, threads: int, port: int = 8135) -> dict:
+    """Step 4: the Serve application on this machine serving the world; one request per method."""
+    import hashlib
+    import threading
+
+    import psutil
+    import ray
+    import requests
+    from ray import serve
+
+    from services.deploy import deploy_config, patient_serve_env
+
+    key = "real-scale-key"
+    peak: dict[str, float] = {}
+    done = threading.Event()
+
+    def sample() -> None:  # each Serve replica's resident set, its process found by title
+        while not done.wait(1.0):
+            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+                title = " ".join(proc.info["cmdline"] or [])
+                if title.startswith("ray::ServeReplica") and proc.info["memory_info"]:
+                    name = title.split()[0].split(":")[-1]
+                    peak[name] = max(peak.get(name, 0.0), _mb(proc.info["memory_info"].rss))
+
+    patient_serve_env()
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                       "OMP_NUM_THREADS": str(threads)}})
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out: dict = {}
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        t0 = time.perf_counter()
+        deploy_config({"world": os.path.abspath(world_file), "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()],
+                       "devices": 1, "device_num_cpus": 0.1, "verifier_num_cpus": 1.0, "verifier_threads": threads,
+                       "verifier_max_sessions": 4, "ingress_num_cpus": 0.1, "request_timeout_s": 3600.0},
+                      user_configs={"Device": {"gate": "lower", "tau": 0.5, "span": 4, "burst": 2, "realtime": False}},
+                      timeout_s=1800.0)
+        out["deploy_s"] = time.perf_counter() - t0
+        for method in methods:
+            t0 = time.perf_counter()
+            r = requests.post(f"http://127.0.0.1:{port}/v1/images/generations", timeout=3600,
+                              headers={"Authorization": f"Bearer {key}"},
+                              json={"prompt": prompt, "seed": 0, "method": method, "response_format": "tokens"})
+            got = {"status": r.status_code, "seconds": time.perf_counter() - t0}
+            body = r.json()
+            if r.status_code == 200:
+                st = body["stats"]
+                got["stats"] = {k: st[k] for k in ("total_tokens", "cloud_call_rate", "cloud_requests",
+                                                   "cloud_forward_passes", "cloud_s", "device_s", "total_s") if k in st}
+            else:
+                got["error"] = body
+            out[method] = got
+            print("serve", method, got, flush=True)
+    finally:
+        done.set()
+        serve.shutdown()
+        ray.shutdown()
+    out["replica_peak_rss_mb"] = peak
+    return out
+
+
+def markdown(r: dict) -> str:
+    """The results as a table (only the steps that ran)."""
+    lines = ["# LlamaGen-XL at real sizes on this CPU (random weights, real layouts)", "",
+             f"Machine: {r['machine']}; torch threads {r['threads']}; sizes {r['sizes']}. Files (MB): "
+             f"{r['write']['file_mb']}; written in {sum(r['write']['write_s'].values()):.0f} s.", "",
+             "| figure | value |", "|---|---|"]
+    if "measure" in r:
+        m = r["measure"]
+        f = m["verifier_forward_s"]
+        lines += [
+            f"| models | GPT {m['gpt']['params'] / 1e6:.0f} M parameters ({m['gpt']['dtype']}), T5 encoder "
+            f"{m['t5']['params'] / 1e6:.0f} M ({m['t5']['dtype']}, {m['t5']['positions']} positions), device model "
+            f"{m['device']['params'] / 1e6:.0f} M ({m['device']['layers']} layer) |",
+            f"| load_world (GPT + VQ + T5 + device model) | {m['load_s']:.1f} s |",
+            f"| peak RSS after loading | {m['peak_rss_after_load_mb']:.0f} MB |",
+            f"| peak RSS of the measuring process | {m['peak_rss_mb']:.0f} MB |",
+            f"| T5 encode, one caption | {m['t5_encode_s_per_caption']:.2f} s |",
+        ]
+        lines += [f"| verifier forward, {rows} row(s) x {f['span_width']} positions at position {f['context']} | "
+                  f"{s:.3f} s |" for rows, s in f["by_rows"].items()]
+        lines.append(f"| device step (1 token, 2 CFG rows) | {1e3 * m['device_step_s']:.1f} ms |")
+        if "kv_cache_mb_per_session" in m:
+            kv, n = m["kv_cache_mb_per_session"], r["gpu_config_max_sessions"]
+            lines.append(f"| verifier KV cache per session (2 CFG rows, {m['gpt']['dtype']}) | {kv:.0f} MB; "
+                         f"serve_config.gpu.yaml's {n} sessions: {kv * n / 1024:.1f} GiB, allocated at start |")
+    for method, img in r.get("images", {}).items():
+        st = img.get("stats") or {}
+        st = {**st, **(st.get("collab") or {}).get("stats", {})}
+        extra = ", ".join(f"{k} {st[k]:.4g}" for k in ("num_tokens", "wall_time_s", "total_time_s", "cloud_call_rate",
+                                                       "cloud_requests", "cloud_forward_passes", "cloud_s", "device_s")
+                          if k in st)
+        lines.append(f"| one image, {method} (`ciar.generate`, own process) | rc {img['rc']}, wall {img['wall_s']:.0f} s, "
+                     f"peak RSS {img['peak_rss_mb']:.0f} MB{'; ' + extra if extra else ''} |")
+    if "serve" in r:
+        sv = r["serve"]
+        lines.append(f"| Serve application: deploy (replicas load the world) | {sv['deploy_s']:.0f} s |")
+        for method in ("cloud", "ciar"):
+            if method in sv:
+                got = sv[method]
+                lines.append(f"| Serve application, one image, {method} (POST, tokens) | HTTP {got['status']}, "
+                             f"{got['seconds']:.0f} s; {got.get('stats') or got.get('error')} |")
+        lines.append(f"| Serve replicas' peak RSS (MB) | {sv['replica_peak_rss_mb']} |")
+    if "collab" in r:
+        c = r["collab"]
+        lines.append(f"| benchmarks.collab, 4 prompts, cloud + ciar (own process) | rc {c['rc']}, wall "
+                     f"{c['wall_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB; results {c.get('results')} |")
+    lines += ["", "Broke at these sizes: " + ("; ".join(r["broke"]) or "nothing"), "", "Command:", "",
+              "    " + r["command"], ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.real_scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for the random real-size files (~6.5 GB)")
+    ap.add_argument("--results", required=True, help="results JSON (its Markdown is written beside it)")
+    ap.add_argument("--sizes", default="real", choices=sorted(SIZES), help="the files' shapes (tiny: tests)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per verifier forward")
+    ap.add_argument("--images", default="cloud,ciar", help="methods to make one image with")
+    ap.add_argument("--steps", default="measure,images,serve,collab", help="steps after writing the files")
+    ap.add_argument("--gpt-dtype", default="float32", choices=["float32", "bfloat16"], help="the world's gpt_dtype")
+    ap.add_argument("--prompt", default=CAPTIONS[0])
+    ap.add_argument("--keep", action="store_true", help="keep OUT's files")
+    ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: measure this world file
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.reps)))
+        return 0
+    command = "python -m benchmarks.real_scale " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    report = {"command": command, "threads": args.threads, "sizes": args.sizes, "gpt_dtype": args.gpt_dtype,
+              "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU"}
+    report["write"] = write_files(args.out, args.sizes, args.gpt_dtype)
+    report["gpu_config_max_sessions"] = gpu_config_max_sessions()
+    world, steps, methods = report["write"]["world_file"], args.steps.split(","), args.images.split(",")
+    report["broke"] = []
+    if "measure" in steps:
+        child = run_child([sys.executable, "-m", "benchmarks.real_scale", "--out", args.out, "--results", args.results,
+                           "--measure", world, "--threads", str(args.threads), "--reps", str(args.reps)])
+        if child["rc"]:
+            report["broke"].append(f"measure: {child['output_tail'][-300:]}")
+        else:
+            report["measure"] = json.loads(child["output_tail"].strip().splitlines()[-1])
+    if "images" in steps:
+        report["images"] = {}
+        for method in methods:
+            stats = os.path.join(args.out, f"{method}.json")
+            img = run_child([sys.executable, "-m", "ciar.generate", "--world", world, "--prompt", args.prompt,
+                             "--method", method, "--seed", "0", "--out", os.path.join(args.out, f"{method}.png"),
+                             "--stats", stats, "--threads", str(args.threads)] + (CIAR_KNOBS if method == "ciar" else []))
+            if img["rc"]:
+                report["broke"].append(f"ciar.generate {method}: {img['output_tail'][-300:]}")
+            else:
+                with open(stats) as f:
+                    img["stats"] = {k: v for k, v in json.load(f).items() if not isinstance(v, list)}
+            report["images"][method] = img
+            print(method, img["rc"], f"{img['wall_s']:.0f} s", flush=True)
+    if "serve" in steps:
+        try:
+            report["serve"] = serve_run(world, methods, args.prompt, args.threads)
+        except Exception as e:  # noqa: BLE001 - recorded: what broke at these sizes
+            report["broke"].append(f"serve: {type(e).__name__}: {str(e)[:300]}")
+        for method in methods:
+            if report.get("serve", {}).get(method, {}).get("status", 200) != 200:
+                report["broke"].append(f"serve {method}: {report['serve'][method].get('error')}")
+    if "collab" in steps:
+        out = os.path.splitext(args.results)[0] + "_collab.json"
+        captions = os.path.join(args.out, "captions.json")
+        with open(captions, "w") as f:
+            rows = CAPTIONS + CALIBRATION
+            json.dump({"images": [{"id": i} for i in range(len(rows))],
+                       "annotations": [{"id": i, "image_id": i, "caption": c} for i, c in enumerate(rows)]}, f)
+        report["collab"] = c = run_child([sys.executable, "-m", "benchmarks.collab", "--world", world, "--captions",
+                                          captions, "--methods", "cloud,ciar", "--num-prompts", str(len(CAPTIONS)),
+                                          "--calib-prompts", str(len(CALIBRATION)), "--threads", str(args.threads),
+                                          "--out", out] + CIAR_KNOBS)
+        if c["rc"]:
+            report["broke"].append(f"benchmarks.collab: {c['output_tail'][-300:]}")
+        else:
+            c["results"] = out
+    from benchmarks.collab import write_results
+
+    write_results(args.results, report, markdown(report))
+    if not args.keep:
+        shutil.rmtree(args.out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

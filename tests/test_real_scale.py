@@ -1,0 +1,55 @@
+"""benchmarks.real_scale on tiny shapes: the files in LlamaGen's layout load as a world, every figure is measured,
+both images are made through ciar.generate in their own processes and through the Serve application, and
+benchmarks.collab runs on 4 prompts."""
+
+import json
+
+import pytest
+
+from benchmarks.real_scale import main
+
+
+@pytest.mark.timeout(600)
+def test_real_scale_pipeline_on_tiny_shapes(tmp_path):
+    out, results = tmp_path / "files", tmp_path / "real_scale.json"
+    assert main(["--out", str(out), "--results", str(results), "--sizes", "tiny", "--reps", "1"]) == 0
+    r = json.loads(results.read_text())
+    m = r["measure"]
+    assert m["load_s"] > 0 and m["peak_rss_mb"] >= m["peak_rss_after_load_mb"] > 0
+    assert m["t5"]["dtype"] == "torch.bfloat16" and m["t5"]["positions"] == 32
+    assert set(m["verifier_forward_s"]["by_rows"]) == {"1", "8", "32"} and m["device_step_s"] > 0
+    assert m["kv_cache_mb_per_session"] > 0 and r["gpu_config_max_sessions"] >= 1
+    assert {k: v["rc"] for k, v in r["images"].items()} == {"cloud": 0, "ciar": 0}, r["images"]
+    assert r["images"]["ciar"]["peak_rss_mb"] > 0 and not r["broke"], r["broke"]
+    serve = r["serve"]  # the Serve application served both images
+    assert serve["cloud"]["status"] == serve["ciar"]["status"] == 200 and serve["ciar"]["stats"]["total_tokens"] == 16
+    assert serve["replica_peak_rss_mb"].get("Verifier", 0) > 0
+    assert r["collab"]["rc"] == 0 and json.loads(open(r["collab"]["results"]).read())
+    assert not out.exists()  # the files are removed unless --keep
+    md = (tmp_path / "real_scale.md").read_text()
+    assert "| T5 encode, one caption |" in md and "Serve application, one image, ciar" in md
+
+
+def test_a_bfloat16_gpt_world_generates(tmp_path):
+    """`gpt_dtype: bfloat16`: the cloud GPT and its KV cache in bfloat16 on the verifier, cloud-only and CIAR."""
+    import torch
+
+    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files
+    from ciar.world import load_world, load_world_cloud
+
+    cfg = write_random_llamagen_files(str(tmp_path), [1])
+    keep = ("gpt_checkpoint", "gpt_config", "gpt_overrides", "image_size", "vq_checkpoint", "vq_overrides",
+            "device_checkpoint")
+    spec = {"kind": "llamagen", "base_dir": str(tmp_path), "gpt_dtype": "bfloat16", "sampling": {"cfg_scale": 2.0},
+            "text_encoder": make_tiny_t5(str(tmp_path / "t5"), d_model=LLAMAGEN_SMALL_GPT["caption_dim"]),
+            **{k: cfg[k] for k in keep}}
+    world = load_world(spec)
+    assert world.cloud.tok_embeddings.weight.dtype == torch.bfloat16
+    assert world.device_model.gpt.tok_embeddings.weight.dtype == torch.float32  # the phone's model is not changed
+    assert load_world_cloud(spec)[0].output.weight.dtype == torch.bfloat16
+    verifier = make_verifier(world, max_sessions=2)
+    assert verifier.cache.k[0].dtype == torch.bfloat16
+    for method, knobs in (("cloud", {}), ("ciar", {"tau": 0.05, "span": 4})):
+        r = make_decoder(world, verifier, method, network="none", **knobs).generate("A red bus on a street.", seed=1)
+        assert r.tokens.shape == (16,) and int(r.tokens.max()) < 64
