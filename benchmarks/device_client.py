@@ -42,6 +42,9 @@ METRICS = ("cloud_call_rate", "cloud_requests", "device_ms_per_token", "bytes_up
 WARMUP_SEED = 10 ** 9  # a first image per device, not measured: first-call overheads out of the figures
 
 
+# the in-cluster device at the calibrated point, as the torch-free and browser devices run it
+FIXED = {"policy": "fixed"}
+
 def _post(url: str, key: str, body: dict, timeout_s: float = 300.0) -> dict:
     req = urllib.request.Request(f"{url}/v1/images/generations", data=json.dumps(body).encode(), method="POST",
                                  headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
@@ -118,12 +121,12 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
         generate(runtime, conn, prompts[0], seed=WARMUP_SEED)
         conn.exchanges.clear()
         _post(http_url, api_key, {"prompt": prompts[0], "seed": WARMUP_SEED, "method": "ciar", "network": "none",
-                                  "response_format": "tokens"})
+                                  "response_format": "tokens", "params": FIXED})
         for s in seeds:
             for i, prompt in enumerate(tqdm(prompts, desc=f"seed {s}", dynamic_ncols=True)):
                 seed = s * 1_000_003 + i
                 got = _post(http_url, api_key, {"prompt": prompt, "seed": seed, "method": "ciar", "network": "none",
-                                                "response_format": "tokens"})
+                                                "response_format": "tokens", "params": FIXED})
                 out["cluster"][s]["tokens"].append(got["tokens"])
                 out["cluster"][s]["rows"].append(_per_image(got["stats"]))
                 r = generate(runtime, client, prompt, seed=seed)

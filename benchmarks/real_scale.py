@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         report["collab"] = c = run_child([sys.executable, "-m", "benchmarks.collab", "--world", world, "--captions",
                                           captions, "--methods", "cloud,ciar", "--num-prompts", str(len(CAPTIONS)),
                                           "--calib-prompts", str(len(CALIBRATION)), "--threads", str(args.threads),
-                                          "--out", out] + CIAR_KNOBS)
+                                          "--no-inter-enhance-ablation", "--out", out] + CIAR_KNOBS)
         if c["rc"]:
             report["broke"].append(f"benchmarks.collab: {c['output_tail'][-300:]}")
         else:

@@ -53,6 +53,8 @@ import torch
 from loadtests.gpu_model import GPUS
 
 METHODS = ("ciar", "cloud")
+OVERLOAD = "ciar overload"  # --overload: CIAR phones that raise tau while their verifier is past a limit
+RAISED = "ciar raised"  # ... the recorded images they make then (CIAR at tau x the factor)
 
 
 def record(args) -> dict[str, list]:
@@ -66,17 +68,24 @@ def record(args) -> dict[str, list]:
     from ciar.world_spec import world_from_args
 
     folder = getattr(args, "traces_dir", None)
-    if folder and all(os.path.isfile(os.path.join(folder, f"{m}.pt")) for m in METHODS):
-        return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in METHODS}
+    overload = parse_overload(getattr(args, "overload", None))
+    kinds = METHODS + ((RAISED,) if overload else ())
+    if folder and all(os.path.isfile(os.path.join(folder, f"{m}.pt")) for m in kinds):
+        return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in kinds}
     torch.set_num_threads(args.threads)
     world = load_world(world_from_args(args))
     prompts = val_prompts(args.traces, seed=args.seed)  # val captions: never the held-out evaluation ones
     out = {}
-    for method in METHODS:
+    # CIAR at its calibrated point (a replayed phone cannot re-decide as an adaptive device would)
+    ciar = method_config("ciar", network="none", policy="fixed").resolve(world.device_model.ciar_defaults)
+    configs = {"ciar": ciar, "cloud": method_config("cloud", network="none")}
+    if overload:
+        configs[RAISED] = method_config("ciar", network="none", policy="fixed", tau=ciar.tau * overload[1])
+    for method, config in configs.items():
         verifier = CloudVerifier(world.cloud, world.text, max_sessions=2, projector=world.projector,
                                  codebook=world.codebook)
         rec = TracingClient(InProcessCloud(verifier))
-        dec = CollabDecoder(world.device_model, rec, method_config(method, network="none"), world.sampling)
+        dec = CollabDecoder(world.device_model, rec, config, world.sampling)
         for i, prompt in enumerate(prompts):
             dec.generate(prompt, seed=args.seed + i, session_id=f"{method}-{i}")
         out[method] = rec.sessions
@@ -186,20 +195,58 @@ def running_replicas(app: str = "capacity") -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
-async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
+def parse_overload(spec: str | None) -> tuple[float, float] | None:
+    """--overload "LIMIT_S:FACTOR" (graceful degradation: the verifier seconds per exchange past which a phone's
+    next image runs at tau x FACTOR) -> (limit, factor), None when not given."""
+    if not spec:
+        return None
+    try:
+        limit, factor = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--overload must be LIMIT_S:FACTOR (e.g. 0.05:1.4), got {spec!r}") from None
+    if not (limit > 0 and factor >= 1):
+        raise ValueError(f"--overload needs LIMIT_S > 0 and FACTOR >= 1, got {spec!r}")
+    return limit, factor
+
+
+class ObservingClient(HandleClient):
+    """A replay client that keeps, as a device does (`ciar.collab.policy.CostObserver.verifier`), a running
+    estimate of the verifier's seconds per verify exchange (queue wait + its forwards, from the replies)."""
+
+    def __init__(self, handle, device_id: str):
+        from ciar.collab.policy import Ewma
+
+        super().__init__(handle, device_id)
+        self.verifier = Ewma()
+
+    async def verify(self, request):
+        reply = await super().verify(request)
+        self.verifier.update(reply.queue_s + reply.cloud_s)
+        return reply
+
+
+async def _point(handle, traces: list, phones: int, args, tag: str, raised: list | None = None) -> dict:
+    """One load: `phones` phones replaying `traces` back to back. With `raised` (graceful degradation, --overload),
+    a phone whose verifier estimate is past the limit replays its next image from `raised` (CIAR at the raised
+    tau) instead; `overloaded_share` counts those images."""
     from ciar.collab.network import NetworkModel
     from ciar.collab.trace import replay_session
 
     state = {"measuring": False, "stop": False}
     done: list = []
+    degraded: list[bool] = []
     errors: list[str] = []
+    limit = parse_overload(args.overload)[0] if raised else None
 
     async def phone(k: int) -> None:
-        client = HandleClient(handle, f"{tag}-phone{k}")
+        client = ObservingClient(handle, f"{tag}-phone{k}")
         net = NetworkModel(args.network, seed=1000 * phones + k) if args.network != "none" else None
         n = 0
         while not state["stop"]:
-            trace = traces[(k + n * phones) % len(traces)]
+            busy = client.verifier.value
+            over = raised is not None and busy is not None and busy > limit
+            pool = raised if over else traces
+            trace = pool[(k + n * phones) % len(pool)]
             try:
                 r = await replay_session(trace, client, f"{tag}-{phones}-{k}-{n}", net, is_lost=_lost)
             except Exception as e:  # noqa: BLE001 - counted, the phone goes on
@@ -208,6 +255,7 @@ async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
             n += 1
             if r is not None and state["measuring"]:  # finished inside the window (at full load since warm-up)
                 done.append(r)
+                degraded.append(over)
 
     tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
     await asyncio.sleep(args.warmup)
@@ -244,6 +292,7 @@ async def _point(handle, traces: list, phones: int, args, tag: str) -> dict:
         "mean_batch_size": sum(int(k) * v for k, v in hist.items()) / sum(hist.values()) if hist else None,
         "padding": 1.0 - real / padded if padded else None,
         "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
+        "overloaded_share": sum(degraded) / len(degraded) if raised is not None and degraded else None,
     }
 
 
@@ -268,16 +317,16 @@ def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup
         vals = [v for v in vals if v is not None]
         return vals[0] if vals else None
 
-    phones = {m: phones_at_slo(points[m], slo) for m in METHODS}
+    phones = {m: phones_at_slo(points[m], slo) for m in points}
     return {
         "slo_p99_s": slo,
         "phones_at_slo": phones,
         "ratio": phones["ciar"] / phones["cloud"] if phones["cloud"] else None,
-        "cloud_positions_per_image": {m: first(points[m], image_positions) for m in METHODS},
-        "cloud_passes_per_image": {m: first(points[m], lambda p: p["cloud_passes_per_image"]) for m in METHODS},
-        "cloud_requests_per_image": {m: first(points[m], lambda p: p["cloud_requests_per_image"]) for m in METHODS},
+        "cloud_positions_per_image": {m: first(points[m], image_positions) for m in points},
+        "cloud_passes_per_image": {m: first(points[m], lambda p: p["cloud_passes_per_image"]) for m in points},
+        "cloud_requests_per_image": {m: first(points[m], lambda p: p["cloud_requests_per_image"]) for m in points},
         "accelerator": accelerator,
-        "points": [dict(p, method=m) for m in METHODS for p in points[m]],
+        "points": [dict(p, method=m) for m in points for p in points[m]],
         "setup": setup,
     }
 
@@ -363,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="'measured': one real Verifier replica on this machine; 'gpu:h100,a100,l4': the GPU MODEL of "
                          "loadtests.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
     ap.add_argument("--gpu-overhead-ms", type=float, default=3.0, help="the GPU model's fixed cost per forward")
+    ap.add_argument("--overload", default=None, metavar="LIMIT_S:FACTOR",
+                    help="also ramp CIAR phones with graceful degradation: a phone whose estimate of the verifier's "
+                         "seconds per exchange is past LIMIT_S makes its next image at tau x FACTOR (recorded too)")
     ap.add_argument("--traces-dir", default=None, help="recorded phones: read from DIR/{ciar,cloud}.pt when there, "
                                                         "else recorded and written there")
     args = ap.parse_args(argv)
@@ -372,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.cost_model.removeprefix("gpu:").split(",") if args.cost_model.startswith("gpu:") else None
     if args.cost_model != "measured" and not (gpus and all(g in GPUS for g in gpus)):
         ap.error(f"--cost-model is 'measured' or gpu:NAME[,NAME...] with names from {', '.join(GPUS)}")
+    try:
+        parse_overload(args.overload)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     traces = record(args)
     if gpus:
@@ -395,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     patient_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    points: dict[str, list[dict]] = {m: [] for m in METHODS}
+    methods = METHODS + ((OVERLOAD,) if args.overload else ())
+    points: dict[str, list[dict]] = {m: [] for m in methods}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8766})
         world = world_from_args(args)
@@ -406,17 +463,18 @@ def main(argv: list[str] | None = None) -> int:
                       import_path="services.app:build_verifier_app", name="capacity", route_prefix=None,
                       user_configs={"Verifier": live})
         handle = serve.get_deployment_handle("Verifier", app_name="capacity")
-        live_method = {m: True for m in METHODS}
+        live_method = {m: True for m in methods}
         for load in loads:
-            for m in METHODS:
+            for m in methods:
                 if not live_method[m]:
                     continue
-                p = asyncio.run(_point(handle, traces[m], load, args, m))
+                p = asyncio.run(_point(handle, traces["ciar" if m == OVERLOAD else m], load, args, m.replace(" ", "-"),
+                                       raised=traces[RAISED] if m == OVERLOAD else None))
                 points[m].append(p)
                 print(json.dumps({"method": m, "phones": load, "images_per_s": round(p["images_per_s"], 3),
                                   "latency_s": p["latency_s"], "mean_batch_size": p["mean_batch_size"],
                                   "mismatches": p["mismatches"], "errors": p["errors"], "resumes": p["resumes"],
-                                  "replicas": p["replicas"]}))
+                                  "replicas": p["replicas"], "overloaded_share": p["overloaded_share"]}))
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * args.slo_p99_s:
                     live_method[m] = False
     finally:
@@ -429,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         "verifier_replicas": args.verifier_replicas, "verifier_autoscaling": args.verifier_autoscaling and
         json.loads(args.verifier_autoscaling),
         "torch_threads": args.threads, "world": world if isinstance(world, str) or world is None else "inline",
-        "recorded_requests_per_image": {m: float(np.mean([1 + len(t.steps) for t in traces[m]])) for m in METHODS},
+        "recorded_requests_per_image": {m: float(np.mean([1 + len(t.steps) for t in traces[m]])) for m in traces},
+        "overload": args.overload,
     })
     result["forward_cost_model"] = cost
     pp, pos = result["cloud_passes_per_image"], result["cloud_positions_per_image"]

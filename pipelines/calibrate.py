@@ -25,6 +25,11 @@ lowest threshold whose probe fidelity, and that of every higher threshold, is at
 val prompts. It is written as extra["ciar"]["cascade_threshold"] with the measurements behind it
 (`cascade_calibration`). `--gates none` re-measures no tau: every other value the file holds (gate, taus, target
 rate, their calibration record, burst, span) stays as it is; without it the taus are re-calibrated too.
+
+The adaptive policy's starting rates (`--policy-rates`): CIAR at the file's calibrated gate, tau, span and burst on
+the first `--policy-prompts` val prompts; the gate's escalation rate and the cloud's acceptance of the span's
+first and later drafts are written as extra["ciar"]["policy_rates"] (`ciar.collab.policy.CostObserver` starts from
+them; a device then follows its own).
 """
 
 from __future__ import annotations
@@ -128,6 +133,28 @@ def calibrate_cascade(world_src, device_path: str, thresholds, tolerance: float,
         "tolerance": tolerance, "exact": exact, "thresholds": {f"{t:g}": m for t, m in points.items()}}}
 
 
+def measure_policy_rates(world_src, device_path: str, n: int, seed: int) -> dict:
+    """CIAR at the device file's calibrated point (fixed policy, no network) on `n` val prompts -> {"rates":
+    escalation_rate / accept_first / accept_next, "calibration": the record written beside them}."""
+    from ciar.collab.policy import CostObserver
+
+    world = load_world(world_src)
+    device = DeviceModel.load(device_path)
+    observer = CostObserver(decay=1.0)  # a plain average over the prompts
+    d = make_decoder(world, make_verifier(world), "ciar", device_model=device, network="none", policy="fixed")
+    d.observers["none"] = observer
+    for i, p in enumerate(val_prompts(n, seed)):
+        d.generate(p, seed=seed * 1_000_003 + i)
+    rates = {"escalation_rate": observer.escalation.observed, "accept_first": observer.accept_first.observed,
+             "accept_next": observer.accept_next.observed}
+    trials = {"scored_drafts": observer.escalation.trials, "verifications": observer.accept_first.trials,
+              "later_drafts": observer.accept_next.trials}
+    return {"rates": {k: round(v, 4) for k, v in rates.items() if v is not None},
+            "calibration": {"prompts": f"scenes:val[10000:{10000 + n}]:seed={seed}", "trials": trials,
+                            "point": {"gate": d.config.gate, "tau": d.config.tau, "span": d.config.span,
+                                      "burst": d.config.burst}}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("device", nargs="?", default=None,
@@ -157,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--cascade-tolerance", type=float, default=0.01,
                    help="probe fidelity CASCADE may lose against the exact rule on the val prompts")
     p.add_argument("--cascade-prompts", type=int, default=96, help="val prompts CASCADE's threshold is chosen on")
+    p.add_argument("--policy-rates", action="store_true", help="also measure the adaptive policy's starting rates "
+                   "at the calibrated point (scenes world)")
+    p.add_argument("--policy-prompts", type=int, default=48, help="val prompts the policy's rates are measured on")
     p.add_argument("--dry-run", action="store_true", help="print the result, leave the file as it is")
     args = p.parse_args(argv)
     if args.threads:
@@ -166,8 +196,8 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown gates {bad}; known: {', '.join(GATES)}")
     if not gates:
-        if not args.cascade:
-            p.error("--gates none calibrates nothing without --cascade")
+        if not (args.cascade or args.policy_rates):
+            p.error("--gates none calibrates nothing without --cascade or --policy-rates")
         given = [k for k in ("gate", "burst", "burst_entropy", "span", "target_rate") if getattr(args, k) is not None]
         if given:
             p.error(f"--gates none keeps the file's taus, so it takes none of {given} (the taus hold only for the "
@@ -206,6 +236,8 @@ def main(argv=None) -> int:
         p.error("a LlamaGen world calibrates on --captions (a COCO-format file of val captions)")
     if args.cascade and not isinstance(spec, ScenesWorldSpec):
         p.error("--cascade measures probe fidelity: the scenes world only")
+    if args.policy_rates and not isinstance(spec, ScenesWorldSpec):
+        p.error("--policy-rates runs on the scenes world's val prompts only")
     weights = source
     command = "python -m pipelines.calibrate " + " ".join(argv or sys.argv[1:])
     # the knobs not given keep the device file's (a re-calibration changes only what it is told to), else the
@@ -249,6 +281,12 @@ def main(argv=None) -> int:
               f"{RuleConfig().cascade_threshold} applies)", file=sys.stderr)
         defaults = replace(defaults, cascade_threshold=chosen["threshold"], cascade_calibration={
             **chosen["calibration"], "seconds": round(time.time() - t0, 1), "command": command})
+    if args.policy_rates:
+        t0 = time.time()
+        measured = measure_policy_rates(weights, args.device, args.policy_prompts, args.seed)
+        print(f"policy rates: {measured['rates']}", file=sys.stderr)
+        defaults = replace(defaults, policy_rates=measured["rates"], policy_calibration={
+            **measured["calibration"], "seconds": round(time.time() - t0, 1), "command": command})
     if args.dry_run:
         print(defaults.to_dict())
         return 0

@@ -210,11 +210,14 @@ class Ingress:
         self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
                                            boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
                                            tag_keys=("method", "part"))
-        self.m_handovers = metrics.Counter("ciar_handovers_total", description="images whose device handed the rest "
-                                           "to the cloud (adaptive policy)", tag_keys=("method",))
-        self.m_adapted = metrics.Counter("ciar_adapted_escalations_total", description="escalations the adaptive "
-                                         "policy sent at another span / burst than the calibrated one",
+        self.m_handovers = metrics.Counter("ciar_handovers_total", description="images the adaptive policy gave to "
+                                           "the cloud whole", tag_keys=("method",))
+        self.m_adapted = metrics.Counter("ciar_adapted_images_total", description="images the adaptive policy "
+                                         "made at another span / burst than the calibrated one, or on the cloud whole",
                                          tag_keys=("method",))
+        self.m_overloaded = metrics.Counter("ciar_overloaded_images_total", description="images whose gate ran at a "
+                                            "raised tau because the verifier was past overload_verifier_s "
+                                            "(graceful degradation)", tag_keys=("method",))
         self.m_costs = metrics.Histogram("ciar_observed_cost_seconds", description="per image, the costs its device "
                                          "observed: verifier queue wait (summed), and under the adaptive policy its "
                                          "estimates of the link latency, the cloud step and the device step",
@@ -512,7 +515,9 @@ class Ingress:
         if stats.get("handovers"):
             self.m_handovers.inc(tags={"method": m})
         if stats.get("adapted"):
-            self.m_adapted.inc(stats["adapted"], tags={"method": m})
+            self.m_adapted.inc(tags={"method": m})
+        if stats.get("overloaded"):
+            self.m_overloaded.inc(tags={"method": m})
         for cost, key in (("queue", "queue_s"), ("link_latency", "est_link_latency_s"),
                           ("cloud_step", "est_cloud_step_s"), ("device_step", "est_device_step_s")):
             if stats.get(key):  # 0: not observed (fixed policy, or no verify request)

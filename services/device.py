@@ -133,6 +133,7 @@ class Device:
         self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size)
         self.client = RecoveringClient(self.ray_client, is_lost=is_session_lost)
         self._busy = threading.Lock()  # a phone makes one image at a time
+        self.observers: dict = {}  # its running cost estimates per link, kept across its images (adaptive policy)
 
     def reconfigure(self, config: dict) -> None:
         self.live = DeviceLiveConfig(**(config or {}))  # raises a ValidationError naming the field
@@ -154,7 +155,7 @@ class Device:
         sampling = dataclasses.replace(self.side.sampling, **job.sampling.given()).validate()
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
-                                progress_every=self.live.preview_every)
+                                progress_every=self.live.preview_every, observers=self.observers)
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job.session_id
         with self._busy:
@@ -170,7 +171,7 @@ class Device:
                                     "max": max(sizes) if sizes else None, "count": len(sizes)},
             "wall_s": time.perf_counter() - t0,
             "config": {"tau": cfg.tau, "span": cfg.span, "prefix_rate": cfg.prefix_rate, "gate": cfg.gate,
-                       "burst": cfg.burst,
+                       "burst": cfg.burst, "policy": cfg.policy,
                        "rule": cfg.rule.rule, "inter_enhance": cfg.inter_enhance,
                        "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime},
             "sampling": sampling.to_dict(),

@@ -11,6 +11,7 @@ device file, `ciar.collab.defaults`) and by `benchmarks.collab` (Tables 2/3 matc
 
 from __future__ import annotations
 
+from ciar.collab.decoder import GATED_METHODS
 from ciar.collab.runtime import make_decoder
 from ciar.collab.stats import GenerationStats
 
@@ -24,7 +25,11 @@ def val_prompts(n: int, seed: int = 0, start: int = 10_000) -> list[str]:
 
 
 def cloud_rate(world, verifier, method, overrides, prompts, seed, device_model=None) -> float:
-    """Cloud-call rate of `method` with `overrides` over `prompts` (prompt i with seed `seed * 1000003 + i`)."""
+    """Cloud-call rate of `method` with `overrides` over `prompts` (prompt i with seed `seed * 1000003 + i`). A gated
+    method runs at its fixed point unless `overrides` says otherwise: a threshold belongs to the calibrated span
+    and burst (the adaptive policy may give images to the cloud whole, which says nothing about the gate)."""
+    if method in GATED_METHODS:
+        overrides = {"policy": "fixed", **overrides}
     d = make_decoder(world, verifier, method, device_model=device_model, **overrides)
     total = GenerationStats()
     for i, p in enumerate(prompts):

@@ -63,12 +63,11 @@ import torch
 from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES, gate_scores
-from ciar.collab.interval import guided_interval, interval_features
+from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
 from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
-from ciar.collab.interval import interval_feature_dim
-from ciar.collab.policy import BURSTS, Costs, Ewma, LinkEstimator, OperatingPoint, choose
+from ciar.collab.policy import BURSTS, SWITCH_MARGIN, CostObserver, OperatingPoint, choose
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
@@ -112,6 +111,8 @@ class CollabConfig:
     fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
     policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar.collab.policy)
     cloud_step_price_s: float = _default("cloud_step_price_s")  # adaptive: an operator's price of one cloud step
+    overload_verifier_s: float | None = _default("overload_verifier_s")  # degradation under overload (None: off)
+    overload_tau_factor: float = _default("overload_tau_factor")  # ... its budget: tau x at most this
 
     @property
     def validated(self) -> bool:
@@ -170,7 +171,8 @@ def shared_knobs(method: str, knobs: dict) -> dict:
         out.pop("tau", None)
         out.pop("gate", None)
     if method not in GATED_METHODS:
-        for name in ("burst", "burst_entropy", "policy", "cloud_step_price_s"):
+        for name in ("burst", "burst_entropy", "policy", "cloud_step_price_s", "overload_verifier_s",
+                     "overload_tau_factor"):
             out.pop(name, None)
     if method in ("cloud", "code"):
         out.pop("prefix_rate", None)
@@ -245,13 +247,18 @@ class CollabDecoder:
 
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,
                  sampling: SamplingParams, num_tokens: int | None = None,
-                 wait: Callable[[float], None] | None = None, progress_every: int = 12):
+                 wait: Callable[[float], None] | None = None, progress_every: int = 12,
+                 observers: dict[str, CostObserver] | None = None):
         """`config`'s gate / tau / burst / span left at None are filled from the device model's calibrated defaults
         (`CollabConfig.resolve`); a config already validated (`method_config`'s) is not checked again. `wait`: when
         given (e.g. `time.sleep`), simulated time is spent for real: each message waits for its uplink before it is
         sent and for its downlink after the reply, and device compute is stretched by `device_slowdown` (a simulated
         device in a live cluster). Without it, time is only accounted.
-        `progress_every`: `generate(on_progress=...)` is called each time this many more tokens are decided."""
+        `progress_every`: `generate(on_progress=...)` is called each time this many more tokens are decided.
+        `observers`: the device's running cost estimates per link (network profile name -> `CostObserver`), kept
+        across its images and shared by the decoders of one device (a fresh dict when not given); the adaptive
+        policy reads them, every generation feeds them."""
+        self.observers = {} if observers is None else observers
         self.wait = wait
         self.progress_every = max(1, int(progress_every))
         self.device_model = device.eval() if device is not None else None
@@ -283,9 +290,16 @@ class CollabDecoder:
         if n_total is None:
             raise ValueError("num_tokens is required without a device model")
         stats = GenerationStats()
+        observer = self.observers.get(cfg.network)
+        if observer is None:  # the device's first image on this link: the device file's rates to start from
+            defaults = getattr(self.device_model, "ciar_defaults", None)
+            observer = self.observers[cfg.network] = CostObserver(rates=defaults.policy_rates if defaults else None)
         link = _Link(self.client, NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after),
-                     stats, cfg.cloud_slowdown, self.wait)
+                     stats, cfg.cloud_slowdown, self.wait, observer)
         prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
+        point = self.operating_point(observer, n_total - prefix_len, stats) if prefix_len < n_total else None
+        if point is not None and point.cloud_only:
+            prefix_len = n_total  # the whole image on the cloud: cloud-only's open
         drafting = prefix_len < n_total
 
         open_req = OpenRequest(sid, prompt, seed, params, prefix_len, cfg.rule, want_caption=drafting)
@@ -304,7 +318,8 @@ class CollabDecoder:
             who = ["cloud"] * len(tokens)
             progress(tokens, stats)
             if drafting:
-                _Generation(self, link, reply, tokens, who, n_total, seed, sid, progress).run()
+                tau = self.image_tau(observer, stats)
+                _Generation(self, link, reply, tokens, who, n_total, seed, sid, progress, point, tau).run()
         finally:
             self.client.close(sid)  # also after a link loss (frees local state; a real device sends it later)
         stats.total_tokens = len(tokens)
@@ -312,23 +327,63 @@ class CollabDecoder:
         progress(tokens, stats, final=True)
         return tokens, who, stats
 
+    def operating_point(self, observer: CostObserver, drafted: int, stats: GenerationStats) -> OperatingPoint:
+        """The image's operating point, chosen before its open and kept to its end: the calibrated span and burst
+        under the fixed policy (and under the adaptive one until the device has observed its costs on an image);
+        under the adaptive policy, the allowed point (never verifying less than the calibrated one: a span and a
+        burst at least its, or cloud-only) with the least expected time to finish the `drafted` tokens (+ the
+        operator's price per cloud step) from the device's observed costs. One point per image, recorded in the
+        stats (`span_used`, `burst_used`, `handovers`), so the same request with that point as fixed knobs (or
+        cloud-only's prefix_rate 1) makes the same image again."""
+        cfg = self.config
+        point = OperatingPoint(cfg.span, cfg.burst)
+        if cfg.policy == "adaptive" and cfg.gate in GATES and observer.ready:
+            enhance = cfg.inter_enhance and self.device_model is not None
+            costs = observer.costs(self.client.vocab_size,
+                                   hidden_dim=self.device_model.config.dim if enhance else 0,
+                                   feature_dim=interval_feature_dim(cfg.feature_top) if enhance else 0)
+            stats.est_device_step_s, stats.est_link_latency_s = costs.device_step_s, costs.latency_s
+            stats.est_cloud_step_s = costs.cloud_step_s
+            chosen = choose(costs, point, drafted, cfg.cloud_step_price_s, spans=_spans(point.span),
+                            bursts=[b for b in BURSTS if b >= point.burst], at_open=True,
+                            margin=SWITCH_MARGIN).point
+            stats.adapted = int(chosen != point)
+            point = chosen
+        stats.handovers = int(point.cloud_only)
+        stats.span_used, stats.burst_used = point.span, point.burst
+        return point
+
+    def image_tau(self, observer: CostObserver, stats: GenerationStats) -> float | None:
+        """The image's gate threshold: the config's, or under overload (graceful degradation, opt-in: the device's
+        estimate of the verifier's seconds per exchange past `overload_verifier_s`) the config's x
+        `overload_tau_factor`, the quality budget. Recorded in the stats (`tau_used`, `overloaded`): the same
+        request with that tau makes the same image."""
+        cfg, tau = self.config, self.config.tau
+        limit, busy = cfg.overload_verifier_s, observer.verifier.value
+        if tau is not None and cfg.gate in GATES and limit is not None and busy is not None and busy > limit:
+            tau *= cfg.overload_tau_factor
+            stats.overloaded = 1
+        stats.tau_used = tau if tau is not None else 0.0
+        return tau
+
+
+# the spans the adaptive policy considers beyond the calibrated one k (longer spans are rarely accepted whole)
+def _spans(k: int) -> list[int]:
+    return sorted({min(32, s) for s in (k, k + 1, k + 2, 2 * k, 3 * k, 4 * k, 8, 12, 16) if s >= k})
+
 
 class _Link:
     """One generation's link to the cloud: the client, the simulated network of the device's connection, and the
     stats every request/reply is charged to (bytes, communication and cloud seconds)."""
 
     def __init__(self, client: CloudClient, network: NetworkModel, stats: GenerationStats, cloud_slowdown: float,
-                 wait: Callable[[float], None] | None):
+                 wait: Callable[[float], None] | None, observer: CostObserver):
         self.client, self.network, self.stats = client, network, stats
         self.cloud_slowdown = cloud_slowdown  # cloud compute time = reported time x this factor
         self.wait = wait  # spends simulated seconds for real (None: accounted only)
-        # what the exchanges show of the costs (the adaptive policy reads them): the link's latency and bandwidth,
-        # the verifier's seconds per sequential forward and its queue wait per request
-        self.link_costs = LinkEstimator()
-        self.cloud_step = Ewma()
-        self.queue = Ewma(prior=0.0)
+        self.observer = observer  # the device's running cost estimates, which every exchange feeds
 
-    def exchange(self, up_bytes: int, call: Callable):
+    def exchange(self, up_bytes: int, call: Callable, verify: bool = False):
         """One request/reply: uplink transmission of `up_bytes`, `call()`, downlink transmission of the reply's bytes
         (in this order, so the link's seeded jitter/loss stream does not depend on `wait`). A link that goes down
         costs the sender's give-up time (LinkDownError.waited_s) before the error is raised. -> the reply."""
@@ -353,10 +408,9 @@ class _Link:
         stats.cloud_s += reply.cloud_s * self.cloud_slowdown
         stats.queue_s += queue_s
         # the link: the simulated transmissions plus whatever the call took beyond the verifier's own time (a real
-        # socket's transport); the verifier: seconds per sequential forward, and the queue wait
-        self.link_costs.observe(up_bytes, down_bytes, up_s + down_s + max(0.0, wall - reply.cloud_s - queue_s))
-        self.cloud_step.update(reply.cloud_s * self.cloud_slowdown / max(1, reply.forward_passes))
-        self.queue.update(queue_s)
+        # socket's transport); the verifier (verify replies): its span forward and sampled steps, and the queue wait
+        self.observer.observe_exchange(up_bytes, down_bytes, up_s + down_s + max(0.0, wall - reply.cloud_s - queue_s),
+                                       reply.cloud_s * self.cloud_slowdown, reply.forward_passes, queue_s, verify)
         return reply
 
     def _spend(self, seconds: float) -> None:
@@ -375,16 +429,14 @@ class _Generation:
     commits the cloud's answer (`commit`); a lost link switches to device-only decoding (`go_offline`)."""
 
     def __init__(self, decoder: CollabDecoder, link: _Link, reply, tokens: list[int], who: list[str], n_total: int,
-                 seed: int, session_id: str, progress: "_Progress"):
+                 seed: int, session_id: str, progress: "_Progress", point: OperatingPoint, tau: float | None):
         self.config, self.sampling, self.device_model = decoder.config, decoder.sampling, decoder.device_model
         self.link, self.stats = link, link.stats
         self.tokens, self.who, self.n_total = tokens, who, n_total  # committed tokens, "cloud" / "device" per token
         self.session_id, self.progress = session_id, progress
-        # the span and burst of every escalation: the config's calibrated point, or under the adaptive policy the
-        # point `choose_point` picks at each escalation from the costs observed so far (`ciar.collab.policy`)
-        self.calibrated = self.point = OperatingPoint(self.config.span, self.config.burst)
-        self.scored = self.escalated = 0  # drafts the gate scored / sent to the cloud (the escalation rate)
-        self.first_accepted = self.later_offered = self.later_accepted = 0  # the cloud's acceptance, per draft
+        self.point = point  # the span and burst of every escalation (CollabDecoder.operating_point)
+        self.tau = tau  # the gate's threshold (CollabDecoder.image_tau: the config's, or raised under overload)
+        self.observer = link.observer  # the device's running cost estimates (the adaptive policy's inputs)
         self.clock = _Clock(self.config.device_slowdown, decoder.wait)
         self.draw_rng = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)  # the device's draws
         self.gate_rng = torch.Generator().manual_seed(seed + GATE_SEED_OFFSET)  # the random gate's scores
@@ -420,59 +472,25 @@ class _Generation:
             with self.clock:
                 q_sent, x, score = self.draft(score_it=not self.offline)
                 escalate = self.escalates(score)
-                self.scored += int(scores and not self.offline)
-                self.escalated += int(escalate)
+                if scores and not self.offline:
+                    self.observer.escalation.observe(float(escalate))
                 if not escalate:
                     self.accept_local(x)
                     continue
-                self.point = self.choose_point()
-                span, span_q = ([x], [q_sent]) if self.point.cloud_only else self.draft_span(x, q_sent)
+                span, span_q = self.draft_span(x, q_sent)
             self.send_span(span, span_q)
         self.stats.device_s += self.clock.seconds * self.config.device_slowdown
+        if self.stats.device_forward_passes:
+            self.observer.device_step.update(self.device_step_s())
 
-    # ------------------------------------------------------------------ the operating point
-    ESCALATION_PRIOR = (0.15, 8.0)  # (rate, pseudo-drafts): the estimates before an image has shown its own
-    ACCEPT_PRIOR = (0.5, 0.8, 4.0)  # (alpha1, alpha, pseudo-verifications)
-
-    def choose_point(self) -> OperatingPoint:
-        """The operating point of this escalation: the calibrated one under the fixed policy; under the adaptive
-        policy, the allowed point (never verifying less than the calibrated one) with the least expected time to
-        finish the image (+ the operator's price per cloud step), from the costs observed so far."""
-        cfg = self.config
-        if cfg.policy != "adaptive":
-            return self.calibrated
-        costs = self.costs()
-        st = self.stats
-        st.est_device_step_s, st.est_link_latency_s = costs.device_step_s, costs.latency_s
-        st.est_cloud_step_s = costs.cloud_step_s
-        k, g = self.calibrated.span, self.calibrated.burst
-        spans = sorted({min(32, s) for s in (k, k + 1, k + 2, 2 * k, 3 * k, 4 * k, 8, 12, 16)} - set(range(k)))
-        point = choose(costs, self.calibrated, self.n_total - len(self.tokens), cfg.cloud_step_price_s,
-                       pending=len(self.pending), spans=spans, bursts=[b for b in BURSTS if b >= g]).point
-        st.adapted += int(point != self.calibrated)
-        return point
-
-    def costs(self) -> Costs:
-        """The cost model's inputs as this generation has observed them (priors where it has not yet)."""
-        cfg, link = self.config, self.link
-        e0, n0 = self.ESCALATION_PRIOR
-        a1, a, m0 = self.ACCEPT_PRIOR
-        n_verified = self.stats.verifications
-        return Costs(
-            device_step_s=self.clock.seconds * cfg.device_slowdown / max(1, self.stats.device_forward_passes),
-            latency_s=link.link_costs.latency_s, bandwidth_Bps=link.link_costs.bandwidth_Bps,
-            cloud_step_s=link.cloud_step.value or 0.0, queue_s=link.queue.value or 0.0,
-            escalation_rate=(self.escalated + e0 * n0) / (self.scored + n0),
-            accept_first=(self.first_accepted + a1 * m0) / (n_verified + m0),
-            accept_next=(self.later_accepted + a * m0) / (self.later_offered + m0),
-            vocab_size=self.link.client.vocab_size,
-            hidden_dim=self.device_model.config.dim if cfg.inter_enhance else 0,
-            feature_dim=interval_feature_dim(cfg.feature_top) if cfg.inter_enhance else 0)
+    def device_step_s(self) -> float:
+        """This image's device seconds per forward so far (simulated: x device_slowdown)."""
+        return self.clock.seconds * self.config.device_slowdown / max(1, self.stats.device_forward_passes)
 
     def escalates(self, score: float) -> bool:
         """Whether the draft with this gate score goes to the cloud (never offline)."""
         gate = self.config.gate
-        return not self.offline and (gate == "always" or (gate != "never" and score > self.config.tau))
+        return not self.offline and (gate == "always" or (gate != "never" and score > self.tau))
 
     def accept_local(self, x: int) -> None:
         """Commit a draft the gate let through (and keep its projector inputs for the next exchange)."""
@@ -511,16 +529,13 @@ class _Generation:
                 feats = interval_features(torch.stack([c for c, _ in self.pending_boxes]),
                                           torch.stack([r for _, r in self.pending_boxes]),
                                           top=cfg.feature_top).to(torch.float16).cpu()
-        handover = self.point.cloud_only  # the cloud judges the uncertain draft and makes every token after it
-        remaining = self.n_total - len(self.tokens)  # the span's position onwards
         req = VerifyRequest(
             self.session_id, torch.tensor(self.pending, dtype=torch.long), torch.tensor(span, dtype=torch.long),
             torch.stack(span_q),  # float16: `quantize_draft` drew each token from exactly these values
-            hidden, feats, burst=remaining if handover else self.point.burst,
-            burst_entropy=0.0 if handover else cfg.burst_entropy, handover=handover)
+            hidden, feats, burst=self.point.burst, burst_entropy=cfg.burst_entropy)
         client = self.link.client
         try:
-            reply = self.link.exchange(req.nbytes(client.vocab_size), lambda: client.verify(req))
+            reply = self.link.exchange(req.nbytes(client.vocab_size), lambda: client.verify(req), verify=True)
         except CloudUnreachableError:
             if not cfg.fallback:
                 raise
@@ -537,15 +552,10 @@ class _Generation:
         stats.resumes += int(getattr(reply, "resumed", False))
         stats.drafted += span_len
         stats.accepted += accepted
-        self.first_accepted += int(accepted > 0)
-        self.later_offered += min(accepted, span_len - 1)  # a later draft is judged once the one before it passed
-        self.later_accepted += max(0, accepted - 1)
+        self.observer.observe_verdict(span_len, accepted)
         burst = reply.burst_tokens.tolist() if reply.num_burst else []
         committed = (span[:accepted] + [reply.next_token] + burst)[: self.n_total - start]
         stats.burst_tokens += max(0, len(committed) - accepted - 1)
-        if self.point.cloud_only:
-            stats.handovers = 1
-            stats.handover_tokens += len(committed)
         self.tokens.extend(committed)
         self.who.extend(["cloud"] * len(committed))
         stats.cloud_tokens += len(committed)
@@ -592,7 +602,7 @@ class _Generation:
             return float(gate_scores(cfg.gate, probs=q_used.unsqueeze(0))[0])
         if self.voting:
             centers, radii = self.current.heads  # [H, rows, V]
-            votes = sum(self._box_score(*_guided_box(centers[h], radii[h], self.sampling), x) > cfg.tau
+            votes = sum(self._box_score(*_guided_box(centers[h], radii[h], self.sampling), x) > self.tau
                         for h in range(centers.shape[0]))
             return math.inf if votes * 2 > centers.shape[0] else -math.inf
         return self._box_score(*self.box(), x)

@@ -28,6 +28,7 @@ from ciar_client.wire import RuleConfig
 
 EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
+POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")  # ciar.collab.policy.CostObserver.RATES
 
 
 class UncalibratedError(ValueError):
@@ -46,6 +47,10 @@ class CIARDefaults:
     calibration: dict = field(default_factory=dict)  # prompts, seed, measured rates, the command
     cascade_threshold: float | None = None  # CASCADE's cosine threshold chosen on val prompts (None: the paper's)
     cascade_calibration: dict = field(default_factory=dict)  # prompts, criterion, per-threshold measures, command
+    # the adaptive policy's starting rates at the calibrated point, measured on val prompts (escalation_rate,
+    # accept_first, accept_next; `python -m pipelines.calibrate --policy-rates`) and how (`policy_calibration`)
+    policy_rates: dict = field(default_factory=dict)
+    policy_calibration: dict = field(default_factory=dict)
 
     def __post_init__(self):
         """Each value is checked against its knob (`ciar.collab.knobs`, the same table `CollabConfig` uses); the
@@ -63,6 +68,11 @@ class CIARDefaults:
         c = self.cascade_threshold
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not -1.0 <= c <= 1.0):
             raise ValueError(f"ciar defaults: cascade_threshold must be a cosine in [-1, 1] or None, got {c!r}")
+        for name, rate in self.policy_rates.items():
+            if name not in POLICY_RATES or isinstance(rate, bool) or not isinstance(rate, (int, float)) \
+                    or not 0.0 <= rate <= 1.0:
+                raise ValueError(f"ciar defaults: policy_rates takes {', '.join(POLICY_RATES)} in [0, 1], got "
+                                 f"{name}={rate!r}")
 
     @property
     def tau(self) -> float | None:

@@ -84,7 +84,8 @@ class Work:
         self.seq = 0  # arrival order (set by the engine)
         self.passes = 0  # forwards this work took part in
         self.seconds = 0.0  # compute time of those steps (the whole step, as a reply's cloud_s always was)
-        self.created = time.perf_counter()  # submission: the reply's queue_s is its time in the verifier - seconds
+        self.created = time.perf_counter()  # submission
+        self.started: float | None = None  # the start of its first step: queue_s = started - created
         self.batch_size = 0  # works in the last forward this work took part in
         self.done = False
         self.result = None
@@ -183,6 +184,8 @@ class StepEngine:
                 outs = self._forward(pieces)
                 dt = time.perf_counter() - t0
                 for p in pieces:  # before `take`: a work that finishes now reports this step in its reply
+                    if p.work.started is None:
+                        p.work.started = t0
                     p.work.passes += 1
                     p.work.seconds += dt
                     p.work.batch_size = len(pieces)

@@ -116,10 +116,18 @@ _KNOBS = (
          unset="the link stays up", ge=0, le=100_000, request=True, simulation=True),
     Knob("fallback", bool, True, "the cloud unreachable mid-generation: finish on the device (degraded) instead of "
          "failing"),
-    Knob("policy", str, "fixed", "how each escalation is sent: fixed, at the calibrated span and burst; adaptive, "
-         "at the span and burst (or a hand-over of the rest to the cloud) that minimise the expected time to finish "
-         "the image from the link, device and verifier costs observed so far (ciar.collab.policy), never verifying "
-         "less than the fixed point", choices=("fixed", "adaptive"), request=True, live=True),
+    Knob("policy", str, "adaptive", "the image's operating point: adaptive, the span and burst (at least the "
+         "calibrated ones) or cloud-only that minimise the expected time to finish the image from the link, device "
+         "and verifier costs the device observed on its earlier images (ciar.collab.policy; the stats report the "
+         "point, and the same request with it as fixed knobs makes the same image); fixed, the calibrated span and "
+         "burst always (the paper's tables)", choices=("fixed", "adaptive"), request=True, live=True),
+    Knob("overload_verifier_s", float, None, "graceful degradation under overload: when the device's running "
+         "estimate of the verifier's seconds per exchange (queue wait + its forwards, as the replies report them) is "
+         "past this, the image's gate runs at tau x overload_tau_factor (fewer cloud calls, lower fidelity; the stats "
+         "say so: overloaded, tau_used)", unset="off", gt=0.0, le=60.0, request=True, live=True),
+    Knob("overload_tau_factor", float, 1.4, "graceful degradation's quality budget: tau x at most this under "
+         "overload (benchmarks.frontier measures what a factor costs in fidelity)", ge=1.0, le=4.0, request=True,
+         live=True),
     Knob("cloud_step_price_s", float, 0.0, "adaptive policy: the operator's price of one cloud step, in seconds of "
          "the user's time (0: the user's time alone)", ge=0.0, le=60.0, request=True, live=True),
 )

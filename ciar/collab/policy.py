@@ -12,8 +12,9 @@ burst of `burst` tokens after a rejection (`OperatingPoint(span, burst)`), or ha
 
 The cost model (written once, here; the notation of docs/architecture.md §2 and §8). Inputs (`Costs`): the device's
 step time t_d (one device forward with its draft and gate), the link's per-transmission latency l (the RTT that
-`ciar.collab.network` charges each message) and bandwidth b (bytes/s), the verifier's forward time t_c and queue
-wait w per exchange, the gate's escalation rate e (the share of drafted positions whose score is > τ), and the
+`ciar.collab.network` charges each message) and bandwidth b (bytes/s), the verifier's time t_c for the forward that
+judges a span, t_s for each token it samples itself (a burst or hand-over step) and its queue wait w per exchange,
+the gate's escalation rate e (the share of drafted positions whose score is > τ), and the
 cloud's acceptance: α1 for the uncertain draft that opens a span, α for each later draft once the previous one was
 accepted. For a span of k drafts and a burst g:
 
@@ -21,7 +22,7 @@ accepted. For a span of k drafts and a burst g:
     A(k)      = α1 (1 + α + ... + α^(k-1))                   expected accepted drafts ("accepted length" - 1)
     L(k, g)   = A(k) + 1 + g (1 - P_full(k))                 tokens one exchange commits (+ the next token, burst)
     S(k, g)   = 1 + g (1 - P_full(k))                        sequential cloud steps of one exchange
-    X(k, g)   = 2 l + (B_up(k) + B_down(g)) / b + w + t_c S(k, g)      one exchange, request to reply
+    X(k, g)   = 2 l + (B_up(k) + B_down(g)) / b + w + t_c + t_s (S(k, g) - 1)      one exchange, request to reply
 
 B_up is the exact size of the VerifyRequest (`ciar_client.wire`'s `nbytes`) with the k drafts, their [k, V] float16
 distributions and the m = round((1 - e) / e) tokens accepted locally since the last exchange (with their
@@ -32,7 +33,8 @@ drafted position costs one device step and ends locally with probability 1 - e; 
 
     T(k, g) = R [(1 - e) t_d + e (k t_d + X(k, g))] / [(1 - e) + e L(k, g)]       expected seconds to finish
     C(k, g) = R e S(k, g) / [(1 - e) + e L(k, g)]                                 expected cloud steps
-    T_cloud = 2 l + (B_up(0) + B_down(R)) / b + w + R t_c,   C_cloud = R          hand the rest to the cloud
+    T_cloud = 2 l + (B_up(0) + B_down(R)) / b + w + t_c + (R - 1) t_s,   C_cloud = R    hand the rest to the cloud
+    T_open  = R t_s + B_down(R) / b          cloud-only chosen before the open (which goes out either way)
 
 (B_up(0): the pending tokens alone; B_down(R): a reply carrying R tokens.) `choose` minimises T + π C, π an
 operator's price of a cloud step in seconds (0: the users' time alone), over the points that verify no less than the
@@ -58,6 +60,11 @@ from ciar_client.wire import VerifyReply, VerifyRequest
 SESSION_ID = "0" * 32  # the decoder's session ids are uuid4().hex: 32 characters
 SPANS = tuple(range(1, 33))  # the span knob's range (ciar.collab.knobs)
 BURSTS = (0, 1, 2, 4, 8, 16, 32)  # T and C are monotone in g (linear over linear): a coarse grid finds the best
+# the adaptive policy leaves the calibrated point only for an expected saving of at least this share of its time:
+# near a tie the measured costs' noise would flip the choice from image to image (and with it the image a request
+# and seed make) for nothing; a saving this large is beyond the model's error on this box (its inputs predicted
+# another point's seconds within 2.5 %, results/2026-11-25e/policy_cost_model.md)
+SWITCH_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class Costs:
     device_step_s: float  # t_d: one device forward with its draft and gate
     latency_s: float  # l: per transmission (ciar.collab.network's RTT, charged once per message)
     bandwidth_Bps: float  # b: bytes per second (math.inf: no serialisation time)
-    cloud_step_s: float  # t_c: one sequential verifier forward
+    cloud_step_s: float  # t_c: one verifier forward over a span (the catch-up and the drafts in one piece)
     queue_s: float  # w: the verifier's queue wait per exchange
     escalation_rate: float  # e: share of drafted positions the calibrated gate sends to the cloud
     accept_first: float  # α1: the cloud accepts the uncertain draft that opens a span
@@ -95,9 +102,12 @@ class Costs:
     vocab_size: int  # V: the draft distributions' length
     hidden_dim: int = 0  # device hidden values sent per locally accepted token (Inter-Enhance; 0: off)
     feature_dim: int = 0  # interval features per locally accepted token (Inter-Enhance; 0: off)
+    decode_step_s: float | None = None  # t_s: one cloud-sampled token (a burst or hand-over step; None: t_c)
 
     def __post_init__(self):
-        for name in ("device_step_s", "latency_s", "cloud_step_s", "queue_s"):
+        if self.decode_step_s is None:
+            object.__setattr__(self, "decode_step_s", self.cloud_step_s)
+        for name in ("device_step_s", "latency_s", "cloud_step_s", "queue_s", "decode_step_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"costs: {name} must be >= 0, got {getattr(self, name)}")
         if not self.bandwidth_Bps > 0:
@@ -177,20 +187,27 @@ def link_s(costs: Costs, up_bytes: float, down_bytes: float) -> float:
     return 2.0 * costs.latency_s + (up_bytes + down_bytes) / costs.bandwidth_Bps + costs.queue_s
 
 
-def expected_cost(costs: Costs, point: OperatingPoint, remaining: int, pending: int = 0) -> Outlook:
+def expected_cost(costs: Costs, point: OperatingPoint, remaining: int, pending: int = 0,
+                  at_open: bool = False) -> Outlook:
     """T and C of finishing the `remaining` tokens at `point` (the module docstring's equations). `pending`: tokens
-    accepted locally since the last exchange, which a hand-over to the cloud carries."""
+    accepted locally since the last exchange, which a hand-over to the cloud carries. `at_open`: the choice is made
+    before the image's open, which goes out either way: cloud-only then costs no exchange of its own, only the
+    cloud's R sampled steps and the R tokens' bytes in the open's reply (T_open = R t_s + B_down(R) / b)."""
     if remaining <= 0:
         return Outlook(0.0, 0.0)
+    if point.cloud_only and at_open:
+        return Outlook(remaining * costs.decode_step_s + reply_bytes(costs, remaining) / costs.bandwidth_Bps,
+                       float(remaining))
     if point.cloud_only:
         seconds = link_s(costs, request_bytes(costs, 0, pending), reply_bytes(costs, remaining))
-        return Outlook(seconds + remaining * costs.cloud_step_s, float(remaining))
+        return Outlook(seconds + costs.cloud_step_s + (remaining - 1) * costs.decode_step_s, float(remaining))
     e, k, g = costs.escalation_rate, point.span, point.burst
     p_full = full_accept(costs, k)
     burst = g * (1.0 - p_full)  # expected burst tokens of one exchange
     down = p_full * reply_bytes(costs, 1) + (1.0 - p_full) * reply_bytes(costs, 1 + g)
     steps = 1.0 + burst  # S(k, g)
-    exchange = link_s(costs, request_bytes(costs, k, costs.pending_per_exchange), down) + costs.cloud_step_s * steps
+    exchange = (link_s(costs, request_bytes(costs, k, costs.pending_per_exchange), down) + costs.cloud_step_s
+                + costs.decode_step_s * burst)
     per_position = (1.0 - e) * costs.device_step_s + e * (k * costs.device_step_s + exchange)
     tokens_per_position = (1.0 - e) + e * (accepted_drafts(costs, k) + 1.0 + burst)
     return Outlook(remaining * per_position / tokens_per_position, remaining * e * steps / tokens_per_position)
@@ -208,16 +225,22 @@ def allowed_points(calibrated: OperatingPoint, spans=SPANS, bursts=BURSTS) -> li
 
 
 def choose(costs: Costs, calibrated: OperatingPoint, remaining: int, cloud_step_price_s: float = 0.0,
-           pending: int = 0, spans=SPANS, bursts=BURSTS) -> Decision:
+           pending: int = 0, spans=SPANS, bursts=BURSTS, at_open: bool = False, margin: float = 0.0) -> Decision:
     """The allowed point (`allowed_points`) with the least T + price x C; on a tie the earlier one (the calibrated
-    point first). `cloud_step_price_s`: the operator's price of one cloud step, in seconds of the user's time."""
+    point first). `cloud_step_price_s`: the operator's price of one cloud step, in seconds of the user's time;
+    `at_open`: chosen before the image's open (`expected_cost`); `margin`: another point than the calibrated one
+    must be expected to save at least this share of the calibrated point's objective (`SWITCH_MARGIN`)."""
     if not cloud_step_price_s >= 0:
         raise ValueError(f"cloud_step_price_s must be >= 0, got {cloud_step_price_s}")
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
     best = None
     for point in allowed_points(calibrated, spans, bursts):
-        outlook = expected_cost(costs, point, remaining, pending)
+        outlook = expected_cost(costs, point, remaining, pending, at_open)
         objective = outlook.seconds + cloud_step_price_s * outlook.cloud_steps
-        if best is None or objective < best.objective_s:
+        if best is None:  # the calibrated point, which the others must beat by the margin
+            best, bar = Decision(point, outlook, objective), objective * (1.0 - margin)
+        elif objective < min(bar, best.objective_s):
             best = Decision(point, outlook, objective)
     return best
 
@@ -246,10 +269,47 @@ class Ewma:
         return self._sum / self._norm if self.samples else self.prior
 
 
+class LineFit:
+    """An exponentially weighted least-squares line y = intercept + slope x through a stream of (x, y) samples
+    (each weighs `weight`, normalised as in `Ewma`). `fit()` is None until the xs spread (weighted standard
+    deviation) reaches `min_spread`: with every x alike there is no slope to see."""
+
+    def __init__(self, weight: float = 0.2, min_spread: float = 1.0):
+        self.min_spread = min_spread
+        self._x, self._y, self._xx, self._xy = (Ewma(weight) for _ in range(4))
+
+    def observe(self, x: float, y: float) -> None:
+        for est, value in ((self._x, x), (self._y, y), (self._xx, x * x), (self._xy, x * y)):
+            est.update(value)
+
+    @property
+    def samples(self) -> int:
+        return self._x.samples
+
+    @property
+    def mean_x(self) -> float | None:
+        return self._x.value
+
+    @property
+    def mean_y(self) -> float | None:
+        return self._y.value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(intercept, slope), or None without samples or without a spread of xs."""
+        if not self.samples:
+            return None
+        mx = self._x.value
+        var = self._xx.value - mx * mx
+        if var <= self.min_spread ** 2:
+            return None
+        slope = (self._xy.value - mx * self._y.value) / var
+        return self._y.value - slope * mx, slope
+
+
 class LinkEstimator:
     """Running latency and bandwidth of one device's link, fitted to its exchanges: an exchange that moves
-    up + down bytes spends 2 l + (up + down) / b on the link (the network model's two transmissions), so an
-    exponentially weighted least-squares line through (bytes, seconds) has slope 1 / b and intercept 2 l.
+    up + down bytes spends 2 l + (up + down) / b on the link (the network model's two transmissions), so a
+    `LineFit` through (bytes, seconds) has slope 1 / b and intercept 2 l.
 
     Until the exchanges' sizes differ enough to fit a slope (they do once their pending tokens, spans or features
     differ), or when the fit is not positive (noise), the bandwidth is `prior_bandwidth_Bps` and the latency comes
@@ -259,26 +319,151 @@ class LinkEstimator:
 
     def __init__(self, weight: float = 0.2, prior_latency_s: float = 0.0, prior_bandwidth_Bps: float = math.inf):
         self.prior_latency_s, self.prior_bandwidth_Bps = prior_latency_s, prior_bandwidth_Bps
-        self._x, self._y, self._xx, self._xy = (Ewma(weight) for _ in range(4))
+        self._line = LineFit(weight, self.MIN_SPREAD_BYTES)
 
     def observe(self, up_bytes: int, down_bytes: int, seconds: float) -> None:
         """One exchange: its bytes each way and the seconds it spent on the link (wall time from request to reply,
         minus the cloud and queue time the reply reports)."""
-        x = float(up_bytes + down_bytes)
-        for est, value in ((self._x, x), (self._y, seconds), (self._xx, x * x), (self._xy, x * seconds)):
-            est.update(value)
+        self._line.observe(float(up_bytes + down_bytes), seconds)
+
+    @property
+    def samples(self) -> int:
+        return self._line.samples
 
     @property
     def bandwidth_Bps(self) -> float:
-        if not self._x.samples:
-            return self.prior_bandwidth_Bps
-        mx = self._x.value
-        var = self._xx.value - mx * mx
-        slope = (self._xy.value - mx * self._y.value) / var if var > self.MIN_SPREAD_BYTES ** 2 else 0.0
-        return 1.0 / slope if slope > 0 else self.prior_bandwidth_Bps
+        fit = self._line.fit()
+        return 1.0 / fit[1] if fit is not None and fit[1] > 0 else self.prior_bandwidth_Bps
 
     @property
     def latency_s(self) -> float:
-        if not self._x.samples:
+        if not self._line.samples:
             return self.prior_latency_s
-        return max(0.0, (self._y.value - self._x.value / self.bandwidth_Bps) / 2.0)
+        return max(0.0, (self._line.mean_y - self._line.mean_x / self.bandwidth_Bps) / 2.0)
+
+
+class CloudStepEstimator:
+    """The verifier's two costs, fitted to its replies: a verify reply's `cloud_s` is one forward over the span
+    (t_c) plus one step per token it sampled itself (t_s per burst step), i.e. forward_passes - 1 of them, so a
+    `LineFit` through (forward_passes - 1, cloud_s) has intercept t_c and slope t_s. Until `MIN_SAMPLES` verify
+    replies whose step counts spread by `MIN_SPREAD` (bursts of different lengths), or when the fit is not
+    positive, both are the mean seconds per forward (a few noisy replies would otherwise tilt the line: a 1.7 ms
+    step fitted to three replies whose forwards take 5-8 ms handed whole images to the cloud). An open's seconds per
+    forward (a prefill and sampled steps) feed that mean too: a device whose images go to the cloud whole still
+    sees the verifier's load change."""
+
+    MIN_SAMPLES = 8
+    MIN_SPREAD = 1.0
+
+    def __init__(self, weight: float = 0.1):
+        self._line = LineFit(weight, min_spread=self.MIN_SPREAD)
+        self._per_pass = Ewma(weight)
+
+    def observe(self, cloud_s: float, forward_passes: int, verify: bool = True) -> None:
+        passes = max(1, int(forward_passes))
+        if verify:
+            self._line.observe(float(passes - 1), cloud_s)
+        self._per_pass.update(cloud_s / passes)
+
+    @property
+    def samples(self) -> int:
+        """Verify replies observed."""
+        return self._line.samples
+
+    def steps(self) -> tuple[float, float] | None:
+        """(t_c, t_s) in seconds, or None before any reply."""
+        if not self._per_pass.samples:
+            return None
+        fit = self._line.fit() if self.samples >= self.MIN_SAMPLES else None
+        if fit is not None and fit[0] > 0 and fit[1] > 0:
+            return fit
+        return self._per_pass.value, self._per_pass.value
+
+
+class RateEstimator:
+    """A rate (successes / trials) with `prior_trials` pseudo-trials at `prior`, whose counts decay by `decay` per
+    trial (a device's rates drift with its prompts: half-life ln 2 / (1 - decay) trials)."""
+
+    def __init__(self, prior: float, prior_trials: float, decay: float = 0.998):
+        self.prior, self.prior_trials, self.decay = prior, prior_trials, decay
+        self.successes = self.trials = 0.0
+
+    def observe(self, successes: float, trials: float = 1.0) -> None:
+        keep = self.decay ** trials
+        self.successes = keep * self.successes + successes
+        self.trials = keep * self.trials + trials
+
+    @property
+    def value(self) -> float:
+        return (self.successes + self.prior * self.prior_trials) / (self.trials + self.prior_trials)
+
+    @property
+    def observed(self) -> float | None:
+        """The observations alone (no prior), None without any."""
+        return self.successes / self.trials if self.trials else None
+
+
+class CostObserver:
+    """What one device has observed of its costs, kept across its images (its link and its verifier change slowly
+    compared with an image): the link (`LinkEstimator`), the verifier's span forward, sampled step and queue wait
+    (`CloudStepEstimator`, an `Ewma`), the device's own step time, the gate's escalation rate and the cloud's
+    acceptance (`RateEstimator`s, priors until observed). Fed by the device's exchanges and draft loop; `costs()`
+    gives the model's inputs. One observer per link (a simulated device fleet keeps one per network profile)."""
+
+    ESCALATION_PRIOR = (0.15, 8.0)  # (rate, pseudo-drafts) before the device has shown its own
+    ACCEPT_PRIOR = (0.5, 0.8, 4.0)  # (alpha1, alpha, pseudo-verifications)
+    RATES = ("escalation_rate", "accept_first", "accept_next")
+
+    def __init__(self, weight: float = 0.2, rates: dict | None = None, decay: float = 0.998):
+        """`rates`: the starting escalation and acceptance rates (`RATES`; the device file's, measured on val
+        prompts at its calibrated point: `CIARDefaults.policy_rates`), else the built-in priors; `decay`: the
+        rates' counts decay per trial (1: a plain average)."""
+        self.link = LinkEstimator(weight)
+        self.cloud = CloudStepEstimator()
+        self.queue = Ewma(weight, prior=0.0)
+        self.verifier = Ewma(weight)  # seconds in the verifier per verify exchange: queue wait + its forwards
+        self.device_step = Ewma(weight)
+        rates = rates or {}
+        e0, n0 = self.ESCALATION_PRIOR
+        a1, a, m0 = self.ACCEPT_PRIOR
+        self.escalation = RateEstimator(rates.get("escalation_rate", e0), n0, decay)
+        self.accept_first = RateEstimator(rates.get("accept_first", a1), m0, decay)
+        self.accept_next = RateEstimator(rates.get("accept_next", a), m0, decay)
+
+    def observe_exchange(self, up_bytes: int, down_bytes: int, link_s: float, cloud_s: float, forward_passes: int,
+                         queue_s: float, verify: bool) -> None:
+        """One request/reply: its bytes, seconds on the link, the cloud's seconds and forwards (an open's only
+        towards the mean step: `CloudStepEstimator`) and the queue wait a verify reply reports."""
+        self.link.observe(up_bytes, down_bytes, link_s)
+        self.cloud.observe(cloud_s, forward_passes, verify)
+        if verify:
+            self.queue.update(queue_s)
+            self.verifier.update(queue_s + cloud_s)
+
+    def observe_verdict(self, span: int, accepted: int) -> None:
+        """The cloud's judgement of a span of `span` drafts: `accepted` kept."""
+        self.accept_first.observe(float(accepted > 0))
+        later = min(accepted, span - 1)  # a later draft is judged once the one before it passed
+        if later:
+            self.accept_next.observe(float(max(0, accepted - 1)), float(later))
+
+    @property
+    def ready(self) -> bool:
+        """Whether every cost the model reads has been observed at least once: an image drafted and verified."""
+        return bool(self.link.samples and self.cloud.samples and self.device_step.samples)
+
+    def cloud_steps(self) -> tuple[float, float]:
+        """(t_c, t_s) as observed (`CloudStepEstimator`), (0, 0) before any reply."""
+        return self.cloud.steps() or (0.0, 0.0)
+
+    def costs(self, vocab_size: int, hidden_dim: int = 0, feature_dim: int = 0,
+              device_step_s: float | None = None) -> Costs:
+        """The model's inputs as observed (`device_step_s`: a fresher figure, e.g. the current image's own)."""
+        steps = self.cloud_steps()
+        return Costs(
+            device_step_s=device_step_s if device_step_s is not None else (self.device_step.value or 0.0),
+            latency_s=self.link.latency_s, bandwidth_Bps=self.link.bandwidth_Bps,
+            cloud_step_s=steps[0], decode_step_s=steps[1], queue_s=self.queue.value or 0.0,
+            escalation_rate=self.escalation.value, accept_first=self.accept_first.value,
+            accept_next=self.accept_next.value, vocab_size=vocab_size, hidden_dim=hidden_dim,
+            feature_dim=feature_dim)

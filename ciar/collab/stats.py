@@ -19,14 +19,15 @@ Counters (per image, summed by `+`):
   device_forward_passes  device forwards
   bytes_up / bytes_down  payload bytes device -> cloud / cloud -> device
   device_s, cloud_s, comm_s  device compute (measured x slowdown), cloud compute, communication (network model)
-  queue_s                time the verify requests waited in the verifier besides their own forwards (as replied)
+  queue_s                time the verify requests queued in the verifier before their first forward (as replied)
   images                 images accounted
-The adaptive policy's decisions (ciar.collab.policy; 0 under the fixed policy):
-  adapted                escalations sent at an operating point other than the calibrated one
-  handovers              images whose device handed the rest to the cloud; handover_tokens: the tokens it made then
-  est_device_step_s, est_link_latency_s, est_cloud_step_s   the policy's estimates at the image's last decision
-                         (per image; an aggregate divides them by `images`)
-
+The image's operating point (ciar.collab.decoder's operating_point; per image, an aggregate divides by `images`):
+  span_used, burst_used  the span and burst of its escalations (the calibrated ones under the fixed policy)
+  adapted                1 when the adaptive policy chose another point than the calibrated one
+  handovers              1 when it gave the whole image to the cloud (cloud-only's open)
+  est_device_step_s, est_link_latency_s, est_cloud_step_s   the observed costs it chose from (0: not chosen)
+  tau_used               the gate's threshold (the config's; x overload_tau_factor under overload)
+  overloaded             1 when graceful degradation raised it (the verifier past `overload_verifier_s`)
 Derived: cloud_call_rate = cloud_tokens / total_tokens; steps_compression = total_tokens / cloud_forward_passes;
 acceptance_rate = accepted / drafted; mean_accepted_length = 1 + accepted / verifications (tokens gained per
 verification, the bonus/recovered token included); total_s = device_s + cloud_s + comm_s.
@@ -67,9 +68,12 @@ class GenerationStats:
     comm_s: float = 0.0
     queue_s: float = 0.0
     images: int = 0
+    span_used: int = 0
+    burst_used: int = 0
+    tau_used: float = 0.0
+    overloaded: int = 0
     adapted: int = 0
     handovers: int = 0
-    handover_tokens: int = 0
     est_device_step_s: float = 0.0
     est_link_latency_s: float = 0.0
     est_cloud_step_s: float = 0.0

@@ -612,15 +612,14 @@ class VerifyWork(Work):
         return torch.stack([self.got[i][1] for i in self.want])
 
     def commit(self, n: int, z: int, recovered: bool, judged: int) -> None:
-        """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection (or always, when the
-        device hands the rest of the image over), else reply."""
+        """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection, else reply."""
         s, r, c = self.s, self.request, self.v.config
         s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
         s.first_logits = None
         self.got = {}
         self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
         self.outcome = (n, z, recovered, judged)
-        if (recovered or r.handover) and r.burst > 0 and len(s.tokens) < c.block_size:
+        if recovered and r.burst > 0 and len(s.tokens) < c.block_size:
             self.phase = "burst"
         else:
             self.complete()
@@ -646,7 +645,7 @@ class VerifyWork(Work):
         self.s.last_used = time.monotonic()
         n, z, rec, judged = self.outcome
         b = self.burst_tokens
-        queue_s = max(0.0, time.perf_counter() - self.created - self.seconds)
+        queue_s = max(0.0, (self.started if self.started is not None else time.perf_counter()) - self.created)
         self.finish(VerifyReply(self.session_id, n, z, rec, self.seconds, judged, forward_passes=max(self.passes, 1),
                                 burst_tokens=torch.tensor(b, dtype=torch.long) if b else None,
                                 vocab_size=self.v.vocab_size, queue_s=queue_s))

@@ -29,8 +29,8 @@ Frame = 8-byte header + body, little-endian:
 | OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, u32 forward_passes, u8 caption,   |
 |               | [u16 L, u16 D, f16[L*D] caption embedding, bits[L] caption mask]                               |
 | VERIFY 5      | str8 session, token32, u32 V, u16 m, u16 k, tokens[m + k] (new, then drafts), f16[k*V] draft    |
-|               | distributions, u8 flags (1 hidden, 2 features, 4 hand over), [u16 d, f16[m*d]], [u16 F, f16[m*F]],|
-|               | u16 burst, f64 burst_entropy                                                                   |
+|               | distributions, u8 flags (1 hidden, 2 features), [u16 d, f16[m*d]], [u16 F, f16[m*F]], u16 burst,|
+|               | f64 burst_entropy                                                                              |
 | VERIFY_REPLY 6| str8 session, u16 accepted, u32 next token, u8 flags (1 recovered, 2 resumed), f64 cloud_s,     |
 |               | f64 queue_s, u16 batch size, u16 forward passes, u32 V, u16 g, tokens[g] burst                 |
 | RESUME 7      | OPEN's body, token32, u32 V, u16 c, tokens[c] history, u16 n, [u16[n] positions, u16 d, u16 F,  |
@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: VERIFY_REPLY carries the verifier's queue wait, VERIFY the hand-over flag (issue 29)
+PROTOCOL_VERSION = 2  # 2: VERIFY_REPLY carries the verifier's queue wait (issue 29)
 MAGIC = b"CI"
 HEADER_BYTES = 8
 TOKEN_BYTES = 32  # a session token: HMAC-SHA256
@@ -188,8 +188,6 @@ class VerifyRequest:
     features: Any = None  # [m, F] float16 interval features of the new tokens
     burst: int = 0  # cloud burst: after a rejection the cloud samples up to this many more tokens itself
     burst_entropy: float = 0.0  # ... and stops early once its next distribution's entropy / log V is below this
-    handover: bool = False  # the device hands the rest of the image to the cloud: the burst follows the span's
-    # judgement whether or not a draft was rejected (the adaptive policy's cloud-only choice, ciar.collab.policy)
 
     def nbytes(self, vocab_size: int) -> int:
         m, k = _count(self.new_tokens), _count(self.draft_tokens)
@@ -214,7 +212,7 @@ class VerifyReply:
     resumed: bool = False  # the client re-created the session before this reply (cloud_s / forward_passes include it)
     burst_tokens: Any = None  # [g] int64 the cloud's own samples after next_token (cloud burst)
     vocab_size: int = 0  # for the burst tokens' encoding
-    queue_s: float = 0.0  # seconds the request waited in the verifier besides its own forwards (queue, other steps)
+    queue_s: float = 0.0  # seconds the request waited in the verifier's queue before its first forward
 
     @property
     def num_burst(self) -> int:
@@ -428,7 +426,7 @@ def encode_frame(frame: Frame) -> bytes:
             raise WireError(f"draft_probs must be [{k}, {vocab}], got {tuple(b.draft_probs.shape)}",
                             field="draft_probs")
         w.f16(b.draft_probs)
-        w.pack("B", int(b.device_hidden is not None) | 2 * int(b.features is not None) | 4 * int(bool(b.handover)))
+        w.pack("B", int(b.device_hidden is not None) | 2 * int(b.features is not None))
         for name, a in (("device_hidden", b.device_hidden), ("features", b.features)):
             if a is not None:
                 if a.shape[0] != m or len(a.shape) != 2:
@@ -588,7 +586,7 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
         if k and (probs < 0).any():
             raise WireError("draft_probs must be >= 0", field="draft_probs")
         (flags,) = r.unpack("B", "flags")
-        if flags & ~7:
+        if flags & ~3:
             raise WireError(f"unknown verify flags {flags:#x}", field="flags")
         hidden = feats = None
         if flags & 1:
@@ -599,7 +597,7 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
             feats = arr(r.f16((m, f), "features"))
         burst, burst_entropy = r.unpack("Hd", "burst")
         body = VerifyRequest(sid, arr(ids[:m].copy()), arr(ids[m:].copy()), arr(probs), hidden, feats, burst,
-                             burst_entropy, bool(flags & 4))
+                             burst_entropy)
     elif ftype == VERIFY_REPLY:
         sid = r.str_(1, "session_id", MAX_SESSION_ID)
         n, z, flags, cloud_s, queue_s, bs, passes, vocab, g = r.unpack("HIBddHHIH", "verify_reply")

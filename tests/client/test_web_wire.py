@@ -41,7 +41,7 @@ def _js_frame(f: Frame) -> dict:
     elif f.type == VERIFY:
         body = {"session_id": b.session_id, "vocab_size": int(b.draft_probs.shape[1]), "new_tokens": _ids(b.new_tokens),
                 "draft_tokens": _ids(b.draft_tokens), "draft_probs": _bits(b.draft_probs),
-                "burst": b.burst, "burst_entropy": b.burst_entropy, "handover": b.handover}
+                "burst": b.burst, "burst_entropy": b.burst_entropy}
         for name in ("device_hidden", "features"):
             a = getattr(b, name)
             body[name] = None if a is None else {"dim": int(a.shape[1]), "bits": _bits(a)}

@@ -20,7 +20,7 @@ def test_every_knob_is_a_config_field_with_the_tables_default():
     assert set(SIMULATION_KNOBS) <= set(REQUEST_KNOBS)
     assert SIMULATION_KNOBS == ("device_slowdown", "link_drop_after")
     assert set(LIVE_KNOBS) == {"tau", "gate", "span", "burst", "prefix_rate", "device_slowdown", "policy",
-                               "cloud_step_price_s"}
+                               "cloud_step_price_s", "overload_verifier_s", "overload_tau_factor"}
 
 
 @pytest.mark.parametrize("name, good, bad", [

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ciar.collab.network import NetworkModel
-from ciar.collab.policy import (CLOUD_ONLY, Costs, Ewma, LinkEstimator, OperatingPoint, accepted_drafts,
-                                allowed_points, choose, expected_cost, full_accept, reply_bytes, request_bytes)
+from ciar.collab.policy import (CLOUD_ONLY, CloudStepEstimator, CostObserver, Costs, Ewma, LinkEstimator,
+                                OperatingPoint, RateEstimator, accepted_drafts, allowed_points, choose, expected_cost,
+                                full_accept, reply_bytes, request_bytes)
 from ciar.collab.protocol import VerifyReply, VerifyRequest
 
 R = 100  # remaining tokens in the hand-worked cases
@@ -156,3 +157,73 @@ def test_link_estimator_without_a_spread_of_sizes_keeps_its_prior_bandwidth():
     for _ in range(5):
         est.observe(1000, 50, 0.1 + 1050 / 1e6)
     assert est.bandwidth_Bps == 1e6 and est.latency_s == pytest.approx(0.05)
+
+
+def test_a_decode_step_apart_from_the_span_forward():
+    """t_s prices the tokens the cloud samples itself: a hand-over costs t_c + (R - 1) t_s, an exchange t_c plus
+    t_s per expected burst token (hand-worked on the 5G case: P_full(2) = 0.45, burst 4 -> 2.2 expected tokens)."""
+    c = replace(FIVE_G_DEAR_CLOUD, decode_step_s=0.010)
+    assert expected_cost(c, CLOUD_ONLY, R).seconds == pytest.approx(2 * 0.010 + 0.060 + 99 * 0.010)
+    e, k = 0.25, 2
+    exchange = 2 * 0.010 + 0.060 + 0.010 * 4 * (1 - 0.45)
+    per_position = (1 - e) * 0.001 + e * (k * 0.001 + exchange)
+    tokens = (1 - e) + e * (accepted_drafts(c, k) + 1 + 4 * (1 - 0.45))
+    assert expected_cost(c, OperatingPoint(2, 4), R).seconds == pytest.approx(R * per_position / tokens)
+    assert Costs(**{**FIVE_G_DEAR_CLOUD.__dict__, "decode_step_s": None}).decode_step_s == 0.060  # default: t_c
+    # chosen before the open, cloud-only rides on the open: no exchange of its own, R sampled steps
+    assert expected_cost(c, CLOUD_ONLY, R, at_open=True).seconds == pytest.approx(R * 0.010)
+    assert expected_cost(replace(c, bandwidth_Bps=1e6), CLOUD_ONLY, R, at_open=True).seconds == \
+        pytest.approx(R * 0.010 + reply_bytes(c, R) / 1e6)
+
+
+def test_cloud_step_estimator_separates_the_span_forward_from_the_sampled_steps():
+    est = CloudStepEstimator()
+    assert est.steps() is None
+    est.observe(0.030, 1)
+    assert est.steps() == pytest.approx((0.030, 0.030))  # too few replies to fit: the mean per forward
+    for passes in (1, 5, 3, 1, 9, 2) * 3:
+        est.observe(0.030 + 0.004 * (passes - 1), passes)
+    t_c, t_s = est.steps()
+    assert t_c == pytest.approx(0.030, rel=1e-6) and t_s == pytest.approx(0.004, rel=1e-6)
+
+
+def test_rate_estimator_starts_at_its_prior_and_follows_the_device():
+    r = RateEstimator(0.15, 8.0, decay=1.0)
+    assert r.value == 0.15
+    for i in range(92):
+        r.observe(float(i % 4 == 0))  # 23 of 92
+    assert r.value == pytest.approx((23 + 0.15 * 8) / 100)
+    decaying = RateEstimator(0.5, 4.0, decay=0.99)
+    for _ in range(2000):
+        decaying.observe(0.0)
+    assert decaying.value == pytest.approx(0.5 * 4 / (4 + 1 / (1 - 0.99)), rel=1e-3)  # the counts saturate at 100
+
+
+def test_cost_observer_feeds_the_model_and_an_open_counts_towards_the_mean_step():
+    obs = CostObserver()
+    assert not obs.ready and obs.cloud_steps() == (0.0, 0.0)
+    obs.observe_exchange(300, 2000, 0.100, 0.050, 10, 0.0, verify=False)  # an open: 5 ms per forward
+    assert obs.cloud_steps() == pytest.approx((0.005, 0.005)) and not obs.ready
+    obs.observe_exchange(9000, 60, 0.101, 0.007, 1, 0.002, verify=True)
+    obs.device_step.update(0.0015)
+    obs.observe_verdict(span=2, accepted=2)
+    assert obs.ready and 0.005 < obs.cloud_steps()[0] < 0.007
+    c = obs.costs(1024, hidden_dim=8, feature_dim=4)
+    assert (c.device_step_s, c.queue_s, c.vocab_size, c.hidden_dim) == (0.0015, 0.002, 1024, 8)
+    assert c.accept_first > CostObserver.ACCEPT_PRIOR[0] and c.escalation_rate == CostObserver.ESCALATION_PRIOR[0]
+    assert obs.costs(1024, device_step_s=0.003).device_step_s == 0.003
+
+
+def test_the_margin_keeps_the_calibrated_point_near_a_tie():
+    """Cloud-only 5 % cheaper than the calibrated point: taken without a margin, not with a 10 % one; 20 % cheaper:
+    taken with either."""
+    c, cal = FOUR_G_CHEAP_CLOUD, OperatingPoint(2, 0)
+    calibrated_s = expected_cost(c, cal, R).seconds
+    for saving, with_margin in ((0.05, cal), (0.20, CLOUD_ONLY)):
+        step = (1 - saving) * calibrated_s / R  # cloud-only at open: R steps
+        costs = replace(c, cloud_step_s=step, decode_step_s=step)
+        costs = replace(costs, cloud_step_s=c.cloud_step_s)  # the span forward keeps its price
+        assert choose(costs, cal, R, spans=[2], bursts=[0], at_open=True).point == CLOUD_ONLY
+        assert choose(costs, cal, R, spans=[2], bursts=[0], at_open=True, margin=0.10).point == with_margin
+    with pytest.raises(ValueError):
+        choose(c, cal, R, margin=1.0)

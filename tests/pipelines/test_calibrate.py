@@ -51,7 +51,7 @@ def test_choose_cascade_threshold_takes_the_lowest_within_tolerance_from_the_top
 
 
 def test_cascade_calibration_changes_nothing_else(tmp_path, shipped_world_copy):
-    from ciar.collab.defaults import EXTRA_KEY
+    from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
     from ciar.models.checkpoint import read_model_metadata
     from ciar.world import DEFAULT_WEIGHTS_DIR
 
@@ -70,8 +70,8 @@ def test_cascade_calibration_changes_nothing_else(tmp_path, shipped_world_copy):
     record = new.pop("cascade_calibration")
     assert set(record["thresholds"]) == {"0.5", "-1"} and "--gates none" in record["command"]
     assert record["exact"]["fidelity"] is not None
-    old = dict(before[EXTRA_KEY])
-    old.pop("cascade_threshold", None), old.pop("cascade_calibration", None)
+    old = {**CIARDefaults().to_dict(), **before[EXTRA_KEY]}  # fields the file did not carry: their defaults
+    old.pop("cascade_threshold"), old.pop("cascade_calibration")
     assert new == old and {k: v for k, v in after.items() if k != EXTRA_KEY} == \
         {k: v for k, v in before.items() if k != EXTRA_KEY}  # gate, taus, span, burst, training facts: as they were
     d = DeviceModel.load(dev_path).ciar_defaults
@@ -88,3 +88,30 @@ def test_gates_none_takes_no_knobs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         calibrate.main([dev, "--gates", "none", "--cascade", "--burst", "2"])
     assert "burst" in capsys.readouterr().err
+
+
+def test_policy_rates_are_measured_and_the_device_starts_from_them(tmp_path, shipped_world_copy):
+    from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
+    from ciar.collab.policy import CostObserver
+    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.models.checkpoint import read_model_metadata
+    from ciar.world import DEFAULT_WEIGHTS_DIR, load_world
+
+    world = tmp_path / "w"
+    shutil.copytree(shipped_world_copy, world)
+    shutil.copy(f"{DEFAULT_WEIGHTS_DIR}/device.safetensors", world / "device.safetensors")
+    dev_path = str(world / "device.safetensors")
+    before = read_model_metadata(dev_path)[2][EXTRA_KEY]
+    assert calibrate.main([dev_path, "--gates", "none", "--policy-rates", "--policy-prompts", "2"]) == 0
+    new = dict(read_model_metadata(dev_path)[2][EXTRA_KEY])
+    rates, record = new.pop("policy_rates"), new.pop("policy_calibration")
+    assert set(rates) == set(CostObserver.RATES) and all(0.0 < r < 1.0 for r in rates.values())
+    assert record["trials"]["verifications"] > 0 and record["point"]["tau"] == before["taus"][before["gate"]]
+    before = {**CIARDefaults().to_dict(), **before}  # fields the file did not carry: their defaults
+    before.pop("policy_rates"), before.pop("policy_calibration")
+    assert new == before  # nothing else moved
+    w = load_world(str(world))
+    dec = make_decoder(w, make_verifier(w), "ciar")
+    dec.generate("a small red circle at the top on a gray background", seed=0)
+    fresh = CostObserver(rates=rates)
+    assert dec.observers["5g"].escalation.prior == fresh.escalation.prior == rates["escalation_rate"]

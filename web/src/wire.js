@@ -112,7 +112,7 @@ function openBody(w, r) {
 /** A frame { type, requestId, body, token } -> Uint8Array. Bodies use the Python field names:
  *  HELLO { key, client }; OPEN { session_id, prompt, seed, sampling, prefix_len, rule?, want_caption };
  *  VERIFY { session_id, vocab_size, new_tokens, draft_tokens, draft_probs (Uint16Array [k * V] float16 bits),
- *  device_hidden?, features? ({ dim, bits }), burst, burst_entropy, handover? };
+ *  device_hidden?, features? ({ dim, bits }), burst, burst_entropy };
  *  RESUME { request (an OPEN body), vocab_size, history, injected? { positions, hidden_dim, hidden, feature_dim,
  *  features } }; CLOSE { session_id }. */
 export function encodeFrame({ type, requestId, body, token = null }) {
@@ -133,7 +133,7 @@ export function encodeFrame({ type, requestId, body, token = null }) {
     w.tokens([...body.new_tokens, ...body.draft_tokens], V, "tokens");
     w.f16(body.draft_probs);
     const h = body.device_hidden || null, f = body.features || null;
-    w.u8((h ? 1 : 0) | (f ? 2 : 0) | (body.handover ? 4 : 0));
+    w.u8((h ? 1 : 0) | (f ? 2 : 0));
     for (const [name, a] of [["device_hidden", h], ["features", f]]) {
       if (!a) continue;
       if (a.bits.length !== m * a.dim) throw new WireError(`${name} must be [${m}, ${a.dim}]`, name);
