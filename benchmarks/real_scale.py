@@ -50,6 +50,8 @@ import time
 
 import numpy as np
 
+from benchmarks.collab import write_results  # imported now: a long run must not pick up code edited meanwhile
+
 CAPTIONS = ["A red double-decker bus parked on a city street next to a tall building.",
             "Two dogs playing with a frisbee on a sunny beach.",
             "A bowl of pasta and a glass of wine on a wooden kitchen table.",
@@ -375,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
             report["broke"].append(f"benchmarks.collab: {c['output_tail'][-300:]}")
         else:
             c["results"] = out
-    from benchmarks.collab import write_results
-
     write_results(args.results, report, markdown(report))
     if not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)

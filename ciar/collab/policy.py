@@ -343,41 +343,43 @@ class LinkEstimator:
 
 
 class CloudStepEstimator:
-    """The verifier's two costs, fitted to its replies: a verify reply's `cloud_s` is one forward over the span
-    (t_c) plus one step per token it sampled itself (t_s per burst step), i.e. forward_passes - 1 of them, so a
-    `LineFit` through (forward_passes - 1, cloud_s) has intercept t_c and slope t_s. Until `MIN_SAMPLES` verify
-    replies whose step counts spread by `MIN_SPREAD` (bursts of different lengths), or when the fit is not
-    positive, both are the mean seconds per forward (a few noisy replies would otherwise tilt the line: a 1.7 ms
-    step fitted to three replies whose forwards take 5-8 ms handed whole images to the cloud). An open's seconds per
-    forward (a prefill and sampled steps) feed that mean too: a device whose images go to the cloud whole still
-    sees the verifier's load change."""
+    """The verifier's two costs, from its replies: t_c, the forward that judges a span (a verify reply with one
+    forward: no burst followed), and t_s, one token it samples itself (a verify reply's further forwards, each
+    (cloud_s - t_c) / (forward_passes - 1); and a long open's seconds per forward, whose sampled steps dominate
+    it: a device whose images go to the cloud whole still sees the verifier's step change). Until one of them has
+    been seen it is the mean seconds per forward of every reply.
 
-    MIN_SAMPLES = 8
-    MIN_SPREAD = 1.0
+    Not a least-squares line through (forward_passes - 1, cloud_s): with bursts of one or two lengths and a busy
+    box's noise such a fit tilted (t_c 300 ms, t_s 10 ms), the model then gave every image to the cloud, and with
+    no more verify replies the tilted line was never corrected (benchmarks/results/2026-11-25f/README.md)."""
 
-    def __init__(self, weight: float = 0.1):
-        self._line = LineFit(weight, min_spread=self.MIN_SPREAD)
-        self._per_pass = Ewma(weight)
+    LONG_OPEN = 32  # an open with at least this many forwards counts towards t_s (its prefill is one of them)
+
+    def __init__(self, weight: float = 0.2):
+        self.span = Ewma(weight)  # t_c
+        self.step = Ewma(weight)  # t_s
+        self.per_pass = Ewma(weight)  # every reply's seconds per forward: the stand-in for either
+        self.samples = 0  # verify replies observed
 
     def observe(self, cloud_s: float, forward_passes: int, verify: bool = True) -> None:
         passes = max(1, int(forward_passes))
+        self.per_pass.update(cloud_s / passes)
         if verify:
-            self._line.observe(float(passes - 1), cloud_s)
-        self._per_pass.update(cloud_s / passes)
-
-    @property
-    def samples(self) -> int:
-        """Verify replies observed."""
-        return self._line.samples
+            self.samples += 1
+            if passes == 1:
+                self.span.update(cloud_s)
+            elif self.span.samples:
+                self.step.update(max(0.0, cloud_s - self.span.value) / (passes - 1))
+        elif passes >= self.LONG_OPEN:
+            self.step.update(cloud_s / passes)
 
     def steps(self) -> tuple[float, float] | None:
         """(t_c, t_s) in seconds, or None before any reply."""
-        if not self._per_pass.samples:
+        if not self.per_pass.samples:
             return None
-        fit = self._line.fit() if self.samples >= self.MIN_SAMPLES else None
-        if fit is not None and fit[0] > 0 and fit[1] > 0:
-            return fit
-        return self._per_pass.value, self._per_pass.value
+        fallback = self.per_pass.value
+        return (self.span.value if self.span.samples else fallback,
+                self.step.value if self.step.samples else fallback)
 
 
 class RateEstimator:

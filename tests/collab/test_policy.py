@@ -177,14 +177,17 @@ def test_a_decode_step_apart_from_the_span_forward():
 
 
 def test_cloud_step_estimator_separates_the_span_forward_from_the_sampled_steps():
-    est = CloudStepEstimator()
+    est = CloudStepEstimator(weight=1.0)  # the latest sample is the estimate
     assert est.steps() is None
-    est.observe(0.030, 1)
-    assert est.steps() == pytest.approx((0.030, 0.030))  # too few replies to fit: the mean per forward
-    for passes in (1, 5, 3, 1, 9, 2) * 3:
-        est.observe(0.030 + 0.004 * (passes - 1), passes)
-    t_c, t_s = est.steps()
-    assert t_c == pytest.approx(0.030, rel=1e-6) and t_s == pytest.approx(0.004, rel=1e-6)
+    est.observe(0.050, 10, verify=False)  # a short open (CIAR's prefix): the mean per forward only
+    assert est.steps() == pytest.approx((0.005, 0.005)) and est.samples == 0
+    est.observe(0.046, 5)  # a verify with a burst before any span forward was seen alone: t_s still unknown
+    assert est.steps() == pytest.approx((0.0092, 0.0092))
+    est.observe(0.030, 1)  # a span forward alone: t_c
+    est.observe(0.030 + 4 * 0.004, 5)  # then a burst of 4 steps: t_s = (cloud_s - t_c) / 4
+    assert est.steps() == pytest.approx((0.030, 0.004)) and est.samples == 3
+    est.observe(145 * 0.006, 145, verify=False)  # a cloud-only open: its steps are sampled ones
+    assert est.steps() == pytest.approx((0.030, 0.006))
 
 
 def test_rate_estimator_starts_at_its_prior_and_follows_the_device():
@@ -207,7 +210,8 @@ def test_cost_observer_feeds_the_model_and_an_open_counts_towards_the_mean_step(
     obs.observe_exchange(9000, 60, 0.101, 0.007, 1, 0.002, verify=True)
     obs.device_step.update(0.0015)
     obs.observe_verdict(span=2, accepted=2)
-    assert obs.ready and 0.005 < obs.cloud_steps()[0] < 0.007
+    t_c, t_s = obs.cloud_steps()
+    assert obs.ready and t_c == pytest.approx(0.007) and 0.005 < t_s < 0.007  # t_s: the mean per forward so far
     c = obs.costs(1024, hidden_dim=8, feature_dim=4)
     assert (c.device_step_s, c.queue_s, c.vocab_size, c.hidden_dim) == (0.0015, 0.002, 1024, 8)
     assert c.accept_first > CostObserver.ACCEPT_PRIOR[0] and c.escalation_rate == CostObserver.ESCALATION_PRIOR[0]

@@ -23,13 +23,21 @@ def test_summary_picks_the_largest_load_within_the_slo():
 def test_capacity_run_writes_the_report(tmp_path):
     out = tmp_path / "cap"
     assert main(["--out", str(out), "--phones", "1,3", "--duration", "3", "--warmup", "1", "--traces", "2",
-                 "--network", "5g", "--slo-p99-s", "30"]) == 0
+                 "--network", "5g", "--slo-p99-s", "30", "--overload", "0.000001:1.5"]) == 0
     r = json.loads((out / "capacity.json").read_text())
     for key in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image", "cloud_passes_per_image",
                 "accelerator", "points"):
         assert key in r
     assert (out / "capacity.png").stat().st_size > 10_000
-    assert {p["method"] for p in r["points"]} == {"ciar", "cloud"}
+    assert {p["method"] for p in r["points"]} == {"ciar", "cloud", "ciar overload"}
+    # graceful degradation: past a 1 µs verifier, every image after a phone's first runs at the raised tau
+    degraded = [p for p in r["points"] if p["method"] == "ciar overload" and p["images"]]
+    assert degraded and all(p["overloaded_share"] > 0 for p in degraded)
+    assert all(p["overloaded_share"] is None for p in r["points"] if p["method"] != "ciar overload")
+    assert r["setup"]["overload"] == "0.000001:1.5"
+    raised, ciar = r["setup"]["recorded_requests_per_image"]["ciar raised"], \
+        r["setup"]["recorded_requests_per_image"]["ciar"]
+    assert raised <= ciar  # a raised tau sends fewer spans
     for p in r["points"]:
         assert p["errors"] == 0 and p["mismatches"] == 0, p
     cloud = [p for p in r["points"] if p["method"] == "cloud" and p["images"]]
