@@ -67,7 +67,7 @@ from ciar.collab.interval import guided_interval, interval_feature_dim, interval
 from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
-from ciar.collab.policy import BURSTS, SWITCH_MARGIN, CostObserver, OperatingPoint, choose
+from ciar.collab.policy import BURSTS, EXPLORE_EVERY, SWITCH_MARGIN, CostObserver, OperatingPoint, choose
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
@@ -347,6 +347,9 @@ class CollabDecoder:
             chosen = choose(costs, point, drafted, cfg.cloud_step_price_s, spans=_spans(point.span),
                             bursts=[b for b in BURSTS if b >= point.burst], at_open=True,
                             margin=SWITCH_MARGIN).point
+            if chosen.cloud_only and observer.cloud_only_streak >= EXPLORE_EVERY:
+                chosen = point  # look again at what drafting costs (policy.EXPLORE_EVERY)
+            observer.cloud_only_streak = observer.cloud_only_streak + 1 if chosen.cloud_only else 0
             stats.adapted = int(chosen != point)
             point = chosen
         stats.handovers = int(point.cloud_only)

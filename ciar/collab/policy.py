@@ -65,6 +65,10 @@ BURSTS = (0, 1, 2, 4, 8, 16, 32)  # T and C are monotone in g (linear over linea
 # and seed make) for nothing; a saving this large is beyond the model's error on this box (its inputs predicted
 # another point's seconds within 2.5 %, results/2026-11-25e/policy_cost_model.md)
 SWITCH_MARGIN = 0.10
+# after this many images in a row given to the cloud whole, the device drafts one at the calibrated point: an image
+# on the cloud shows nothing new of the device's step, the gate's rate or the cloud's acceptance, so an estimate that
+# was wrong when the device gave up drafting would never be corrected (it costs at most 1/33 of the difference)
+EXPLORE_EVERY = 32
 
 
 @dataclass(frozen=True)
@@ -248,16 +252,22 @@ def choose(costs: Costs, calibrated: OperatingPoint, remaining: int, cloud_step_
 # ---------------------------------------------------------------------------------------------- running estimates
 class Ewma:
     """An exponentially weighted running mean: each sample weighs `weight`, and the weights are normalised, so the
-    first sample is the estimate at once (no pull towards zero). `value` is `prior` before any sample."""
+    first sample is the estimate at once (no pull towards zero). `value` is `prior` before any sample. With `clip`,
+    from the third sample on a sample is first clipped into [value / clip, value x clip]: one step that a busy box
+    stalled for 30 ms moves a 6 ms estimate by a bounded amount, while a real change gets through in a few samples."""
 
-    def __init__(self, weight: float = 0.2, prior: float | None = None):
+    def __init__(self, weight: float = 0.2, prior: float | None = None, clip: float | None = None):
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
-        self.weight, self.prior = weight, prior
+        if clip is not None and not clip > 1.0:
+            raise ValueError(f"clip must be > 1, got {clip}")
+        self.weight, self.prior, self.clip = weight, prior, clip
         self._sum = self._norm = 0.0  # decayed sum of samples, decayed sum of their weights
         self.samples = 0
 
     def update(self, x: float) -> float:
+        if self.clip is not None and self.samples >= 2 and self.value > 0:
+            x = min(max(x, self.value / self.clip), self.value * self.clip)
         keep = 1.0 - self.weight
         self._sum = keep * self._sum + self.weight * x
         self._norm = keep * self._norm + self.weight
@@ -355,10 +365,10 @@ class CloudStepEstimator:
 
     LONG_OPEN = 32  # an open with at least this many forwards counts towards t_s (its prefill is one of them)
 
-    def __init__(self, weight: float = 0.2):
-        self.span = Ewma(weight)  # t_c
-        self.step = Ewma(weight)  # t_s
-        self.per_pass = Ewma(weight)  # every reply's seconds per forward: the stand-in for either
+    def __init__(self, weight: float = 0.2, clip: float = 3.0):
+        self.span = Ewma(weight, clip=clip)  # t_c
+        self.step = Ewma(weight, clip=clip)  # t_s
+        self.per_pass = Ewma(weight, clip=clip)  # every reply's seconds per forward: the stand-in for either
         self.samples = 0  # verify replies observed
 
     def observe(self, cloud_s: float, forward_passes: int, verify: bool = True) -> None:
@@ -424,7 +434,8 @@ class CostObserver:
         self.cloud = CloudStepEstimator()
         self.queue = Ewma(weight, prior=0.0)
         self.verifier = Ewma(weight)  # seconds in the verifier per verify exchange: queue wait + its forwards
-        self.device_step = Ewma(weight)
+        self.device_step = Ewma(weight, clip=3.0)
+        self.cloud_only_streak = 0  # images in a row the policy gave to the cloud whole (EXPLORE_EVERY)
         rates = rates or {}
         e0, n0 = self.ESCALATION_PRIOR
         a1, a, m0 = self.ACCEPT_PRIOR

@@ -399,7 +399,7 @@ def recorded(one_torch_thread):
     from ciar.world import load_world
 
     world = load_world(None)
-    decoder = make_decoder(world, make_verifier(world), "ciar", network="none")
+    decoder = make_decoder(world, make_verifier(world), "ciar", network="none", policy="fixed")
     rows = []
     draft = _Generation.draft
 

@@ -74,7 +74,15 @@ def test_a_slow_link_and_a_cheap_cloud_give_the_image_to_the_cloud(world):
             assert out.trace == ["cloud"] * 144
             assert st.est_link_latency_s > 0.04 and st.est_cloud_step_s > 0 and st.est_device_step_s > 0
         assert st.queue_s >= 0 and math.isfinite(st.queue_s)
-    assert dec.observers["4g"].ready
+    observer = dec.observers["4g"]
+    assert observer.ready and observer.cloud_only_streak == 2
+    # after EXPLORE_EVERY images on the cloud, one is drafted at the calibrated point to look at its costs again
+    from ciar.collab.policy import EXPLORE_EVERY
+
+    observer.cloud_only_streak = EXPLORE_EVERY
+    st = dec.generate(_prompts(1)[0], seed=7).stats
+    assert st.handovers == st.adapted == 0 and st.verifications > 0 and observer.cloud_only_streak == 0
+    assert dec.generate(_prompts(1)[0], seed=8).stats.handovers == 1
 
 
 def test_an_expensive_cloud_step_keeps_the_device_drafting_and_never_verifies_less(world):

@@ -231,3 +231,16 @@ def test_the_margin_keeps_the_calibrated_point_near_a_tie():
         assert choose(costs, cal, R, spans=[2], bursts=[0], at_open=True, margin=0.10).point == with_margin
     with pytest.raises(ValueError):
         choose(c, cal, R, margin=1.0)
+
+
+def test_a_clipped_ewma_bounds_one_stall_and_follows_a_real_change():
+    e, plain = Ewma(weight=0.2, clip=3.0), Ewma(weight=0.2)
+    for _ in range(5):
+        e.update(0.006), plain.update(0.006)
+    e.update(0.300)  # one stalled step: counted as 3x the estimate, not 50x
+    assert e.value == pytest.approx(plain.update(0.018))
+    for _ in range(30):
+        e.update(0.050)  # the verifier got slower for real
+    assert e.value == pytest.approx(0.050, rel=0.01)
+    with pytest.raises(ValueError):
+        Ewma(clip=1.0)

@@ -44,8 +44,10 @@ def cluster(tmp_path_factory):
             "max_images": 3, "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
             "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5, "retry_after_s": 3,
             "device_key_sha256": [hashlib.sha256(DEVICE_KEY.encode()).hexdigest()]}
+    # the calibrated point (policy fixed): these tests drive CIAR's mechanics (previews, the token map, the
+    # browser's comparison); on this random world an adaptive device gives its later images to the cloud whole
     deploy_config(args, user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": False,
-                                                 "preview_every": 16}})
+                                                 "preview_every": 16, "policy": "fixed"}})
     yield {"weights": weights, "alias": os.path.basename(weights)}
     serve.shutdown()
     ray.shutdown()

@@ -42,9 +42,12 @@ def app_args(weights: str) -> dict:
 
 
 def deploy(weights: str, **device_live) -> None:
-    """A config deploy with live knobs in the deployments' user_config (as serve_config.yaml does)."""
+    """A config deploy with live knobs in the deployments' user_config (as serve_config.yaml does). The devices run
+    the calibrated point (policy fixed): the tests drive CIAR's mechanics and compare images across requests; on this
+    random world an adaptive device gives its later images to the cloud whole (test_adaptive_default_... drives
+    the shipped default)."""
     deploy_config(app_args(weights), user_configs={
-        "Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, **device_live},
+        "Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, "policy": "fixed", **device_live},
         "Verifier": {"max_batch_size": 16, "batch_wait_timeout_s": 0.02, "idle_timeout_s": 30}})
 
 
@@ -289,6 +292,30 @@ def test_reconfigure_changes_tau_live(cluster):
     finally:
         deploy(cluster)
     assert post(body).json()["stats"]["config"]["tau"] == TAU
+
+
+def test_adaptive_default_reports_its_point_and_the_point_reproduces_the_image(cluster):
+    """The shipped default (policy adaptive, per request here): every image reports the operating point it ran at,
+    and the same request with that point as fixed knobs (or cloud-only's prefix_rate 1) makes the same image, through
+    the same Serve application. Several requests land on the devices, so some decide from costs they observed."""
+    seen = set()
+    for seed in range(6):
+        body = {"prompt": PROMPT, "seed": seed, "method": "ciar", "response_format": "tokens",
+                "params": {"policy": "adaptive"}}
+        r = post(body)
+        assert r.status_code == 200, r.text
+        st, tokens = r.json()["stats"], r.json()["data"][0]["tokens"]
+        assert st["config"]["policy"] == "adaptive" and st["handovers"] in (0, 1) and st["adapted"] in (0, 1)
+        if st["handovers"]:
+            assert (st["span_used"], st["burst_used"]) == (0, 0) and st["verifications"] == 0
+            point = {"prefix_rate": 1.0}
+        else:
+            assert st["span_used"] >= 4 and st["burst_used"] >= st["config"]["burst"]
+            point = {"span": st["span_used"], "burst": st["burst_used"]}
+        seen.add(st["handovers"])
+        again = post({**body, "params": {"policy": "fixed", **point}})
+        assert again.status_code == 200 and again.json()["data"][0]["tokens"] == tokens
+    assert seen  # at least one image; which points occur depends on the costs the devices saw
 
 
 def test_link_drop_degrades_to_device_only_and_leaves_no_state(cluster):
