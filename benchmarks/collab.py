@@ -470,13 +470,14 @@ def network_variants(run: Run) -> dict:
 def table8_rows(run: Run, results: dict, quality_of) -> tuple[dict, str]:
     """Per link and regime, each method's seconds per image (measured: the run's accounted time with the regime's
     cloud factor; paper: the paper's per-step profile x the load, `priced`), speedup over cloud-only, fidelity, FID,
-    cloud-call rate, requests, and the adaptive policy's hand-overs and changed escalations. -> (rows, Markdown)."""
+    cloud-call rate, requests, and the share of images the adaptive policy gave to the cloud whole or ran at another
+    point than the calibrated one. -> (rows, Markdown)."""
     rows: dict = {}
     lines = ["### Table 8 — cloud-only, fixed CIAR and adaptive CIAR by link, cloud cost and verifier load\n",
              "Seconds per image: measured compute (x the regime's cloud factor) + the network model; the paper "
              "regime re-prices every step with the paper's LlamaGen-XL profile x the load (a simulation).\n",
              "| link | cloud cost | verifier | method | s / image | speedup | fidelity | FID | cloud call | requests "
-             "| hand-overs | adapted / image |\n", "|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+             "| to the cloud | adapted |\n", "|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for name, regime in run.report["table8_regimes"].items():
         costs, load, load_factor = regime["costs"], regime["load"], regime["load_factor"]
         profile = {"cloud_step_s": PAPER_PROFILE["cloud_step_s"] * load_factor,

@@ -13,7 +13,7 @@ burst of `burst` tokens after a rejection (`OperatingPoint(span, burst)`), or ha
 The cost model (written once, here; the notation of docs/architecture.md §2 and §8). Inputs (`Costs`): the device's
 step time t_d (one device forward with its draft and gate), the link's per-transmission latency l (the RTT that
 `ciar.collab.network` charges each message) and bandwidth b (bytes/s), the verifier's time t_c for the forward that
-judges a span, t_s for each token it samples itself (a burst or hand-over step) and its queue wait w per exchange,
+judges a span, t_s for each token it samples itself (a burst or cloud-only step) and its queue wait w per exchange,
 the gate's escalation rate e (the share of drafted positions whose score is > τ), and the
 cloud's acceptance: α1 for the uncertain draft that opens a span, α for each later draft once the previous one was
 accepted. For a span of k drafts and a burst g:
@@ -41,9 +41,12 @@ operator's price of a cloud step in seconds (0: the users' time alone), over the
 calibrated one: span >= its span and burst >= its burst (a longer span sends more drafts to the exact rule; a longer
 burst makes more exact cloud tokens), and cloud-only (every token the cloud's). Quality may only go up.
 
-The running estimates (`Ewma`, `LinkEstimator`) are fed from a generation's own exchanges: the device's measured
-step time, and each exchange's bytes and the seconds it spent on the link (its wall time minus the time the reply
-says the cloud spent: what a real socket sees, and what the simulated network charges).
+The inputs are a device's running estimates (`CostObserver`, one per link, kept across its images): the link
+(`LinkEstimator`: each exchange's bytes against the seconds it spent on the link, its wall time minus the cloud and
+queue time the reply reports: what a real socket sees, and what the simulated network charges), the verifier's t_c,
+t_s and queue wait (`CloudStepEstimator`, an `Ewma`), the device's step time, and the gate's and the cloud's rates
+(`RateEstimator`, starting from the device file's `policy_rates`). The decoder chooses once per image, before its
+open, with a margin (`SWITCH_MARGIN`) and a periodic look back at drafting (`EXPLORE_EVERY`).
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class Costs:
     vocab_size: int  # V: the draft distributions' length
     hidden_dim: int = 0  # device hidden values sent per locally accepted token (Inter-Enhance; 0: off)
     feature_dim: int = 0  # interval features per locally accepted token (Inter-Enhance; 0: off)
-    decode_step_s: float | None = None  # t_s: one cloud-sampled token (a burst or hand-over step; None: t_c)
+    decode_step_s: float | None = None  # t_s: one cloud-sampled token (a burst or cloud-only step; None: t_c)
 
     def __post_init__(self):
         if self.decode_step_s is None:
@@ -194,7 +197,8 @@ def link_s(costs: Costs, up_bytes: float, down_bytes: float) -> float:
 def expected_cost(costs: Costs, point: OperatingPoint, remaining: int, pending: int = 0,
                   at_open: bool = False) -> Outlook:
     """T and C of finishing the `remaining` tokens at `point` (the module docstring's equations). `pending`: tokens
-    accepted locally since the last exchange, which a hand-over to the cloud carries. `at_open`: the choice is made
+    accepted locally since the last exchange, which handing the rest to the cloud mid-image would carry (the model of
+    a device deciding mid-image; the decoder decides before the open). `at_open`: the choice is made
     before the image's open, which goes out either way: cloud-only then costs no exchange of its own, only the
     cloud's R sampled steps and the R tokens' bytes in the open's reply (T_open = R t_s + B_down(R) / b)."""
     if remaining <= 0:
