@@ -208,13 +208,17 @@ def serve_run(world_file: str, methods: list[str], prompt: str, threads: int, po
     peak: dict[str, float] = {}
     done = threading.Event()
 
-    def sample() -> None:  # each Serve replica's resident set, its process found by title
+    def sample_once() -> None:  # each Serve replica's resident set, its process found by its title
+        for proc in psutil.process_iter(["cmdline", "memory_info"]):
+            title = " ".join(proc.info["cmdline"] or [])
+            if title.startswith("ray::ServeReplica") and proc.info["memory_info"]:
+                # "ray::ServeReplica:APP:Verifier.handle_request ...": the deployment, whatever method it runs now
+                name = title.split()[0].split(":")[-1].split(".")[0]
+                peak[name] = max(peak.get(name, 0.0), _mb(proc.info["memory_info"].rss))
+
+    def sample() -> None:
         while not done.wait(1.0):
-            for proc in psutil.process_iter(["cmdline", "memory_info"]):
-                title = " ".join(proc.info["cmdline"] or [])
-                if title.startswith("ray::ServeReplica") and proc.info["memory_info"]:
-                    name = title.split()[0].split(":")[-1]
-                    peak[name] = max(peak.get(name, 0.0), _mb(proc.info["memory_info"].rss))
+            sample_once()
 
     patient_serve_env()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
@@ -247,6 +251,7 @@ def serve_run(world_file: str, methods: list[str], prompt: str, threads: int, po
                 got["error"] = body
             out[method] = got
             print("serve", method, got, flush=True)
+        sample_once()  # every replica at least once, however short the run
     finally:
         done.set()
         serve.shutdown()
