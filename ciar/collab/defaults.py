@@ -28,7 +28,7 @@ from ciar_client.wire import RuleConfig
 
 EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
-POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")  # ciar.collab.policy.CostObserver.RATES
+POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")  # the adaptive policy's rates (CostObserver)
 
 
 class UncalibratedError(ValueError):

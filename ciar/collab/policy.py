@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # the messages' sizes come from the codec itself (numpy only, so a torch-free device can run this module)
+from ciar.collab.defaults import POLICY_RATES
 from ciar_client.wire import VerifyReply, VerifyRequest
 
 SESSION_ID = "0" * 32  # the decoder's session ids are uuid4().hex: 32 characters
@@ -283,47 +284,10 @@ class Ewma:
         return self._sum / self._norm if self.samples else self.prior
 
 
-class LineFit:
-    """An exponentially weighted least-squares line y = intercept + slope x through a stream of (x, y) samples
-    (each weighs `weight`, normalised as in `Ewma`). `fit()` is None until the xs spread (weighted standard
-    deviation) reaches `min_spread`: with every x alike there is no slope to see."""
-
-    def __init__(self, weight: float = 0.2, min_spread: float = 1.0):
-        self.min_spread = min_spread
-        self._x, self._y, self._xx, self._xy = (Ewma(weight) for _ in range(4))
-
-    def observe(self, x: float, y: float) -> None:
-        for est, value in ((self._x, x), (self._y, y), (self._xx, x * x), (self._xy, x * y)):
-            est.update(value)
-
-    @property
-    def samples(self) -> int:
-        return self._x.samples
-
-    @property
-    def mean_x(self) -> float | None:
-        return self._x.value
-
-    @property
-    def mean_y(self) -> float | None:
-        return self._y.value
-
-    def fit(self) -> tuple[float, float] | None:
-        """(intercept, slope), or None without samples or without a spread of xs."""
-        if not self.samples:
-            return None
-        mx = self._x.value
-        var = self._xx.value - mx * mx
-        if var <= self.min_spread ** 2:
-            return None
-        slope = (self._xy.value - mx * self._y.value) / var
-        return self._y.value - slope * mx, slope
-
-
 class LinkEstimator:
     """Running latency and bandwidth of one device's link, fitted to its exchanges: an exchange that moves
-    up + down bytes spends 2 l + (up + down) / b on the link (the network model's two transmissions), so a
-    `LineFit` through (bytes, seconds) has slope 1 / b and intercept 2 l.
+    up + down bytes spends 2 l + (up + down) / b on the link (the network model's two transmissions), so an
+    exponentially weighted least-squares line through (bytes, seconds) has slope 1 / b and intercept 2 l.
 
     Until the exchanges' sizes differ enough to fit a slope (they do once their pending tokens, spans or features
     differ), or when the fit is not positive (noise), the bandwidth is `prior_bandwidth_Bps` and the latency comes
@@ -333,27 +297,33 @@ class LinkEstimator:
 
     def __init__(self, weight: float = 0.2, prior_latency_s: float = 0.0, prior_bandwidth_Bps: float = math.inf):
         self.prior_latency_s, self.prior_bandwidth_Bps = prior_latency_s, prior_bandwidth_Bps
-        self._line = LineFit(weight, self.MIN_SPREAD_BYTES)
+        self._x, self._y, self._xx, self._xy = (Ewma(weight) for _ in range(4))
 
     def observe(self, up_bytes: int, down_bytes: int, seconds: float) -> None:
         """One exchange: its bytes each way and the seconds it spent on the link (wall time from request to reply,
         minus the cloud and queue time the reply reports)."""
-        self._line.observe(float(up_bytes + down_bytes), seconds)
+        x = float(up_bytes + down_bytes)
+        for est, value in ((self._x, x), (self._y, seconds), (self._xx, x * x), (self._xy, x * seconds)):
+            est.update(value)
 
     @property
     def samples(self) -> int:
-        return self._line.samples
+        return self._x.samples
 
     @property
     def bandwidth_Bps(self) -> float:
-        fit = self._line.fit()
-        return 1.0 / fit[1] if fit is not None and fit[1] > 0 else self.prior_bandwidth_Bps
+        if not self._x.samples:
+            return self.prior_bandwidth_Bps
+        mx = self._x.value
+        var = self._xx.value - mx * mx
+        slope = (self._xy.value - mx * self._y.value) / var if var > self.MIN_SPREAD_BYTES ** 2 else 0.0
+        return 1.0 / slope if slope > 0 else self.prior_bandwidth_Bps
 
     @property
     def latency_s(self) -> float:
-        if not self._line.samples:
+        if not self._x.samples:
             return self.prior_latency_s
-        return max(0.0, (self._line.mean_y - self._line.mean_x / self.bandwidth_Bps) / 2.0)
+        return max(0.0, (self._y.value - self._x.value / self.bandwidth_Bps) / 2.0)
 
 
 class CloudStepEstimator:
@@ -428,7 +398,7 @@ class CostObserver:
 
     ESCALATION_PRIOR = (0.15, 8.0)  # (rate, pseudo-drafts) before the device has shown its own
     ACCEPT_PRIOR = (0.5, 0.8, 4.0)  # (alpha1, alpha, pseudo-verifications)
-    RATES = ("escalation_rate", "accept_first", "accept_next")
+    RATES = POLICY_RATES  # the names the device file carries them under (ciar.collab.defaults)
 
     def __init__(self, weight: float = 0.2, rates: dict | None = None, decay: float = 0.998):
         """`rates`: the starting escalation and acceptance rates (`RATES`; the device file's, measured on val
