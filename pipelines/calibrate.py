@@ -105,15 +105,19 @@ def choose_cascade_threshold(fidelity: dict, exact: float, tolerance: float) -> 
     return chosen
 
 
-def calibrate_cascade(world_src, device_path: str, thresholds, tolerance: float, n: int, seed: int) -> dict:
-    """Measure EAGLE-2 and CASCADE at each threshold on `n` val prompts and choose (`choose_cascade_threshold`). ->
-    {"threshold": chosen or None, "calibration": the record written beside it}."""
+def load_models(world_src, device_path: str) -> tuple:
+    """(world, the device model of `device_path`, a verifier): what the CASCADE and policy measurements run on."""
+    world = load_world(world_src)
+    return world, DeviceModel.load(device_path), make_verifier(world)
+
+
+def calibrate_cascade(models: tuple, thresholds, tolerance: float, n: int, seed: int) -> dict:
+    """Measure EAGLE-2 and CASCADE at each threshold on `n` val prompts and choose (`choose_cascade_threshold`).
+    `models`: `load_models`'s. -> {"threshold": chosen or None, "calibration": the record written beside it}."""
     from ciar.data import scenes as S
     from ciar.metrics.probe import load_probe
 
-    world = load_world(world_src)
-    device = DeviceModel.load(device_path)
-    verifier = make_verifier(world)
+    world, device, verifier = models
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors"))
     labels = [S.scene_at("val", 10_000 + i, seed) for i in range(n)]  # the scenes of `val_prompts(n, seed)`
     prompts = [s.caption for s in labels]
@@ -133,15 +137,15 @@ def calibrate_cascade(world_src, device_path: str, thresholds, tolerance: float,
         "tolerance": tolerance, "exact": exact, "thresholds": {f"{t:g}": m for t, m in points.items()}}}
 
 
-def measure_policy_rates(world_src, device_path: str, n: int, seed: int) -> dict:
-    """CIAR at the device file's calibrated point (fixed policy, no network) on `n` val prompts -> {"rates":
-    escalation_rate / accept_first / accept_next, "calibration": the record written beside them}."""
+def measure_policy_rates(models: tuple, n: int, seed: int) -> dict:
+    """CIAR at the device file's calibrated point (fixed policy, no network) on `n` val prompts (`models`:
+    `load_models`'s) -> {"rates": escalation_rate / accept_first / accept_next, "calibration": the record written
+    beside them}."""
     from ciar.collab.policy import CostObserver
 
-    world = load_world(world_src)
-    device = DeviceModel.load(device_path)
+    world, device, verifier = models
     observer = CostObserver(decay=1.0)  # a plain average over the prompts
-    d = make_decoder(world, make_verifier(world), "ciar", device_model=device, network="none", policy="fixed")
+    d = make_decoder(world, verifier, "ciar", device_model=device, network="none", policy="fixed")
     d.observers["none"] = observer
     for i, p in enumerate(val_prompts(n, seed)):
         d.generate(p, seed=seed * 1_000_003 + i)
@@ -272,10 +276,10 @@ def main(argv=None) -> int:
                            span=args.span, target_rate=args.target_rate, calibration={
                                "prompts": where, "measured_rates": rates, "seconds": round(time.time() - t0, 1),
                                "command": command})
+    models = load_models(weights, args.device) if args.cascade or args.policy_rates else None  # loaded once
     if args.cascade:
         t0 = time.time()
-        chosen = calibrate_cascade(weights, args.device, cascade_grid, args.cascade_tolerance, args.cascade_prompts,
-                                   args.seed)
+        chosen = calibrate_cascade(models, cascade_grid, args.cascade_tolerance, args.cascade_prompts, args.seed)
         print(f"cascade: threshold {chosen['threshold']}" if chosen["threshold"] is not None else
               f"cascade: every candidate loses more than {args.cascade_tolerance:g}: none written (the paper's "
               f"{RuleConfig().cascade_threshold} applies)", file=sys.stderr)
@@ -283,7 +287,7 @@ def main(argv=None) -> int:
             **chosen["calibration"], "seconds": round(time.time() - t0, 1), "command": command})
     if args.policy_rates:
         t0 = time.time()
-        measured = measure_policy_rates(weights, args.device, args.policy_prompts, args.seed)
+        measured = measure_policy_rates(models, args.policy_prompts, args.seed)
         print(f"policy rates: {measured['rates']}", file=sys.stderr)
         defaults = replace(defaults, policy_rates=measured["rates"], policy_calibration={
             **measured["calibration"], "seconds": round(time.time() - t0, 1), "command": command})
