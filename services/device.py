@@ -101,6 +101,13 @@ class RayCloudClient:
                                                              device_id=self.device_id,
                                                              token=self.tokens.get(sid, "")).result())
 
+    def cost_hint(self):
+        """A Verifier replica's recent figures (`CloudVerifier.cost_hint`), None when none answers in time: a hint."""
+        try:
+            return self.handle.cost_hint.remote().result(timeout_s=5.0)
+        except Exception:  # noqa: BLE001 - without a hint the device's first image drafts at the calibrated point
+            return None
+
     def close(self, session_id: str) -> None:
         token = self.tokens.pop(session_id, "")
         try:

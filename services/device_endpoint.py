@@ -33,6 +33,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import math
 import re
 import time
 import weakref
@@ -101,6 +102,8 @@ class VerifierBackend(Protocol):
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None: ...
 
+    async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_client.policy.CostHint) or None
+
 
 class RayVerifierBackend:
     """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`)."""
@@ -123,6 +126,9 @@ class RayVerifierBackend:
     async def close(self, *, session_id, device_id, token):
         return await self.handle.options(session_id=session_id).close.remote(session_id=session_id,
                                                                              device_id=device_id, token=token)
+
+    async def cost_hint(self):
+        return await self.handle.cost_hint.remote()  # any replica's: a hint
 
 
 class TokenBucket:
@@ -179,6 +185,9 @@ def _cluster_decoding() -> dict:
 class DeviceEndpoint:
     """Serves device connections (`serve(websocket)`, a Starlette WebSocket) against a VerifierBackend."""
 
+    HINT_TTL_S = 1.0  # a WELCOME's cost hint is at most this old
+    HINT_TIMEOUT_S = 2.0
+
     def __init__(self, backend: VerifierBackend, key_digests: list[str], limits: EndpointLimits | None = None,
                  server: str = "ciar", observe=None):
         self.backend = backend
@@ -192,6 +201,22 @@ class DeviceEndpoint:
         # one send at a time per connection: concurrent sends on a backpressured socket fail in the transport
         self._send_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._decoding = _cluster_decoding()
+        self._hint, self._hint_at = None, -math.inf  # the verifier's last cost hint and when it was asked (WELCOME)
+
+    async def cost_hint(self):
+        """The verifier's recent costs for a WELCOME (`CostHint`, None when it has none or does not answer within
+        `HINT_TIMEOUT_S`), asked at most once per `HINT_TTL_S` once it has one: a storm of connections costs the
+        verifier one call."""
+        now = time.monotonic()
+        if self._hint is None or now - self._hint_at >= self.HINT_TTL_S:
+            self._hint_at = now
+            ask = getattr(self.backend, "cost_hint", None)
+            try:
+                self._hint = await asyncio.wait_for(ask(), self.HINT_TIMEOUT_S) if ask is not None else None
+            except Exception:  # noqa: BLE001 - a hint: without it the device's first image drafts as calibrated
+                logger.warning("no cost hint from the verifier", exc_info=True)
+                self._hint = None
+        return self._hint
 
     def device_of(self, key: str) -> str | None:
         """The device id of a device key, None for an unknown key (compared by digest, in constant time per key)."""
@@ -292,10 +317,10 @@ class DeviceEndpoint:
         dev.connections += 1
         lim = self.limits
         try:
-            await self._send(ws, Frame(WELCOME, frame.request_id, Welcome(device_id, lim.max_frame_bytes,
-                                                                          lim.max_sessions_per_device,
-                                                                          lim.messages_per_s, lim.idle_timeout_s,
-                                                                          self.server)))
+            hint = await self.cost_hint()
+            await self._send(ws, Frame(WELCOME, frame.request_id, Welcome(
+                device_id, lim.max_frame_bytes, lim.max_sessions_per_device, lim.messages_per_s, lim.idle_timeout_s,
+                self.server, *((hint.span_s or 0.0, hint.step_s or 0.0, hint.queue_s or 0.0) if hint else ()))))
         except BaseException:  # gone before its WELCOME: not connected (its connection must not stay counted)
             dev.connections -= 1
             raise

@@ -53,6 +53,9 @@ class InProcessBackend:
         self._check(session_id, device_id, token)
         self.v.close(session_id)
 
+    async def cost_hint(self):
+        return self.v.cost_hint()
+
 
 @contextmanager
 def loopback_endpoint(endpoint, timeout_s: float = 30.0, sndbuf: int | None = None) -> Iterator[str]:

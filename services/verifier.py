@@ -146,6 +146,11 @@ class Verifier:
         self.core.close(session_id)
         self.m_sessions.set(self.core.num_sessions)
 
+    async def cost_hint(self):
+        """This replica's recent span forward, sampled step and queue wait (`CloudVerifier.cost_hint`): where a
+        device's adaptive policy starts before its first image."""
+        return self.core.cost_hint()
+
     async def stats(self) -> dict:
         return {"replica_id": self.replica_id, "sessions": self.core.num_sessions,
                 "free_slots": self.core.free_slot_count, "spans_verified": self.spans_verified,

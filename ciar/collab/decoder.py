@@ -67,14 +67,18 @@ from ciar.collab.interval import guided_interval, interval_feature_dim, interval
 from ciar.collab.knobs import KNOBS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.names import METHODS
-from ciar.collab.policy import BURSTS, EXPLORE_EVERY, SWITCH_MARGIN, CostObserver, OperatingPoint, choose
 from ciar.collab.protocol import (CloudClient, CloudUnreachableError, OpenRequest, RuleConfig, VerifyRequest,
                                   quantize_draft)
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
+from ciar_client.policy import CostObserver, OperatingPoint
+from ciar_client.wire import Hello, Welcome
 
 DEVICE_SEED_OFFSET = 1 << 32
 GATE_SEED_OFFSET = 2 << 32
+HANDSHAKE_SEED_OFFSET = 3 << 32  # the simulated link of a device's handshake (`CollabDecoder.new_observer`)
+# a connection's HELLO and WELCOME (a 32-character key and device id): the handshake whose round trip primes the link
+HANDSHAKE_BYTES = (Hello("k" * 32).nbytes(), Welcome("d" * 32, 0, 0, 0.0, 0.0).nbytes())
 
 
 def _default(name: str):
@@ -109,7 +113,7 @@ class CollabConfig:
     network: str = "5g"  # ciar.collab.network profile name (options: get_profile)
     link_drop_after: int | None = _default("link_drop_after")  # simulation: the link goes down after this many messages
     fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
-    policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar.collab.policy)
+    policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar_client.policy)
     cloud_step_price_s: float = _default("cloud_step_price_s")  # adaptive: an operator's price of one cloud step
     overload_verifier_s: float | None = _default("overload_verifier_s")  # degradation under overload (None: off)
     overload_tau_factor: float = _default("overload_tau_factor")  # ... its budget: tau x at most this
@@ -291,9 +295,8 @@ class CollabDecoder:
             raise ValueError("num_tokens is required without a device model")
         stats = GenerationStats()
         observer = self.observers.get(cfg.network)
-        if observer is None:  # the device's first image on this link: the device file's rates to start from
-            defaults = getattr(self.device_model, "ciar_defaults", None)
-            observer = self.observers[cfg.network] = CostObserver(rates=defaults.policy_rates if defaults else None)
+        if observer is None:  # the device's first image on this link
+            observer = self.observers[cfg.network] = self.new_observer(seed)
         link = _Link(self.client, NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after),
                      stats, cfg.cloud_slowdown, self.wait, observer)
         prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
@@ -327,6 +330,26 @@ class CollabDecoder:
         progress(tokens, stats, final=True)
         return tokens, who, stats
 
+    def new_observer(self, seed: int) -> CostObserver:
+        """The device's estimates on a link it has not used yet: the device file's rates to start from and, under
+        the adaptive policy, what it knows before drafting (`CostObserver.prime`): the round trip of its connection's
+        handshake (HELLO and WELCOME through the link's network model, seeded apart from the images' links), one
+        timed device step (x `device_slowdown`), and the verifier's hint (the client's `cost_hint()`, x
+        `cloud_slowdown`), so that its first image is chosen too."""
+        cfg = self.config
+        defaults = getattr(self.device_model, "ciar_defaults", None)
+        observer = CostObserver(rates=defaults.policy_rates if defaults else None)
+        if cfg.policy == "adaptive" and cfg.gate in GATES and self.device_model is not None:
+            handshake = NetworkModel(get_profile(cfg.network), seed=seed + HANDSHAKE_SEED_OFFSET)
+            round_trip = sum(handshake.transmit(n)[0] for n in HANDSHAKE_BYTES)
+            ask = getattr(self.client, "cost_hint", None)
+            hint = ask() if ask is not None else None
+            rows = 2 if self.sampling.uses_cfg else 1
+            observer.prime(latency_s=round_trip / 2,
+                           device_step_s=self.device_model.step_seconds(rows) * cfg.device_slowdown,
+                           hint=hint.scaled(cfg.cloud_slowdown) if hint is not None else None)
+        return observer
+
     def operating_point(self, observer: CostObserver, drafted: int, stats: GenerationStats) -> OperatingPoint:
         """The image's operating point, chosen before its open and kept to its end: the calibrated span and burst
         under the fixed policy (and under the adaptive one until the device has observed its costs on an image);
@@ -344,12 +367,7 @@ class CollabDecoder:
                                    feature_dim=interval_feature_dim(cfg.feature_top) if enhance else 0)
             stats.est_device_step_s, stats.est_link_latency_s = costs.device_step_s, costs.latency_s
             stats.est_cloud_step_s = costs.cloud_step_s
-            chosen = choose(costs, point, drafted, cfg.cloud_step_price_s, spans=_spans(point.span),
-                            bursts=[b for b in BURSTS if b >= point.burst], at_open=True,
-                            margin=SWITCH_MARGIN).point
-            if chosen.cloud_only and observer.cloud_only_streak >= EXPLORE_EVERY:
-                chosen = point  # look again at what drafting costs (policy.EXPLORE_EVERY)
-            observer.cloud_only_streak = observer.cloud_only_streak + 1 if chosen.cloud_only else 0
+            chosen = observer.decide(costs, point, drafted, cfg.cloud_step_price_s).point
             stats.adapted = int(chosen != point)
             point = chosen
         stats.handovers = int(point.cloud_only)
@@ -368,11 +386,6 @@ class CollabDecoder:
             stats.overloaded = 1
         stats.tau_used = tau if tau is not None else 0.0
         return tau
-
-
-# the spans the adaptive policy considers beyond the calibrated one k (longer spans are rarely accepted whole)
-def _spans(k: int) -> list[int]:
-    return sorted({min(32, s) for s in (k, k + 1, k + 2, 2 * k, 3 * k, 4 * k, 8, 12, 16) if s >= k})
 
 
 class _Link:

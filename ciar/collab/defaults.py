@@ -24,11 +24,11 @@ from dataclasses import asdict, dataclass, field
 
 from ciar.collab.knobs import KNOBS
 from ciar.collab.names import GATES
+from ciar_client.policy import POLICY_RATES
 from ciar_client.wire import RuleConfig
 
 EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none
-POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")  # the adaptive policy's rates (CostObserver)
 
 
 class UncalibratedError(ValueError):

@@ -16,6 +16,8 @@ Files: `device.safetensors` (kind "ciar_device"), config = {"gpt": GPTConfig dic
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -117,6 +119,27 @@ class DeviceModel(nn.Module):
         [B, 1, ...] for the last position only with `last_only` (the head runs on that position alone)."""
         _, h = self.gpt.decode(cache, tokens, input_pos, slots, kv_len=kv_len, return_hidden=True)
         return self._out(h[:, -1:] if last_only else h, with_heads)
+
+    @torch.inference_mode()
+    def step_seconds(self, rows: int = 1, repeats: int = 3) -> float:
+        """Seconds of one cached decode step over `rows` cache rows (2 under CFG), the median of `repeats` after a
+        warm-up, on a condition of zeros: what a device knows of its own step before its first image (the adaptive
+        policy's prior, `ciar_client.policy.CostObserver.prime`; its images' own steps, with the gate's maths,
+        replace it)."""
+        c = self.config
+        weight = self.gpt.tok_embeddings.weight
+        cache = self.new_cache(rows, c.cls_token_num + 8)
+        cond = (torch.zeros(rows, c.cls_token_num, c.caption_dim, dtype=weight.dtype, device=weight.device)
+                if c.model_type == "t2i" else torch.zeros(rows, dtype=torch.long, device=weight.device))
+        self.prefill(cache, cond)
+        token = torch.zeros(rows, 1, dtype=torch.long, device=weight.device)
+        pos = torch.tensor([c.cls_token_num], device=weight.device)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            self.decode(cache, token, pos, kv_len=c.cls_token_num + 1, last_only=True, with_heads=True)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
 
     # ------------------------------------------------------------------ files
     def save(self, path: str, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:

@@ -103,3 +103,7 @@ class CloudClient(Protocol):
         ...
 
     def close(self, session_id: str) -> None: ...
+
+    # optional: `cost_hint() -> ciar_client.policy.CostHint | None`, the verifier's recent span forward, sampled
+    # step and queue wait, which the adaptive policy starts from before a device's first image (`CollabDecoder`
+    # reads it when the client has it; WELCOME carries it to a device on the network)

@@ -56,6 +56,11 @@ class RecoveringClient:
     def vocab_size(self) -> int:
         return self.inner.vocab_size
 
+    def cost_hint(self):
+        """The inner client's (`CloudClient`'s optional cost hint), None when it has none."""
+        hint = getattr(self.inner, "cost_hint", None)
+        return hint() if hint is not None else None
+
     @property
     def open_sessions(self) -> int:
         """Sessions tracked now (opened or resumed, not yet closed): 0 between generations."""

@@ -63,6 +63,10 @@ class TracingClient:
         self._live: dict[str, SessionTrace] = {}
         self._last: dict[str, float] = {}
 
+    def cost_hint(self):
+        hint = getattr(self.inner, "cost_hint", None)
+        return hint() if hint is not None else None
+
     def _gap(self, sid: str) -> float:
         now = time.perf_counter()
         return max(0.0, now - self._last.get(sid, now))

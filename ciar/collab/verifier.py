@@ -64,6 +64,7 @@ from ciar.collab.sessions import Session, SessionTable, slots_needed
 from ciar.decoding.sampling import logits_to_probs, sample
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
+from ciar_client.policy import CloudStepEstimator, CostHint, Ewma
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,6 +102,16 @@ class CloudVerifier:
         self._neighbors: dict[int, NeighborTable] = {}
         self.scratch_pos = self.cache.max_seq - 1  # padding of ragged batches lands here (beyond any sequence)
         self.engine = StepEngine(self, scheduler)
+        # what its replies told the devices, over all of them: the hint a device's first image starts from
+        self.reply_costs = CloudStepEstimator()
+        self.reply_queue = Ewma(0.2)
+
+    def cost_hint(self) -> CostHint | None:
+        """The verifier's recent span forward, sampled step and queue wait, as its replies reported them (a running
+        mean over every device's replies: `ciar_client.policy.CloudStepEstimator`), for a device that has not
+        drafted yet (WELCOME, `CloudClient.cost_hint`); None before its first verify reply or long open."""
+        hint = self.reply_costs.hint(self.reply_queue.value)
+        return hint if hint.span_s is not None or hint.step_s is not None else None
 
     @property
     def device(self) -> torch.device:
@@ -423,6 +434,7 @@ class OpenWork(Work):
         r = self.request
         tokens = self.reply_tokens()
         emb, mask = self.caption_emb, self.caption_mask
+        self.v.reply_costs.observe(self.seconds, self.passes, verify=False)
         self.finish(OpenReply(
             r.session_id, torch.tensor(tokens, dtype=torch.long),
             emb.detach().to("cpu", torch.float16) if r.want_caption else None,
@@ -646,6 +658,8 @@ class VerifyWork(Work):
         n, z, rec, judged = self.outcome
         b = self.burst_tokens
         queue_s = max(0.0, (self.started if self.started is not None else time.perf_counter()) - self.created)
+        self.v.reply_costs.observe(self.seconds, max(self.passes, 1), verify=True)
+        self.v.reply_queue.update(queue_s)
         self.finish(VerifyReply(self.session_id, n, z, rec, self.seconds, judged, forward_passes=max(self.passes, 1),
                                 burst_tokens=torch.tensor(b, dtype=torch.long) if b else None,
                                 vocab_size=self.v.vocab_size, queue_s=queue_s))
@@ -664,6 +678,9 @@ class InProcessCloud:
 
     def verify(self, request: VerifyRequest) -> VerifyReply:
         return self.verifier.verify_batch([request])[0]
+
+    def cost_hint(self) -> CostHint | None:
+        return self.verifier.cost_hint()
 
     def resume(self, request: OpenRequest, history: torch.Tensor,
                injected: InjectedFeatures | None = None) -> OpenReply:

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--span", type=int, default=None, help="drafts per verification (default: the manifest's)")
     p.add_argument("--burst", type=int, default=None, help="cloud burst after a rejection (default: the manifest's)")
     p.add_argument("--prefix-rate", type=float, default=None, help="cloud prefix fraction (default: the manifest's)")
+    p.add_argument("--policy", default="adaptive", choices=("adaptive", "fixed"),
+                   help="adaptive: the image's span and burst, or cloud-only, chosen from the link's and the "
+                        "verifier's costs (default); fixed: the manifest's calibrated span and burst")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime threads (>= 1)")
     return p
 
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         manifest = read_manifest(args.model_dir)
         cfg = loop_config(manifest, tau=args.tau, gate=args.gate, span=args.span, burst=args.burst,
-                          prefix_rate=args.prefix_rate)
+                          prefix_rate=args.prefix_rate, policy=args.policy)
         runtime = DeviceRuntime(args.model_dir, threads=args.threads)
         decoder = ImageDecoder(args.model_dir, threads=args.threads)
     except (OSError, ValueError, KeyError) as e:
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         except Exception as e:  # noqa: BLE001 - the socket could not be opened (DNS, refused, timeout)
             raise UsageError(f"cannot reach the server at {conn.url}: {e}") from None
         result = generate(runtime, conn, args.prompt, args.seed, tau=args.tau, gate=args.gate, span=args.span,
-                          burst=args.burst, prefix_rate=args.prefix_rate)
+                          burst=args.burst, prefix_rate=args.prefix_rate, policy=args.policy)
     except ConnectionRefused as e:
         raise UsageError(f"{conn.url}: {e.reason or 'refused'} (close code {e.code})") from None
     except ServerError as e:
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     n = int(result.tokens.shape[0])
     config = {"method": "ciar", "gate": cfg.gate, "tau": cfg.tau, "span": cfg.span, "burst": cfg.burst,
               "burst_entropy": cfg.burst_entropy, "prefix_rate": cfg.prefix_rate, "inter_enhance": cfg.inter_enhance,
-              "feature_top": cfg.feature_top, "network": "real"}
+              "feature_top": cfg.feature_top, "policy": cfg.policy, "network": "real"}
     stats = {"method": "ciar", "prompt": args.prompt, "seed": args.seed, "num_tokens": n, "wall_time_s": gen_s,
              "tokens_per_s": n / gen_s if gen_s > 0 else None, "total_time_s": total_s,
              "sampling": dataclasses.asdict(cfg.sampling),

@@ -29,6 +29,7 @@ import numpy as np
 
 from ciar_client import wire
 from ciar_client.history import SessionHistory
+from ciar_client.policy import CostHint
 from ciar_client.wire import (CLOSE, ERROR, HELLO, OPEN, RESUME, VERIFY, WELCOME, CloseRequest, Frame, Hello,
                               InjectedFeatures, OpenReply, OpenRequest, ResumeRequest, VerifyReply, VerifyRequest)
 
@@ -93,6 +94,7 @@ class DeviceConnection:
             connect_timeout_s
         self.ws = None
         self.welcome = None
+        self.handshake_s: float | None = None  # the last HELLO -> WELCOME round trip (the link's first sample)
         self.sessions: dict[str, _Session] = {}
         self._rid = 0
         self.reconnects = 0  # connections made after the first
@@ -112,8 +114,10 @@ class DeviceConnection:
         except OSError as e:
             raise _Dropped(f"cannot connect to {self.url}: {e}") from e
         try:
+            t = time.perf_counter()
             ws.send(wire.encode_frame(Frame(HELLO, 0, Hello(self.key, self.client_name))))
             frame = wire.decode_frame(ws.recv(timeout=self.connect_timeout_s))
+            self.handshake_s = time.perf_counter() - t
         except ConnectionClosed as e:
             raise self._closed(e) from None
         except TimeoutError:
@@ -125,6 +129,13 @@ class DeviceConnection:
         if self.welcome is not None:
             self.reconnects += 1
         self.ws, self.welcome = ws, frame.body
+
+    def cost_hint(self) -> CostHint | None:
+        """The verifier's recent costs as the WELCOME carried them (connecting first), None where it had none."""
+        self._retrying(self.connect)
+        w = self.welcome
+        hint = CostHint(w.verify_s or None, w.step_s or None, w.queue_s or None)
+        return hint if hint.span_s is not None or hint.step_s is not None else None
 
     def _closed(self, e) -> Exception:
         rcvd = getattr(e, "rcvd", None)

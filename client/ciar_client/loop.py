@@ -33,10 +33,12 @@ from typing import Callable
 import numpy as np
 
 from ciar_client import maths as M
+from ciar_client.policy import CostObserver, OperatingPoint
 from ciar_client.wire import OpenRequest, RuleConfig, Sampling, VerifyRequest
 
 DEVICE_SEED_OFFSET = 1 << 32  # ciar.collab.decoder.DEVICE_SEED_OFFSET
 LOOP_GATES = ("lower", "interval", "entropy", "softmax")
+POLICIES = ("adaptive", "fixed")  # ciar.collab.knobs' `policy`
 PROGRESS_EVERY = 12
 
 
@@ -58,11 +60,18 @@ class LoopConfig:
     feature_top: int
     inter_enhance: bool
     sampling: Sampling
+    policy: str = "adaptive"  # "adaptive": each image's point from the observed costs; "fixed": span and burst
+    cloud_step_price_s: float = 0.0  # the operator's price of a cloud step in seconds (adaptive policy)
 
 
 def loop_config(manifest: dict, *, tau=None, gate=None, span=None, burst=None, prefix_rate=None,
-                inter_enhance: bool = True) -> LoopConfig:
-    """The loop's knobs: the given ones, else the manifest's (ValueError on an unsupported gate or no threshold)."""
+                inter_enhance: bool = True, policy: str = "adaptive", cloud_step_price_s: float = 0.0) -> LoopConfig:
+    """The loop's knobs: the given ones, else the manifest's (ValueError on an unsupported gate or policy, or no
+    threshold)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not cloud_step_price_s >= 0:
+        raise ValueError(f"cloud_step_price_s must be >= 0, got {cloud_step_price_s}")
     d = manifest.get("ciar_defaults") or {}
     gate = gate if gate is not None else d.get("gate", "interval")
     if gate not in LOOP_GATES:
@@ -78,18 +87,27 @@ def loop_config(manifest: dict, *, tau=None, gate=None, span=None, burst=None, p
         raise ValueError(f"need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got {span}, {burst}, {prefix_rate}")
     s = Sampling(*M.check_sampling(**manifest["sampling"]))
     return LoopConfig(gate, float(tau), span, burst, float(d.get("burst_entropy", 0.0)), prefix_rate,
-                      int(manifest.get("feature_top", 8)), bool(inter_enhance), s)
+                      int(manifest.get("feature_top", 8)), bool(inter_enhance), s, policy, float(cloud_step_price_s))
 
 
 def generate(runtime, client, prompt: str, seed: int, *, session_id: str | None = None, tau=None, gate=None,
              span=None, burst=None, prefix_rate=None, inter_enhance: bool = True, fallback: bool = True,
+             policy: str = "adaptive", observer: CostObserver | None = None, cloud_step_price_s: float = 0.0,
              on_progress: Callable[[list[int], dict], None] | None = None) -> Result:
     """One image's tokens. `on_progress(tokens_so_far, stats_so_far)` after the prefix, every 12 more decided tokens
     and at the end. `fallback`: when the cloud becomes unreachable after the open (see `unreachable`), finish the
-    image on the device alone and mark it degraded, as the in-cluster device does; False raises instead."""
+    image on the device alone and mark it degraded, as the in-cluster device does; False raises instead.
+    `policy`: "adaptive" (default) chooses the image's span and burst (never below the calibrated ones) or
+    cloud-only before the open from the costs in `observer` (`ciar_client.policy.CostObserver`: keep one per
+    connection across images; a fresh one when not given, primed with the connection's handshake, one timed step
+    and the WELCOME's hint); "fixed" runs the calibrated span and burst. The point is in the stats (`span_used`,
+    `burst_used`, `handovers`): the same request with it as fixed knobs makes the same image."""
     cfg = loop_config(runtime.manifest, tau=tau, gate=gate, span=span, burst=burst, prefix_rate=prefix_rate,
-                      inter_enhance=inter_enhance)
-    return _Loop(runtime, client, cfg, seed, session_id or uuid.uuid4().hex, on_progress, fallback).run(prompt)
+                      inter_enhance=inter_enhance, policy=policy, cloud_step_price_s=cloud_step_price_s)
+    if observer is None:
+        observer = CostObserver(rates=(runtime.manifest.get("ciar_defaults") or {}).get("policy_rates"))
+    return _Loop(runtime, client, cfg, seed, session_id or uuid.uuid4().hex, on_progress, fallback,
+                 observer).run(prompt)
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -99,8 +117,11 @@ def unreachable(exc: BaseException) -> bool:
 
 
 class _Loop:
-    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress, fallback: bool = True):
+    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress, fallback: bool = True,
+                 observer: CostObserver | None = None):
         self.rt, self.client, self.cfg, self.seed, self.sid = rt, client, cfg, int(seed), sid
+        self.observer = observer or CostObserver()  # the device's running cost estimates (fed by every image)
+        self.span, self.burst = cfg.span, cfg.burst  # the image's operating point (`choose_point`)
         self.fallback, self.offline = fallback, False
         self.n_total, self.vocab = rt.num_tokens, rt.vocab_size
         self.cfg_rows = cfg.sampling.cfg_scale > 1.0
@@ -117,12 +138,15 @@ class _Loop:
                                  "drafted", "accepted", "verifications", "cloud_requests", "resumes",
                                  "cloud_forward_passes", "device_forward_passes", "bytes_up", "bytes_down",
                                  "degraded", "degraded_tokens"), 0)
-        self.st.update(device_s=0.0, cloud_s=0.0, comm_s=0.0, images=1)
+        self.st.update(device_s=0.0, cloud_s=0.0, comm_s=0.0, images=1, span_used=0, burst_used=0, handovers=0,
+                       adapted=0, est_device_step_s=0.0, est_link_latency_s=0.0, est_cloud_step_s=0.0, queue_s=0.0)
 
     # ------------------------------------------------------------------ the loop
     def run(self, prompt: str) -> Result:
         cfg, n_total, t0 = self.cfg, self.n_total, time.perf_counter()
         prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
+        if prefix_len < n_total and self.choose_point(n_total - prefix_len).cloud_only:
+            prefix_len = n_total  # the whole image on the cloud: cloud-only's open
         drafting = prefix_len < n_total
         req = OpenRequest(self.sid, prompt, self.seed, cfg.sampling, prefix_len, RuleConfig(), want_caption=drafting)
         reply = self.exchange(req, req.nbytes(), lambda: self.client.open(req))
@@ -140,6 +164,8 @@ class _Loop:
                     self.feed(self.tokens, 0)
                 self.st["device_s"] += time.perf_counter() - t
                 self.draft_all()
+                if self.st["device_forward_passes"]:
+                    self.observer.device_step.update(self.st["device_s"] / self.st["device_forward_passes"])
         except BaseException:
             if not self.offline:
                 try:  # the error in flight is the one to report
@@ -155,6 +181,32 @@ class _Loop:
         self.progress(final=True)
         return Result(np.array(self.tokens, np.int64), self.who, finish_stats(st))
 
+    def choose_point(self, remaining: int) -> OperatingPoint:
+        """The image's operating point, before its open (`ciar.collab.decoder.CollabDecoder.operating_point`'s
+        rule): the calibrated span and burst under the fixed policy; under the adaptive one, `CostObserver.decide`
+        from the observed costs, primed on a new observer with the connection's handshake (half its round trip),
+        one timed device step and the verifier's hint (the WELCOME's, `cost_hint()`)."""
+        cfg, obs, st = self.cfg, self.observer, self.st
+        point = OperatingPoint(cfg.span, cfg.burst)
+        if cfg.policy == "adaptive":
+            if not obs.primed:
+                ask = getattr(self.client, "cost_hint", None)
+                hint = ask() if ask is not None else None  # connects: the handshake is timed
+                handshake = getattr(self.client, "handshake_s", None)
+                obs.prime(latency_s=handshake / 2 if handshake else None,
+                          device_step_s=self.rt.step_seconds(2 if self.cfg_rows else 1), hint=hint)
+            if obs.ready:
+                costs = obs.costs(self.vocab, hidden_dim=int(self.rt.manifest["dim"]) if cfg.inter_enhance else 0,
+                                  feature_dim=M.interval_feature_dim(cfg.feature_top) if cfg.inter_enhance else 0)
+                st.update(est_device_step_s=costs.device_step_s, est_link_latency_s=costs.latency_s,
+                          est_cloud_step_s=costs.cloud_step_s)
+                chosen = obs.decide(costs, point, remaining, cfg.cloud_step_price_s).point
+                st["adapted"] = int(chosen != point)
+                point = chosen
+        st.update(handovers=int(point.cloud_only), span_used=point.span, burst_used=point.burst)
+        self.span, self.burst = point.span, point.burst
+        return point
+
     def draft_all(self) -> None:
         cfg = self.cfg
         while len(self.tokens) < self.n_total:
@@ -163,6 +215,8 @@ class _Loop:
             q_sent, q_used, x = self.draft()
             self.box = None
             escalate = not self.offline and self.score(q_used, x) > cfg.tau
+            if not self.offline:
+                self.observer.escalation.observe(float(escalate))
             if not escalate:
                 self.accept_local(x)
                 self.st["device_s"] += time.perf_counter() - t
@@ -176,7 +230,7 @@ class _Loop:
                 feats = feats.astype(np.float16)
             self.st["device_s"] += time.perf_counter() - t
             req = VerifyRequest(self.sid, np.array(self.pending, np.int64), np.array(span, np.int64),
-                                np.stack(span_q), hidden, feats, burst=cfg.burst, burst_entropy=cfg.burst_entropy)
+                                np.stack(span_q), hidden, feats, burst=self.burst, burst_entropy=cfg.burst_entropy)
             try:
                 rep = self.exchange(req, req.nbytes(self.vocab), lambda: self.client.verify(req))
             except Exception as e:
@@ -225,7 +279,7 @@ class _Loop:
     def draft_span(self, x: int, q_sent: np.ndarray) -> tuple[list[int], list[np.ndarray]]:
         """The uncertain draft x and up to span-1 more (span[:-1] are fed)."""
         i = len(self.tokens)
-        k = min(self.cfg.span, self.n_total - i)
+        k = min(self.span, self.n_total - i)
         span, span_q = [x], [q_sent]
         for j in range(1, k):
             self.feed([span[-1]], i + j - 1)
@@ -242,6 +296,7 @@ class _Loop:
         st["resumes"] += int(bool(getattr(rep, "resumed", False)))
         st["drafted"] += k
         st["accepted"] += n
+        self.observer.observe_verdict(k, n)
         burst = np.asarray(rep.burst_tokens, np.int64).reshape(-1).tolist() if rep.num_burst else []
         new = (span[:n] + [int(rep.next_token)] + burst)[: self.n_total - i]
         st["burst_tokens"] += max(0, len(new) - n - 1)
@@ -288,15 +343,21 @@ class _Loop:
             raise
         wall = time.perf_counter() - t
         st = self.st
+        queue_s = float(getattr(reply, "queue_s", 0.0))  # verify replies say how long the request queued
         st["cloud_requests"] += 1
         st["cloud_s"] += float(reply.cloud_s)
         st["comm_s"] += max(0.0, wall - float(reply.cloud_s))
+        st["queue_s"] += queue_s
         if log is not None:
-            st["bytes_up"] += sum(e.up_bytes for e in log[seen:])
-            st["bytes_down"] += sum(e.down_bytes for e in log[seen:])
+            up, down = sum(e.up_bytes for e in log[seen:]), sum(e.down_bytes for e in log[seen:])
         else:
-            st["bytes_up"] += up_bytes
-            st["bytes_down"] += reply.nbytes()
+            up, down = up_bytes, reply.nbytes()
+        st["bytes_up"] += up
+        st["bytes_down"] += down
+        # the link: the wall time beyond the verifier's own (its forwards and the queue) — what the socket took
+        self.observer.observe_exchange(up, down, max(0.0, wall - float(reply.cloud_s) - queue_s),
+                                       float(reply.cloud_s), int(reply.forward_passes), queue_s,
+                                       verify=not isinstance(req, OpenRequest))
         if isinstance(req, OpenRequest):
             st["cloud_forward_passes"] += int(reply.forward_passes)
         return reply

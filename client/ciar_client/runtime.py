@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +117,20 @@ class DeviceRuntime:
             "k_cache": self._k, "v_cache": self._v})
         self.length = start + n
         return Step(center, radius, hidden)
+
+    def step_seconds(self, rows: int = 1, repeats: int = 3) -> float:
+        """Seconds of one step (one token fed), the median of `repeats` after a warm-up, on a caption of zeros: what
+        the device knows of its own step before its first image (the adaptive policy's prior,
+        `ciar_client.policy.CostObserver.prime`). Leaves the cache empty (`start` comes next)."""
+        L, D = self.cls_token_num, self.caption_dim
+        self.start(np.zeros((L, D), np.float32), np.ones(L, bool), rows)
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            self.feed([0], 0)
+            times.append(time.perf_counter() - t)
+        self.rollback(0)
+        return statistics.median(times[1:])
 
     def rollback(self, length: int) -> None:
         """Keep image tokens [0, length) in the cache (moves the position pointer; the next feed starts at most at

@@ -23,7 +23,7 @@ Frame = 8-byte header + body, little-endian:
 |---------------|------------------------------------------------------------------------------------------------|
 | HELLO 1       | str16 device key, str8 client name                                                             |
 | WELCOME 2     | str8 device id, u32 max frame bytes, u16 max sessions, f64 messages/s, f64 idle timeout s,     |
-|               | str8 server name                                                                               |
+|               | str8 server name, f64 span forward s, f64 sampled step s, f64 queue wait s (0: not measured)   |
 | OPEN 3        | str8 session, i64 seed, f64 cfg_scale, f64 temperature, u32 top_k, f64 top_p, u16 prefix_len,  |
 |               | u8 rule, u32 lantern_k, f64 lantern_delta, f64 cascade_threshold, u8 want_caption, str16 prompt |
 | OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, u32 forward_passes, u8 caption,   |
@@ -55,7 +55,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: VERIFY_REPLY carries the verifier's queue wait (issue 29)
+# 2: VERIFY_REPLY carries the verifier's queue wait; 3: WELCOME carries the verifier's recent costs (issue 29)
+PROTOCOL_VERSION = 3
 MAGIC = b"CI"
 HEADER_BYTES = 8
 TOKEN_BYTES = 32  # a session token: HMAC-SHA256
@@ -292,9 +293,13 @@ class Welcome:
     messages_per_s: float
     idle_timeout_s: float
     server: str = ""
+    # the verifier's recent figures, as its replies reported them (the adaptive policy's start: CostHint); 0: none
+    verify_s: float = 0.0  # its span forward
+    step_s: float = 0.0  # one token it samples itself
+    queue_s: float = 0.0  # the queue wait per verify
 
     def nbytes(self) -> int:
-        return HEADER_BYTES + _str_bytes(self.device_id, 1) + 4 + 2 + 8 + 8 + _str_bytes(self.server, 1)
+        return HEADER_BYTES + _str_bytes(self.device_id, 1) + 4 + 2 + 8 + 8 + _str_bytes(self.server, 1) + 3 * 8
 
 
 @dataclass
@@ -395,6 +400,7 @@ def encode_frame(frame: Frame) -> bytes:
         w.str_(b.device_id, 1, "device_id")
         w.pack("IHdd", b.max_frame_bytes, b.max_sessions, b.messages_per_s, b.idle_timeout_s)
         w.str_(b.server, 1, "server")
+        w.pack("ddd", float(b.verify_s), float(b.step_s), float(b.queue_s))
     elif t == OPEN:
         _open_body(w, b)
     elif t == OPEN_REPLY:
@@ -558,7 +564,8 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
     elif ftype == WELCOME:
         dev = r.str_(1, "device_id")
         mf, ms, rate, idle = r.unpack("IHdd", "welcome")
-        body = Welcome(dev, mf, ms, rate, idle, r.str_(1, "server"))
+        server = r.str_(1, "server")
+        body = Welcome(dev, mf, ms, rate, idle, server, *r.unpack("ddd", "welcome"))
     elif ftype == OPEN:
         body = _open_read(r, sampling)
     elif ftype == OPEN_REPLY:

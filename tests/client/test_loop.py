@@ -226,9 +226,9 @@ def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_
     from ciar_client.loop import generate
 
     prompt = _val(1)[0]
-    ref = generate(runtime, cloud, prompt, seed=5, session_id="sock-5")
+    ref = generate(runtime, cloud, prompt, seed=5, session_id="sock-5", policy="fixed")
     conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size)
-    out = generate(runtime, conn, prompt, seed=5, session_id="sock-5")
+    out = generate(runtime, conn, prompt, seed=5, session_id="sock-5", policy="fixed")
     conn.disconnect()
     assert np.array_equal(out.tokens, ref.tokens) and out.who == ref.who
     # the frames' real sizes are the messages' nbytes (the close is not charged)
@@ -237,7 +237,7 @@ def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_
 
     png, stats = tmp_path / "img.png", tmp_path / "stats.json"
     rc = main(["--server", server, "--key", KEY, "--prompt", prompt, "--out", str(png), "--seed", "5",
-               "--model-dir", onnx_dir, "--stats", str(stats)])
+               "--model-dir", onnx_dir, "--stats", str(stats), "--policy", "fixed"])
     line = capsys.readouterr().out.strip()
     assert rc == 0 and line.startswith(f"wrote {png}: 144 tokens")
     assert "cloud calls" in line and "cloud requests" in line
@@ -254,6 +254,37 @@ def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_
                "--model-dir", onnx_dir])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "error:" in err[0], err
+
+
+def test_adaptive_over_the_socket_starts_from_the_welcome_and_reports_a_point_that_remakes_the_image(server, runtime,
+                                                                                                   cloud):
+    """The torch-free device runs the adaptive policy (the default): before its first image it knows the link from
+    its handshake, its step from one timed step and the verifier's costs from the WELCOME (the verifier has served
+    other images by now); it keeps one observer across its images; and the same request at the reported point with
+    the fixed policy makes the same image (or, given to the cloud whole, cloud-only's)."""
+    from ciar_client.connection import DeviceConnection
+    from ciar_client.loop import generate
+    from ciar_client.policy import CostObserver
+
+    conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size)
+    generate(runtime, conn, _val(3)[2], seed=19, policy="fixed")  # the verifier has served an image
+    conn.disconnect()
+    hint = conn.cost_hint()  # a new connection: its WELCOME carries the verifier's figures
+    assert conn.handshake_s > 0 and hint is not None and hint.span_s > 0 and hint.step_s > 0
+    observer = CostObserver(rates=runtime.manifest["ciar_defaults"]["policy_rates"])
+    try:
+        for i, prompt in enumerate(_val(2)):
+            r = generate(runtime, conn, prompt, seed=20 + i, observer=observer)
+            st = r.stats
+            assert observer.primed and observer.ready and st["est_cloud_step_s"] > 0 and st["est_device_step_s"] > 0
+            assert st["handovers"] in (0, 1) and len(r.tokens) == runtime.num_tokens
+            fixed = {"prefix_rate": 1.0} if st["handovers"] else {"span": st["span_used"], "burst": st["burst_used"]}
+            again = generate(runtime, conn, prompt, seed=20 + i, policy="fixed", **fixed)
+            assert np.array_equal(again.tokens, r.tokens)
+            assert st["span_used"] >= runtime.manifest["ciar_defaults"]["span"] or st["handovers"]
+    finally:
+        conn.disconnect()
+    assert observer.link.samples >= 2 and observer.cloud.samples >= 1 or observer.cloud_only_streak == 2
 
 
 class _CloudGoneAfter:

@@ -37,7 +37,7 @@ def _messages():
     probs = r.random((2, V)).astype(np.float16)
     return [
         Frame(HELLO, 1, Hello("ciar-dev-device-key", "ciar-client/0.1")),
-        Frame(WELCOME, 1, Welcome("d-1234", 2 << 20, 8, 200.0, 60.0, "ciar")),
+        Frame(WELCOME, 1, Welcome("d-1234", 2 << 20, 8, 200.0, 60.0, "ciar", 0.012, 0.004, 0.001)),
         Frame(OPEN, 2, _open()),
         Frame(OPEN_REPLY, 2, OpenReply("s1", r.integers(0, V, 9), r.standard_normal((40, 384)).astype(np.float16),
                                        r.random(40) > 0.3, 0.0123, 10, V), TOKEN),
@@ -117,10 +117,11 @@ def test_float16_and_bitpacking_are_exact():
 
 def test_other_version_and_garbage_are_refused():
     data = bytearray(encode_frame(_messages()[0]))
-    data[2] = wire.PROTOCOL_VERSION - 1  # the previous version (1: no queue wait, no hand-over)
-    with pytest.raises(VersionError, match=f"version 1.*speaks version {wire.PROTOCOL_VERSION}") as e:
+    old = wire.PROTOCOL_VERSION - 1  # the previous version (2: no cost hint in WELCOME)
+    data[2] = old
+    with pytest.raises(VersionError, match=f"version {old}.*speaks version {wire.PROTOCOL_VERSION}") as e:
         decode_frame(bytes(data))
-    assert e.value.version == 1
+    assert e.value.version == old
     with pytest.raises(WireError, match="bad magic"):
         decode_frame(b"XX" + bytes(data[2:]))
     with pytest.raises(WireError, match="truncated"):

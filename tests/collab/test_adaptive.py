@@ -1,4 +1,4 @@
-"""The adaptive policy (CollabConfig.policy = "adaptive", ciar.collab.policy) on the shipped world: each image's
+"""The adaptive policy (CollabConfig.policy = "adaptive", ciar_client.policy) on the shipped world: each image's
 operating point is chosen before its open from the costs the device observed on its earlier images. Where the costs
 say so the image goes to the cloud whole (cloud-only's open), where they do not the device drafts; it never verifies
 less than the calibrated point (the gate and tau are the fixed policy's; spans and bursts only grow); the point is
@@ -77,12 +77,36 @@ def test_a_slow_link_and_a_cheap_cloud_give_the_image_to_the_cloud(world):
     observer = dec.observers["4g"]
     assert observer.ready and observer.cloud_only_streak == 2
     # after EXPLORE_EVERY images on the cloud, one is drafted at the calibrated point to look at its costs again
-    from ciar.collab.policy import EXPLORE_EVERY
+    from ciar_client.policy import EXPLORE_EVERY
 
     observer.cloud_only_streak = EXPLORE_EVERY
     st = dec.generate(_prompts(1)[0], seed=7).stats
     assert st.handovers == st.adapted == 0 and st.verifications > 0 and observer.cloud_only_streak == 0
     assert dec.generate(_prompts(1)[0], seed=8).stats.handovers == 1
+
+
+def test_a_new_device_chooses_its_first_image_from_the_handshake_its_own_step_and_the_verifiers_hint(world):
+    """A verifier that has answered other devices hints its span forward and sampled step (`cost_hint`); a new
+    device primes its estimates with it, its handshake's round trip and one timed step of its own, so on 4G with a
+    cheap cloud its very first image goes to the cloud whole, and on 5G with a dear one it drafts."""
+    from ciar.collab.decoder import CollabDecoder, method_config
+
+    dec, cloud = _decoder(world, policy="fixed")
+    assert cloud.cost_hint() is None  # a verifier that has served nothing has nothing to hint
+    dec.generate(_prompts(1)[0], seed=0)
+    hint = cloud.cost_hint()
+    assert hint.span_s > 0 and hint.queue_s >= 0
+    assert world.device_model.step_seconds() > 0
+    for knobs, cloud_only in (({"network": "4g", "cloud_slowdown": 0.1}, True),
+                              ({"network": "5g", "cloud_slowdown": 50.0}, False)):
+        new = CollabDecoder(world.device_model, cloud, method_config("ciar", policy="adaptive", **knobs),
+                            world.sampling, num_tokens=world.cloud.config.block_size)
+        st = new.generate(_prompts(2)[1], seed=3).stats
+        assert st.handovers == st.adapted == int(cloud_only), knobs
+        link = knobs["network"]
+        prior = new.observers[link].link.prior_latency_s
+        assert prior > {"4g": 0.04, "5g": 0.005}[link] and st.est_link_latency_s == pytest.approx(prior)
+        assert st.est_cloud_step_s == pytest.approx(hint.span_s * knobs["cloud_slowdown"], rel=0.5)
 
 
 def test_an_expensive_cloud_step_keeps_the_device_drafting_and_never_verifies_less(world):

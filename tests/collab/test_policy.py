@@ -1,4 +1,4 @@
-"""The cost model of an operating point (ciar.collab.policy): hand-worked cases, the choice and its quality floor,
+"""The cost model of an operating point (ciar_client.policy): hand-worked cases, the choice and its quality floor,
 message sizes from the codec, and the running estimates."""
 
 import math
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ciar.collab.network import NetworkModel
-from ciar.collab.policy import (CLOUD_ONLY, CloudStepEstimator, CostObserver, Costs, Ewma, LinkEstimator,
+from ciar.collab.protocol import VerifyReply, VerifyRequest
+from ciar_client.policy import (CLOUD_ONLY, CloudStepEstimator, CostHint, CostObserver, Costs, Ewma, LinkEstimator,
                                 OperatingPoint, RateEstimator, accepted_drafts, allowed_points, choose, expected_cost,
                                 full_accept, reply_bytes, request_bytes)
-from ciar.collab.protocol import VerifyReply, VerifyRequest
 
 R = 100  # remaining tokens in the hand-worked cases
 # no serialisation time (b = inf), no queue: every number below is worked out by hand in the test's docstring
@@ -244,3 +244,42 @@ def test_a_clipped_ewma_bounds_one_stall_and_follows_a_real_change():
     assert e.value == pytest.approx(0.050, rel=0.01)
     with pytest.raises(ValueError):
         Ewma(clip=1.0)
+
+
+def test_a_primed_observer_is_ready_before_its_first_image_and_its_observations_replace_the_priors():
+    """What a device knows before drafting (the handshake's round trip, a timed step, the verifier's hint) is enough
+    to choose its first image; each estimate then follows the device's own observations."""
+    obs = CostObserver()
+    obs.prime(latency_s=0.05, device_step_s=0.002, hint=CostHint(span_s=0.010, step_s=0.004, queue_s=0.001))
+    assert obs.ready
+    c = obs.costs(1024)
+    assert (c.latency_s, c.device_step_s, c.cloud_step_s, c.decode_step_s, c.queue_s) == \
+        pytest.approx((0.05, 0.002, 0.010, 0.004, 0.001))
+    obs.observe_exchange(9000, 60, 0.030, 0.020, 1, 0.0, verify=True)  # a verify reply: t_c 20 ms, 15 ms on the link
+    obs.device_step.update(0.003)
+    c = obs.costs(1024)
+    assert c.cloud_step_s == pytest.approx(0.020) and c.decode_step_s == pytest.approx(0.004)  # t_s: still the hint
+    assert c.latency_s == pytest.approx(0.015) and c.device_step_s == pytest.approx(0.003) and c.queue_s == 0.0
+    # a hint without a sampled step: t_s falls back to t_c; without any hint or reply the device is not ready
+    assert CloudStepEstimator().steps(CostHint(span_s=0.01)) == (0.01, 0.01)
+    unready = CostObserver()
+    unready.prime(latency_s=0.05, device_step_s=0.002)
+    assert not unready.ready
+    assert CostHint(0.01, 0.002, 0.5).scaled(10.0) == CostHint(0.1, 0.02, 0.5)  # compute scales, the queue does not
+
+
+def test_exploration_looks_at_drafting_again_less_often_while_the_cloud_stays_cheaper():
+    """Costs that keep the device on the cloud: the calibrated point is tried after EXPLORE_EVERY images in a row on
+    the cloud, then after twice as many each time (up to EXPLORE_MAX); drafting by choice starts the count over."""
+    from ciar_client.policy import EXPLORE_EVERY, EXPLORE_MAX
+
+    cal = OperatingPoint(2, 4)
+    cloud_cheap = replace(FOUR_G_CHEAP_CLOUD, cloud_step_s=0.0001, decode_step_s=0.0001)
+    obs = CostObserver()
+    looks = [i for i in range(2000) if obs.decide(cloud_cheap, cal, R).point == cal]
+    gaps = [b - a - 1 for a, b in zip([-1] + looks, looks)]
+    assert EXPLORE_MAX == 16 * EXPLORE_EVERY and gaps[:6] == [EXPLORE_EVERY * 2 ** i for i in range(5)] + [EXPLORE_MAX]
+    assert obs.decide(FIVE_G_DEAR_CLOUD, cal, R).point != CLOUD_ONLY  # drafting pays: chosen, the count starts over
+    assert obs.explore_after == EXPLORE_EVERY and obs.cloud_only_streak == 0
+    first = [i for i in range(EXPLORE_EVERY + 1) if obs.decide(cloud_cheap, cal, R).point == cal]
+    assert first == [EXPLORE_EVERY]

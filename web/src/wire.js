@@ -10,7 +10,7 @@
 // Token ids travel bit-packed at ceil(log2 V) bits each (little-endian bit order); float16 arrays travel as their
 // bits (Uint16Array here: the device quantises with maths.toFloat16Array, exactly as numpy does).
 
-export const PROTOCOL_VERSION = 2;
+export const PROTOCOL_VERSION = 3;
 export const HEADER_BYTES = 8;
 export const TOKEN_BYTES = 32;
 export const [HELLO, WELCOME, OPEN, OPEN_REPLY, VERIFY, VERIFY_REPLY, RESUME, CLOSE, CLOSED, ERROR] =
@@ -231,6 +231,7 @@ export function decodeFrame(data) {
     body = { device_id: r.str(1, "device_id"), max_frame_bytes: r.u32("welcome"), max_sessions: r.u16("welcome"),
       messages_per_s: r.f64("welcome"), idle_timeout_s: r.f64("welcome") };
     body.server = r.str(1, "server");
+    body.verify_s = r.f64("welcome"); body.step_s = r.f64("welcome"); body.queue_s = r.f64("welcome");
   } else if (type === OPEN_REPLY) {
     const sid = r.str(1, "session_id");
     token = r.token();

@@ -45,8 +45,12 @@ The inputs are a device's running estimates (`CostObserver`, one per link, kept 
 (`LinkEstimator`: each exchange's bytes against the seconds it spent on the link, its wall time minus the cloud and
 queue time the reply reports: what a real socket sees, and what the simulated network charges), the verifier's t_c,
 t_s and queue wait (`CloudStepEstimator`, an `Ewma`), the device's step time, and the gate's and the cloud's rates
-(`RateEstimator`, starting from the device file's `policy_rates`). The decoder chooses once per image, before its
-open, with a margin (`SWITCH_MARGIN`) and a periodic look back at drafting (`EXPLORE_EVERY`).
+(`RateEstimator`, starting from the device file's `policy_rates`). Before its first image a device knows them from
+what it has without drafting (`CostObserver.prime`): the round trip of its connection's handshake, one timed device
+step, and the verifier's own recent figures (`CostHint`, from the server: the WELCOME frame, or
+`CloudClient.cost_hint()` in the cluster). A device chooses once per image, before its open
+(`CostObserver.decide`), with a margin (`SWITCH_MARGIN`) and a look back at drafting after `EXPLORE_EVERY` images in a
+row on the cloud, the wait doubling (up to `EXPLORE_MAX`) each time the look did not change the choice.
 """
 
 from __future__ import annotations
@@ -57,9 +61,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# the messages' sizes come from the codec itself (numpy only, so a torch-free device can run this module)
-from ciar.collab.defaults import POLICY_RATES
+# the messages' sizes come from the codec itself (numpy only: every device runs this module, the torch decoder and
+# the torch-free client alike)
 from ciar_client.wire import VerifyReply, VerifyRequest
+
+# the adaptive policy's rates, under the names the device file carries them (`CIARDefaults.policy_rates`)
+POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")
 
 SESSION_ID = "0" * 32  # the decoder's session ids are uuid4().hex: 32 characters
 SPANS = tuple(range(1, 33))  # the span knob's range (ciar.collab.knobs)
@@ -71,8 +78,10 @@ BURSTS = (0, 1, 2, 4, 8, 16, 32)  # T and C are monotone in g (linear over linea
 SWITCH_MARGIN = 0.10
 # after this many images in a row given to the cloud whole, the device drafts one at the calibrated point: an image
 # on the cloud shows nothing new of the device's step, the gate's rate or the cloud's acceptance, so an estimate that
-# was wrong when the device gave up drafting would never be corrected (it costs at most 1/33 of the difference)
+# was wrong when the device gave up drafting would never be corrected. Each look that leaves the choice on the cloud
+# doubles the wait, up to EXPLORE_MAX (the looks cost 1/33, then 1/65, ... of the difference: ~0 in the long run)
 EXPLORE_EVERY = 32
+EXPLORE_MAX = 512
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,22 @@ class Costs:
         """m: tokens accepted locally between two escalations, (1 - e) / e rounded (0 when e is 0: no exchange)."""
         e = self.escalation_rate
         return round((1.0 - e) / e) if e > 0 else 0
+
+
+@dataclass(frozen=True)
+class CostHint:
+    """The verifier's own recent figures, sent to a device before its first image (WELCOME, or
+    `CloudClient.cost_hint()`): its span forward t_c, sampled step t_s and queue wait per exchange, as its replies
+    reported them (`CloudStepEstimator` over every device's replies). None where it has not measured one yet."""
+
+    span_s: float | None = None
+    step_s: float | None = None
+    queue_s: float | None = None
+
+    def scaled(self, factor: float) -> "CostHint":
+        """The hint with the verifier's compute times x `factor` (a simulated device's cloud slowdown)."""
+        return CostHint(None if self.span_s is None else self.span_s * factor,
+                        None if self.step_s is None else self.step_s * factor, self.queue_s)
 
 
 @dataclass(frozen=True)
@@ -220,6 +245,12 @@ def expected_cost(costs: Costs, point: OperatingPoint, remaining: int, pending: 
     per_position = (1.0 - e) * costs.device_step_s + e * (k * costs.device_step_s + exchange)
     tokens_per_position = (1.0 - e) + e * (accepted_drafts(costs, k) + 1.0 + burst)
     return Outlook(remaining * per_position / tokens_per_position, remaining * e * steps / tokens_per_position)
+
+
+def candidate_spans(k: int) -> list[int]:
+    """The spans the adaptive policy considers from the calibrated one `k` on (longer spans are rarely accepted
+    whole: a coarse grid of them is enough)."""
+    return sorted({min(SPANS[-1], s) for s in (k, k + 1, k + 2, 2 * k, 3 * k, 4 * k, 8, 12, 16) if s >= k})
 
 
 def allowed_points(calibrated: OperatingPoint, spans=SPANS, bursts=BURSTS) -> list[OperatingPoint]:
@@ -357,13 +388,21 @@ class CloudStepEstimator:
         elif passes >= self.LONG_OPEN:
             self.step.update(cloud_s / passes)
 
-    def steps(self) -> tuple[float, float] | None:
-        """(t_c, t_s) in seconds, or None before any reply."""
-        if not self.per_pass.samples:
+    def steps(self, prior: CostHint | None = None) -> tuple[float, float] | None:
+        """(t_c, t_s) in seconds: observed, else the server's `prior`, else the mean per forward so far; None when
+        neither a reply nor a prior gives one."""
+        prior = prior or CostHint()
+        fallback = self.per_pass.value if self.per_pass.samples else None
+        t_c = self.span.value if self.span.samples else prior.span_s if prior.span_s is not None else fallback
+        t_s = self.step.value if self.step.samples else prior.step_s if prior.step_s is not None else fallback
+        if t_c is None and t_s is None:
             return None
-        fallback = self.per_pass.value
-        return (self.span.value if self.span.samples else fallback,
-                self.step.value if self.step.samples else fallback)
+        return (t_c if t_c is not None else t_s, t_s if t_s is not None else t_c)
+
+    def hint(self, queue_s: float | None = None) -> CostHint:
+        """What this estimator has seen, as a hint for a device that has seen nothing (a verifier's own figures)."""
+        return CostHint(self.span.value if self.span.samples else None,
+                        self.step.value if self.step.samples else None, queue_s)
 
 
 class RateEstimator:
@@ -398,7 +437,7 @@ class CostObserver:
 
     ESCALATION_PRIOR = (0.15, 8.0)  # (rate, pseudo-drafts) before the device has shown its own
     ACCEPT_PRIOR = (0.5, 0.8, 4.0)  # (alpha1, alpha, pseudo-verifications)
-    RATES = POLICY_RATES  # the names the device file carries them under (ciar.collab.defaults)
+    RATES = POLICY_RATES  # the names the device file carries them under
 
     def __init__(self, weight: float = 0.2, rates: dict | None = None, decay: float = 0.998):
         """`rates`: the starting escalation and acceptance rates (`RATES`; the device file's, measured on val
@@ -409,7 +448,11 @@ class CostObserver:
         self.queue = Ewma(weight, prior=0.0)
         self.verifier = Ewma(weight)  # seconds in the verifier per verify exchange: queue wait + its forwards
         self.device_step = Ewma(weight, clip=3.0)
+        self.cloud_prior: CostHint | None = None  # the verifier's figures before any reply (`prime`)
+        self.primed = False  # `prime` was called (a device primes an observer once, before its first image)
         self.cloud_only_streak = 0  # images in a row the policy gave to the cloud whole (EXPLORE_EVERY)
+        self.explore_after = EXPLORE_EVERY  # the streak after which the next image looks at drafting again
+        self.exploring = False  # the last image was such a look
         rates = rates or {}
         e0, n0 = self.ESCALATION_PRIOR
         a1, a, m0 = self.ACCEPT_PRIOR
@@ -434,14 +477,56 @@ class CostObserver:
         if later:
             self.accept_next.observe(float(max(0, accepted - 1)), float(later))
 
+    def prime(self, latency_s: float | None = None, device_step_s: float | None = None,
+              hint: CostHint | None = None) -> None:
+        """What a device knows before its first exchange, as the estimates' priors (its observations replace them):
+        `latency_s`, the link's per-transmission latency from its connection's handshake (half its round trip);
+        `device_step_s`, one timed device step; `hint`, the verifier's own recent figures (`CostHint`)."""
+        self.primed = True
+        if latency_s is not None:
+            self.link.prior_latency_s = max(0.0, float(latency_s))
+        if device_step_s is not None:
+            self.device_step.prior = max(0.0, float(device_step_s))
+        if hint is not None:
+            self.cloud_prior = hint
+            if hint.queue_s is not None:
+                self.queue.prior = max(0.0, float(hint.queue_s))
+
     @property
     def ready(self) -> bool:
-        """Whether every cost the model reads has been observed at least once: an image drafted and verified."""
-        return bool(self.link.samples and self.cloud.samples and self.device_step.samples)
+        """Whether every cost the model reads has a value, observed (an image drafted and verified) or primed before
+        the first image (`prime`: the handshake, a timed device step, the verifier's hint)."""
+        link = self.link.samples or self.link.prior_latency_s > 0
+        return bool(link and self.cloud.steps(self.cloud_prior) is not None and self.device_step.value is not None)
 
     def cloud_steps(self) -> tuple[float, float]:
-        """(t_c, t_s) as observed (`CloudStepEstimator`), (0, 0) before any reply."""
-        return self.cloud.steps() or (0.0, 0.0)
+        """(t_c, t_s) as observed (`CloudStepEstimator`; the server's hint until then), (0, 0) without either."""
+        return self.cloud.steps(self.cloud_prior) or (0.0, 0.0)
+
+    def decide(self, costs: Costs, calibrated: OperatingPoint, remaining: int, cloud_step_price_s: float = 0.0,
+               spans=None, bursts=BURSTS) -> Decision:
+        """The operating point of the device's next image, chosen before its open: `choose` with the margin
+        (`SWITCH_MARGIN`), except that after `explore_after` images in a row on the cloud the image drafts at the
+        calibrated point, to look at drafting's costs again; when the image after such a look goes to the cloud
+        again, the wait doubles (up to `EXPLORE_MAX`), and a device that drafts by choice starts over at
+        `EXPLORE_EVERY`. Keeps the streak (`cloud_only_streak`). `spans`: the spans considered (default
+        `candidate_spans` of the calibrated span)."""
+        if spans is None:
+            spans = candidate_spans(calibrated.span) if not calibrated.cloud_only else ()
+        decision = choose(costs, calibrated, remaining, cloud_step_price_s, spans=spans, bursts=bursts, at_open=True,
+                          margin=SWITCH_MARGIN)
+        if not decision.point.cloud_only:
+            self.cloud_only_streak, self.explore_after, self.exploring = 0, EXPLORE_EVERY, False
+            return decision
+        if self.exploring:  # the look at drafting did not change the choice: look less often
+            self.explore_after = min(EXPLORE_MAX, 2 * self.explore_after)
+        self.exploring = self.cloud_only_streak >= self.explore_after
+        if self.exploring:
+            self.cloud_only_streak = 0
+            outlook = expected_cost(costs, calibrated, remaining, at_open=True)
+            return Decision(calibrated, outlook, outlook.seconds + cloud_step_price_s * outlook.cloud_steps)
+        self.cloud_only_streak += 1
+        return decision
 
     def costs(self, vocab_size: int, hidden_dim: int = 0, feature_dim: int = 0,
               device_step_s: float | None = None) -> Costs:
