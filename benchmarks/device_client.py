@@ -118,7 +118,7 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
     devices = ("cluster", "client") + (("browser",) if browser else ())
     out = {d: {s: {"tokens": [], "rows": []} for s in seeds} for d in devices}
     try:
-        generate(runtime, conn, prompts[0], seed=WARMUP_SEED)
+        generate(runtime, conn, prompts[0], seed=WARMUP_SEED, policy="fixed")
         conn.exchanges.clear()
         _post(http_url, api_key, {"prompt": prompts[0], "seed": WARMUP_SEED, "method": "ciar", "network": "none",
                                   "response_format": "tokens", "params": FIXED})
@@ -129,7 +129,7 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
                                                 "response_format": "tokens", "params": FIXED})
                 out["cluster"][s]["tokens"].append(got["tokens"])
                 out["cluster"][s]["rows"].append(_per_image(got["stats"]))
-                r = generate(runtime, client, prompt, seed=seed)
+                r = generate(runtime, client, prompt, seed=seed, policy="fixed")  # the cluster's point (FIXED)
                 out["client"][s]["tokens"].append(r.tokens.tolist())
                 out["client"][s]["rows"].append(_per_image(r.stats))
     finally:

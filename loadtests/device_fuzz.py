@@ -112,13 +112,15 @@ class Witnesses:
 
 
 def onnx_witnesses(model_dir: str) -> Witnesses:
-    """Witnesses on the exported device model (`python -m pipelines.export_onnx`): the torch-free device loop."""
+    """Witnesses on the exported device model (`python -m pipelines.export_onnx`): the torch-free device loop at the
+    calibrated point (`policy="fixed"`: the adaptive policy would choose from the costs the fuzz inflates, and a
+    witness checks the channel, not the policy)."""
     from ciar_client.loop import generate
     from ciar_client.runtime import DeviceRuntime
 
     rt = DeviceRuntime(model_dir)
-    return Witnesses(lambda conn, prompt, seed, sid: generate(rt, conn, prompt, seed, session_id=sid).tokens,
-                     rt.vocab_size)
+    return Witnesses(lambda conn, prompt, seed, sid: generate(rt, conn, prompt, seed, session_id=sid,
+                                                              policy="fixed").tokens, rt.vocab_size)
 
 
 class _RecordingConnection(DeviceConnection):

@@ -147,9 +147,12 @@ def run_worker(plan: dict) -> int:
     """One client process: the plan's images until done or past the deadline; one JSON line per image. -> 0, or 2
     when the server refused the device for good."""
     from ciar_client.loop import generate
+    from ciar_client.policy import CostObserver
     from ciar_client.runtime import DeviceRuntime
 
     rt = DeviceRuntime(plan["model_dir"], threads=1)
+    # one device: the adaptive policy's estimates kept across its images (the first primed from the WELCOME)
+    observer = CostObserver(rates=(rt.manifest.get("ciar_defaults") or {}).get("policy_rates"))
     conn = RecordingConnection(plan["url"], plan["key"], rt.vocab_size, timeout_s=plan["reply_timeout_s"],
                                sample_frames=plan.get("sample_frames", 0))
     rc = 0
@@ -162,7 +165,8 @@ def run_worker(plan: dict) -> int:
                    "session_id": f"{plan['tag']}-c{plan['client']}-{j}", "t_start": time.time()}
             t0 = time.perf_counter()
             try:
-                res = generate(rt, conn, item["prompt"], item["seed"], session_id=rec["session_id"])
+                res = generate(rt, conn, item["prompt"], item["seed"], session_id=rec["session_id"],
+                               observer=observer)
                 rec.update(ok=True, error=None, stats=res.stats)
             except Exception as e:  # noqa: BLE001 - recorded by type; a refusal ends the client
                 rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}", stats=None)

@@ -450,6 +450,7 @@ class CostObserver:
         self.device_step = Ewma(weight, clip=3.0)
         self.cloud_prior: CostHint | None = None  # the verifier's figures before any reply (`prime`)
         self.primed = False  # `prime` was called (a device primes an observer once, before its first image)
+        self.link_primed = False  # the link's latency is known from a handshake (0 on a perfect link)
         self.cloud_only_streak = 0  # images in a row the policy gave to the cloud whole (EXPLORE_EVERY)
         self.explore_after = EXPLORE_EVERY  # the streak after which the next image looks at drafting again
         self.exploring = False  # the last image was such a look
@@ -485,6 +486,7 @@ class CostObserver:
         self.primed = True
         if latency_s is not None:
             self.link.prior_latency_s = max(0.0, float(latency_s))
+            self.link_primed = True
         if device_step_s is not None:
             self.device_step.prior = max(0.0, float(device_step_s))
         if hint is not None:
@@ -496,7 +498,7 @@ class CostObserver:
     def ready(self) -> bool:
         """Whether every cost the model reads has a value, observed (an image drafted and verified) or primed before
         the first image (`prime`: the handshake, a timed device step, the verifier's hint)."""
-        link = self.link.samples or self.link.prior_latency_s > 0
+        link = self.link.samples or self.link_primed
         return bool(link and self.cloud.steps(self.cloud_prior) is not None and self.device_step.value is not None)
 
     def cloud_steps(self) -> tuple[float, float]:

@@ -297,7 +297,12 @@ def test_reconfigure_changes_tau_live(cluster):
 def test_adaptive_default_reports_its_point_and_the_point_reproduces_the_image(cluster):
     """The shipped default (policy adaptive, per request here): every image reports the operating point it ran at,
     and the same request with that point as fixed knobs (or cloud-only's prefix_rate 1) makes the same image, through
-    the same Serve application. Several requests land on the devices, so some decide from costs they observed."""
+    the same Serve application. Several requests land on the devices, so some decide from costs they observed; even
+    a device's first image is chosen, from its handshake, a timed step and the verifier's hint (`Verifier.cost_hint`,
+    which has figures once it has verified a span: the fixed image first)."""
+    warm = post({"prompt": PROMPT, "seed": 99, "method": "ciar", "response_format": "tokens",
+                 "params": {"policy": "fixed"}})
+    assert warm.status_code == 200 and warm.json()["stats"]["verifications"] > 0
     seen = set()
     for seed in range(6):
         body = {"prompt": PROMPT, "seed": seed, "method": "ciar", "response_format": "tokens",
@@ -306,6 +311,7 @@ def test_adaptive_default_reports_its_point_and_the_point_reproduces_the_image(c
         assert r.status_code == 200, r.text
         st, tokens = r.json()["stats"], r.json()["data"][0]["tokens"]
         assert st["config"]["policy"] == "adaptive" and st["handovers"] in (0, 1) and st["adapted"] in (0, 1)
+        assert st["est_cloud_step_s"] > 0 and st["est_device_step_s"] > 0 and st["est_link_latency_s"] > 0
         if st["handovers"]:
             assert (st["span_used"], st["burst_used"]) == (0, 0) and st["verifications"] == 0
             point = {"prefix_rate": 1.0}

@@ -39,7 +39,7 @@ def _generate(client, tiny_device, median_tau, seed=3):
     from ciar.collab.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
 
-    cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none")
+    cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none", policy="fixed")
     dec = CollabDecoder(tiny_device, client, cfg, SamplingParams(cfg_scale=2.0), num_tokens=36)
     return dec.generate("a red circle", seed=seed, session_id=f"img-{seed}", trace=True)
 
@@ -62,6 +62,24 @@ def test_generation_over_the_socket_equals_in_process(server, reference, tiny_de
     assert sum(e.up_bytes for e in sent) == out.stats.bytes_up and sum(e.down_bytes for e in sent) == \
         out.stats.bytes_down
     assert conn.reconnects == 0 and conn.resumes == 0 and not conn.sessions
+    conn.disconnect()
+
+
+def test_welcome_carries_the_verifiers_recent_costs_once_it_has_served(server, tiny_device, median_tau,
+                                                                       monkeypatch):
+    """WELCOME's cost hint (protocol v3): the verifier's running span forward, sampled step and queue wait over its
+    replies, which the device's adaptive policy starts from; the connection times its handshake. (The endpoint asks
+    the verifier at most once per HINT_TTL_S: 0 here, so the hint is the verifier's latest.)"""
+    url, endpoint, backend = server
+    monkeypatch.setattr(endpoint, "HINT_TTL_S", 0.0)
+    conn = _conn(url)
+    _generate(conn, tiny_device, median_tau, seed=11)  # the verifier has verified spans (and burst)
+    conn.disconnect()
+    hint = conn.cost_hint()  # a new connection, a new WELCOME
+    want = backend.v.cost_hint()
+    assert hint is not None and hint.span_s == pytest.approx(want.span_s) and hint.span_s > 0
+    assert hint.step_s == pytest.approx(want.step_s) and hint.queue_s == pytest.approx(want.queue_s)
+    assert conn.welcome.verify_s == pytest.approx(hint.span_s) and conn.handshake_s > 0
     conn.disconnect()
 
 
