@@ -141,6 +141,8 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
 
         jobs = [{"prompt": prompts[0], "seed": WARMUP_SEED}] + \
             [{"prompt": p, "seed": s * 1_000_003 + i} for s in seeds for i, p in enumerate(prompts)]
+        for job in jobs:  # the cluster's point (FIXED), as the client's
+            job["policy"] = "fixed"
         t = time.time()
         done = browser_generate(http_url, device_key, jobs)[1:]
         print(f"browser device: {len(done)} images in {time.time() - t:.0f} s", flush=True)

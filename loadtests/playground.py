@@ -100,7 +100,8 @@ def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = 
 
 def browser_generate(url: str, device_key: str, jobs: list[dict], timeout_s: float = 600.0) -> list[dict]:
     """The browser device without the page's form: chromium opens the playground and runs its Web Worker
-    (/web/device/worker.js, the same code the page uses) on each job {"prompt", "seed"} in turn, without previews;
+    (/web/device/worker.js, the same code the page uses) on each job {"prompt", "seed", "policy"?} in turn (policy:
+    "adaptive", the worker's default, or "fixed", the calibrated point), without previews;
     -> per job {"tokens", "who", "stats", "model"} or {"error"}. The model is downloaded once (the first job's
     figures include no download: `stats` times the loop only)."""
     from playwright.sync_api import sync_playwright
@@ -129,7 +130,8 @@ WORKER_JOBS = """async ({jobs, key}) => {
         else if (data.type === "error") resolve({error: data.message});
       };
       worker.onerror = (e) => resolve({error: e.message || "the worker failed"});
-      worker.postMessage({type: "generate", key, prompt: job.prompt, seed: job.seed, previews: false});
+      worker.postMessage({type: "generate", key, prompt: job.prompt, seed: job.seed, policy: job.policy,
+                          previews: false});
     }));
   }
   worker.terminate();

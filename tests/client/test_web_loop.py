@@ -1,12 +1,19 @@
 """The page's CIAR loop (web/src: loop.js, connection.js, runtime.js on onnxruntime-web) run under node against a
 real device endpoint on loopback (the torch CloudVerifier behind services.device_endpoint): images complete with
 consistent stats and bytes as the socket carried them, a reply lost in flight is resumed to the same image, an
-unreachable cloud ends in a degraded image, the gate's threshold decides what is sent, a wrong key is refused.
+unreachable cloud ends in a degraded image, the gate's threshold decides what is sent, a wrong key is refused, and
+the adaptive policy (the default) chooses each image's point from the costs it primed and observed, a point that
+remakes the image under the fixed policy. The tests of the loop's mechanics pin the fixed policy: their expectations
+(a drafted image, the same image twice) hold at the calibrated point, whatever point the costs would choose.
 (The page itself, in chromium against the Serve application: tests/services/test_api.py.)"""
+
+import json
+import os
 
 import pytest
 
 KEY, SECRET = "web-loop-key", "web-loop-secret"
+FIXED = {"policy": "fixed"}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,7 @@ def _run(node, server, onnx_dir, jobs, **extra):
 
 def test_images_complete_with_consistent_stats(node, server, onnx_dir):
     jobs = [{"prompt": p, "seed": i, "session_id": f"web-{i}"} for i, p in enumerate(_prompts(3))]
-    out = _run(node, server, onnx_dir, jobs)
+    out = _run(node, server, onnx_dir, jobs, options=FIXED)
     n_verify = 0
     for r in out["results"]:
         assert "error" not in r, r
@@ -46,6 +53,7 @@ def test_images_complete_with_consistent_stats(node, server, onnx_dir):
         assert st["cloud_requests"] == st["verifications"] + 1 and not st["degraded"] and st["resumes"] == 0
         assert st["cloud_call_rate"] == pytest.approx(st["cloud_tokens"] / 144)
         assert st["device_ms_per_token"] > 0 and st["round_trip_ms"] > 0
+        assert st["handovers"] == st["adapted"] == 0 and st["est_cloud_step_s"] == 0  # fixed: nothing estimated
         n_verify += st["verifications"]
     ex = out["exchanges"]
     # bytes as the socket carried them: the stats add up the OPEN and VERIFY frames (CLOSE is not charged)
@@ -58,8 +66,8 @@ def test_images_complete_with_consistent_stats(node, server, onnx_dir):
 
 def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_dir):
     job = [{"prompt": _prompts(1, 30)[0], "seed": 4, "session_id": "web-cut"}]
-    plain = _run(node, server, onnx_dir, job)["results"][0]
-    cut = _run(node, server, onnx_dir, job, cuts=[2, 4])
+    plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+    cut = _run(node, server, onnx_dir, job, options=FIXED, cuts=[2, 4])
     r = cut["results"][0]
     assert "error" not in r, r
     assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"]
@@ -68,7 +76,8 @@ def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_
 
 
 def test_an_unreachable_cloud_ends_in_a_degraded_image(node, server, onnx_dir):
-    r = _run(node, server, onnx_dir, [{"prompt": _prompts(1, 31)[0], "seed": 1}], vanish_after=2)["results"][0]
+    r = _run(node, server, onnx_dir, [{"prompt": _prompts(1, 31)[0], "seed": 1}], options=FIXED,
+             vanish_after=2)["results"][0]
     assert "error" not in r, r
     st = r["stats"]
     assert len(r["tokens"]) == 144 and st["degraded"] == 1 and st["verifications"] == 2
@@ -78,14 +87,57 @@ def test_an_unreachable_cloud_ends_in_a_degraded_image(node, server, onnx_dir):
 def test_the_threshold_decides_what_is_sent(node, server, onnx_dir):
     prompt = _prompts(1, 32)[0]
     jobs = [{"prompt": prompt, "seed": 2}]
-    never = _run(node, server, onnx_dir, jobs, options={"tau": 1e9})["results"][0]["stats"]
-    always = _run(node, server, onnx_dir, jobs, options={"tau": -1.0})["results"][0]["stats"]
+    never = _run(node, server, onnx_dir, jobs, options={"tau": 1e9, **FIXED})["results"][0]["stats"]
+    always = _run(node, server, onnx_dir, jobs, options={"tau": -1.0, **FIXED})["results"][0]["stats"]
     assert never["verifications"] == 0 and never["device_tokens"] == 144 - never["prefix_tokens"]
     assert always["device_tokens"] == 0 and always["verifications"] > 0
     assert always["cloud_call_rate"] == 1.0
 
 
+def test_adaptive_reports_its_point_and_estimates_and_the_point_remakes_the_image(node, server, onnx_dir):
+    """The browser device runs the adaptive policy by default: before its first image it knows the link from its
+    handshake, its step from one timed step and the verifier's costs from the WELCOME (the verifier has served an
+    image by then: the endpoint asks it for a hint at each HELLO until it has one); one observer is kept across the
+    connection's images; the same job with the reported point as fixed knobs (the whole image on the cloud when it
+    was handed over) makes the same tokens, drafted or handed over."""
+    with open(os.path.join(onnx_dir, "manifest.json"), encoding="utf-8") as f:
+        calibrated = json.load(f)["ciar_defaults"]
+    _run(node, server, onnx_dir, [{"prompt": _prompts(1, 39)[0], "seed": 9}], options=FIXED)  # served an image
+    jobs = [{"prompt": p, "seed": 30 + i, "session_id": f"web-adaptive-{i}"} for i, p in enumerate(_prompts(3, 40))]
+    # the last at a price on cloud steps that no device here makes worth handing 144 cloud steps over for: whatever
+    # the costs choose for the others (cloud-only where the device's step is slow), it drafts
+    jobs[2]["options"] = {"cloudStepPriceS": 0.1}
+    out = _run(node, server, onnx_dir, jobs)
+    obs = out["observer"]
+    assert out["handshake_s"] > 0 and obs["primed"] and obs["ready"] and obs["link_samples"] >= 2
+    again = []
+    for job, r in zip(jobs, out["results"]):
+        assert "error" not in r, r
+        st = r["stats"]
+        assert len(r["tokens"]) == st["total_tokens"] == 144 and st["handovers"] in (0, 1)
+        # primed before the first image: the hint (no reply seen yet), the handshake, the timed step
+        assert st["est_device_step_s"] > 0 and st["est_link_latency_s"] > 0 and st["est_cloud_step_s"] > 0
+        if st["handovers"]:  # cloud-only: one open for every token, nothing made or run on the device
+            assert st["prefix_tokens"] == 144 and st["cloud_requests"] == 1 and st["device_forward_passes"] == 0
+            fixed = {"prefixRate": 1}
+        else:
+            assert st["span_used"] >= calibrated["span"] and st["burst_used"] >= calibrated["burst"]
+            point = (st["span_used"], st["burst_used"])
+            assert st["adapted"] == int(point != (calibrated["span"], calibrated["burst"]))
+            fixed = {"span": st["span_used"], "burst": st["burst_used"]}
+        again.append({**job, "session_id": job["session_id"] + "-fixed", "options": {**FIXED, **fixed}})
+    assert out["results"][2]["stats"]["handovers"] == 0
+    remade = _run(node, server, onnx_dir, again)
+    for r, a in zip(out["results"], remade["results"]):
+        assert "error" not in a, a
+        assert a["tokens"] == r["tokens"] and a["who"] == r["who"]
+        if not r["stats"]["handovers"]:
+            assert (a["stats"]["span_used"], a["stats"]["burst_used"]) == (r["stats"]["span_used"],
+                                                                           r["stats"]["burst_used"])
+
+
 def test_a_wrong_key_is_refused(node, server, onnx_dir):
+    # the adaptive default asks for the WELCOME's hint before the open: the refusal comes from there
     out = node("generate", {"url": server, "key": "not-a-device-key", "model_dir": onnx_dir,
                             "jobs": [{"prompt": "a red circle", "seed": 0}]})
     r = out["results"][0]

@@ -7,6 +7,7 @@
 //   const rep = await conn.verify(verifyRequest);    // -> the VERIFY_REPLY body
 //   await conn.close(sessionId);
 //   conn.exchanges                                    // [{ kind, up, down, ms }] per request/reply, as the socket saw it
+//   await conn.costHint()                             // the WELCOME's verifier costs (connects); conn.handshakeS
 //
 // One request at a time (the device loop waits for each reply). The connection starts with HELLO (the device key:
 // browsers cannot set headers on a WebSocket, the protocol does not need them) and expects WELCOME. Resumption: per
@@ -15,6 +16,7 @@
 // verify that was in flight or a 410 (the verifier lost the session), re-creates the session from that history
 // (RESUME) and sends the request again: the cloud's position-keyed randomness gives the same image.
 
+import { costHint } from "./policy.js";
 import { CLOSE, ERROR, FATAL_CLOSES, HELLO, OPEN, RESUME, TYPE_NAMES, VERIFY, WELCOME, decodeFrame, encodeFrame } from "./wire.js";
 
 export const DEFAULT_PATH = "/v1/device/sessions";
@@ -91,6 +93,7 @@ export class DeviceConnection {
     Object.assign(this, { key, vocabSize, clientName, retries, backoffMs, timeoutMs, WebSocketImpl });
     this.ws = null;
     this.welcome = null;
+    this.handshakeS = null; // the last HELLO -> WELCOME round trip in seconds (the link's first sample)
     this.sessions = new Map();
     this.rid = 0;
     this.waiting = null; // { id, resolve, reject, timer } of the request in flight
@@ -104,12 +107,16 @@ export class DeviceConnection {
     if (this.ws !== null) return;
     const ws = new this.WebSocketImpl(this.url);
     ws.binaryType = "arraybuffer";
+    let sent = 0;
     const welcome = await new Promise((resolve, reject) => {
-      ws.onopen = () => ws.send(encodeFrame({ type: HELLO, requestId: 0, body: { key: this.key, client: this.clientName } }));
+      ws.onopen = () => {
+        sent = performance.now();
+        ws.send(encodeFrame({ type: HELLO, requestId: 0, body: { key: this.key, client: this.clientName } }));
+      };
       ws.onmessage = (e) => {
         try {
           const f = decodeFrame(e.data);
-          if (f.type === WELCOME) resolve(f.body);
+          if (f.type === WELCOME) { this.handshakeS = (performance.now() - sent) / 1000; resolve(f.body); }
           else reject(new ConnectionRefused(4000, `expected WELCOME, got ${f.name}`));
         } catch (err) {
           reject(err);
@@ -209,6 +216,15 @@ export class DeviceConnection {
   }
 
   // ------------------------------------------------------------------ the CloudClient calls
+  /** The verifier's recent costs as the WELCOME carried them (connecting first; policy.js's costHint), null where
+   *  it had measured neither its span forward nor its sampled step (0 on the wire: not measured). */
+  async costHint() {
+    await this.retrying(() => this.connect());
+    const w = this.welcome;
+    if (!w.verify_s && !w.step_s) return null;
+    return costHint(w.verify_s || null, w.step_s || null, w.queue_s || null);
+  }
+
   async open(request) {
     const sid = request.session_id;
     const forget = async () => { // an OPEN lost in flight may have opened the session: close it, then open again

@@ -11,18 +11,31 @@
 // span[:n] + [next] + burst, roll the device cache back to the accepted prefix and feed the rest. When the cloud
 // becomes unreachable after the open, the device keeps the span it drafted and finishes alone (`degraded`).
 //
+// The operating point: under the adaptive policy (the default, `ciar_client.loop`'s) each image's span and burst
+// (never below the calibrated ones) or cloud-only (the open asks for all N tokens, no device work) is chosen before
+// its open from the costs a CostObserver (policy.js) saw on this connection's earlier images; keep one per connection
+// across images (options.observer). A fresh one is primed before its first image with the connection's handshake
+// (half its round trip), one timed device step and the verifier's hint in the WELCOME. "fixed" runs the calibrated
+// span and burst. The stats say which point the image used (span_used, burst_used, handovers, adapted) and the
+// estimates it was chosen from (est_*): the same request at that point under the fixed policy makes the same image.
+//
 // Stats: the Python client's keys (device_s: runtime + maths, cloud_s as the replies report it, comm_s: wall time of
 // the exchanges minus their cloud_s, bytes as the socket carried them), plus `round_trip_ms` (the mean request's
 // wall time) and `device_graph_s` (the part of device_s spent in onnxruntime-web; the rest is the page's maths).
 
 import * as M from "./maths.js";
+import * as P from "./policy.js";
 
 export const DEVICE_SEED_OFFSET = 2n ** 32n; // ciar.collab.decoder.DEVICE_SEED_OFFSET
 export const PROGRESS_EVERY = 12;
+export const POLICIES = ["adaptive", "fixed"]; // ciar.collab.knobs' `policy`
 
-/** The loop's knobs: the given ones, else the manifest's (Error on an unsupported gate or no threshold). */
+/** The loop's knobs: the given ones, else the manifest's (Error on an unsupported gate or policy, or no threshold).
+ *  policy: "adaptive" (default) or "fixed"; cloudStepPriceS: the operator's price of a cloud step in seconds. */
 export function loopConfig(manifest, { tau = null, gate = null, span = null, burst = null, prefixRate = null,
-  interEnhance = true } = {}) {
+  interEnhance = true, policy = "adaptive", cloudStepPriceS = 0 } = {}) {
+  if (!POLICIES.includes(policy)) throw new Error(`policy must be one of ${POLICIES.join(", ")}, got "${policy}"`);
+  if (!(cloudStepPriceS >= 0)) throw new Error(`cloudStepPriceS must be >= 0, got ${cloudStepPriceS}`);
   const d = manifest.ciar_defaults || {};
   gate = gate ?? d.gate ?? "interval";
   if (!M.GATES.includes(gate)) throw new Error(`gate "${gate}" is not supported by the browser device; supported: ${M.GATES.join(", ")}`);
@@ -33,7 +46,7 @@ export function loopConfig(manifest, { tau = null, gate = null, span = null, bur
   prefixRate = prefixRate ?? manifest.prefix_rate ?? 0.06;
   if (!(span >= 1 && burst >= 0 && prefixRate >= 0 && prefixRate <= 1)) throw new Error(`need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got ${span}, ${burst}, ${prefixRate}`);
   return { gate, tau, span, burst, burstEntropy: d.burst_entropy ?? 0, prefixRate, featureTop: manifest.feature_top ?? 8,
-    interEnhance, sampling: M.checkSampling(manifest.sampling) };
+    interEnhance, sampling: M.checkSampling(manifest.sampling), policy, cloudStepPriceS };
 }
 
 const COUNTERS = ["total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens", "drafted", "accepted",
@@ -57,17 +70,27 @@ export function unreachable(err) {
   return err && (err.name === "Unreachable" || err.status === 503);
 }
 
-/** One image's tokens (see the module's comment). options: the loopConfig knobs, sessionId, fallback (default
- *  true), onProgress(tokens, who, stats) after the prefix, every 12 more decided tokens and at the end. */
+/** A CostObserver for a device running this model: the device file's escalation and acceptance rates to start from. */
+export function newObserver(manifest) {
+  return new P.CostObserver({ rates: (manifest.ciar_defaults || {}).policy_rates || null });
+}
+
+/** One image's tokens (see the module's comment). options: the loopConfig knobs, observer (the connection's
+ *  CostObserver, kept across its images; a fresh one when not given), sessionId, fallback (default true),
+ *  onProgress(tokens, who, stats) after the prefix, every 12 more decided tokens and at the end. */
 export async function generate(runtime, client, prompt, seed, options = {}) {
   const cfg = loopConfig(runtime.manifest, options);
   const sid = options.sessionId || `web-${Date.now().toString(36)}-${Math.random().toString(36).slice(2, 10)}`;
-  return new Loop(runtime, client, cfg, seed, sid, options.onProgress || null, options.fallback ?? true).run(prompt);
+  const observer = options.observer || newObserver(runtime.manifest);
+  return new Loop(runtime, client, cfg, seed, sid, options.onProgress || null, options.fallback ?? true, observer)
+    .run(prompt);
 }
 
 class Loop {
-  constructor(rt, client, cfg, seed, sid, onProgress, fallback) {
-    Object.assign(this, { rt, client, cfg, seed, sid, onProgress, fallback });
+  constructor(rt, client, cfg, seed, sid, onProgress, fallback, observer) {
+    Object.assign(this, { rt, client, cfg, seed, sid, onProgress, fallback, observer });
+    this.span = cfg.span; // the image's operating point (choosePoint)
+    this.burst = cfg.burst;
     this.offline = false;
     this.nTotal = rt.numTokens;
     this.V = rt.vocabSize;
@@ -82,7 +105,9 @@ class Loop {
     this.pendHidden = [];
     this.pendBox = [];
     this.st = Object.fromEntries(COUNTERS.map((k) => [k, 0]));
-    Object.assign(this.st, { device_s: 0, device_graph_s: 0, cloud_s: 0, comm_s: 0, round_trip_s: 0, images: 1 });
+    Object.assign(this.st, { device_s: 0, device_graph_s: 0, cloud_s: 0, comm_s: 0, round_trip_s: 0, images: 1,
+      span_used: 0, burst_used: 0, handovers: 0, adapted: 0, est_device_step_s: 0, est_link_latency_s: 0,
+      est_cloud_step_s: 0, queue_s: 0 });
   }
 
   row(a, r) { // row r of a [rows, n] output
@@ -92,7 +117,8 @@ class Loop {
 
   async run(prompt) {
     const cfg = this.cfg, n = this.nTotal, t0 = performance.now();
-    const prefixLen = cfg.prefixRate >= 1 ? n : Math.min(n, Math.ceil(cfg.prefixRate * n));
+    let prefixLen = cfg.prefixRate >= 1 ? n : Math.min(n, Math.ceil(cfg.prefixRate * n));
+    if (prefixLen < n && (await this.choosePoint(n - prefixLen)).cloudOnly) prefixLen = n; // cloud-only's open
     const drafting = prefixLen < n;
     const req = { session_id: this.sid, prompt, seed: this.seed, sampling: cfg.sampling, prefix_len: prefixLen,
       want_caption: drafting };
@@ -110,6 +136,8 @@ class Loop {
         if (this.tokens.length) await this.feed(this.tokens, 0);
         this.st.device_s += (performance.now() - t) / 1000;
         await this.draftAll();
+        const st = this.st;
+        if (st.device_forward_passes) this.observer.deviceStep.update(st.device_s / st.device_forward_passes);
       }
     } catch (err) {
       if (!this.offline) await this.client.close(this.sid).catch(() => {}); // the error in flight is the one to report
@@ -122,6 +150,35 @@ class Loop {
     return { tokens: this.tokens, who: this.who, stats: finishStats(this.st) };
   }
 
+  /** The image's operating point, before its open: the calibrated span and burst under the fixed policy; under the
+   *  adaptive one CostObserver.decide from the observed costs, a new observer primed first with the connection's
+   *  handshake (half its round trip), one timed device step and the verifier's hint (the WELCOME's). */
+  async choosePoint(remaining) {
+    const cfg = this.cfg, obs = this.observer, st = this.st;
+    let point = P.operatingPoint(cfg.span, cfg.burst);
+    if (cfg.policy === "adaptive") {
+      if (!obs.primed) {
+        const hint = this.client.costHint ? await this.client.costHint() : null; // connects: the handshake is timed
+        const handshake = this.client.handshakeS;
+        const deviceStepS = await this.rt.stepSeconds(this.cfgRows ? 2 : 1);
+        obs.prime({ latencyS: handshake ? handshake / 2 : null, deviceStepS, hint });
+      }
+      if (obs.ready) {
+        const costs = obs.costs(this.V, { hiddenDim: cfg.interEnhance ? this.rt.manifest.dim : 0,
+          featureDim: cfg.interEnhance ? M.intervalFeatureDim(cfg.featureTop) : 0 });
+        Object.assign(st, { est_device_step_s: costs.deviceStepS, est_link_latency_s: costs.latencyS,
+          est_cloud_step_s: costs.cloudStepS });
+        const chosen = obs.decide(costs, point, remaining, { cloudStepPriceS: cfg.cloudStepPriceS }).point;
+        st.adapted = P.samePoint(chosen, point) ? 0 : 1;
+        point = chosen;
+      }
+    }
+    Object.assign(st, { handovers: point.cloudOnly ? 1 : 0, span_used: point.span, burst_used: point.burst });
+    this.span = point.span;
+    this.burst = point.burst;
+    return point;
+  }
+
   async draftAll() {
     const cfg = this.cfg;
     while (this.tokens.length < this.nTotal) {
@@ -130,6 +187,7 @@ class Loop {
       const { sent, used, x } = this.draft();
       this.box = null;
       const escalate = !this.offline && this.score(used, x) > cfg.tau;
+      if (!this.offline) this.observer.escalation.observe(escalate ? 1 : 0);
       if (!escalate) {
         await this.acceptLocal(x);
         this.st.device_s += (performance.now() - t) / 1000;
@@ -144,7 +202,8 @@ class Loop {
       }
       this.st.device_s += (performance.now() - t) / 1000;
       const req = { session_id: this.sid, vocab_size: this.V, new_tokens: [...this.pending], draft_tokens: span,
-        draft_probs: concatU16(spanQ), device_hidden: hidden, features, burst: cfg.burst, burst_entropy: cfg.burstEntropy };
+        draft_probs: concatU16(spanQ), device_hidden: hidden, features, burst: this.burst,
+        burst_entropy: cfg.burstEntropy };
       let rep;
       try {
         rep = await this.exchange(() => this.client.verify(req), false);
@@ -198,7 +257,7 @@ class Loop {
 
   /** The uncertain draft x and up to span - 1 more (span[:-1] are fed). */
   async draftSpan(x, sent) {
-    const i = this.tokens.length, k = Math.min(this.cfg.span, this.nTotal - i);
+    const i = this.tokens.length, k = Math.min(this.span, this.nTotal - i);
     const span = [x], spanQ = [sent];
     for (let j = 1; j < k; j++) {
       await this.feed([span[span.length - 1]], i + j - 1);
@@ -217,6 +276,7 @@ class Loop {
     st.resumes += rep.resumed ? 1 : 0;
     st.drafted += k;
     st.accepted += n;
+    this.observer.observeVerdict(k, n);
     const fresh = [...span.slice(0, n), rep.next_token, ...rep.burst_tokens].slice(0, this.nTotal - i);
     st.burst_tokens += Math.max(0, fresh.length - n - 1);
     st.cloud_tokens += fresh.length;
@@ -256,7 +316,9 @@ class Loop {
     this.st.device_forward_passes += 1;
   }
 
-  /** One request/reply: wall time minus the reported cloud time is communication; bytes as the socket saw them. */
+  /** One request/reply: wall time minus the reported cloud time is communication; bytes as the socket saw them
+   *  (none without the connection's log). The observer sees the link's share: the wall time beyond the verifier's
+   *  own (its forwards and the queue wait a verify reply reports). */
   async exchange(call, isOpen) {
     const log = this.client.exchanges || null, seen = log ? log.length : 0, t = performance.now();
     let reply;
@@ -266,12 +328,18 @@ class Loop {
       this.st.comm_s += (performance.now() - t) / 1000; // the device waited for a reply that did not come
       throw err;
     }
-    const wall = (performance.now() - t) / 1000, st = this.st;
+    const wall = (performance.now() - t) / 1000, st = this.st, queueS = reply.queue_s || 0; // an open reports none
     st.cloud_requests += 1;
     st.cloud_s += reply.cloud_s;
     st.comm_s += Math.max(0, wall - reply.cloud_s);
+    st.queue_s += queueS;
     st.round_trip_s += wall;
-    if (log) for (const e of log.slice(seen)) { st.bytes_up += e.up; st.bytes_down += e.down; }
+    let up = 0, down = 0;
+    if (log) for (const e of log.slice(seen)) { up += e.up; down += e.down; }
+    st.bytes_up += up;
+    st.bytes_down += down;
+    this.observer.observeExchange(up, down, Math.max(0, wall - reply.cloud_s - queueS), reply.cloud_s,
+      reply.forward_passes, queueS, !isOpen);
     if (isOpen) st.cloud_forward_passes += reply.forward_passes;
     return reply;
   }

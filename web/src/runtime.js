@@ -6,6 +6,7 @@
 //   step.center, step.radius, step.hidden                   // Float32Array [rows * V], [rows * V], [rows * dim]
 //   step = await rt.feed([17], 0);                          // image token 0 -> the box for image token 1
 //   rt.rollback(3);                                         // keep image tokens [0, 3)
+//   await rt.stepSeconds(2);                                // one timed step (the adaptive policy's prior)
 //   const rgb = await (await ImageDecoder.create(ort, manifest, bytes)).decode(tokens);   // Uint8Array [H * W * 3]
 //
 // `ort` is the onnxruntime-web module (the page imports it from /web/ort/; tests import the installed package in
@@ -85,6 +86,23 @@ export class DeviceRuntime {
       k_cache: this.k, v_cache: this.v });
     this.length = start + n;
     return this.result(out);
+  }
+
+  /** Seconds of one step (one token fed), the median of `repeats` after a warm-up, on a caption of zeros: what the
+   *  device knows of its own step before its first image (the adaptive policy's prior, policy.js's
+   *  CostObserver.prime). Leaves the cache empty (`start` comes next). */
+  async stepSeconds(rows = 1, repeats = 3) {
+    const L = this.clsTokenNum;
+    await this.start(new Float32Array(L * this.captionDim), Array(L).fill(true), rows);
+    const times = [];
+    for (let i = 0; i <= repeats; i++) {
+      const t = performance.now();
+      await this.feed([0], 0);
+      times.push((performance.now() - t) / 1000);
+    }
+    this.rollback(0);
+    const sorted = times.slice(1).sort((a, b) => a - b), h = sorted.length >> 1;
+    return sorted.length % 2 ? sorted[h] : (sorted[h - 1] + sorted[h]) / 2;
   }
 
   /** Keep image tokens [0, length) in the cache. */

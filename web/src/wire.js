@@ -6,6 +6,7 @@
 //
 //   const bytes = encodeFrame({ type: VERIFY, requestId: 7, token, body: { session_id, vocab_size, new_tokens, ... } });
 //   const frame = decodeFrame(arrayBuffer);   // { type, name, requestId, token, body }; WireError when malformed
+//   verifyRequestBytes(V, m, k, { hiddenDim, featureDim });   // a VERIFY frame's size from its shapes (policy.js)
 //
 // Token ids travel bit-packed at ceil(log2 V) bits each (little-endian bit order); float16 arrays travel as their
 // bits (Uint16Array here: the device quantises with maths.toFloat16Array, exactly as numpy does).
@@ -38,6 +39,23 @@ export function tokenBits(vocabSize) {
 
 const utf8 = new TextEncoder();
 const fromUtf8 = new TextDecoder("utf-8", { fatal: true });
+
+/** Bytes of a VERIFY frame (`VerifyRequest.nbytes`, what encodeFrame makes) with m new tokens and k drafts of a
+ *  V-entry vocabulary, the new tokens' hidden values and features when their widths are given (0 is a width: the
+ *  array goes, empty), and a session id of `sessionIdBytes` UTF-8 bytes. Shapes only: the cost model's sizes
+ *  (policy.js) without building a message. */
+export function verifyRequestBytes(V, m, k, { hiddenDim = null, featureDim = null, sessionIdBytes = 32 } = {}) {
+  let n = HEADER_BYTES + 1 + sessionIdBytes + TOKEN_BYTES + 4 + 2 + 2 + Math.ceil(((m + k) * tokenBits(V)) / 8);
+  n += 2 * k * V + 1;
+  if (hiddenDim !== null) n += 2 + 2 * m * hiddenDim;
+  if (featureDim !== null) n += 2 + 2 * m * featureDim;
+  return n + 2 + 8;
+}
+
+/** Bytes of a VERIFY_REPLY frame (`VerifyReply.nbytes`) carrying `burst` burst tokens of a V-entry vocabulary. */
+export function verifyReplyBytes(V, burst, { sessionIdBytes = 32 } = {}) {
+  return HEADER_BYTES + 1 + sessionIdBytes + 2 + 4 + 1 + 8 + 8 + 2 + 2 + 4 + 2 + Math.ceil((burst * tokenBits(V)) / 8);
+}
 
 class Writer {
   constructor() {

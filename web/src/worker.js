@@ -2,21 +2,27 @@
 // Loaded by the playground (services/playground.html) from /web/device/worker.js; its runtime, onnxruntime-web, from
 // /web/ort/ (the installed package, never the internet); the device model from /v1/device/model with a device key.
 //
-// page -> worker   { type: "generate", key, prompt, seed, previews }  (previews: false skips the partial images)
+// page -> worker   { type: "generate", key, prompt, seed, previews, policy }  (previews: false skips the partial
+//                                                        images; policy: "adaptive" (default) or "fixed", loop.js)
 // worker -> page   { type: "status", text }                             (loading the runtime, the model)
 //                  { type: "progress", tokens, who, stats, total, shape, rgb }   (rgb: the partial image [H * W * 3],
 //                                                        undecided tokens filled with the last decided one's code)
-//                  { type: "result", tokens, who, stats, rgb, model }   (model: the runtime's facts)
+//                  { type: "result", tokens, who, stats, rgb, policy, model }   (model: the runtime's facts; stats
+//                                                        span_used, burst_used, handovers: the image's point)
 //                  { type: "error", message }
+//
+// The adaptive policy's cost observer lives with the loaded model: this tab's link, verifier and device step as
+// its earlier images saw them (each image opens its own connection to the same server), so each image's point is
+// chosen from them; a new key or device model starts a new one (the device file's rates).
 
 import { DeviceConnection } from "./connection.js";
-import { generate } from "./loop.js";
+import { generate, newObserver } from "./loop.js";
 import { DeviceRuntime, ImageDecoder } from "./runtime.js";
 
 const ORT = "/web/ort/";
 const WARMUP_S = 4;
 let ort = null;
-let loaded = null; // { key, digest, manifest, rt, decoder, loadS }
+let loaded = null; // { key, digest, manifest, rt, decoder, loadS, observer }
 
 async function runtime() {
   if (ort === null) {
@@ -73,7 +79,8 @@ async function model(key) {
     await rt.feed([i % manifest.vocab_size], i % n);
   }
   await decoder.decode(Array(n).fill(0));
-  loaded = { key, digest, manifest, rt, decoder, loadS: (performance.now() - t0) / 1000 };
+  loaded = { key, digest, manifest, rt, decoder, loadS: (performance.now() - t0) / 1000,
+    observer: newObserver(manifest) };
   return loaded;
 }
 
@@ -82,7 +89,7 @@ async function partialImage(decoder, tokens, n) {
   return decoder.decode(tokens.concat(Array(n - tokens.length).fill(fill)));
 }
 
-async function run({ key, prompt, seed, previews = true }) {
+async function run({ key, prompt, seed, previews = true, policy = "adaptive" }) {
   const m = await model(key);
   const url = `${location.protocol === "https:" ? "wss:" : "ws:"}//${location.host}`;
   const conn = new DeviceConnection(url, key, m.manifest.vocab_size);
@@ -91,6 +98,7 @@ async function run({ key, prompt, seed, previews = true }) {
   postMessage({ type: "status", text: "Opening the session with the cloud…" });
   try {
     const result = await generate(m.rt, conn, prompt, seed, {
+      policy, observer: m.observer,
       onProgress: (tokens, who, stats) => { // previews are decoded in turn, after the step that made them
         if (!previews || tokens.length >= n) return;
         drawing = drawing.then(async () => postMessage({ type: "progress", tokens, who, stats, total: n,
@@ -99,8 +107,8 @@ async function run({ key, prompt, seed, previews = true }) {
     });
     await drawing;
     const rgb = await m.decoder.decode(result.tokens);
-    postMessage({ type: "result", ...result, rgb, model: { load_s: m.loadS, backend: "onnxruntime-web (WebAssembly)",
-      shape: m.manifest.image.shape, reconnects: conn.reconnects } });
+    postMessage({ type: "result", ...result, rgb, policy, model: { load_s: m.loadS,
+      backend: "onnxruntime-web (WebAssembly)", shape: m.manifest.image.shape, reconnects: conn.reconnects } });
   } finally {
     conn.disconnect();
   }
