@@ -417,7 +417,7 @@ class _Link:
             self._spend(e.waited_s)
             raise
         self._spend(down_s + reply.cloud_s * (self.cloud_slowdown - 1.0))
-        queue_s = float(getattr(reply, "queue_s", 0.0))  # verify replies say how long the request queued
+        queue_s = float(getattr(reply, "queue_s", 0.0))  # how long the request queued (open and verify replies)
         stats.bytes_up += up_bytes
         stats.bytes_down += down_bytes
         stats.comm_s += up_s + down_s

@@ -202,9 +202,13 @@ class CloudVerifier:
         todo = [w for w in works if w.caption_emb is None]
         if todo:
             try:
+                t0 = time.perf_counter()
                 cap = self.text.encode([w.request.prompt for w in todo])
+                dt = time.perf_counter() - t0
                 for i, w in enumerate(todo):
                     w.caption_emb, w.caption_mask = cap.emb[i], (cap.mask[i] if cap.mask is not None else None)
+                    w.encode_s = dt  # cloud compute its reply reports (cloud_s), not queue wait
+                    w.seconds += dt
             except ValueError:  # one bad caption: encode one by one so that only it fails
                 for w in todo:
                     try:
@@ -360,6 +364,7 @@ class OpenWork(Work):
         super().__init__(request.session_id)
         self.v, self.request = v, request
         self.caption_emb, self.caption_mask = caption_emb, caption_mask
+        self.encode_s = 0.0  # its share of the caption encoding (CloudVerifier._start)
         c = v.config
         if v.text is None and caption_emb is None:
             raise SessionError("this verifier has no text encoder: pass caption embeddings")
@@ -435,11 +440,14 @@ class OpenWork(Work):
         tokens = self.reply_tokens()
         emb, mask = self.caption_emb, self.caption_mask
         self.v.reply_costs.observe(self.seconds, self.passes, verify=False)
+        # the wait before its first forward, less its caption's encoding (in cloud_s)
+        started = self.started if self.started is not None else time.perf_counter()
+        queue_s = max(0.0, started - self.created - self.encode_s)
         self.finish(OpenReply(
             r.session_id, torch.tensor(tokens, dtype=torch.long),
             emb.detach().to("cpu", torch.float16) if r.want_caption else None,
             (mask.detach().cpu() if mask is not None else torch.ones(emb.shape[0], dtype=torch.bool))
-            if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size))
+            if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size, queue_s))
 
 
 class ResumeWork(OpenWork):

@@ -343,7 +343,7 @@ class _Loop:
             raise
         wall = time.perf_counter() - t
         st = self.st
-        queue_s = float(getattr(reply, "queue_s", 0.0))  # verify replies say how long the request queued
+        queue_s = float(getattr(reply, "queue_s", 0.0))  # how long the request queued (open and verify replies)
         st["cloud_requests"] += 1
         st["cloud_s"] += float(reply.cloud_s)
         st["comm_s"] += max(0.0, wall - float(reply.cloud_s))

@@ -26,7 +26,8 @@ Frame = 8-byte header + body, little-endian:
 |               | str8 server name, f64 span forward s, f64 sampled step s, f64 queue wait s (0: not measured)   |
 | OPEN 3        | str8 session, i64 seed, f64 cfg_scale, f64 temperature, u32 top_k, f64 top_p, u16 prefix_len,  |
 |               | u8 rule, u32 lantern_k, f64 lantern_delta, f64 cascade_threshold, u8 want_caption, str16 prompt |
-| OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, u32 forward_passes, u8 caption,   |
+| OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, f64 queue_s, u32 forward_passes,  |
+|               | u8 caption,                                                                                    |
 |               | [u16 L, u16 D, f16[L*D] caption embedding, bits[L] caption mask]                               |
 | VERIFY 5      | str8 session, token32, u32 V, u16 m, u16 k, tokens[m + k] (new, then drafts), f16[k*V] draft    |
 |               | distributions, u8 flags (1 hidden, 2 features), [u16 d, f16[m*d]], [u16 F, f16[m*F]], u16 burst,|
@@ -55,7 +56,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-# 2: VERIFY_REPLY carries the verifier's queue wait; 3: WELCOME carries the verifier's recent costs (issue 29)
+# 2: VERIFY_REPLY carries the verifier's queue wait; 3: WELCOME carries the verifier's recent costs and OPEN_REPLY
+# its queue wait (issue 29)
 PROTOCOL_VERSION = 3
 MAGIC = b"CI"
 HEADER_BYTES = 8
@@ -170,10 +172,11 @@ class OpenReply:
     cloud_s: float  # cloud compute time spent on this request (the whole batched work it waited for)
     forward_passes: int  # sequential cloud forwards (prefill + one per prefix token after the first)
     vocab_size: int
+    queue_s: float = 0.0  # seconds the request waited in the verifier's queue before its first forward
 
     def nbytes(self) -> int:
         n = HEADER_BYTES + _str_bytes(self.session_id, 1) + TOKEN_BYTES + 4 + 2 + \
-            token_bytes(_count(self.prefix_tokens), self.vocab_size) + 8 + 4 + 1
+            token_bytes(_count(self.prefix_tokens), self.vocab_size) + 8 + 8 + 4 + 1
         if self.caption_emb is not None:
             n += 4 + feature_bytes(*self.caption_emb.shape) + (int(self.caption_emb.shape[0]) + 7) // 8
         return n
@@ -408,7 +411,7 @@ def encode_frame(frame: Frame) -> bytes:
         w.token(frame.token)
         w.pack("IH", b.vocab_size, _count(b.prefix_tokens))
         w.tokens(b.prefix_tokens, b.vocab_size, "prefix_tokens")
-        w.pack("dIB", float(b.cloud_s), int(b.forward_passes), int(b.caption_emb is not None))
+        w.pack("ddIB", float(b.cloud_s), float(b.queue_s), int(b.forward_passes), int(b.caption_emb is not None))
         if b.caption_emb is not None:
             n_pos, dim = b.caption_emb.shape
             w.pack("HH", n_pos, dim)
@@ -574,7 +577,7 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
         vocab, p = r.unpack("IH", "open_reply")
         _check_vocab(vocab)
         prefix = r.tokens(p, vocab, "prefix_tokens")
-        cloud_s, passes, has_cap = r.unpack("dIB", "open_reply")
+        cloud_s, queue_s, passes, has_cap = r.unpack("ddIB", "open_reply")
         emb = mask = None
         if has_cap:
             n_pos, dim = r.unpack("HH", "caption")
@@ -582,7 +585,7 @@ def decode_frame(data: bytes, *, array: Callable[[np.ndarray], Any] | None = Non
             bits = np.frombuffer(r.take((n_pos + 7) // 8, "caption_mask"), np.uint8)
             mask = arr(np.unpackbits(bits, count=n_pos, bitorder="little").astype(bool))
             emb = arr(emb)
-        body = OpenReply(sid, arr(prefix), emb, mask, cloud_s, passes, vocab)
+        body = OpenReply(sid, arr(prefix), emb, mask, cloud_s, passes, vocab, queue_s)
     elif ftype == VERIFY:
         sid = r.str_(1, "session_id", MAX_SESSION_ID)
         token = r.token()

@@ -40,7 +40,7 @@ def _messages():
         Frame(WELCOME, 1, Welcome("d-1234", 2 << 20, 8, 200.0, 60.0, "ciar", 0.012, 0.004, 0.001)),
         Frame(OPEN, 2, _open()),
         Frame(OPEN_REPLY, 2, OpenReply("s1", r.integers(0, V, 9), r.standard_normal((40, 384)).astype(np.float16),
-                                       r.random(40) > 0.3, 0.0123, 10, V), TOKEN),
+                                       r.random(40) > 0.3, 0.0123, 10, V, 0.0021), TOKEN),
         Frame(OPEN_REPLY, 3, OpenReply("s1", np.zeros(0, np.int64), None, None, 0.5, 1, V), TOKEN),
         Frame(VERIFY, 4, VerifyRequest("s1", r.integers(0, V, 5), r.integers(0, V, 2), probs,
                                        r.standard_normal((5, 256)).astype(np.float16),

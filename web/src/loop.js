@@ -328,7 +328,7 @@ class Loop {
       this.st.comm_s += (performance.now() - t) / 1000; // the device waited for a reply that did not come
       throw err;
     }
-    const wall = (performance.now() - t) / 1000, st = this.st, queueS = reply.queue_s || 0; // an open reports none
+    const wall = (performance.now() - t) / 1000, st = this.st, queueS = reply.queue_s || 0; // open and verify replies
     st.cloud_requests += 1;
     st.cloud_s += reply.cloud_s;
     st.comm_s += Math.max(0, wall - reply.cloud_s);

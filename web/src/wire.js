@@ -256,7 +256,8 @@ export function decodeFrame(data) {
     const V = r.u32("open_reply"), p = r.u16("open_reply");
     checkVocab(V);
     body = { session_id: sid, vocab_size: V, prefix_tokens: r.tokens(p, V, "prefix_tokens"),
-      cloud_s: r.f64("open_reply"), forward_passes: r.u32("open_reply"), caption_emb: null, caption_mask: null };
+      cloud_s: r.f64("open_reply"), queue_s: r.f64("open_reply"), forward_passes: r.u32("open_reply"),
+      caption_emb: null, caption_mask: null };
     if (r.u8("open_reply")) {
       const L = r.u16("caption"), D = r.u16("caption");
       body.caption_shape = [L, D];
