@@ -33,7 +33,8 @@ def chromium_path() -> str | None:
 
 def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = "5g", seed: int = 0,
           shots: str | None = None, timeout_s: float = 180.0, mid: float = 0.4, device: str = "cluster",
-          device_key: str | None = None, prompts: list[tuple[str, int]] | None = None) -> dict:
+          device_key: str | None = None, prompts: list[tuple[str, int]] | None = None,
+          policy: str | None = None) -> dict:
     """-> {"status", "state", "previews", "stats": {row: value}, "image_src_prefix", "overlay_cells": {colour
     counts}, "methods", "networks", "console"}; with `shots` (a folder), writes playground-running.png (mid-image)
     and playground-done.png (finished, token map on).
@@ -41,7 +42,8 @@ def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = 
     device "browser": the page's own tab is the device (a Web Worker on onnxruntime-web, `device_key`), then the
     cluster's device runs the same prompt and seed; "stats" are the tab's figures, "cluster_stats" the cluster
     device's; the screenshots are playground-browser-running.png / -done.png. `prompts` [(prompt, seed), ...]: more
-    generations in the same page after the first (the model is downloaded once), each's figures in "more"."""
+    generations in the same page after the first (the model is downloaded once), each's figures in "more". `policy`
+    ("fixed"): the tab's operating point (the page's ?policy=; default adaptive)."""
     from playwright.sync_api import sync_playwright
 
     exe = chromium_path()
@@ -56,7 +58,7 @@ def drive(url: str, key: str, prompt: str, method: str = "ciar", network: str = 
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning")
                     else None)
             page.on("pageerror", lambda e: console.append(f"pageerror: {e}"))
-            page.goto(f"{url.rstrip('/')}/", timeout=ms)
+            page.goto(f"{url.rstrip('/')}/" + (f"?policy={policy}" if policy else ""), timeout=ms)
             page.wait_for_function("document.querySelectorAll('#network option').length > 1", timeout=ms)
             methods = page.eval_on_selector_all("#method option", "os => os.map(o => o.value)")
             networks = page.eval_on_selector_all("#network option", "os => os.map(o => o.value)")
