@@ -168,22 +168,52 @@ def cloud_cost_markdown(sweep: list[dict]) -> str:
     return "".join(lines)
 
 
-def quality(world, tokens: torch.Tensor, ps: PromptSet, probe, fid_net) -> dict:
-    from ciar.metrics.fid import fid_between
-    from ciar.metrics.probe import attribute_accuracy
+def decode_images(world, tokens: torch.Tensor) -> np.ndarray:
+    """tokens [n, N] -> images [n, H, W, 3] uint8 (the world's VQ decoder, 64 at a time)."""
     from ciar.models.vq import tensor_to_images
 
     imgs = []
     with torch.no_grad():
         for s in range(0, len(tokens), 64):
             imgs.append(tensor_to_images(world.vq.decode_code(tokens[s:s + 64])))
-    images = torch.cat(imgs).numpy()
+    return torch.cat(imgs).numpy()
+
+
+def quality(world, tokens: torch.Tensor, ps: PromptSet, probe, fid_net) -> dict:
+    from ciar.metrics.fid import fid_between
+    from ciar.metrics.probe import attribute_accuracy
+
+    images = decode_images(world, tokens)
     out = {"fidelity": None, "fid": None}
     if ps.scenes is not None and probe is not None:
         out["fidelity"] = attribute_accuracy(probe, images, ps.scenes)["attribute_accuracy"]
     if ps.references is not None and fid_net is not None:
         out["fid"] = fid_between(fid_net, ps.references, images)
     return out
+
+
+def fidelity_checks(world, tokens: torch.Tensor, ps: PromptSet, probe) -> tuple[np.ndarray, np.ndarray]:
+    """Per image (prompt): the probe's checks right and made (`ciar.metrics.probe.checks_per_image`); their sums'
+    ratio is the row's fidelity."""
+    from ciar.metrics.probe import checks_per_image, predict, scene_targets
+
+    right, made = checks_per_image(predict(probe, decode_images(world, tokens)), scene_targets(ps.scenes))
+    return np.asarray(right), np.asarray(made)
+
+
+def paired_fidelity_ci(base: tuple, other: tuple, n_boot: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> dict:
+    """`other`'s fidelity minus `base`'s on the same prompts and seeds (each a `fidelity_checks` pair), with a
+    paired bootstrap interval over the prompts (`n_boot` resamples, seeded): a difference whose interval holds 0 is
+    within the prompts' noise. -> {"diff", "lo", "hi"} in fidelity units."""
+    (rb, mb), (ro, mo) = base, other
+    if len(rb) != len(ro):
+        raise ValueError(f"paired comparison of {len(rb)} and {len(ro)} prompts")
+    diff = ro.sum() / mo.sum() - rb.sum() / mb.sum()
+    idx = np.random.default_rng(seed).integers(0, len(rb), (n_boot, len(rb)))
+    boot = ro[idx].sum(1) / mo[idx].sum(1) - rb[idx].sum(1) / mb[idx].sum(1)
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return {"diff": float(diff), "lo": float(lo), "hi": float(hi)}
 
 
 def summarize(results: dict, base: str, world, ps: PromptSet, probe, fid_net) -> dict:

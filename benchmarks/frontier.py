@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.collab import load_prompts, run_variants, summarize, write_results
+from benchmarks.collab import (fidelity_checks, load_prompts, paired_fidelity_ci, run_variants, summarize,
+                               write_results)
 from ciar.collab.knobs import KNOBS
 from ciar.collab.names import METHODS
 from ciar.collab.protocol import RuleConfig
@@ -135,8 +136,9 @@ def default_lines(defaults) -> dict[str, Line]:
 def assemble(rows: dict, points: dict, base: str = "cloud") -> dict:
     """rows: `benchmarks.collab.summarize`'s {name: row}; points: {name: (line label, knob, value)}. -> {line label:
     [point, ...] in the order of the line's values}, each point {name, knob, value, fidelity, fid, speedup,
-    speedup_paper_profile, cloud_call_rate}, plus `base` as its own one-point line."""
-    keys = ("fidelity", "fid", "speedup", "speedup_paper_profile", "cloud_call_rate")
+    speedup_paper_profile, cloud_call_rate, fidelity_vs_base (the paired difference and its interval, when the row
+    has one)}, plus `base` as its own one-point line."""
+    keys = ("fidelity", "fid", "speedup", "speedup_paper_profile", "cloud_call_rate", "fidelity_vs_base")
     out: dict = {base: [{"name": base, "knob": None, "value": None, **{k: rows[base].get(k) for k in keys}}]}
     for name, (label, knob, value) in points.items():
         out.setdefault(label, []).append({"name": name, "knob": knob, "value": value,
@@ -164,12 +166,18 @@ def equal_fidelity(lines: dict, tolerance: float, base: str = "cloud") -> dict:
 def frontier_markdown(lines: dict, answer: dict, title: str) -> str:
     """The frontier as a table (one row per point, lines in order) and the equal-fidelity answer."""
     f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
-    out = [f"### {title}\n\n", "| Line | Knob | Value | Fidelity (↑) | FID (↓) | Speedup, measured | "
-           "Speedup, paper profile (sim.) | Cloud-call rate |\n|---|---|---|---|---|---|---|---|\n"]
+    def vs_base(p) -> str:  # points of fidelity against cloud-only, with its 95 % paired bootstrap interval
+        ci = p.get("fidelity_vs_base")
+        return "–" if not ci else f"{100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, {100 * ci['hi']:+.1f}]"
+
+    out = [f"### {title}\n\n", "| Line | Knob | Value | Fidelity (↑) | vs cloud-only, pt [95 % CI] | FID (↓) | "
+           "Speedup, measured | Speedup, paper profile (sim.) | Cloud-call rate |\n"
+           "|---|---|---|---|---|---|---|---|---|\n"]
     for label, pts in lines.items():
         for p in pts:
             out.append(f"| {label} | {p['knob'] or '–'} | {f(p['value'], 'g')} | {f(p['fidelity'], '.4f')} | "
-                       f"{f(p['fid'], '.3f')} | x{f(p['speedup'], '.2f')} | x{f(p['speedup_paper_profile'], '.2f')} | "
+                       f"{vs_base(p)} | {f(p['fid'], '.3f')} | x{f(p['speedup'], '.2f')} | "
+                       f"x{f(p['speedup_paper_profile'], '.2f')} | "
                        f"{f(None if p['cloud_call_rate'] is None else 100 * p['cloud_call_rate'], '.2f')}% |\n")
     out.append(f"\n### At equal fidelity: fidelity >= {answer['fidelity_floor']:.4f} (cloud-only "
                f"{answer['base_fidelity']:.4f} - {answer['tolerance']:g})\n\n"
@@ -293,6 +301,9 @@ def main(argv=None) -> int:
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors"))
     fid_net = make_fid("scenes", os.path.join(world.weights_dir, "fid_features.safetensors"))
     rows = summarize(results, "cloud", world, ps, probe, fid_net)
+    checks = {name: fidelity_checks(world, tokens, ps, probe) for name, (tokens, _) in results.items()}
+    for name in points:  # paired with cloud-only on the same prompts and seeds
+        rows[name]["fidelity_vs_base"] = paired_fidelity_ci(checks["cloud"], checks[name], seed=args.seed)
     frontier = assemble(rows, points)
     answer = equal_fidelity(frontier, args.tolerance)
     title = f"Quality-speed frontier ({args.network}, {len(ps.captions)} held-out prompts)"

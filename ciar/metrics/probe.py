@@ -170,11 +170,10 @@ def predict(probe: nn.Module, images, batch_size: int = 256) -> dict[str, torch.
             for k, v in out.items()}
 
 
-def accuracy_from_predictions(pred: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict:
-    """The `attribute_accuracy` report from predictions and targets (both as from `predict` / `scene_targets`)."""
+def _checks(pred: dict[str, torch.Tensor], target: dict[str, torch.Tensor]):
+    """-> (checks {attribute: [N, 9] bool}, present [N, 9], detected [N, 9]): each named object's four checks."""
     present = target["shape"] > 0  # [N, 9]: cells the caption names
     detected = pred["shape"] > 0
-    n_obj = int(present.sum())
     checks = {
         "position": detected,
         "shape": pred["shape"] == target["shape"],
@@ -182,6 +181,21 @@ def accuracy_from_predictions(pred: dict[str, torch.Tensor], target: dict[str, t
         "color": detected & (pred["color"] == target["color"]),
         "size": detected & (pred["size"] == target["size"]),
     }
+    return checks, present, detected
+
+
+def checks_per_image(pred: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Per image: (checks right, checks made) of `attribute_accuracy` (four per named object), whose sums over the
+    images give it: what a paired comparison of two methods on the same prompts resamples."""
+    checks, present, _ = _checks(pred, target)
+    right = sum((v & present).sum(1) for v in checks.values())
+    return right.tolist(), (len(checks) * present.sum(1)).tolist()
+
+
+def accuracy_from_predictions(pred: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict:
+    """The `attribute_accuracy` report from predictions and targets (both as from `predict` / `scene_targets`)."""
+    checks, present, detected = _checks(pred, target)
+    n_obj = int(present.sum())
     correct = {k: int((v & present).sum()) for k, v in checks.items()}
     n_img = int(target["shape"].shape[0])
     spurious = detected & ~present

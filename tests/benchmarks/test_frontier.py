@@ -60,3 +60,28 @@ def test_assemble_and_the_answer_at_equal_fidelity(tmp_path):
     assert "| ciar | tau | 2 | 0.7950 |" in md and "none within the tolerance" in md and "**ciar**" in md
     F.plot(lines, str(tmp_path / "f.png"), "t")
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_paired_fidelity_interval():
+    """Paired over the prompts: the same images give 0 with an empty interval; a method right on one more check in
+    every image of 200 (4 checks each) is +25 points with an interval away from 0; one extra check on a single image
+    of 200 is within the prompts' noise (the interval holds 0)."""
+    import numpy as np
+
+    from benchmarks.collab import paired_fidelity_ci
+
+    made = np.full(200, 4)
+    base = (np.full(200, 2), made)
+    assert paired_fidelity_ci(base, base) == {"diff": 0.0, "lo": 0.0, "hi": 0.0}
+    better = paired_fidelity_ci(base, (np.full(200, 3), made))
+    assert better["diff"] == 0.25 and better["lo"] == better["hi"] == 0.25
+    rng = np.random.default_rng(0)
+    noisy = rng.integers(0, 5, 200)
+    one = noisy.copy()
+    one[0] = min(4, one[0] + 1) if one[0] < 4 else 3
+    ci = paired_fidelity_ci((noisy, made), (one, made))
+    assert ci["lo"] <= 0.0 <= ci["hi"] and abs(ci["diff"]) == pytest.approx(1 / 800)
+    wide = paired_fidelity_ci((noisy, made), (rng.integers(0, 5, 200), made))
+    assert wide["lo"] < wide["diff"] < wide["hi"] and wide["hi"] - wide["lo"] > 0.05
+    with pytest.raises(ValueError):
+        paired_fidelity_ci(base, (np.full(10, 2), np.full(10, 4)))
