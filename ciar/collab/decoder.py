@@ -352,12 +352,12 @@ class CollabDecoder:
 
     def operating_point(self, observer: CostObserver, drafted: int, stats: GenerationStats) -> OperatingPoint:
         """The image's operating point, chosen before its open and kept to its end: the calibrated span and burst
-        under the fixed policy (and under the adaptive one until the device has observed its costs on an image);
-        under the adaptive policy, the allowed point (never verifying less than the calibrated one: a span and a
-        burst at least its, or cloud-only) with the least expected time to finish the `drafted` tokens (+ the
-        operator's price per cloud step) from the device's observed costs. One point per image, recorded in the
-        stats (`span_used`, `burst_used`, `handovers`), so the same request with that point as fixed knobs (or
-        cloud-only's prefix_rate 1) makes the same image again."""
+        under the fixed policy (and under the adaptive one while a cost is unknown: no hint from the verifier and no
+        image verified yet); under the adaptive policy, the allowed point (never verifying less than the calibrated
+        one: a span and a burst at least its, or cloud-only) with the least expected time to finish the `drafted`
+        tokens (+ the operator's price per cloud step) from the device's observed costs (`CostObserver.decide`). One
+        point per image, recorded in the stats (`span_used`, `burst_used`, `handovers`), so the same request with
+        that point as fixed knobs (or cloud-only's prefix_rate 1) makes the same image again."""
         cfg = self.config
         point = OperatingPoint(cfg.span, cfg.burst)
         if cfg.policy == "adaptive" and cfg.gate in GATES and observer.ready:

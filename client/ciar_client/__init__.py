@@ -5,6 +5,7 @@ with no torch and no Ray.
     ciar_client.maths     the device's maths on numpy: guidance and sampling, the gates, the interval features
     ciar_client.runtime   the exported device model and VQ decoder on onnxruntime
     ciar_client.connection  a WebSocket `CloudClient` with reconnection and session resumption
+    ciar_client.policy    the operating point's cost model and a device's running cost estimates (adaptive CIAR)
     ciar_client.loop      the CIAR device loop
 
     python -m ciar_client --server ws://localhost:8000 --key ciar-dev-device-key --prompt "..." --out img.png

@@ -12,6 +12,9 @@ tau: accept locally (its hidden state and interval features go with the next req
 decoding is on); else draft a span of `span` tokens and verify it with the cloud, commit span[:n] + [next] + burst,
 roll the device cache back to the accepted prefix and feed the rest. The knobs left at None come from the export's
 manifest (the device file's calibrated gate, tau, span, burst; the sampling settings, prefix rate, feature width).
+The operating point (`policy`, default "adaptive", as the cluster's devices): before the open the device chooses
+the image's span and burst (never below the calibrated ones) or cloud-only from its costs (`ciar_client.policy`),
+which every exchange and draft feed; "fixed" drafts at the calibrated point.
 Link loss: when the cloud becomes unreachable after the open (the connection is gone after its retries, or 503),
 the device keeps the span it drafted and decodes the rest alone (no gate, no verification); the stats count the
 image as `degraded` with the tokens it made alone (`degraded_tokens`), as the torch loop's do.
