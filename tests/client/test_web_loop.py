@@ -111,12 +111,14 @@ def test_adaptive_reports_its_point_and_estimates_and_the_point_remakes_the_imag
     obs = out["observer"]
     assert out["handshake_s"] > 0 and obs["primed"] and obs["ready"] and obs["link_samples"] >= 2
     again = []
-    for job, r in zip(jobs, out["results"]):
+    for i, (job, r) in enumerate(zip(jobs, out["results"])):
         assert "error" not in r, r
         st = r["stats"]
         assert len(r["tokens"]) == st["total_tokens"] == 144 and st["handovers"] in (0, 1)
-        # primed before the first image: the hint (no reply seen yet), the handshake, the timed step
-        assert st["est_device_step_s"] > 0 and st["est_link_latency_s"] > 0 and st["est_cloud_step_s"] > 0
+        # primed before the first image: the hint (no reply seen yet), the handshake, the timed step; later images
+        # read the link's fit, whose latency on loopback may come out at 0
+        assert st["est_device_step_s"] > 0 and st["est_cloud_step_s"] > 0
+        assert st["est_link_latency_s"] > 0 if i == 0 else st["est_link_latency_s"] >= 0
         if st["handovers"]:  # cloud-only: one open for every token, nothing made or run on the device
             assert st["prefix_tokens"] == 144 and st["cloud_requests"] == 1 and st["device_forward_passes"] == 0
             fixed = {"prefixRate": 1}

@@ -37,7 +37,9 @@ def witnesses(tiny_device, median_tau):
     from ciar.collab.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
 
-    cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none")
+    # the calibrated point: under the fuzz the adaptive policy would choose from the costs it inflates, and a
+    # witness checks the channel, not the policy (as loadtests.device_fuzz.onnx_witnesses)
+    cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none", policy="fixed")
 
     def image(conn, prompt, seed, sid):
         dec = CollabDecoder(tiny_device, conn, cfg, SamplingParams(cfg_scale=2.0), num_tokens=36)

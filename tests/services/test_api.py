@@ -214,7 +214,7 @@ def test_a_real_device_over_the_websocket_endpoint(cluster):
     from ciar_client.connection import ConnectionRefused, DeviceConnection
 
     world = load_default_world(cluster["weights"])
-    knobs = dict(tau=TAU, span=4, prefix_rate=0.06, network="none")
+    knobs = dict(tau=TAU, span=4, prefix_rate=0.06, network="none", policy="fixed")  # the channel, not the policy
     local = make_decoder(world, make_verifier(world, max_sessions=1), "ciar", **knobs).generate(PROMPT, seed=5,
                                                                                           session_id="ws-img")
     ws = f"ws://127.0.0.1:{PORT}"
