@@ -128,11 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return stats
     st, cf = stats["collab"]["stats"], stats["collab"]["config"]
+    # the image's operating point: the calibrated one, or what the adaptive policy chose from the observed costs
+    point = "the whole image on the cloud" if st["handovers"] else f"span {st['span_used']}, burst {st['burst_used']}"
+    how = "chosen from the observed costs" if st["adapted"] else "calibrated"
     print(f"wrote {args.out}: {stats['num_tokens']} tokens in {stats['wall_time_s']:.2f} s "
           f"(method ciar, seed {args.seed}); cloud calls {100 * st['cloud_call_rate']:.1f} %, "
           f"{st['cloud_requests']} cloud requests, measured latency {st['total_s']:.3f} s (device {st['device_s']:.3f} "
-          f"s, cloud {st['cloud_s']:.3f} s, comm {st['comm_s']:.3f} s) (gate {cf['gate']}, tau {cf['tau']}, "
-          f"burst {cf['burst']}, span {cf['span']})")
+          f"s, cloud {st['cloud_s']:.3f} s, comm {st['comm_s']:.3f} s) (gate {cf['gate']}, tau {cf['tau']}; "
+          f"{cf['policy']} policy: {point}, {how})")
     if st.get("degraded"):
         print(f"degraded: the server became unreachable mid-image; this device made the last "
               f"{st['degraded_tokens']} tokens alone, without verification")
