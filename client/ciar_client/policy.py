@@ -388,13 +388,16 @@ class CloudStepEstimator:
         elif passes >= self.LONG_OPEN:
             self.step.update(cloud_s / passes)
 
-    def steps(self, prior: CostHint | None = None) -> tuple[float, float] | None:
-        """(t_c, t_s) in seconds: observed, else the server's `prior`, else the mean per forward so far; None when
+    def prime(self, hint: CostHint) -> None:
+        """The server's figures as t_c's and t_s's priors (`Ewma.prior`: the replies' own replace them)."""
+        self.span.prior, self.step.prior = hint.span_s, hint.step_s
+
+    def steps(self) -> tuple[float, float] | None:
+        """(t_c, t_s) in seconds: observed, else primed (`prime`), else the mean per forward so far; None when
         neither a reply nor a prior gives one."""
-        prior = prior or CostHint()
-        fallback = self.per_pass.value if self.per_pass.samples else None
-        t_c = self.span.value if self.span.samples else prior.span_s if prior.span_s is not None else fallback
-        t_s = self.step.value if self.step.samples else prior.step_s if prior.step_s is not None else fallback
+        fallback = self.per_pass.value  # no prior: None before any reply
+        t_c = self.span.value if self.span.value is not None else fallback
+        t_s = self.step.value if self.step.value is not None else fallback
         if t_c is None and t_s is None:
             return None
         return (t_c if t_c is not None else t_s, t_s if t_s is not None else t_c)
@@ -448,7 +451,6 @@ class CostObserver:
         self.queue = Ewma(weight, prior=0.0)
         self.verifier = Ewma(weight)  # seconds in the verifier per verify exchange: queue wait + its forwards
         self.device_step = Ewma(weight, clip=3.0)
-        self.cloud_prior: CostHint | None = None  # the verifier's figures before any reply (`prime`)
         self.primed = False  # `prime` was called (a device primes an observer once, before its first image)
         self.link_primed = False  # the link's latency is known from a handshake (0 on a perfect link)
         self.cloud_only_streak = 0  # images in a row the policy gave to the cloud whole (EXPLORE_EVERY)
@@ -490,7 +492,7 @@ class CostObserver:
         if device_step_s is not None:
             self.device_step.prior = max(0.0, float(device_step_s))
         if hint is not None:
-            self.cloud_prior = hint
+            self.cloud.prime(hint)
             if hint.queue_s is not None:
                 self.queue.prior = max(0.0, float(hint.queue_s))
 
@@ -499,11 +501,11 @@ class CostObserver:
         """Whether every cost the model reads has a value, observed (an image drafted and verified) or primed before
         the first image (`prime`: the handshake, a timed device step, the verifier's hint)."""
         link = self.link.samples or self.link_primed
-        return bool(link and self.cloud.steps(self.cloud_prior) is not None and self.device_step.value is not None)
+        return bool(link and self.cloud.steps() is not None and self.device_step.value is not None)
 
     def cloud_steps(self) -> tuple[float, float]:
         """(t_c, t_s) as observed (`CloudStepEstimator`; the server's hint until then), (0, 0) without either."""
-        return self.cloud.steps(self.cloud_prior) or (0.0, 0.0)
+        return self.cloud.steps() or (0.0, 0.0)
 
     def decide(self, costs: Costs, calibrated: OperatingPoint, remaining: int, cloud_step_price_s: float = 0.0,
                spans=None, bursts=BURSTS) -> Decision:

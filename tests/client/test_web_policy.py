@@ -187,7 +187,7 @@ def _camel(k: str) -> str:
 
 def _state(o: P.CostObserver) -> dict:
     """The harness's observerState, in Python."""
-    steps = o.cloud.steps(o.cloud_prior)
+    steps = o.cloud.steps()
     return {"ready": o.ready, "primed": o.primed, "link_samples": o.link.samples, "latency_s": o.link.latency_s,
             "bandwidth_Bps": o.link.bandwidth_Bps, "cloud_steps": None if steps is None else list(steps),
             "cloud_samples": o.cloud.samples, "queue_s": o.queue.value, "verifier_s": o.verifier.value,

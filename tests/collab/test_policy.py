@@ -261,7 +261,9 @@ def test_a_primed_observer_is_ready_before_its_first_image_and_its_observations_
     assert c.cloud_step_s == pytest.approx(0.020) and c.decode_step_s == pytest.approx(0.004)  # t_s: still the hint
     assert c.latency_s == pytest.approx(0.015) and c.device_step_s == pytest.approx(0.003) and c.queue_s == 0.0
     # a hint without a sampled step: t_s falls back to t_c; without any hint or reply the device is not ready
-    assert CloudStepEstimator().steps(CostHint(span_s=0.01)) == (0.01, 0.01)
+    hinted = CloudStepEstimator()
+    hinted.prime(CostHint(span_s=0.01))
+    assert hinted.steps() == (0.01, 0.01)
     unready = CostObserver()
     unready.prime(latency_s=0.05, device_step_s=0.002)
     assert not unready.ready

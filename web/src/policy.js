@@ -282,12 +282,17 @@ export class CloudStepEstimator {
     }
   }
 
-  /** [t_c, t_s]: observed, else the server's `prior` (a costHint), else the mean per forward; null without any. */
-  steps(prior = null) {
-    prior = prior || costHint();
-    const fallback = this.perPass.samples ? this.perPass.value : null;
-    const tc = this.span.samples ? this.span.value : prior.spanS ?? fallback;
-    const ts = this.step.samples ? this.step.value : prior.stepS ?? fallback;
+  /** The server's figures (a costHint) as t_c's and t_s's priors (Ewma.prior: the replies' own replace them). */
+  prime(hint) {
+    this.span.prior = hint.spanS;
+    this.step.prior = hint.stepS;
+  }
+
+  /** [t_c, t_s]: observed, else primed, else the mean per forward; null without any. */
+  steps() {
+    const fallback = this.perPass.value; // no prior: null before any reply
+    const tc = this.span.value ?? fallback;
+    const ts = this.step.value ?? fallback;
     if (tc === null && ts === null) return null;
     return [tc ?? ts, ts ?? tc];
   }
@@ -332,7 +337,6 @@ export class CostObserver {
     this.queue = new Ewma(weight, 0);
     this.verifier = new Ewma(weight); // seconds in the verifier per verify exchange: queue wait + its forwards
     this.deviceStep = new Ewma(weight, null, 3);
-    this.cloudPrior = null; // the verifier's figures before any reply (`prime`)
     this.primed = false; // `prime` was called (once, before the device's first image)
     this.linkPrimed = false; // the link's latency is known from a handshake (0 on a perfect link)
     this.cloudOnlyStreak = 0; // images in a row given to the cloud whole
@@ -373,7 +377,7 @@ export class CostObserver {
     }
     if (deviceStepS !== null) this.deviceStep.prior = Math.max(0, deviceStepS);
     if (hint !== null) {
-      this.cloudPrior = hint;
+      this.cloud.prime(hint);
       if (hint.queueS !== null) this.queue.prior = Math.max(0, hint.queueS);
     }
   }
@@ -381,12 +385,12 @@ export class CostObserver {
   /** Whether every cost the model reads has a value, observed or primed. */
   get ready() {
     const link = this.link.samples > 0 || this.linkPrimed;
-    return link && this.cloud.steps(this.cloudPrior) !== null && this.deviceStep.value !== null;
+    return link && this.cloud.steps() !== null && this.deviceStep.value !== null;
   }
 
   /** [t_c, t_s] as observed (the server's hint until then), [0, 0] without either. */
   cloudSteps() {
-    return this.cloud.steps(this.cloudPrior) || [0, 0];
+    return this.cloud.steps() || [0, 0];
   }
 
   /** The next image's point, chosen before its open: `choose` with SWITCH_MARGIN, except that after `exploreAfter`

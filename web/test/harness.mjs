@@ -70,7 +70,7 @@ const hintOf = (h) => (h ? P.costHint(h.span_s ?? null, h.step_s ?? null, h.queu
 /** A CostObserver's state, under the names test_web_policy.py's Python twin gives it. */
 function observerState(o) {
   return { ready: o.ready, primed: o.primed, link_samples: o.link.samples, latency_s: o.link.latencyS,
-    bandwidth_Bps: o.link.bandwidthBps, cloud_steps: o.cloud.steps(o.cloudPrior), cloud_samples: o.cloud.samples,
+    bandwidth_Bps: o.link.bandwidthBps, cloud_steps: o.cloud.steps(), cloud_samples: o.cloud.samples,
     queue_s: o.queue.value, verifier_s: o.verifier.value, device_step_s: o.deviceStep.value,
     escalation: o.escalation.value, escalation_observed: o.escalation.observed, accept_first: o.acceptFirst.value,
     accept_next: o.acceptNext.value, streak: o.cloudOnlyStreak, explore_after: o.exploreAfter, exploring: o.exploring };
