@@ -31,6 +31,7 @@ from tqdm import tqdm
 from benchmarks.collab import load_prompts, write_results
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.world import load_world
+from ciar_client.policy import CostObserver
 
 LINKS = ("5g", "wifi", "4g")
 METHODS = {"cloud-only": ("cloud", {}), "fixed CIAR": ("ciar", {"policy": "fixed"}),
@@ -47,8 +48,6 @@ def run(world, verifier, prompts: list[str], seed: int, links=LINKS, prime: bool
             for name, (method, knobs) in METHODS.items():
                 dec = make_decoder(world, verifier, method, network=link, **knobs)
                 if not prime:  # an observer made before the image, without the handshake, step and hint
-                    from ciar_client.policy import CostObserver
-
                     dec.observers[link] = CostObserver(rates=world.device_model.ciar_defaults.policy_rates)
                 r = dec.generate(prompts[i], seed=seed * 1_000_003 + i)
                 st = r.stats

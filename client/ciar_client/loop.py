@@ -120,10 +120,10 @@ def unreachable(exc: BaseException) -> bool:
 
 
 class _Loop:
-    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress, fallback: bool = True,
-                 observer: CostObserver | None = None):
+    def __init__(self, rt, client, cfg: LoopConfig, seed: int, sid: str, on_progress, fallback: bool,
+                 observer: CostObserver):
         self.rt, self.client, self.cfg, self.seed, self.sid = rt, client, cfg, int(seed), sid
-        self.observer = observer or CostObserver()  # the device's running cost estimates (fed by every image)
+        self.observer = observer  # the device's running cost estimates (fed by every image)
         self.span, self.burst = cfg.span, cfg.burst  # the image's operating point (`choose_point`)
         self.fallback, self.offline = fallback, False
         self.n_total, self.vocab = rt.num_tokens, rt.vocab_size
