@@ -47,8 +47,9 @@ def run(world, verifier, prompts: list[str], seed: int, links=LINKS, prime: bool
         for link in links:
             for name, (method, knobs) in METHODS.items():
                 dec = make_decoder(world, verifier, method, network=link, **knobs)
-                if not prime:  # an observer made before the image, without the handshake, step and hint
-                    dec.observers[link] = CostObserver(rates=world.device_model.ciar_defaults.policy_rates)
+                if not prime:  # an observer primed with nothing: no handshake, step or hint known
+                    dec.observers[link] = unprimed = CostObserver(rates=world.device_model.ciar_defaults.policy_rates)
+                    unprimed.prime()
                 r = dec.generate(prompts[i], seed=seed * 1_000_003 + i)
                 st = r.stats
                 out[link][name].append({"seconds": st.total_s, "handover": st.handovers, "adapted": st.adapted,

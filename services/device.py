@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -105,7 +106,8 @@ class RayCloudClient:
         """A Verifier replica's recent figures (`CloudVerifier.cost_hint`), None when none answers in time: a hint."""
         try:
             return self.handle.cost_hint.remote().result(timeout_s=5.0)
-        except Exception:  # noqa: BLE001 - without a hint the device's first image drafts at the calibrated point
+        except Exception as e:  # noqa: BLE001 - without a hint the device's first image drafts at the calibrated point
+            logging.getLogger("ray.serve").warning("no cost hint from the verifier: %s: %s", type(e).__name__, e)
             return None
 
     def close(self, session_id: str) -> None:

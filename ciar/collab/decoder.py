@@ -76,7 +76,7 @@ from ciar_client.wire import Hello, Welcome
 
 DEVICE_SEED_OFFSET = 1 << 32
 GATE_SEED_OFFSET = 2 << 32
-HANDSHAKE_SEED_OFFSET = 3 << 32  # the simulated link of a device's handshake (`CollabDecoder.new_observer`)
+HANDSHAKE_SEED_OFFSET = 3 << 32  # the simulated link of a device's handshake (`CollabDecoder.prime`)
 # a connection's HELLO and WELCOME (a 32-character key and device id): the handshake whose round trip primes the link
 HANDSHAKE_BYTES = (Hello("k" * 32).nbytes(), Welcome("d" * 32, 0, 0, 0.0, 0.0).nbytes())
 
@@ -295,12 +295,13 @@ class CollabDecoder:
             raise ValueError("num_tokens is required without a device model")
         stats = GenerationStats()
         observer = self.observers.get(cfg.network)
-        if observer is None:  # the device's first image on this link
-            observer = self.observers[cfg.network] = self.new_observer(seed)
+        if observer is None:  # the device's first image on this link: the device file's rates to start from
+            defaults = getattr(self.device_model, "ciar_defaults", None)
+            observer = self.observers[cfg.network] = CostObserver(rates=defaults.policy_rates if defaults else None)
         link = _Link(self.client, NetworkModel(get_profile(cfg.network), seed=seed, drop_after=cfg.link_drop_after),
                      stats, cfg.cloud_slowdown, self.wait, observer)
         prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
-        point = self.operating_point(observer, n_total - prefix_len, stats) if prefix_len < n_total else None
+        point = self.operating_point(observer, n_total - prefix_len, stats, seed) if prefix_len < n_total else None
         if point is not None and point.cloud_only:
             prefix_len = n_total  # the whole image on the cloud: cloud-only's open
         drafting = prefix_len < n_total
@@ -330,37 +331,37 @@ class CollabDecoder:
         progress(tokens, stats, final=True)
         return tokens, who, stats
 
-    def new_observer(self, seed: int) -> CostObserver:
-        """The device's estimates on a link it has not used yet: the device file's rates to start from and, under
-        the adaptive policy, what it knows before drafting (`CostObserver.prime`): the round trip of its connection's
-        handshake (HELLO and WELCOME through the link's network model, seeded apart from the images' links), one
-        timed device step (x `device_slowdown`), and the verifier's hint (the client's `cost_hint()`, x
-        `cloud_slowdown`), so that its first image is chosen too."""
+    def prime(self, observer: CostObserver, seed: int) -> None:
+        """What the device knows of a link's costs before drafting on it (`CostObserver.prime`), so that its first
+        adaptive image there is chosen too: the round trip of its connection's handshake (HELLO and WELCOME through
+        the link's network model, seeded apart from the images' links), one timed device step (x
+        `device_slowdown`), and the verifier's hint (the client's `cost_hint()`, x `cloud_slowdown`)."""
         cfg = self.config
-        defaults = getattr(self.device_model, "ciar_defaults", None)
-        observer = CostObserver(rates=defaults.policy_rates if defaults else None)
-        if cfg.policy == "adaptive" and cfg.gate in GATES and self.device_model is not None:
-            handshake = NetworkModel(get_profile(cfg.network), seed=seed + HANDSHAKE_SEED_OFFSET)
-            round_trip = sum(handshake.transmit(n)[0] for n in HANDSHAKE_BYTES)
-            ask = getattr(self.client, "cost_hint", None)
-            hint = ask() if ask is not None else None
-            rows = 2 if self.sampling.uses_cfg else 1
-            observer.prime(latency_s=round_trip / 2,
-                           device_step_s=self.device_model.step_seconds(rows) * cfg.device_slowdown,
-                           hint=hint.scaled(cfg.cloud_slowdown) if hint is not None else None)
-        return observer
+        handshake = NetworkModel(get_profile(cfg.network), seed=seed + HANDSHAKE_SEED_OFFSET)
+        round_trip = sum(handshake.transmit(n)[0] for n in HANDSHAKE_BYTES)
+        ask = getattr(self.client, "cost_hint", None)
+        hint = ask() if ask is not None else None
+        rows = 2 if self.sampling.uses_cfg else 1
+        observer.prime(latency_s=round_trip / 2,
+                       device_step_s=self.device_model.step_seconds(rows) * cfg.device_slowdown,
+                       hint=hint.scaled(cfg.cloud_slowdown) if hint is not None else None)
 
-    def operating_point(self, observer: CostObserver, drafted: int, stats: GenerationStats) -> OperatingPoint:
+    def operating_point(self, observer: CostObserver, drafted: int, stats: GenerationStats,
+                        seed: int) -> OperatingPoint:
         """The image's operating point, chosen before its open and kept to its end: the calibrated span and burst
         under the fixed policy (and under the adaptive one while a cost is unknown: no hint from the verifier and no
         image verified yet); under the adaptive policy, the allowed point (never verifying less than the calibrated
         one: a span and a burst at least its, or cloud-only) with the least expected time to finish the `drafted`
         tokens (+ the operator's price per cloud step) from the device's observed costs (`CostObserver.decide`). One
         point per image, recorded in the stats (`span_used`, `burst_used`, `handovers`), so the same request with
-        that point as fixed knobs (or cloud-only's prefix_rate 1) makes the same image again."""
+        that point as fixed knobs (or cloud-only's prefix_rate 1) makes the same image again. The first adaptive
+        image on a link primes the observer (`prime`; earlier images at fixed points may have created it)."""
         cfg = self.config
         point = OperatingPoint(cfg.span, cfg.burst)
-        if cfg.policy == "adaptive" and cfg.gate in GATES and observer.ready:
+        adaptive = cfg.policy == "adaptive" and cfg.gate in GATES
+        if adaptive and not observer.primed:
+            self.prime(observer, seed)
+        if adaptive and observer.ready:
             enhance = cfg.inter_enhance and self.device_model is not None
             costs = observer.costs(self.client.vocab_size,
                                    hidden_dim=self.device_model.config.dim if enhance else 0,
