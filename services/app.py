@@ -54,6 +54,7 @@ from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause
 from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
                               ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
+from services.routing import ROUTER_CLASS
 from services.verifier import Verifier
 
 logger = logging.getLogger("ray.serve")
@@ -93,18 +94,20 @@ GENERATION_RESPONSES = {
           "content": {"image/png": {"schema": {"type": "string", "format": "binary"}},
                       "text/event-stream": {"schema": SSE_EVENT}}},
     400: _error("a request the schema admits but this deployment cannot serve: body not JSON, response_format url, "
-                "size other than the world's, unknown model, n over max_images, n > 1 with png or stream"),
+                "size other than the world's, unknown model, n over max_images"),
     401: AUTH_ERROR,
     413: _error("request body over 16 KiB"),
     422: _error("a field out of range, of the wrong type or unknown (error.field names it), or `method` given with a "
-                "`model` that names a method (the schema's `not`); also a prompt over the caption encoder's token "
-                "budget, params that make no valid method config (e.g. cloud with prefix_rate < 1), a gate with no "
-                "calibrated threshold and no params.tau, and the simulation knobs params.device_slowdown / "
-                "params.link_drop_after where the deployment does not allow them"),
+                "`model` that names a method (the schema's `not`), or n > 1 with png or stream (its `allOf`); also a "
+                "prompt over the caption encoder's token budget, params that make no valid method config (e.g. cloud "
+                "with prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation knobs "
+                "params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
     500: _error("internal error (logged with its traceback)"),
-    503: _error("overloaded (every device busy and the queue full, or no free verifier KV-cache slot) or the cloud "
-                "unreachable before the image could start: retry after Retry-After seconds", RETRY_AFTER),
-    504: _error("the generation did not finish within request_timeout_s"),
+    503: _error("the cluster is starting (no Device or Verifier replica can take work yet), overloaded (every device "
+                "busy and the queue full, or no free verifier KV-cache slot), or the cloud unreachable (or past "
+                "verifier_call_timeout_s) before the image could start: retry after Retry-After seconds", RETRY_AFTER),
+    504: _error("the generation did not finish within request_timeout_s (the deadline every call to the verifier "
+                "keeps too): retryable, after Retry-After seconds", RETRY_AFTER),
 }
 GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}}
@@ -183,8 +186,15 @@ class Ingress:
     async def __init__(self, device: DeploymentHandle, key_hashes: list[str], allow_unauthenticated: bool,
                        retry_after_s: int, request_timeout_s: float, max_images: int = 4,
                        verifier: DeploymentHandle | None = None, device_key_hashes: list[str] | None = None,
-                       endpoint: dict | None = None, allow_simulation_params: bool = False):
+                       endpoint: dict | None = None, allow_simulation_params: bool = False,
+                       verifier_call_timeout_s: float = 60.0):
         self.device = device
+        self.verifier = verifier
+        # readiness (`readiness`): the last time a Verifier replica answered, the probe in flight, and whether the
+        # cluster has been ready once (until then every generation request is answered 503 + Retry-After)
+        self._verifier_seen = -math.inf
+        self._probe: asyncio.Task | None = None
+        self._started = False
         self.allow_simulation_params = allow_simulation_params
         self.max_images = max_images
         # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
@@ -230,7 +240,7 @@ class Ingress:
         from services.schemas import DeviceEndpointConfig
 
         self.endpoint = None if verifier is None else DeviceEndpoint(
-            RayVerifierBackend(verifier), device_key_hashes or [],
+            RayVerifierBackend(verifier, verifier_call_timeout_s), device_key_hashes or [],
             DeviceEndpointConfig(**(endpoint or {})).limits(retry_after_s),
             observe=lambda event, label: self.m_device_events.inc(tags={"event": event, "label": label}))
 
@@ -267,9 +277,59 @@ class Ingress:
             self._world_task = asyncio.ensure_future(self._ask_world())
         return await asyncio.wait_for(asyncio.shield(self._world_task), timeout=self.timeout_s)
 
+    # ------------------------------------------------------------------ readiness
+    READY_TTL_S = 2.0  # a Verifier replica's answer counts as "ready" this long
+    READY_TIMEOUT_S = 2.0  # a readiness probe waits at most this long
+
+    async def _probe_verifier(self) -> bool:
+        response = self.verifier.ready.remote()
+
+        async def result():
+            return await response
+
+        try:
+            await asyncio.wait_for(result(), self.READY_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - not ready (starting, gone, or too slow to answer)
+            response.cancel()  # no probe is left waiting in the router for a replica
+            return False
+        self._verifier_seen = time.monotonic()
+        return True
+
+    async def readiness(self) -> list[str]:
+        """What the cluster lacks to serve an image ([] when ready): a Device replica that has answered (the served
+        world), and a Verifier replica that answered within READY_TTL_S (asked again, at most one probe at a time,
+        waiting at most READY_TIMEOUT_S)."""
+        missing = []
+        if not self._world_task.done() or self._world_task.exception() is not None:
+            if self._world_task.done():  # the first ask failed: ask again (answered by a later readiness check)
+                self._world_task = asyncio.ensure_future(self._ask_world())
+            missing.append("device")
+        if self.verifier is not None and time.monotonic() - self._verifier_seen > self.READY_TTL_S:
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.ensure_future(self._probe_verifier())
+            if not await asyncio.shield(self._probe):
+                missing.append("verifier")
+        if not missing:
+            self._started = True
+        return missing
+
+    def _starting(self, missing: list[str]) -> JSONResponse:
+        return self._overloaded(f"the cluster is starting: no {' or '.join(missing)} replica can take work yet; "
+                                "retry after Retry-After seconds", kind="starting")
+
     # ------------------------------------------------------------------ routes
-    @api.get("/healthz", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}})
-    async def healthz(self) -> dict:
+    @api.get("/healthz", responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}},
+                                    503: _error("not ready: a Device or Verifier replica cannot take work yet (the "
+                                                "cluster is starting, or the verifier pool is down)", RETRY_AFTER)})
+    async def healthz(self):
+        """Ready when an image can be served now: a Device replica has answered and a Verifier replica answers
+        (checked at most every 2 s). Until then 503 with Retry-After, as the generation API answers."""
+        missing = await self.readiness()
+        if missing:
+            r = JSONResponse({"status": "starting" if not self._started else "unavailable", "missing": missing},
+                             status_code=503)
+            r.headers["Retry-After"] = str(self.retry_after_s)
+            return r
         return {"status": "ok"}
 
     @api.websocket("/v1/device/sessions")
@@ -277,6 +337,13 @@ class Ingress:
         """Real devices: the CIAR protocol over a WebSocket (services.device_endpoint, ciar_client.wire)."""
         if self.endpoint is None:
             await ws.close(code=1008, reason="no device endpoint on this deployment")
+            return
+        if not self._started and (missing := await self.readiness()):  # a device reconnects after the retry time
+            await ws.accept()
+            from ciar_client import wire
+
+            await ws.close(code=wire.CLOSE_OVERLOADED, reason=f"the cluster is starting (no {' or '.join(missing)}): "
+                           f"retry after {self.retry_after_s} s")
             return
         await self.endpoint.serve(ws)
 
@@ -396,6 +463,8 @@ class Ingress:
     async def _generations(self, request: Request):
         if not self._authorized(request):
             return self._unauthorized()
+        if not self._started and (missing := await self.readiness()):
+            return self._starting(missing)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
             return error_body(413, f"request body over {MAX_BODY_BYTES} bytes", field="body", kind="too_large")
@@ -423,7 +492,8 @@ class Ingress:
             check_method_overrides(req.method, req.params.collab().given())
         except ValueError as e:
             return error_body(422, str(e), field="params")
-        jobs = [GenerationJob.of(req, uuid.uuid4().hex, i) for i in range(req.n)]
+        # the device spends at most the request's deadline on each image (no call to the verifier waits past it)
+        jobs = [GenerationJob.of(req, uuid.uuid4().hex, i, timeout_s=self.timeout_s) for i in range(req.n)]
         if req.stream:
             return StreamingResponse(self._events(req, jobs[0]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -444,8 +514,8 @@ class Ingress:
         if req.n > self.max_images:
             return req, error_body(400, f"n must be at most {self.max_images} on this deployment (max_images)",
                                    field="n")
-        if req.n > 1 and (req.stream or req.response_format == "png"):
-            return req, error_body(400, "n > 1 needs a JSON answer without stream (response_format b64_json or "
+        if req.n > 1 and (req.stream or req.response_format == "png"):  # the schema's allOf says so: 422
+            return req, error_body(422, "n > 1 needs a JSON answer without stream (response_format b64_json or "
                                    "tokens)", field="n")
         if req.model is None and req.size is None:
             return req, None
@@ -489,7 +559,10 @@ class Ingress:
         if isinstance(e, asyncio.TimeoutError):
             counted(504)
             self.m_errors.inc(tags={"kind": "timeout"})
-            return error_body(504, f"generation did not finish within {self.timeout_s} s", kind="timeout")
+            r = error_body(504, f"generation did not finish within {self.timeout_s:g} s (request_timeout_s); nothing "
+                           "is kept of it: retry after Retry-After seconds", kind="timeout")
+            r.headers["Retry-After"] = str(self.retry_after_s)
+            return r
         if caused_by(CaptionTooLongError):
             counted(422)
             return error_body(422, str(cause), field="prompt")
@@ -597,7 +670,7 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
         # Ray's consistent-hash router keyed by the handle's session_id (`handle.options(session_id=...)`), strict:
         # no fallback replica (a spill-over would only cost the session a re-prefill on the wrong replica)
         request_router_config=RequestRouterConfig(
-            request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter",
+            request_router_class=ROUTER_CLASS,  # Ray's ConsistentHashRouter with a fix (services.routing)
             request_router_kwargs={"num_fallback_replicas": 0}),
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus,
                            "resources": cfg.verifier_resources},
@@ -622,7 +695,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         user_config=cfg.device.model_dump(),
         ray_actor_options={"num_cpus": cfg.device_num_cpus, "resources": cfg.device_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(world, verifier)
+    ).bind(world, verifier, call_timeout_s=cfg.verifier_call_timeout_s)
     return Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
@@ -633,7 +706,8 @@ def build_app(args: dict | None = None) -> serve.Application:
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(device, key_hashes, cfg.allow_unauthenticated, cfg.retry_after_s, cfg.request_timeout_s,
            max_images=cfg.max_images, verifier=verifier, device_key_hashes=cfg.device_key_digests(),
-           endpoint=cfg.device_endpoint.model_dump(), allow_simulation_params=cfg.allow_simulation_params)
+           endpoint=cfg.device_endpoint.model_dump(), allow_simulation_params=cfg.allow_simulation_params,
+           verifier_call_timeout_s=cfg.verifier_call_timeout_s)
 
 
 def build_verifier_app(args: dict | None = None) -> serve.Application:

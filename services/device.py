@@ -12,7 +12,10 @@ Failures: a verifier replica that died or lost the session makes `verify` raise 
 `RecoveringClient` around this client re-sends the session's history (`resume`) and retries, so the image is
 still exact (position-keyed randomness on the cloud). When no replica answers within the retry budget (~70 s) the
 client raises CloudUnreachableError: mid-generation the device finishes the image alone (stats.degraded), before
-the open the request fails with 503. A simulated link outage (`params.link_drop_after`) takes the same path.
+the open the request fails with 503. A simulated link outage (`params.link_drop_after`) takes the same path. Every
+call to the verifier has a deadline (`verifier_call_timeout_s`, and the request's own, `request_timeout_s`): past it
+the call is cancelled and the cloud counts as unreachable (`CloudTimeoutError`), so a generation never waits forever
+and leaves nothing holding a verifier slot.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -28,8 +32,8 @@ import torch
 from ray import serve
 
 from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import (CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest, SessionLostError,
-                                  VerifyReply, VerifyRequest)
+from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest,
+                                  SessionLostError, VerifyReply, VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
@@ -50,18 +54,54 @@ def is_session_lost(exc: BaseException) -> bool:
 class RayCloudClient:
     """`CloudClient` over the Verifier deployment handle. Synchronous: call it from a worker thread, not from the
     replica's event loop. Every call is routed by its session (`handle.options(session_id=...)`, Ray's consistent-hash
-    router) and carries `session_id=`, this device's id and the session token
+    router as `services.routing` fixes it) and carries `session_id=`, this device's id and the session token
     (ownership). A dead replica during verify becomes SessionLostError (the recovering wrapper re-creates the
-    session elsewhere); open and resume retry a dead replica with backoff."""
+    session elsewhere); open and resume retry a dead replica with backoff.
+
+    Deadlines. Every call waits at most `call_timeout_s`, and never past `deadline` (time.monotonic(); the request's
+    end-to-end deadline, set per image by the Device). A call past its deadline is cancelled (Serve cancels it on
+    the replica, which withdraws its work: `ciar.collab.service`) and raises `CloudTimeoutError`: before the open the
+    request fails with a retryable 503, mid-image the device finishes the image alone (degraded), and a close or a
+    cost hint is given up. Nothing waits forever."""
+
+    HINT_TIMEOUT_S = 5.0  # a hint is worth little: the first image drafts at the calibrated point without one
+    CLOSE_TIMEOUT_S = 5.0  # best effort: the verifier frees idle sessions itself
 
     def __init__(self, handle, device_id: str, vocab_size: int, retries: int = 40, backoff_s: float = 0.1,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, call_timeout_s: float = 60.0):
         self.handle = handle
         self.device_id = device_id
         self.vocab_size = vocab_size
         self.retries, self.backoff_s, self.sleep = retries, backoff_s, sleep
+        self.call_timeout_s = call_timeout_s
+        self.deadline: float | None = None  # time.monotonic() past which no call waits (the request's)
         self.tokens: dict[str, str] = {}  # session id -> session token
         self.batch_sizes: dict[str, list[int]] = {}  # session id -> verifier batch size of each of its verifies
+
+    def _limit(self, cap: float | None = None) -> float:
+        """Seconds the next call may wait: its own cap, the call timeout, what is left of the deadline."""
+        limit = min(self.call_timeout_s, cap if cap is not None else math.inf)
+        if self.deadline is not None:
+            limit = min(limit, self.deadline - time.monotonic())
+        if limit <= 0:
+            raise CloudTimeoutError("the request's deadline has passed (request_timeout_s)")
+        return limit
+
+    def _call(self, what: str, response, cap: float | None = None):
+        """The result of a DeploymentResponse within the call's deadline; past it the call is cancelled."""
+        try:
+            limit = self._limit(cap)
+        except CloudTimeoutError:
+            response.cancel()
+            raise
+        try:
+            return response.result(timeout_s=limit)
+        except TimeoutError:  # (Ray's GetTimeoutError is one too)
+            response.cancel()  # no late execution: the verifier withdraws the work
+            raise CloudTimeoutError(f"the verifier did not answer {what} within {limit:.3g} s") from None
+
+    def _to(self, session_id: str):
+        return self.handle.options(session_id=session_id)
 
     def _retry(self, call):
         for attempt in range(self.retries + 1):
@@ -73,12 +113,16 @@ class RayCloudClient:
                 if attempt == self.retries:
                     raise CloudUnreachableError(f"no verifier replica answered after {self.retries} retries: "
                                                 f"{type(e).__name__}") from e
-                self.sleep(min(2.0, self.backoff_s * 2 ** attempt))  # ~70 s in all: a replica restart
+                pause = min(2.0, self.backoff_s * 2 ** attempt)  # ~70 s in all: a replica restart
+                if self.deadline is not None and time.monotonic() + pause >= self.deadline:
+                    raise CloudTimeoutError(f"no verifier replica answered before the request's deadline: "
+                                            f"{type(e).__name__}") from e
+                self.sleep(pause)
 
     def open(self, request: OpenRequest) -> OpenReply:
         sid = request.session_id
-        reply, token = self._retry(lambda: self.handle.options(session_id=sid).open.remote(request, session_id=sid,
-                                                                   device_id=self.device_id).result())
+        reply, token = self._retry(lambda: self._call("the open", self._to(sid).open.remote(
+            request, session_id=sid, device_id=self.device_id)))
         self.tokens[sid] = token
         self.batch_sizes[sid] = []
         return reply
@@ -86,8 +130,9 @@ class RayCloudClient:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         sid = request.session_id
         try:
-            reply = self.handle.options(session_id=sid).verify.remote(request, session_id=sid, device_id=self.device_id,
-                                              token=self.tokens.get(sid, "")).result()
+            reply = self._call("a verify", self._to(sid).verify.remote(request, session_id=sid,
+                                                                        device_id=self.device_id,
+                                                                        token=self.tokens.get(sid, "")))
         except Exception as e:  # noqa: BLE001
             if is_replica_loss(e):
                 raise SessionLostError(f"verifier replica of session {sid!r} is gone: {type(e).__name__}") from e
@@ -98,14 +143,13 @@ class RayCloudClient:
     def resume(self, request: OpenRequest, history: torch.Tensor,
                injected: InjectedFeatures | None = None) -> OpenReply:
         sid = request.session_id
-        return self._retry(lambda: self.handle.options(session_id=sid).resume.remote(request, history, injected, session_id=sid,
-                                                             device_id=self.device_id,
-                                                             token=self.tokens.get(sid, "")).result())
+        return self._retry(lambda: self._call("a resume", self._to(sid).resume.remote(
+            request, history, injected, session_id=sid, device_id=self.device_id, token=self.tokens.get(sid, ""))))
 
     def cost_hint(self):
         """A Verifier replica's recent figures (`CloudVerifier.cost_hint`), None when none answers in time: a hint."""
         try:
-            return self.handle.cost_hint.remote().result(timeout_s=5.0)
+            return self._call("a cost hint", self.handle.cost_hint.remote(), self.HINT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - without a hint the device's first image drafts at the calibrated point
             logging.getLogger("ray.serve").warning("no cost hint from the verifier: %s: %s", type(e).__name__, e)
             return None
@@ -113,7 +157,8 @@ class RayCloudClient:
     def close(self, session_id: str) -> None:
         token = self.tokens.pop(session_id, "")
         try:
-            self.handle.options(session_id=session_id).close.remote(session_id=session_id, device_id=self.device_id, token=token).result()
+            self._call("a close", self._to(session_id).close.remote(session_id=session_id, device_id=self.device_id,
+                                                                    token=token), self.CLOSE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - best effort: the replica frees idle slots itself
             pass
 
@@ -131,7 +176,7 @@ class Device:
     stats); `generate_stream(job)` yields ProgressEvent (with a preview PNG until the last) and finally the
     GenerationOutput. A dict job is validated into a GenerationJob."""
 
-    def __init__(self, world: dict | str | None, verifier, live: dict | None = None):
+    def __init__(self, world: dict | str | None, verifier, live: dict | None = None, call_timeout_s: float = 60.0):
         torch.set_num_threads(1)
         self.side = load_device_side(world)  # the device model and the VQ decoder of the served world
         self.live = DeviceLiveConfig(**(live or {}))
@@ -139,7 +184,8 @@ class Device:
             self.device_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica
             self.device_id = "local-device"
-        self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size)
+        self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size,
+                                         call_timeout_s=call_timeout_s)
         self.client = RecoveringClient(self.ray_client, is_lost=is_session_lost)
         self._busy = threading.Lock()  # a phone makes one image at a time
         self.observers: dict = {}  # its running cost estimates per link, kept across its images (adaptive policy)
@@ -158,7 +204,7 @@ class Device:
     def _run(self, job: GenerationJob | dict, on_progress=None) -> GenerationOutput:
         import dataclasses
 
-        t0 = time.perf_counter()
+        t0, t_start = time.perf_counter(), time.monotonic()
         job = job if isinstance(job, GenerationJob) else GenerationJob.model_validate(job)
         cfg = self.config_for(job.method, job.network, job.collab)
         sampling = dataclasses.replace(self.side.sampling, **job.sampling.given()).validate()
@@ -168,9 +214,12 @@ class Device:
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job.session_id
         with self._busy:
+            # the request's end-to-end deadline: no call to the verifier waits past it (RayCloudClient)
+            self.ray_client.deadline = t_start + job.timeout_s if job.timeout_s is not None else None
             try:
                 result = decoder.generate(job.prompt, job.seed, session_id=sid, trace=True, on_progress=on_progress)
             finally:
+                self.ray_client.deadline = None
                 sizes = self.ray_client.batch_sizes.pop(sid, [])
         image = self.decode_png(result.tokens)
         stats = result.stats.to_dict()

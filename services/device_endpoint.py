@@ -24,7 +24,9 @@ come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open
 Resumption. Sessions outlive their connection (until the verifier's idle timeout): a device that reconnects goes
 on with the same session ids and tokens; one that lost a reply in flight, or finds its session gone (410), sends
 RESUME with its committed history (`ciar_client.connection` does both) and gets a bit-identical image
-(position-keyed randomness on the cloud).
+(position-keyed randomness on the cloud). Every message is safe to send again after a lost reply (an OPEN is answered
+as the first was: `ciar.collab.service`); the table is in docs/architecture.md §5. Every call to the verifier has a
+deadline (`verifier_call_timeout_s`); a request in flight when its connection closes is cancelled on the verifier.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any, Protocol
 
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from ciar.collab.service import session_token  # noqa: F401 - the token the Verifier issues (re-exported)
 from ciar_client import wire
 from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               CloseReply, ErrorReply, Frame, VersionError, WireError, Welcome)
@@ -60,11 +63,6 @@ def root_cause(exc: BaseException) -> BaseException:
             break
         seen = nxt
     return seen
-
-
-def session_token(secret: str, session_id: str, device_id: str) -> str:
-    """The token the Verifier issues at OPEN and checks on every later call: binds a session to its device."""
-    return hmac.new(secret.encode(), f"{session_id}|{device_id}".encode(), hashlib.sha256).hexdigest()
 
 
 def device_id_of(digest: str) -> str:
@@ -106,29 +104,55 @@ class VerifierBackend(Protocol):
 
 
 class RayVerifierBackend:
-    """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`)."""
+    """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`) and
+    bounded by `call_timeout_s`: past it the call is cancelled (its work withdrawn on the verifier) and
+    `CloudTimeoutError` raised, which the endpoint answers by the frame's retry semantics (`DeviceEndpoint._failure`)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, call_timeout_s: float = 60.0):
         self.handle = handle
+        self.call_timeout_s = call_timeout_s
+
+    async def _call(self, what: str, response, timeout_s: float | None = None):
+        """The call's result within its deadline; past it, or when the connection's task is cancelled (a cut
+        socket), the call is cancelled on the verifier too (`DeploymentResponse.cancel`: the replica's coroutine
+        is cancelled and withdraws its work)."""
+        limit = self.call_timeout_s if timeout_s is None else timeout_s
+
+        async def result():
+            return await response
+
+        try:
+            return await asyncio.wait_for(result(), limit)
+        except asyncio.TimeoutError:
+            from ciar.collab.protocol import CloudTimeoutError
+
+            response.cancel()
+            raise CloudTimeoutError(f"the verifier did not answer {what} within {limit:g} s") from None
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+    def _to(self, session_id):
+        return self.handle.options(session_id=session_id)
 
     async def open(self, request, *, session_id, device_id):
-        return await self.handle.options(session_id=session_id).open.remote(request, session_id=session_id,
-                                                                            device_id=device_id)
+        return await self._call("OPEN", self._to(session_id).open.remote(request, session_id=session_id,
+                                                                         device_id=device_id))
 
     async def verify(self, request, *, session_id, device_id, token):
-        return await self.handle.options(session_id=session_id).verify.remote(
-            request, session_id=session_id, device_id=device_id, token=token)
+        return await self._call("VERIFY", self._to(session_id).verify.remote(
+            request, session_id=session_id, device_id=device_id, token=token))
 
     async def resume(self, request, history, injected, *, session_id, device_id, token):
-        return await self.handle.options(session_id=session_id).resume.remote(
-            request, history, injected, session_id=session_id, device_id=device_id, token=token)
+        return await self._call("RESUME", self._to(session_id).resume.remote(
+            request, history, injected, session_id=session_id, device_id=device_id, token=token))
 
     async def close(self, *, session_id, device_id, token):
-        return await self.handle.options(session_id=session_id).close.remote(session_id=session_id,
-                                                                             device_id=device_id, token=token)
+        return await self._call("CLOSE", self._to(session_id).close.remote(session_id=session_id,
+                                                                           device_id=device_id, token=token))
 
     async def cost_hint(self):
-        return await self.handle.cost_hint.remote()  # any replica's: a hint
+        return await self._call("a cost hint", self.handle.cost_hint.remote())  # any replica's: a hint
 
 
 class TokenBucket:
@@ -398,7 +422,7 @@ class DeviceEndpoint:
         except (_Close, WebSocketDisconnect, asyncio.CancelledError):  # the reply's delivery, not the request, failed
             raise
         except Exception as e:  # noqa: BLE001 - mapped to a status; logged by type only
-            await self._error(ws, rid, self._failure(e, device_id, sid), sid)
+            await self._error(ws, rid, self._failure(e, device_id, sid, wire.decode_header(data)[1]), sid)
 
     async def _dispatch(self, device_id: str, frame: Frame, sid: str) -> Frame:
         t, rid, body = frame.type, frame.request_id, frame.body
@@ -437,15 +461,25 @@ class DeviceEndpoint:
         dev.sessions.pop(sid, None)
         return Frame(CLOSED, rid, CloseReply(sid))
 
-    def _failure(self, e: BaseException, device_id: str, sid: str) -> RequestFailed:
-        """A backend error -> the ERROR to answer. Messages name the device's own session id, never the scoped one."""
-        from ciar.collab.protocol import CapacityError, SessionError, SessionLostError
+    def _failure(self, e: BaseException, device_id: str, sid: str, ftype: int = 0) -> RequestFailed:
+        """A backend error -> the ERROR to answer. Messages name the device's own session id, never the scoped one.
+        A call past its deadline is answered by its frame's retry semantics (docs/architecture.md §5): a VERIFY may
+        or may not have been applied, so 410 (RESUME, then send it again); OPEN, RESUME and CLOSE are safe to send
+        again as they are, so 503 with a retry-after."""
+        from ciar.collab.protocol import (CapacityError, CloudTimeoutError, SessionConflictError, SessionError,
+                                          SessionLostError)
         from ciar.text import CaptionTooLongError
 
         cause = root_cause(e)
         msg = str(cause).replace(f"{device_id}/", "")
+        if isinstance(cause, CloudTimeoutError):
+            if ftype == VERIFY:
+                return RequestFailed(410, f"{msg}: the session's state is unknown; resume it from its history")
+            return RequestFailed(503, f"{msg}: send it again", retry_after_s=self.limits.retry_after_s)
         if isinstance(cause, PermissionError):
             return RequestFailed(403, "invalid session token for this session", "token")
+        if isinstance(cause, SessionConflictError):
+            return RequestFailed(409, msg, "session_id")
         if isinstance(cause, SessionLostError) or _replica_lost(e):
             return RequestFailed(410, f"session {sid!r} is not held by the verifier: resume it from its history")
         if isinstance(cause, CaptionTooLongError):

@@ -125,11 +125,16 @@ class GenerationRequest(BaseModel):
     Checks that depend on the deployment (the world's size and alias, the cap on `n`) and combinations the schema
     cannot state are answered 400 naming the field; a value out of the schema's range, 422 naming the field.
     `model` and `method` are two names of one knob: a body where `model` names a method may not give `method` too
-    (the schema's `not`; 422 naming both)."""
+    (the schema's `not`; 422 naming both). n > 1 needs a JSON answer without stream (the schema's `allOf` of two
+    `not`s; 422 naming `n`)."""
 
     # strict: JSON types as the schema states them
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
-        "not": {"required": ["model", "method"], "properties": {"model": {"enum": list(METHODS)}}}})
+        "not": {"required": ["model", "method"], "properties": {"model": {"enum": list(METHODS)}}},
+        # n > 1 answers JSON: one PNG body or one event stream carries one image (422 naming `n`)
+        "allOf": [{"not": {"required": ["n", "response_format"],
+                           "properties": {"n": {"minimum": 2}, "response_format": {"const": "png"}}}},
+                  {"not": {"required": ["n", "stream"], "properties": {"n": {"minimum": 2}, "stream": {"const": True}}}}]})
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN},
                         description="caption of the image (not blank). A caption with more tokens than the world's "
                         "caption positions (40 MiniLM tokens in the scenes world; 120 flan-t5 tokens after LlamaGen's "
@@ -140,7 +145,7 @@ class GenerationRequest(BaseModel):
                               "them; else 400")
     n: Integer = Field(1, ge=1, le=MAX_IMAGES_LIMIT, description="OpenAI: images to generate, 1 to the deployment's "
                    "max_images (else 400); image i uses seed + i and they run on n devices concurrently; "
-                   "n > 1 needs a JSON answer (b64_json or tokens) without stream")
+                   "n > 1 needs a JSON answer (b64_json or tokens) without stream (else 422)")
     size: str | None = Field(None, max_length=32, pattern=r"^([0-9]{1,5}x[0-9]{1,5}|auto)$", description="OpenAI: "
                              "WIDTHxHEIGHT or auto; the world makes one resolution (GET /v1/models), another is a 400")
     quality: Literal[QUALITIES] | None = Field(  # type: ignore[valid-type]
@@ -295,7 +300,13 @@ class AppConfig(BaseModel):
                                              "this get 503 + Retry-After from Serve's proxy (BackpressureConfig)")
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0.0)
     retry_after_s: int = Field(2, ge=1, le=3600, description="Retry-After of 503 answers")
-    request_timeout_s: float = Field(300.0, gt=0.0)
+    request_timeout_s: float = Field(300.0, gt=0.0, description="end-to-end deadline of a generation request: past "
+                                     "it the API answers 504 with Retry-After, the device gives up its calls to the "
+                                     "verifier and frees its session")
+    verifier_call_timeout_s: float = Field(60.0, gt=0.0, description="deadline of each call to the Verifier (open, "
+                                           "verify, resume; close and cost hints wait at most 5 s): past it the call "
+                                           "is cancelled and the cloud counts as unreachable (before the open: 503 "
+                                           "with Retry-After; mid-image: the device finishes alone, degraded)")
 
     @field_validator("device_resources", "verifier_resources")
     @classmethod
@@ -408,7 +419,7 @@ class ImagesResponse(BaseModel):
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_request, invalid_json, unauthorized, too_large, overloaded, "
-                      "unavailable, timeout, internal")
+                      "starting, unavailable, timeout, internal")
     field: str | None = Field(None, description="the request field at fault (e.g. prompt, params.tau, size, "
                               "authorization, body)")
     message: str = Field(min_length=1)
@@ -449,12 +460,16 @@ class GenerationJob(BaseModel):
                                     "knobs; unset: the device fleet's live defaults")
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides, description="the request's sampling "
                                         "knobs; unset: the world's")
+    timeout_s: float | None = Field(None, gt=0.0, description="seconds the device may spend on it (the request's "
+                                    "deadline, request_timeout_s): no call to the verifier waits past it")
 
     @classmethod
-    def of(cls, req: GenerationRequest, session_id: str, index: int = 0) -> "GenerationJob":
+    def of(cls, req: GenerationRequest, session_id: str, index: int = 0,
+           timeout_s: float | None = None) -> "GenerationJob":
         """Image `index` of a request: seed + index."""
         return cls(session_id=session_id, prompt=req.prompt, seed=req.seed + index, method=req.method,
-                   network=req.network, collab=req.params.collab(), sampling=req.params.sampling())
+                   network=req.network, collab=req.params.collab(), sampling=req.params.sampling(),
+                   timeout_s=timeout_s)
 
 
 class GenerationOutput(BaseModel):

@@ -9,14 +9,15 @@ cloud-only and burst tokens, prefill chunks, resumed histories) of every session
   close(session_id=, device_id=, token=)
   stats()                                           -> sessions, slots, forwards, batch-size histogram
 
-Affinity: every call is made through `handle.options(session_id=...)`, and Ray's `ConsistentHashRouter` (strict:
-no fallback replica) sends it to the replica holding that session's cache; the `session_id=` keyword is checked
+Affinity: every call is made through `handle.options(session_id=...)`, and Ray's consistent-hash router (strict:
+no fallback replica; `services.routing` fixes a defect of it) sends it to the replica holding that session's cache; the `session_id=` keyword is checked
 against the request and the session token. A replica that lost the session (restart, idle eviction,
 re-routing after a replica died) answers `SessionLostError`, and the device re-sends its history (`resume`).
 
 Ownership: the session token is HMAC(app secret, session id | device id), so any replica of the pool can check
 that a call comes from the device that opened the session, without shared state; another device (or a device
-without the token) gets a PermissionError.
+without the token) gets a PermissionError. The calls themselves (tokens, an OPEN repeated after a lost reply answered
+as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.
 
 The engine runs on the replica's event loop (one step at a time, so the cache needs no lock; a step's size is
 bounded by the token budget, and the loop yields between steps so arrivals join the next one). Works per step,
@@ -28,7 +29,6 @@ the token budget and the wait for company when the engine is idle are live setti
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections import Counter
 
@@ -37,11 +37,11 @@ import ray
 import torch
 from ray import serve
 
-from ciar.collab.engine import KINDS, AsyncStepper
-from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, SessionError, VerifyReply, VerifyRequest
+from ciar.collab.engine import KINDS
+from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.collab.service import VerifierService
 from ciar.collab.verifier import CloudVerifier, VerifyWork
 from ciar.world import load_world
-from services.device_endpoint import session_token
 from services.schemas import VerifierLiveConfig
 
 
@@ -58,12 +58,12 @@ class Verifier:
                                   codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s,
                                   scheduler=self.live.scheduler())
         self._steps_seen = 0
-        self.stepper = AsyncStepper(self.core.engine, self.live.batch_wait_timeout_s, self._on_step)
+        # the calls (ownership, repeated OPENs, withdrawn works): the same code serves the endpoint's socket tests
+        self.service = VerifierService(self.core, secret, self.live.batch_wait_timeout_s, self._on_step)
+        self.stepper = self.service.stepper
         self.vocab_size = self.core.vocab_size
-        self._secret = secret
         self.batch_hist: Counter[int] = Counter()  # works per forward -> forwards
         self.spans_verified = 0
-        self.opened = self.resumed = 0
         self._evictor: asyncio.Task | None = None
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -97,10 +97,6 @@ class Verifier:
             self.core.evict_idle(self.live.idle_timeout_s)
             self.m_sessions.set(self.core.num_sessions)
 
-    def _check(self, session_id: str, device_id: str, token: str) -> None:
-        if not hmac.compare_digest(session_token(self._secret, session_id, device_id), token or ""):
-            raise PermissionError(f"session {session_id!r} belongs to another device (bad session token)")
-
     # ------------------------------------------------------------------ the step loop
     def _on_step(self, engine, finished) -> None:
         size = engine.step_log[-1]["works"] if engine.step_log else 0
@@ -116,45 +112,39 @@ class Verifier:
     # ------------------------------------------------------------------ API (called through handles)
     async def open(self, request: OpenRequest, *, session_id: str, device_id: str) -> tuple[OpenReply, str]:
         self._ensure_evictor()
-        if request.session_id != session_id:
-            raise SessionError("session_id keyword and request.session_id differ")
-        reply = await self.stepper.run(self.core.submit_open(request))
-        self.opened += 1
+        out = await self.service.open(request, session_id=session_id, device_id=device_id)
         self.m_sessions.set(self.core.num_sessions)
-        return reply, session_token(self._secret, session_id, device_id)
+        return out
 
     async def verify(self, request: VerifyRequest, *, session_id: str, device_id: str, token: str) -> VerifyReply:
-        self._check(session_id, device_id, token)
-        if request.session_id != session_id:
-            raise SessionError("session_id keyword and request.session_id differ")
-        return await self.stepper.run(self.core.submit_verify(request))
+        return await self.service.verify(request, session_id=session_id, device_id=device_id, token=token)
 
     async def resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None, *,
                      session_id: str, device_id: str, token: str) -> OpenReply:
         self._ensure_evictor()
-        self._check(session_id, device_id, token)
-        if request.session_id != session_id:
-            raise SessionError("session_id keyword and request.session_id differ")
-        reply = await self.stepper.run(self.core.submit_resume(request, history, injected))
-        self.resumed += 1
+        reply = await self.service.resume(request, history, injected, session_id=session_id, device_id=device_id,
+                                          token=token)
         self.m_resumes.inc()
         self.m_sessions.set(self.core.num_sessions)
         return reply
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None:
-        self._check(session_id, device_id, token)
-        self.core.close(session_id)
+        await self.service.close(session_id=session_id, device_id=device_id, token=token)
         self.m_sessions.set(self.core.num_sessions)
 
     async def cost_hint(self):
         """This replica's recent span forward, sampled step and queue wait (`CloudVerifier.cost_hint`): where a
         device's adaptive policy starts before its first image."""
-        return self.core.cost_hint()
+        return await self.service.cost_hint()
+
+    async def ready(self) -> dict:
+        """Answers once this replica can take work: the ingress's readiness (`/healthz`) asks it."""
+        return {"replica_id": self.replica_id, **await self.service.ready()}
 
     async def stats(self) -> dict:
         return {"replica_id": self.replica_id, "sessions": self.core.num_sessions,
                 "free_slots": self.core.free_slot_count, "spans_verified": self.spans_verified,
-                "opened": self.opened, "resumed": self.resumed, "forwards": self.core.engine.steps,
+                "opened": self.service.opened, "resumed": self.service.resumed, "forwards": self.core.engine.steps,
                 "positions_by_kind": dict(zip(KINDS, self.core.engine.kind_positions)),
                 "real_positions": self.core.engine.real_positions,
                 "padded_positions": self.core.engine.padded_positions,

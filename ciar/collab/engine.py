@@ -160,6 +160,19 @@ class StepEngine:
         self.inbox = [w for w in self.inbox if not w.done]
         self.active = [w for w in self.active if not w.done]
 
+    def withdraw(self, work: Work) -> None:
+        """Its caller went away: a queued work is dropped before it runs; an admitted one is told (`abandon`: an open
+        or resume fails and frees the session it was building; a verification runs to its end)."""
+        if work.done:
+            return
+        if work in self.inbox:
+            self.inbox.remove(work)
+            work.finish(error=RuntimeError(f"session {work.session_id!r}: the caller went away"))
+            return
+        abandon = getattr(work, "abandon", None)
+        if abandon is not None:
+            abandon()
+
     def fail_all(self, error: BaseException) -> None:
         """Fail every queued and running work (the step itself raised: a bug or a lost accelerator)."""
         for w in self.inbox + self.active:
@@ -309,6 +322,8 @@ class AsyncStepper:
         self._task = None
 
     async def run(self, work: Work):
+        """The work's result (or its error raised); cancelling the caller withdraws the work
+        (`StepEngine.withdraw`)."""
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -318,7 +333,11 @@ class AsyncStepper:
         work.on_done = lambda w: fut.done() or fut.set_result(w)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._loop())
-        w = await fut
+        try:
+            w = await fut
+        except asyncio.CancelledError:  # the caller went away (a cancelled handle call, a cut socket)
+            self.engine.withdraw(work)
+            raise
         if w.error is not None:
             raise w.error
         return w.result

@@ -76,6 +76,11 @@ class SessionLostError(SessionError):
         return type(self), (str(self), self.session_id)
 
 
+class SessionConflictError(SessionError):
+    """An OPEN names a session that is open with another request, by another device, or that has moved on since its
+    open (409 on the socket). The same OPEN repeated by its device is not a conflict: it is answered as the first."""
+
+
 class CapacityError(RuntimeError):
     """No free cache slot for a new session."""
 
@@ -83,6 +88,11 @@ class CapacityError(RuntimeError):
 class CloudUnreachableError(ConnectionError):
     """The cloud cannot be reached: the device's link is down, or no verifier replica answers. A generation that
     already has its caption falls back to device-only decoding (`CollabConfig.fallback`) and is marked degraded."""
+
+
+class CloudTimeoutError(CloudUnreachableError):
+    """The verifier did not answer a call within its deadline (the call's own, or what is left of the request's):
+    the call was cancelled, and the device treats the cloud as unreachable (before the open: a retryable 503)."""
 
 
 class CloudClient(Protocol):

@@ -37,6 +37,9 @@ class Session:
     seed: int = 0  # the OpenRequest's seed (prefix stream; position-keyed acceptance seeds)
     last_used: float = 0.0  # time.monotonic() of the last open/resume/verify
     work: object = None  # the request in flight for this session (one at a time), or None
+    owner: str = ""  # the device that opened (or resumed) it
+    open_request: OpenRequest | None = None  # the OPEN that created it (None after a resume)
+    open_reply: object = None  # that OPEN's reply, kept until the session moves on (a repeated OPEN gets it again)
 
 
 def slots_needed(request: OpenRequest) -> int:

@@ -58,8 +58,8 @@ from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, 
 from ciar.collab.engine import DECODE, HISTORY, PREFILL, SPAN, Piece, SchedulerConfig, StepEngine, Work
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
-from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionError,
-                                  SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
+from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionConflictError,
+                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
 from ciar.collab.sessions import Session, SessionTable, slots_needed
 from ciar.decoding.sampling import logits_to_probs, sample
 from ciar.models.gpt import GPT
@@ -154,18 +154,21 @@ class CloudVerifier:
 
     # ------------------------------------------------------------------ submitting work (step-level engine)
     def submit_open(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
-                    caption_mask: torch.Tensor | None = None) -> "OpenWork":
+                    caption_mask: torch.Tensor | None = None, owner: str = "") -> "OpenWork":
         """Queue an open (caption + `prefix_len` cloud tokens); `caption_emb` [L, D] / `caption_mask` [L] skip the
-        text encoder. Structural errors raise here; state errors (session already open, no slot) fail the work."""
-        return self.engine.submit(OpenWork(self, request, caption_emb, caption_mask))
+        text encoder. Structural errors raise here; state errors (no slot, a conflicting session) fail the work.
+        `owner`: the calling device. The same OPEN repeated by its owner while the session has not moved on is
+        answered as the first was (its reply, or the first's result when it is still in flight): OPEN is safe to
+        send again after a lost reply (`ciar.collab.service`)."""
+        return self.engine.submit(OpenWork(self, request, caption_emb, caption_mask, owner))
 
     def submit_verify(self, request: VerifyRequest) -> "VerifyWork":
         return self.engine.submit(VerifyWork(self, request))
 
     def submit_resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None,
-                      caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None
-                      ) -> "ResumeWork":
-        return self.engine.submit(ResumeWork(self, request, history, injected, caption_emb, caption_mask))
+                      caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
+                      owner: str = "") -> "ResumeWork":
+        return self.engine.submit(ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner))
 
     def _run(self, works: list) -> list:
         """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""
@@ -191,7 +194,7 @@ class CloudVerifier:
                 w.finish(error=e if isinstance(e, (SessionError, CapacityError, ValueError)) else
                          SessionError(f"session {w.session_id!r}: request refused ({type(e).__name__}: {e})"))
                 continue
-            if isinstance(w, OpenWork):
+            if isinstance(w, OpenWork) and not w.done and w.leader is None:  # (a repeated OPEN has no start)
                 starting.append(w)
         if starting:
             self._start(starting)
@@ -360,10 +363,13 @@ class OpenWork(Work):
     """An open: prefill chunks, then `prefix_len` tokens sampled one decode step at a time (a cloud-only image is
     an open with prefix_len = N)."""
 
-    def __init__(self, v: CloudVerifier, request: OpenRequest, caption_emb=None, caption_mask=None):
+    def __init__(self, v: CloudVerifier, request: OpenRequest, caption_emb=None, caption_mask=None, owner: str = ""):
         super().__init__(request.session_id)
-        self.v, self.request = v, request
+        self.v, self.request, self.owner = v, request, owner
         self.caption_emb, self.caption_mask = caption_emb, caption_mask
+        self.leader: OpenWork | None = None  # a repeated OPEN waits for the first one (then finishes with it)
+        self.followers: list[OpenWork] = []  # repeated OPENs waiting for this one
+        self.abandoned = False  # its caller went away while repeated OPENs still wait for it
         self.encode_s = 0.0  # its share of the caption encoding (CloudVerifier._start)
         c = v.config
         if v.text is None and caption_emb is None:
@@ -384,8 +390,51 @@ class OpenWork(Work):
         return len(self.s.slots)
 
     def admit(self) -> None:
+        held = self.v.table.sessions.get(self.session_id)
+        if held is not None and type(self) is OpenWork:
+            self.repeat(held)
+            return
         self.s = self.v.table.open(self.request)
         self.s.work = self
+        self.s.owner = self.owner
+        self.s.open_request = self.request if type(self) is OpenWork else None
+
+    def repeat(self, held: Session) -> None:
+        """An OPEN of a session this verifier holds: the same device's same OPEN (its reply was lost) is answered as
+        the first was; anything else is a conflict."""
+        sid = self.session_id
+        if held.owner != self.owner or held.open_request != self.request:
+            raise SessionConflictError(f"session {sid!r} is already open with another request")
+        first = held.work
+        if isinstance(first, OpenWork) and type(first) is OpenWork and not first.done:
+            self.leader = first  # the first OPEN is still building the session: finish with it
+            first.followers.append(self)
+        elif held.open_reply is not None:
+            held.last_used = time.monotonic()
+            self.finish(held.open_reply)
+        else:
+            raise SessionConflictError(f"session {sid!r} is already open and has moved on since its OPEN: RESUME it "
+                                       "from its history")
+
+    def next_piece(self, limit: int) -> Piece | None:
+        if self.leader is not None:
+            return None  # a repeated OPEN feeds nothing
+        return self._next_piece(limit)
+
+    def abandon(self) -> None:
+        """Its caller went away: a repeated OPEN stops waiting; a first OPEN that nobody else waits for fails and
+        frees the session it was building."""
+        if self.leader is not None:
+            leader = self.leader
+            if self in leader.followers:
+                leader.followers.remove(self)
+            self.finish(error=SessionError(f"session {self.session_id!r}: the caller went away"))
+            if leader.abandoned and not leader.followers:
+                leader.abandon()
+        elif self.followers:
+            self.abandoned = True
+        else:
+            self.finish(error=SessionError(f"session {self.session_id!r}: the caller went away"))
 
     def release(self) -> None:
         """Undo `admit` (the caption could not be encoded)."""
@@ -395,12 +444,17 @@ class OpenWork(Work):
         if error is not None and not self.done and self.s is not None and \
                 self.v.table.sessions.get(self.session_id) is self.s:
             self.v.close(self.session_id, cancel=False)  # a half-built session is of no use: free its slots
+        was_done = self.done
         super().finish(result, error)
+        if not was_done:
+            followers, self.followers = self.followers, []
+            for f in followers:  # repeated OPENs answer what the first answered
+                f.finish(result, error)
 
     def kind(self) -> int:
         return PREFILL if self.cond_pos < self.v.config.cls_token_num else DECODE
 
-    def next_piece(self, limit: int) -> Piece | None:
+    def _next_piece(self, limit: int) -> Piece | None:
         cls = self.v.config.cls_token_num
         if self.cond_pos < cls:
             n = min(limit, cls - self.cond_pos)
@@ -437,7 +491,7 @@ class OpenWork(Work):
         self.s.work = None
         self.s.last_used = time.monotonic()
         r = self.request
-        tokens = self.reply_tokens()
+        tokens = list(self.reply_tokens())
         emb, mask = self.caption_emb, self.caption_mask
         self.v.reply_costs.observe(self.seconds, self.passes, verify=False)
         # the wait before its first forward, less its caption's encoding (in cloud_s)
@@ -448,6 +502,8 @@ class OpenWork(Work):
             emb.detach().to("cpu", torch.float16) if r.want_caption else None,
             (mask.detach().cpu() if mask is not None else torch.ones(emb.shape[0], dtype=torch.bool))
             if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size, queue_s))
+        if type(self) is OpenWork:
+            self.s.open_reply = self.result  # until the session moves on: a repeated OPEN is answered with it
 
 
 class ResumeWork(OpenWork):
@@ -455,7 +511,7 @@ class ResumeWork(OpenWork):
     injected interval features; nothing is sampled."""
 
     def __init__(self, v: CloudVerifier, request: OpenRequest, history, injected: InjectedFeatures | None,
-                 caption_emb=None, caption_mask=None):
+                 caption_emb=None, caption_mask=None, owner: str = ""):
         c = v.config
         h = torch.as_tensor(history)
         if h.dim() != 1 or (h.numel() and h.is_floating_point()):
@@ -471,7 +527,7 @@ class ResumeWork(OpenWork):
                                    f"session {request.session_id!r}: injected", required=True)
             if n and (int(injected.positions.min()) < 0 or int(injected.positions.max()) >= h.numel() - 1):
                 raise SessionError(f"session {request.session_id!r}: injected positions must index history[:-1]")
-        super().__init__(v, replace(request, prefix_len=0), caption_emb, caption_mask)
+        super().__init__(v, replace(request, prefix_len=0), caption_emb, caption_mask, owner)
         self.history = h.long().tolist()
         self.injected = injected
         self.extras: dict[int, torch.Tensor] = {}
@@ -492,9 +548,9 @@ class ResumeWork(OpenWork):
     def reply_tokens(self) -> list[int]:
         return []  # a resume generates nothing
 
-    def next_piece(self, limit: int) -> Piece | None:
+    def _next_piece(self, limit: int) -> Piece | None:
         if self.cond_pos < self.v.config.cls_token_num:
-            return super().next_piece(limit)
+            return super()._next_piece(limit)
         feed = self.history[:-1]
         n = min(limit, len(feed) - self.fed)
         a = self.fed
@@ -582,6 +638,7 @@ class VerifyWork(Work):
     def admit(self) -> None:
         s = self.s = self.check_state()
         s.work = self
+        s.open_reply = None  # the session moves on: its OPEN is no longer repeatable
         r, v = self.request, self.v
         self.start = max(len(s.tokens) - 1, 0)  # image index of the feed's first token
         self.feed = s.tokens[self.start:] + r.new_tokens.tolist() + r.draft_tokens.tolist()

@@ -16,7 +16,9 @@ flight when the socket dropped may or may not have reached the verifier, so the 
 history (RESUME, which replaces any copy the verifier still holds) and the request is sent again; the same happens
 when the verifier answers 410 (it lost the session: a replica restarted, an idle eviction). Position-keyed
 randomness on the cloud makes the finished image bit-identical to an uninterrupted one. An OPEN that was in flight is
-closed and sent again (its prefix tokens are drawn from the session's seed: the same tokens).
+sent again as it is: the verifier answers a repeated OPEN as it answered the first (or, when the first never reached
+it, opens the session; its prefix tokens are drawn from the session's seed: the same tokens). A CLOSE is sent again
+too (closing a session that is not held does nothing). The retry semantics of every message: docs/architecture.md §5.
 """
 
 from __future__ import annotations
@@ -212,14 +214,8 @@ class DeviceConnection:
     # ------------------------------------------------------------------ CloudClient
     def open(self, request: OpenRequest) -> OpenReply:
         sid = request.session_id
-
-        def forget():  # an OPEN lost in flight may have opened the session: close it, then open again
-            try:
-                self._exchange(CLOSE, CloseRequest(sid), self.sessions[sid].token if sid in self.sessions else b"")
-            except ServerError:
-                pass
-
-        frame = self._retrying(lambda: self._exchange(OPEN, request), on_drop=forget)
+        # an OPEN whose reply was lost is sent again as it is: the verifier answers a repeated OPEN as the first
+        frame = self._retrying(lambda: self._exchange(OPEN, request))
         self.sessions[sid] = _Session(replace(request, want_caption=False), frame.token,
                                       wire._np(frame.body.prefix_tokens, np.int64).reshape(-1).tolist())
         return frame.body

@@ -24,7 +24,7 @@ def test_verifier_routes_by_session_with_rays_consistent_hash_router_and_no_fall
 
     d = build_verifier_app({})._bound_deployment
     router = d._deployment_config.request_router_config
-    assert router.request_router_class.endswith("consistent_hash_router.ConsistentHashRouter")
+    assert router.request_router_class == "services.routing.SessionAffinityRouter"
     assert router.request_router_kwargs == {"num_fallback_replicas": 0}  # strict: a spill would cost a re-prefill
 
 

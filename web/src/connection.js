@@ -14,7 +14,9 @@
 // open session it keeps the OPEN request, the session token and the committed tokens both sides agree on, with the
 // interval features sent along the way; when the socket drops it reconnects (backoff, `retries` attempts) and, for a
 // verify that was in flight or a 410 (the verifier lost the session), re-creates the session from that history
-// (RESUME) and sends the request again: the cloud's position-keyed randomness gives the same image.
+// (RESUME) and sends the request again: the cloud's position-keyed randomness gives the same image. An OPEN or a
+// CLOSE whose reply was lost is sent again as it is (the verifier answers a repeated OPEN as the first; closing a
+// session it does not hold does nothing). The retry semantics of every message: docs/architecture.md §5.
 
 import { costHint } from "./policy.js";
 import { CLOSE, ERROR, FATAL_CLOSES, HELLO, OPEN, RESUME, TYPE_NAMES, VERIFY, WELCOME, decodeFrame, encodeFrame } from "./wire.js";
@@ -227,11 +229,8 @@ export class DeviceConnection {
 
   async open(request) {
     const sid = request.session_id;
-    const forget = async () => { // an OPEN lost in flight may have opened the session: close it, then open again
-      const s = this.sessions.get(sid);
-      try { await this.exchange(CLOSE, { session_id: sid }, s ? s.token : null); } catch (e) { if (!(e instanceof ServerError)) throw e; }
-    };
-    const frame = await this.retrying(() => this.exchange(OPEN, request), forget);
+    // an OPEN whose reply was lost is sent again as it is: the verifier answers a repeated OPEN as the first
+    const frame = await this.retrying(() => this.exchange(OPEN, request));
     this.sessions.set(sid, new SessionHistory(request, frame.token, frame.body.prefix_tokens));
     return frame.body;
   }

@@ -1,0 +1,98 @@
+"""services.routing.SessionAffinityRouter against a real Serve application: issue 36's start-up hang, reduced.
+
+A caller replica, while serving one request, makes a call that times out because the target deployment has no
+replica yet (its first replica is still in `__init__`), then a session-routed call: the shape of a Device's first
+image (`cost_hint(...).result(timeout_s=5)`, then `open`) while the Verifier loads its weights. Both calls share the
+parent request's internal id. With Ray's ConsistentHashRouter the second call is never routed; with ours it is
+answered as soon as the replica is up.
+"""
+
+import asyncio
+import sys
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+
+from services.routing import ROUTER_CLASS  # noqa: E402
+
+PLAIN = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+START_S = 8.0  # the target's first replica spends this long in __init__
+
+
+class Target:
+    def __init__(self, delay_s: float):
+        time.sleep(delay_s)
+
+    async def hint(self) -> str:
+        return "hint"
+
+    async def open(self, sid: str) -> str:
+        return f"opened {sid}"
+
+
+class Caller:
+    def __init__(self, plain, fixed):
+        self.targets = {"plain": plain, "fixed": fixed}
+
+    def _run(self, which: str, timeout_s: float):
+        h = self.targets[which]
+        try:  # the Device's cost hint: times out while no replica is up, and is NOT cancelled by the timeout
+            h.hint.remote().result(timeout_s=1.0)
+            first = "answered"
+        except TimeoutError:
+            first = "timed out"
+        try:
+            return first, h.options(session_id="s1").open.remote("s1").result(timeout_s=timeout_s)
+        except TimeoutError:
+            return first, "never routed"
+
+    async def __call__(self, which: str, timeout_s: float):
+        return await asyncio.to_thread(self._run, which, timeout_s)
+
+
+def _target(router: str, name: str):
+    return serve.deployment(Target).options(
+        name=name, ray_actor_options={"num_cpus": 0.1},
+        request_router_config=RequestRouterConfig(request_router_class=router,
+                                                  request_router_kwargs={"num_fallback_replicas": 0}))
+
+
+@pytest.fixture(scope="module")
+def caller():
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    app = serve.deployment(Caller).options(ray_actor_options={"num_cpus": 0.1}).bind(
+        _target(PLAIN, "PlainTarget").bind(START_S), _target(ROUTER_CLASS, "FixedTarget").bind(START_S))
+    # not blocking: the calls must be made while the targets' replicas are still starting (serve.run would wait for
+    # them); `_run` is Serve's own non-blocking deploy
+    handle = serve._run(app, _blocking=False)
+    yield handle
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_a_timed_out_call_does_not_strand_the_next_session_call(caller):
+    results = {}
+
+    def ask(which):
+        results[which] = caller.remote(which, 3 * START_S).result(timeout_s=120)
+
+    threads = [threading.Thread(target=ask, args=(w,)) for w in ("fixed", "plain")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    # the reproduction holds: the first call timed out while the target was starting
+    assert results["fixed"][0] == "timed out" and results["plain"][0] == "timed out", results
+    assert results["fixed"][1] == "opened s1", results
+    # Ray's own router strands the second call (the defect services.routing fixes). When this fails, Ray has fixed
+    # it upstream: SessionAffinityRouter can then go.
+    assert results["plain"][1] == "never routed", results
