@@ -13,7 +13,8 @@ What is sent (`DeviceFuzzer.run`), every wait bounded by `Target.timeout_s` (an 
              VERIFY: a frame must never leave its session wedged);
   limits     a frame over the frame limit (1009), one exactly at it (answered), empty and text frames (4000);
   order      OPEN before HELLO (4000), HELLO twice (400), VERIFY / RESUME / CLOSE of a session never opened (403),
-             OPEN twice for one id (400, the session intact and still counted), VERIFY after CLOSE (410);
+             OPEN twice for one id (answered as the first: the same token and prefix), another OPEN under an open
+             id (409; the session intact and still counted), VERIFY after CLOSE (410);
   tokens     a random token, a token of another session, a token of a closed session (403; 410 on its own session),
              another device's session with its real token (403 with the same message as a session that does not
              exist: nothing is learnt about it);
@@ -72,7 +73,8 @@ CLIENT_TYPES = (OPEN, VERIFY, RESUME, CLOSE)
 FRAME_KINDS = {"random_body": 0.08, "bad_magic": 0.04, "unknown_type": 0.04, "wrong_version": 0.03,
                "truncated": 0.14, "mutated": 0.2, "fields": 0.18, "session_frames": 0.14, "server_types": 0.03,
                "before_hello": 0.12}
-ANY_REQUEST_ANSWER = ("reply:", "error:400", "error:403", "error:410", "error:422", "error:429", "error:503")
+ANY_REQUEST_ANSWER = ("reply:", "error:400", "error:403", "error:409", "error:410", "error:422", "error:429",
+                      "error:503")
 MAX_FAILURES_KEPT = 50
 HANGS_PER_KIND = 3  # a kind stops after this many hangs (each costs timeout_s)
 WITNESS_ERRORS = 5  # the witness loop stops after this many failed images
@@ -867,12 +869,22 @@ class DeviceFuzzer:
                      Frame(RESUME, p.next_rid(), ResumeRequest(o, np.zeros(1, np.int64), None, self.vocab or 2), fake)),
                     ("CLOSE of a session never opened", Frame(CLOSE, p.next_rid(), CloseRequest(never), fake))):
                 out[what] = self.ask(p, kind, what, frame, ("error:403",)).key
-            # OPEN twice for one id: the second is refused, the first stays usable and counted
+            # OPEN twice for one id: the same OPEN is answered as the first (a lost reply's retry: the same token
+            # and prefix); another request under that id is refused (409); the session stays usable and counted
             sid = self.new_sid()
             first = self.open(p, kind, sid)
             if first.key == "reply:OPEN_REPLY":
                 token = first.frame.token
-                out["OPEN twice"] = self.open(p, kind, sid, ("error:400",)).key
+                again = self.open(p, kind, sid)
+                out["OPEN twice"] = again.key
+                if again.key == "reply:OPEN_REPLY" and (
+                        again.frame.token != token or again.frame.body.prefix_tokens.tolist() !=
+                        first.frame.body.prefix_tokens.tolist()):
+                    self.fail(kind, "OPEN twice", "a repeated OPEN was not answered as the first", answer=again)
+                other = OpenRequest(sid, PROMPT + " (another)", self._sid, Sampling(), 1, want_caption=False)
+                out["OPEN of an open id with another request"] = self.ask(
+                    p, kind, "OPEN of an open id with another request", Frame(OPEN, p.next_rid(), other),
+                    ("error:409",)).key
                 out["VERIFY after OPEN twice"] = self.ask(p, kind, "VERIFY after OPEN twice",
                                                           self.empty_verify(sid, token, p.next_rid()),
                                                           ("reply:VERIFY_REPLY",)).key
@@ -968,8 +980,8 @@ class DeviceFuzzer:
                     a = self.open(p, kind, sid, ("reply:OPEN_REPLY", "error:429"))
                     if a.key == "reply:OPEN_REPLY":
                         opened[sid] = a.frame.token
-                        if variant == "each id twice":
-                            self.open(p, kind, sid, ("error:400", "error:429"))
+                        if variant == "each id twice":  # answered as the first, not counted again
+                            self.open(p, kind, sid, ("reply:OPEN_REPLY", "error:429"))
                     elif a.kind == "error":
                         refused[f"{a.error.status} {a.error.field}"] += 1
                         if a.error.field != "session_id" or a.error.retry_after_s <= 0:

@@ -300,9 +300,14 @@ class Ingress:
         world), and a Verifier replica that answered within READY_TTL_S (asked again, at most one probe at a time,
         waiting at most READY_TIMEOUT_S)."""
         missing = []
+        if self._world_task.done() and self._world_task.exception() is not None:
+            self._world_task = asyncio.ensure_future(self._ask_world())  # the last ask failed: ask again
+        if not self._world_task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._world_task), self.READY_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - no device answered yet
+                pass
         if not self._world_task.done() or self._world_task.exception() is not None:
-            if self._world_task.done():  # the first ask failed: ask again (answered by a later readiness check)
-                self._world_task = asyncio.ensure_future(self._ask_world())
             missing.append("device")
         if self.verifier is not None and time.monotonic() - self._verifier_seen > self.READY_TTL_S:
             if self._probe is None or self._probe.done():

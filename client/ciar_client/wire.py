@@ -41,8 +41,9 @@ Frame = 8-byte header + body, little-endian:
 | ERROR 10      | u16 status, f64 retry-after s, str8 session, str8 field, str16 message                         |
 
 Errors answer a request (ERROR with its request id and an HTTP-like status: 400 bad request, 403 not this device's
-session, 410 session lost (resume it), 413 frame too large, 422 a field out of range, 429 rate limited, 503 no
-capacity (retry after), 500 internal); a connection-level fault closes the WebSocket with a reason (`CLOSE_*`).
+session, 409 an OPEN of an id that is open with another request, 410 session lost (resume it), 413 frame too large,
+422 a field out of range, 429 rate limited, 503 no capacity or the verifier past its deadline (retry after), 500
+internal); a connection-level fault closes the WebSocket with a reason (`CLOSE_*`).
 A frame of another protocol version raises `VersionError`; the server closes with `CLOSE_VERSION` and a reason
 naming both versions.
 """
@@ -307,7 +308,7 @@ class Welcome:
 
 @dataclass
 class ErrorReply:
-    status: int  # HTTP-like: 400, 403, 410, 413, 422, 429, 500, 503
+    status: int  # HTTP-like: 400, 403, 409, 410, 413, 422, 429, 500, 503
     message: str
     retry_after_s: float = 0.0
     session_id: str = ""

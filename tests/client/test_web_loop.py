@@ -14,6 +14,7 @@ import pytest
 
 KEY, SECRET = "web-loop-key", "web-loop-secret"
 FIXED = {"policy": "fixed"}
+SERVED: dict = {}  # the server fixture's endpoint and verifier (the retry tests check what they hold)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,9 @@ def server():
     from services.testing import InProcessBackend, loopback_endpoint
 
     verifier = make_verifier(load_world(None))
-    with loopback_endpoint(DeviceEndpoint(InProcessBackend(verifier, SECRET), [key_digest(KEY)])) as url:
+    endpoint = DeviceEndpoint(InProcessBackend(verifier, SECRET), [key_digest(KEY)])
+    with loopback_endpoint(endpoint) as url:
+        SERVED.update(endpoint=endpoint, verifier=verifier)
         yield url
 
 
@@ -73,6 +76,36 @@ def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_
     assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"]
     assert cut["resumes"] == 2 and cut["reconnects"] == 2 and r["stats"]["resumes"] == 2
     assert [e["kind"] for e in cut["exchanges"]].count("RESUME") == 2
+
+
+@pytest.mark.parametrize("rules", [
+    [("down", "OPEN_REPLY", 1, "drop")],  # the open applied, its reply lost: the repeated OPEN is answered as the first
+    [("up", "OPEN", 1, "deliver")],  # the open reached the verifier, the socket died with it in flight
+    [("up", "VERIFY", 2, "drop"), ("down", "OPEN_REPLY", 2, "drop")],  # a RESUME's reply lost
+    [("down", "CLOSED", 1, "drop")],  # the close applied, its reply lost
+], ids=["open-reply-lost", "open-in-flight", "resume-reply-lost", "closed-lost"])
+def test_every_message_is_retried_safely_by_the_browsers_connection(node, server, onnx_dir, rules):
+    """docs/architecture.md §5's retry semantics, for web/src/connection.js: a real socket cut at one frame
+    (services.testing.CuttingProxy); the same image as without the cut, and nothing left held afterwards."""
+    import time
+
+    from ciar_client import wire
+    from services.testing import CuttingProxy
+
+    job = [{"prompt": _prompts(1, 32)[0], "seed": 6, "session_id": "web-retry"}]
+    plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+    asked = [(d, getattr(wire, t), n, m) for d, t, n, m in rules]
+    with CuttingProxy(server, asked) as proxy:
+        out = _run(node, proxy.url, onnx_dir, job, options=FIXED)
+    r = out["results"][0]
+    assert proxy.fired == asked, (proxy.fired, proxy.frames)
+    assert "error" not in r, r
+    assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"] and not r["stats"]["degraded"]
+    deadline = time.monotonic() + 5.0
+    while SERVED["verifier"].num_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert SERVED["verifier"].num_sessions == 0
+    assert sum(dev.live(1e9) for dev in SERVED["endpoint"].devices.values()) == 0
 
 
 def test_an_unreachable_cloud_ends_in_a_degraded_image(node, server, onnx_dir):

@@ -102,7 +102,8 @@ def test_out_of_order_frames(fuzzed):
     assert order == {"OPEN before HELLO": "close:4000", "VERIFY before HELLO": "close:4000",
                      "CLOSE before HELLO": "close:4000", "HELLO twice": "error:400",
                      "VERIFY of a session never opened": "error:403", "RESUME of a session never opened": "error:403",
-                     "CLOSE of a session never opened": "error:403", "OPEN twice": "error:400",
+                     "CLOSE of a session never opened": "error:403", "OPEN twice": "reply:OPEN_REPLY",
+                     "OPEN of an open id with another request": "error:409",
                      "VERIFY after OPEN twice": "reply:VERIFY_REPLY", "VERIFY after CLOSE": "error:410",
                      "CLOSE after CLOSE": "reply:CLOSED"}
 
