@@ -112,6 +112,10 @@ def test_openai_client_errors_name_the_field(cluster, client):
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.images.generate(prompt=PROMPT, n=0)
     assert e.value.body["field"] == "n"
+    for extra in ({"response_format": "png"}, {"stream": True}):  # the schema's allOf states it (issue 36): 422
+        r = requests.post(f"{URL}/v1/images/generations", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                          json={"prompt": PROMPT, "n": 2, "size": SIZE, **extra})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "n", r.text
     bad = type(client)(base_url=f"{URL}/v1", api_key="not-the-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.images.generate(prompt=PROMPT)
@@ -146,6 +150,8 @@ def test_openapi_documents_bodies_answers_and_errors(cluster):
     assert props["method"]["enum"] == list(METHODS) and props["network"]["enum"] == list(NETWORKS)
     assert doc["components"]["schemas"][body]["not"] == {"required": ["model", "method"],
                                                          "properties": {"model": {"enum": list(METHODS)}}}
+    assert {"not": {"required": ["n", "response_format"], "properties": {"n": {"minimum": 2}, "response_format": {
+        "const": "png"}}}} in doc["components"]["schemas"][body]["allOf"]  # n > 1 answers JSON without stream
     for status in ("400", "401", "413", "422", "500", "503", "504"):
         content = op["responses"][status]["content"]["application/json"]["schema"]
         assert content["$ref"].endswith("/ErrorResponse"), status
