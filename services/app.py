@@ -637,9 +637,15 @@ class Ingress:
         def sse(event: str, data: dict) -> str:
             return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
+        gen = None
         try:
             gen = self.device.options(stream=True).generate_stream.remote(job)
-            async for ev in gen:
+            deadline = time.monotonic() + self.timeout_s  # the request's deadline holds for the stream too
+            while True:
+                try:
+                    ev = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    break
                 if isinstance(ev, ProgressEvent):
                     data = ev.model_dump(exclude={"preview_png"})
                     if ev.preview_png is not None:
@@ -649,6 +655,8 @@ class Ingress:
                     self._observe(req, [ev.stats], 200)
                     yield sse("result", self._images(req, [job], [ev], who=True))
         except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)
+            if gen is not None:
+                gen.cancel()  # past the deadline: the device's generation is cancelled, as a plain request's is
             resp = self._failure(req, e)
             yield sse("error", {"status": resp.status_code, **json.loads(resp.body)})
 

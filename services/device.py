@@ -61,11 +61,12 @@ class RayCloudClient:
     Deadlines. Every call waits at most `call_timeout_s`, and never past `deadline` (time.monotonic(); the request's
     end-to-end deadline, set per image by the Device). A call past its deadline is cancelled (Serve cancels it on
     the replica, which withdraws its work: `ciar.collab.service`) and raises `CloudTimeoutError`: before the open the
-    request fails with a retryable 503, mid-image the device finishes the image alone (degraded), and a close or a
-    cost hint is given up. Nothing waits forever."""
+    request fails with a retryable 503, mid-image the device finishes the image alone (degraded), and a cost hint is
+    given up. The close that ends every image waits up to 5 s even past the deadline (it frees the session's slots;
+    the verifier's idle timeout frees them otherwise). Nothing waits forever."""
 
     HINT_TIMEOUT_S = 5.0  # a hint is worth little: the first image drafts at the calibrated point without one
-    CLOSE_TIMEOUT_S = 5.0  # best effort: the verifier frees idle sessions itself
+    CLOSE_TIMEOUT_S = 5.0  # best effort, even past the request's deadline: the verifier frees idle sessions itself
 
     def __init__(self, handle, device_id: str, vocab_size: int, retries: int = 40, backoff_s: float = 0.1,
                  sleep: Callable[[float], None] = time.sleep, call_timeout_s: float = 60.0):
@@ -78,19 +79,20 @@ class RayCloudClient:
         self.tokens: dict[str, str] = {}  # session id -> session token
         self.batch_sizes: dict[str, list[int]] = {}  # session id -> verifier batch size of each of its verifies
 
-    def _limit(self, cap: float | None = None) -> float:
-        """Seconds the next call may wait: its own cap, the call timeout, what is left of the deadline."""
+    def _limit(self, cap: float | None = None, cleanup: bool = False) -> float:
+        """Seconds the next call may wait: its own cap, the call timeout, what is left of the deadline (a cleanup
+        call, the close, is not held to the deadline: it frees the session's slots)."""
         limit = min(self.call_timeout_s, cap if cap is not None else math.inf)
-        if self.deadline is not None:
+        if self.deadline is not None and not cleanup:
             limit = min(limit, self.deadline - time.monotonic())
         if limit <= 0:
             raise CloudTimeoutError("the request's deadline has passed (request_timeout_s)")
         return limit
 
-    def _call(self, what: str, response, cap: float | None = None):
+    def _call(self, what: str, response, cap: float | None = None, cleanup: bool = False):
         """The result of a DeploymentResponse within the call's deadline; past it the call is cancelled."""
         try:
-            limit = self._limit(cap)
+            limit = self._limit(cap, cleanup)
         except CloudTimeoutError:
             response.cancel()
             raise
@@ -158,7 +160,8 @@ class RayCloudClient:
         token = self.tokens.pop(session_id, "")
         try:
             self._call("a close", self._to(session_id).close.remote(session_id=session_id, device_id=self.device_id,
-                                                                    token=token), self.CLOSE_TIMEOUT_S)
+                                                                    token=token), self.CLOSE_TIMEOUT_S,
+                       cleanup=True)
         except Exception:  # noqa: BLE001 - best effort: the replica frees idle slots itself
             pass
 

@@ -78,23 +78,35 @@ def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_
     assert [e["kind"] for e in cut["exchanges"]].count("RESUME") == 2
 
 
-@pytest.mark.parametrize("rules", [
-    [("down", "OPEN_REPLY", 1, "drop")],  # the open applied, its reply lost: the repeated OPEN is answered as the first
-    [("up", "OPEN", 1, "deliver")],  # the open reached the verifier, the socket died with it in flight
-    [("up", "VERIFY", 2, "drop"), ("down", "OPEN_REPLY", 2, "drop")],  # a RESUME's reply lost
-    [("down", "CLOSED", 1, "drop")],  # the close applied, its reply lost
-], ids=["open-reply-lost", "open-in-flight", "resume-reply-lost", "closed-lost"])
-def test_every_message_is_retried_safely_by_the_browsers_connection(node, server, onnx_dir, rules):
-    """docs/architecture.md §5's retry semantics, for web/src/connection.js: a real socket cut at one frame
-    (services.testing.CuttingProxy); the same image as without the cut, and nothing left held afterwards."""
+VERIFY_LOST = ("up", "VERIFY", 2, "drop")  # a verify lost on its way: the page then RESUMEs
+RETRY_CUTS = {  # as tests/services/test_retry_semantics.py: every frame of an image, each direction
+    "HELLO": [("up", "HELLO", 1)], "WELCOME": [("down", "WELCOME", 1)],
+    "OPEN": [("up", "OPEN", 1)], "OPEN_REPLY": [("down", "OPEN_REPLY", 1)],
+    "VERIFY": [("up", "VERIFY", 2)], "VERIFY_REPLY": [("down", "VERIFY_REPLY", 2)],
+    "RESUME": [VERIFY_LOST, ("up", "RESUME", 1)], "RESUME_REPLY": [VERIFY_LOST, ("down", "OPEN_REPLY", 2)],
+    "CLOSE": [("up", "CLOSE", 1)], "CLOSED": [("down", "CLOSED", 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def retry_plain(node, server, onnx_dir):
+    job = [{"prompt": _prompts(1, 32)[0], "seed": 6, "session_id": "web-retry"}]
+    return job, _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+
+
+@pytest.mark.parametrize("mode", ["deliver", "drop"])
+@pytest.mark.parametrize("frame", list(RETRY_CUTS))
+def test_every_message_is_retried_safely_by_the_browsers_connection(node, server, onnx_dir, retry_plain, frame,
+                                                                    mode):
+    """docs/architecture.md §5's retry semantics, for web/src/connection.js: a real socket cut at one frame, relayed
+    or not (services.testing.CuttingProxy); the same image as without the cut, and nothing left held afterwards."""
     import time
 
     from ciar_client import wire
     from services.testing import CuttingProxy
 
-    job = [{"prompt": _prompts(1, 32)[0], "seed": 6, "session_id": "web-retry"}]
-    plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
-    asked = [(d, getattr(wire, t), n, m) for d, t, n, m in rules]
+    job, plain = retry_plain
+    asked = [(r[0], getattr(wire, r[1]), r[2], r[3] if len(r) == 4 else mode) for r in RETRY_CUTS[frame]]
     with CuttingProxy(server, asked) as proxy:
         out = _run(node, proxy.url, onnx_dir, job, options=FIXED)
     r = out["results"][0]

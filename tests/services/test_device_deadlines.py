@@ -88,9 +88,12 @@ def test_no_call_waits_past_the_requests_deadline():
     with pytest.raises(CloudTimeoutError):
         client.verify(VerifyRequest("s1", None, None, None))
     assert handle.calls[-1][1].asked_timeout <= 0.3 and handle.calls[-1][1].cancelled
-    client.deadline = time.monotonic() - 1.0  # past: nothing waits at all, and what was sent is cancelled
-    client.close("s1")  # best effort: no error
+    client.deadline = time.monotonic() - 1.0  # past: nothing waits at all, and what was sent is cancelled ...
+    with pytest.raises(CloudTimeoutError, match="deadline"):
+        client.verify(VerifyRequest("s1", None, None, None))
     assert handle.calls[-1][1].cancelled and handle.calls[-1][1].asked_timeout is None
+    client.close("s1")  # ... except the close, which frees the session's slots: up to 5 s, then given up quietly
+    assert handle.calls[-1][1].asked_timeout == pytest.approx(5.0) and handle.calls[-1][1].cancelled
 
 
 def test_replica_loss_retries_stop_at_the_deadline():
