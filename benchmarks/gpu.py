@@ -1,0 +1,523 @@
+"""The GPU suite: what the verifier engine costs on a real accelerator, in one short call (issue 37, item 5).
+
+    python -m benchmarks.gpu --out benchmarks/results/DATE-gpu          # one GPU: about 3-5 minutes on an H100
+    python -m benchmarks.gpu --tiny --out /tmp/gpu-tiny                  # the same code at small shapes, CPU (tests)
+
+Needs only what the lent GPU machines hold (torch, numpy, transformers, safetensors, pillow, scipy, pyyaml, tqdm,
+psutil; no Ray, no pydantic, no install of this project: `client/` is put on the path; no weight files: every model is built in memory with RANDOM weights
+at the real shapes, so the times are real and the outputs are noise). Each section is timed on its own and written to
+`gpu.json` as soon as it ends (a run cut short keeps what it measured), then `gpu.md` summarises:
+
+  env        the device, torch / transformers versions, free memory
+  roofline   measured copy bandwidth (a 1 GiB device-to-device copy) and bf16 matmul throughput (8192^3): the bounds
+             the steps below are held against, beside the capacity model's datasheet figures
+  xl_steps   LlamaGen-XL (36 layers x 1280, `ciar.models.gpt` "GPT-XL", 256 image tokens, 120 caption positions) in
+             bf16: the verifier's cached forward (`GPT.forward_cached` + the logits of every fed position, the engine's
+             call) for a 5-position span at image position 248 and a one-token decode, at 1 / 8 / 32 / 64 rows; eager
+             and, on CUDA, replayed from a CUDA graph captured at that shape; each against its bandwidth bound
+             (weights + the KV it reads, at the measured bandwidth)
+  graphs     the check that makes the graph numbers trustworthy: 24 greedy decode steps of 8 rows, eager (the engine's
+             dynamic key length) vs graph replays (a fixed key length, later keys masked): the tokens, and the largest
+             logit difference at equal shapes
+  t5         flan-t5-xl's encoder (24 x 2048, bf16) over 120 positions: 1 and 16 captions
+  hf_llama   Hugging Face's LlamaForCausalLM at GPT-XL's shape (bf16): one-token decode at batch 1 and 16 after a
+             376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
+  engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
+             vs all 16 in one step (spans/s); the engine's own batching
+  capacity   the forward costs in the form `loadtests.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
+             overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
+             costs instead of datasheet ones
+
+The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. The engine does not
+use graphs yet; this suite measures what they would buy at the engine's own call before the engine is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:  # the device side's package (numpy only); on a bare GPU machine it is not installed, only checked out
+    import ciar_client  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "client"))
+
+SPAN = 5  # positions a span verify feeds: the committed-but-unfed token and 4 drafts
+IMAGE_POS = 248  # image position of the span / decode (near the end of a 256-token image: the longest keys)
+ROWS = (1, 8, 32, 64)
+TINY = dict(n_layer=2, dim=64, n_head=4, vocab_size=64, caption_dim=32, cls_token_num=8, block_size=64)
+TINY_ROWS = (1, 4)
+TINY_POS = 40
+
+
+class Suite:
+    def __init__(self, out: str, tiny: bool, budget_s: float):
+        self.out, self.tiny, self.budget_s = out, tiny, budget_s
+        self.t0 = time.monotonic()
+        self.dev = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+        self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        self.result: dict = {"command": " ".join(["python -m benchmarks.gpu"] + sys.argv[1:]), "tiny": tiny,
+                             "sections": {}}
+        self._gpt = None
+        self.bandwidth = self.flops = None  # measured by `roofline` (asked for again where it did not run)
+        os.makedirs(out, exist_ok=True)
+
+    # ------------------------------------------------------------------ plumbing
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Give the allocator's cached blocks back (between sections that each need much of the memory)."""
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def time_ms(self, fn, reps: int = 20, warmup: int = 3) -> float:
+        """Median milliseconds of fn() (synchronised)."""
+        if self.tiny:
+            reps, warmup = 3, 1
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        return 1000 * times[len(times) // 2]
+
+    def section(self, name: str, fn) -> None:
+        left = self.budget_s - (time.monotonic() - self.t0)
+        if left <= 0:
+            self.result["sections"][name] = {"skipped": f"the {self.budget_s:g} s budget was spent"}
+        else:
+            t = time.monotonic()
+            try:
+                out = fn()
+                out["seconds"] = round(time.monotonic() - t, 2)
+            except Exception as e:  # noqa: BLE001 - one broken section does not lose the others
+                out = {"broke": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:],
+                       "seconds": round(time.monotonic() - t, 2)}
+            self.result["sections"][name] = out
+            print(f"[{time.monotonic() - self.t0:6.1f} s] {name}: " +
+                  (out.get("broke") or json.dumps({k: v for k, v in out.items() if not isinstance(v, (dict, list))})),
+                  flush=True)
+        self.write()
+
+    def write(self) -> None:
+        with open(os.path.join(self.out, "gpu.json"), "w") as f:
+            json.dump(self.result, f, indent=1)
+        with open(os.path.join(self.out, "gpu.md"), "w") as f:
+            f.write(markdown(self.result))
+
+    # ------------------------------------------------------------------ models
+    def gpt(self):
+        """The XL GPT (tiny: a small one), random weights, built on the device in its dtype."""
+        if self._gpt is None:
+            from ciar.models.gpt import build_gpt
+
+            torch.manual_seed(0)
+            with torch.device(self.dev):
+                model = build_gpt("GPT-XL", **({**dict(block_size=256), **(TINY if self.tiny else {})}))
+            self._gpt = model.to(self.dtype).eval()
+        return self._gpt
+
+    def weight_bytes(self, model) -> int:
+        """Bytes one forward reads of the weights (every parameter but the token embedding, which is gathered)."""
+        return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "tok_embeddings" not in n)
+
+    # ------------------------------------------------------------------ sections
+    def env(self) -> dict:
+        out = {"device": str(self.dev), "torch": torch.__version__, "python": platform.python_version(),
+               "dtype": str(self.dtype).replace("torch.", "")}
+        try:
+            import transformers
+
+            out["transformers"] = transformers.__version__
+        except ImportError:
+            out["transformers"] = None
+        if self.dev.type == "cuda":
+            p = torch.cuda.get_device_properties(self.dev)
+            free, total = torch.cuda.mem_get_info()
+            out.update(gpu=p.name, gpu_memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1),
+                       sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                       cuda=torch.version.cuda)
+        else:
+            out["gpu"] = None
+        return out
+
+    def roofline(self) -> dict:
+        n = (1 << 20) if self.tiny else (1 << 29)  # elements: 2 MiB (tiny) / 1 GiB in bf16
+        x = torch.empty(n, dtype=self.dtype, device=self.dev)
+        y = torch.empty_like(x)
+        ms = self.time_ms(lambda: y.copy_(x), reps=10)
+        bandwidth = 2 * x.numel() * x.element_size() / (ms / 1000)  # read + write
+        del x, y
+        m = 256 if self.tiny else 8192
+        a = torch.randn(m, m, dtype=self.dtype, device=self.dev)
+        b = torch.randn(m, m, dtype=self.dtype, device=self.dev)
+        ms_mm = self.time_ms(lambda: a @ b, reps=10)
+        flops = 2 * m ** 3 / (ms_mm / 1000)
+        self.bandwidth, self.flops = bandwidth, flops
+        from loadtests.gpu_model import GPUS
+
+        return {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1),
+                "datasheet_h100": {"bandwidth_gb_s": GPUS["h100"].bandwidth / 1e9,
+                                   "tflops": GPUS["h100"].peak_flops / 1e12}}
+
+    @staticmethod
+    def _cache(model, rows: int):
+        return model.new_cache(rows)
+
+    def _step_fn(self, model, cache, rows: int, width: int, pos0: int, kv_len: int):
+        """The engine's call for `rows` rows feeding `width` positions from absolute position pos0: embeddings of
+        fixed tokens, `forward_cached` with per-row positions on the device (no host sync), the logits of every fed
+        position. -> (fn, static input tensors) where fn() returns the logits."""
+        tokens = torch.zeros(rows, width, dtype=torch.long, device=self.dev)
+        pos = (pos0 + torch.arange(width, device=self.dev)).expand(rows, width).contiguous()
+
+        def fn():
+            h = model.forward_cached(cache, model.tok_embeddings(tokens), pos, None, kv_len=kv_len)
+            return model.logits(h)
+
+        return fn, tokens, pos
+
+    def _graph(self, fn):
+        """fn captured in a CUDA graph (after a warm-up on a side stream) -> (replay, static output)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = fn()
+        return g.replay, out
+
+    @torch.inference_mode()
+    def xl_steps(self) -> dict:
+        if self.bandwidth is None:
+            self.roofline()
+        model = self.gpt()
+        c = model.config
+        wbytes = self.weight_bytes(model)
+        kv_row_bytes = 2 * c.n_layer * c.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8  # per key
+        image_pos = TINY_POS if self.tiny else IMAGE_POS
+        out = {"config": {"n_layer": c.n_layer, "dim": c.dim, "n_head": c.n_head, "vocab_size": c.vocab_size,
+                          "cls_token_num": c.cls_token_num, "block_size": c.block_size},
+               "weight_bytes": wbytes, "image_position": image_pos, "steps": []}
+        for kind, width in (("decode", 1), ("span", SPAN)):
+            for rows in (TINY_ROWS if self.tiny else ROWS):
+                pos0 = c.cls_token_num + image_pos
+                kv_len = pos0 + width
+                cache = self._cache(model, rows)
+                fn, _, _ = self._step_fn(model, cache, rows, width, pos0, kv_len)
+                eager = self.time_ms(fn)
+                bound = 1000 * (wbytes + rows * kv_len * kv_row_bytes) / self.bandwidth
+                row = {"kind": kind, "rows": rows, "width": width, "keys": kv_len, "eager_ms": round(eager, 3),
+                       "bound_ms": round(bound, 3), "eager_over_bound": round(eager / bound, 2)}
+                if self.dev.type == "cuda":
+                    replay, _ = self._graph(fn)
+                    graph = self.time_ms(replay)
+                    row.update(graph_ms=round(graph, 3), graph_over_bound=round(graph / bound, 2),
+                               eager_over_graph=round(eager / graph, 2))
+                out["steps"].append(row)
+                del cache
+                self.release()
+        return out
+
+    @torch.inference_mode()
+    def graphs(self) -> dict:
+        """Greedy decode, eager at the engine's key length vs graph replays at a fixed one: the same tokens?"""
+        model = self.gpt()
+        c = model.config
+        rows, steps = (2, 6) if self.tiny else (8, 24)
+        start = c.cls_token_num + (TINY_POS if self.tiny else 200)
+        kv_max = start + steps
+        torch.manual_seed(1)
+        first = torch.randint(0, c.vocab_size, (rows,), device=self.dev)
+
+        def run(use_graph: bool) -> tuple[list[list[int]], float]:
+            cache = self._cache(model, rows)
+            # the cache's earlier positions: the same random keys for both runs
+            g = torch.Generator(device=self.dev).manual_seed(2)
+            for k, v in zip(cache.k, cache.v):
+                k.copy_(torch.randn(k.shape, generator=g, device=self.dev, dtype=torch.float32).to(k.dtype))
+                v.copy_(torch.randn(v.shape, generator=g, device=self.dev, dtype=torch.float32).to(v.dtype))
+            tok = torch.zeros(rows, 1, dtype=torch.long, device=self.dev)
+            pos = torch.zeros(rows, 1, dtype=torch.long, device=self.dev)
+            tok[:, 0] = first
+            if use_graph:
+                def fn():
+                    return model.logits(model.forward_cached(cache, model.tok_embeddings(tok), pos, None,
+                                                             kv_len=kv_max))
+
+                pos.fill_(start)
+                replay, logits = self._graph(fn)
+            seqs, gaps = [], 0.0
+            for i in range(steps):
+                pos.fill_(start + i)
+                if use_graph:
+                    replay()
+                    lg = logits
+                    same = model.logits(model.forward_cached(cache, model.tok_embeddings(tok), pos, None,
+                                                             kv_len=kv_max))  # eager at the graph's shape
+                    gaps = max(gaps, float((same.float() - lg.float()).abs().max()))
+                else:
+                    lg = model.logits(model.forward_cached(cache, model.tok_embeddings(tok), pos, None,
+                                                           kv_len=start + i + 1))
+                nxt = lg[:, -1].float().argmax(-1)
+                seqs.append(nxt.tolist())
+                tok[:, 0] = nxt
+            return [list(r) for r in zip(*seqs)], gaps
+
+        if self.dev.type != "cuda":
+            eager, _ = run(False)
+            return {"rows": rows, "steps": steps, "graphs": "no CUDA device: not captured", "eager_tokens": eager}
+        eager, _ = run(False)
+        graph, gap = run(True)
+        same = sum(a == b for ra, rb in zip(eager, graph) for a, b in zip(ra, rb))
+        return {"rows": rows, "steps": steps, "tokens_equal": same, "tokens_total": rows * steps,
+                "identical": eager == graph, "max_logit_diff_at_equal_shape": gap}
+
+    @torch.inference_mode()
+    def t5(self) -> dict:
+        from transformers import T5Config, T5EncoderModel
+
+        from loadtests.gpu_model import FLAN_T5_XL
+
+        cfg = dict(FLAN_T5_XL)
+        if self.tiny:
+            cfg.update(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100)
+        torch.manual_seed(0)
+        with torch.device(self.dev):
+            enc = T5EncoderModel(T5Config(**cfg)).to(self.dtype).eval()
+        positions = 16 if self.tiny else 120
+        out = {"positions": positions, "params": sum(p.numel() for p in enc.parameters())}
+        for n in (1, 16):
+            ids = torch.randint(2, cfg["vocab_size"], (n, positions), device=self.dev)
+            mask = torch.ones_like(ids)
+            out[f"encode_{n}_ms"] = round(self.time_ms(lambda: enc(input_ids=ids, attention_mask=mask)), 3)
+        del enc
+        return out
+
+    @torch.inference_mode()
+    def hf_llama(self) -> dict:
+        """HF Llama at GPT-XL's shape: one-token decode after a 376-position prefill, dynamic and static cache."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c = self.gpt().config
+        cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden,
+                          num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                          num_key_value_heads=c.kv_heads, max_position_embeddings=1024, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(self.dev):
+            hf = LlamaForCausalLM(cfg).to(self.dtype).eval()
+        prefix = c.cls_token_num + (TINY_POS if self.tiny else IMAGE_POS)
+        out = {"prefix": prefix, "by_batch": {}, "note": "ms per one-token step, positions advancing after a "
+               "prefill of `prefix` positions; ours: the same step in xl_steps (its keys: prefix + 1)"}
+        steps = 3 if self.tiny else 20
+        for batch in (1, 16):
+            row = {}
+            ids = torch.randint(0, c.vocab_size, (batch, prefix), device=self.dev)
+            nxt = torch.zeros(batch, 1, dtype=torch.long, device=self.dev)
+
+            def decode_ms(cache) -> float:
+                """Milliseconds per one-token step over `steps` steps after the prefill (positions advance)."""
+                hf(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prefix, device=self.dev),
+                   use_cache=True)
+                hf(input_ids=nxt, past_key_values=cache, cache_position=torch.tensor([prefix], device=self.dev),
+                   use_cache=True)  # warm-up step (then overwritten at the same position by the static cache)
+                self.sync()
+                t = time.perf_counter()
+                for i in range(1, steps + 1):
+                    hf(input_ids=nxt, past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([prefix + i], device=self.dev))
+                self.sync()
+                return round(1000 * (time.perf_counter() - t) / steps, 3)
+
+            try:
+                from transformers import DynamicCache
+
+                try:
+                    dynamic = DynamicCache(config=cfg)
+                except TypeError:
+                    dynamic = DynamicCache()
+                row["dynamic_cache_ms"] = decode_ms(dynamic)
+            except Exception as e:  # noqa: BLE001 - the cache API moves between transformers versions
+                row["dynamic_cache_ms"] = f"broke: {type(e).__name__}: {e}"
+            try:
+                from transformers import StaticCache
+
+                try:
+                    static = StaticCache(config=cfg, max_batch_size=batch, max_cache_len=prefix + steps + 8,
+                                         device=self.dev, dtype=self.dtype)
+                except TypeError:
+                    static = StaticCache(config=cfg, max_cache_len=prefix + steps + 8)
+                row["static_cache_ms"] = decode_ms(static)
+            except Exception as e:  # noqa: BLE001
+                row["static_cache_ms"] = f"broke: {type(e).__name__}: {e}"
+            ours = next((s for s in self.result["sections"].get("xl_steps", {}).get("steps", [])
+                         if s["kind"] == "decode" and s["rows"] == batch), None)
+            if ours is None:  # tiny rows differ: time ours here at this batch
+                model, cache = self.gpt(), self._cache(self.gpt(), batch)
+                fn, _, _ = self._step_fn(model, cache, batch, 1, prefix, prefix + 1)
+                row["ours_eager_ms"] = round(self.time_ms(fn), 3)
+            else:
+                row["ours_eager_ms"] = ours["eager_ms"]
+                if "graph_ms" in ours:
+                    row["ours_graph_ms"] = ours["graph_ms"]
+            out["by_batch"][str(batch)] = row
+        del hf
+        self.release()
+        return out
+
+    @torch.inference_mode()
+    def engine(self) -> dict:
+        """16 sessions' spans through the real verifier: one session per step vs all in one step."""
+        from ciar.collab.verifier import CloudVerifier
+        from ciar.decoding.sampling import SamplingParams
+        from ciar_client.wire import OpenRequest, VerifyRequest
+
+        model = self.gpt()
+        c = model.config
+        sessions = 4 if self.tiny else 16
+        v = CloudVerifier(model, None, max_sessions=sessions)
+        sampling = SamplingParams(cfg_scale=4.0)
+        prefix = 8 if self.tiny else 64
+        emb = torch.randn(sessions, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(0))
+        reqs = [OpenRequest(f"s{i}", "", i, sampling, prefix, want_caption=False) for i in range(sessions)]
+        t = time.perf_counter()
+        v.open_batch(reqs, caption_emb=emb)
+        self.sync()
+        open_s = time.perf_counter() - t
+        g = torch.Generator().manual_seed(3)
+        k = SPAN - 1
+
+        def spans(ids):
+            return [VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
+                                  torch.randint(0, c.vocab_size, (k,), generator=g),
+                                  torch.full((k, c.vocab_size), 1.0 / c.vocab_size, dtype=torch.float16))
+                    for i in ids]
+
+        rounds = 2 if self.tiny else 4
+        self.sync()
+        t = time.perf_counter()
+        n_one = 0
+        for _ in range(rounds):
+            for i in range(sessions):
+                v.verify_batch(spans([i]))
+                n_one += 1
+        self.sync()
+        one_s = time.perf_counter() - t
+        t = time.perf_counter()
+        n_all = 0
+        for _ in range(rounds):
+            v.verify_batch(spans(range(sessions)))
+            n_all += sessions
+        self.sync()
+        all_s = time.perf_counter() - t
+        return {"sessions": sessions, "open_all_s": round(open_s, 3), "span_drafts": k,
+                "spans_per_s_one_at_a_time": round(n_one / one_s, 1),
+                "spans_per_s_all_in_one_step": round(n_all / all_s, 1),
+                "batching_gain": round((n_all / all_s) / (n_one / one_s), 2)}
+
+    def capacity(self) -> dict:
+        """The forward costs as loadtests.gpu_model.forward_s reads them, with the overhead fitted per path."""
+        from loadtests.gpu_model import ModelShapes
+
+        steps = self.result["sections"].get("xl_steps", {}).get("steps", [])
+        if not steps:
+            raise RuntimeError("no xl_steps to fit")
+        shapes = ModelShapes.from_config(self.gpt().config)
+
+        def modelled_s(s) -> float:  # forward_s without its overhead, at the measured bandwidth and FLOP/s
+            pieces = [(s["rows"], s["width"], s["keys"])]
+            positions = sum(r * w for r, w, _ in pieces)
+            kv_read = sum(r * k for r, _, k in pieces)
+            attention = sum(r * w * k for r, w, k in pieces)
+            nbytes = 2 * shapes.weight_params + 2 * 2 * shapes.n_layer * shapes.kv_dim * kv_read
+            flops = 2 * shapes.weight_params * positions + 4 * shapes.n_layer * shapes.dim * attention
+            return max(nbytes / self.bandwidth, flops / self.flops)
+
+        out = {"bandwidth": self.bandwidth, "peak_flops": self.flops}
+        for path in ("eager", "graph"):
+            key = f"{path}_ms"
+            gaps = sorted(s[key] / 1000 - modelled_s(s) for s in steps if key in s)
+            if gaps:
+                out[f"overhead_s_{path}"] = gaps[len(gaps) // 2]
+                out[f"overhead_s_{path}_range"] = [gaps[0], gaps[-1]]
+        out["how"] = ("loadtests.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, pieces, "
+                      "overhead_s): the overhead is the median of measured - modelled over the xl_steps")
+        return out
+
+
+def markdown(result: dict) -> str:
+    s = result["sections"]
+    env = s.get("env", {})
+    lines = [f"# GPU suite: {env.get('gpu') or 'no GPU (' + str(env.get('device')) + ')'}", "",
+             f"`{result['command']}`" + (" (tiny shapes: a test of the code, not a measurement)" if result["tiny"]
+                                          else ""), ""]
+    if env:
+        lines += [f"torch {env.get('torch')}, transformers {env.get('transformers')}, dtype {env.get('dtype')}"
+                  + (f", CUDA {env.get('cuda')}, {env.get('gpu_memory_gib')} GiB ({env.get('free_gib')} free)"
+                     if env.get("gpu") else ""), ""]
+    r = s.get("roofline", {})
+    if "copy_bandwidth_gb_s" in r:
+        lines += [f"Measured: copy bandwidth {r['copy_bandwidth_gb_s']} GB/s, {env.get('dtype')} matmul "
+                  f"{r['matmul_tflops']} TFLOP/s "
+                  f"(the H100 datasheet: {r['datasheet_h100']['bandwidth_gb_s']:.0f} GB/s, "
+                  f"{r['datasheet_h100']['tflops']:.0f} TFLOP/s).", ""]
+    x = s.get("xl_steps", {})
+    if x.get("steps"):
+        lines += ["## The verifier's forward at LlamaGen-XL shapes (ms, median)", "",
+                  "| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for st in x["steps"]:
+            lines.append(f"| {st['kind']} ({st['width']} pos) | {st['rows']} | {st['keys']} | {st['eager_ms']} | "
+                         f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
+                         f"{st.get('graph_over_bound', '–')} |")
+        lines.append("")
+    for name in ("graphs", "t5", "hf_llama", "engine", "capacity"):
+        if name in s:
+            body = {k: v for k, v in s[name].items() if k != "traceback"}
+            lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
+    broke = [n for n, v in s.items() if "broke" in v]
+    if broke:
+        lines += [f"Sections that broke: {', '.join(broke)} (their errors are in gpu.json).", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
+    ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (the tests)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
+    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,t5,hf_llama,engine,capacity")
+    args = ap.parse_args(argv)
+    suite = Suite(args.out, args.tiny, args.budget_s)
+    if suite.dev.type != "cuda" and not args.tiny:
+        print("no CUDA device: run with --tiny for the CPU check of the code, or on a GPU", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    for name in args.sections.split(","):
+        suite.section(name, getattr(suite, name))
+    broke = [n for n, v in suite.result["sections"].items() if "broke" in v]
+    print(f"wrote {args.out}/gpu.json and gpu.md" + (f"; broke: {', '.join(broke)}" if broke else ""))
+    return 1 if broke else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""benchmarks.gpu: the suite a lent GPU runs in one call, exercised here at tiny shapes on the CPU (`--tiny`: every
+section's code runs; the figures mean nothing). On a CUDA machine the gpu-marked test runs the graph check for real."""
+
+import json
+import os
+
+import pytest
+import torch
+
+
+def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path):
+    from benchmarks.gpu import main
+
+    assert main(["--tiny", "--out", str(tmp_path)]) == 0
+    result = json.load(open(tmp_path / "gpu.json"))
+    sections = result["sections"]
+    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "t5", "hf_llama", "engine", "capacity"]
+    assert not [n for n, v in sections.items() if "broke" in v or "skipped" in v], sections
+    steps = sections["xl_steps"]["steps"]
+    assert {(s["kind"], s["rows"]) for s in steps} == {(k, r) for k in ("decode", "span") for r in (1, 4)}
+    assert all(s["eager_ms"] > 0 and s["bound_ms"] > 0 and s["keys"] == s["width"] + 8 + 40 for s in steps)
+    assert sections["engine"]["spans_per_s_all_in_one_step"] > 0 and sections["capacity"]["overhead_s_eager"] > -1
+    for batch in ("1", "16"):  # transformers' caches: a number, or the error its API gave (recorded, not hidden)
+        row = sections["hf_llama"]["by_batch"][batch]
+        assert isinstance(row["static_cache_ms"], float) and isinstance(row["dynamic_cache_ms"], float), row
+    md = open(tmp_path / "gpu.md").read()
+    assert md.startswith("# GPU suite: no GPU (cpu)") and "| decode (1 pos) | 1 |" in md
+
+
+def test_without_a_gpu_the_full_suite_says_so(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    from benchmarks.gpu import main
+
+    assert main(["--out", str(tmp_path)]) == 2 and "no CUDA device" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "gpu.json")
+
+
+@pytest.mark.gpu
+def test_graph_replays_make_the_same_tokens_as_eager(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from benchmarks.gpu import main
+
+    main(["--out", str(tmp_path), "--sections", "env,roofline,graphs"])
+    g = json.load(open(tmp_path / "gpu.json"))["sections"]["graphs"]
+    assert g["identical"], g
