@@ -19,8 +19,10 @@ that a call comes from the device that opened the session, without shared state;
 without the token) gets a PermissionError. The calls themselves (tokens, an OPEN repeated after a lost reply answered
 as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.
 
-The engine runs on the replica's event loop (one step at a time, so the cache needs no lock; a step's size is
-bounded by the token budget, and the loop yields between steps so arrivals join the next one). Works per step,
+The engine steps on its own thread (`ciar.collab.engine.EngineThread`, the one owner of the engine, the sessions
+and the cache: no lock; a step's size is bounded by the token budget, and what arrives meanwhile joins the next
+step); the replica's event loop only submits and awaits, so control calls (close, stats, cost_hint, ready) are
+answered while a forward runs. Works per step,
 the token budget and the wait for company when the engine is idle are live settings (`user_config` ->
 `reconfigure`). The works of every forward are recorded (Prometheus histogram `ciar_verifier_batch_size` and
 `stats()`).
@@ -82,9 +84,10 @@ class Verifier:
 
     def reconfigure(self, config: dict) -> None:
         self.live = VerifierLiveConfig(**(config or {}))  # raises a ValidationError naming the field
-        self.core.engine.config = self.live.scheduler()
+        # applied on the engine's side between steps, like every change to what it owns
+        self.stepper.call(setattr, self.core.engine, "config", self.live.scheduler())
+        self.stepper.call(setattr, self.core.table, "idle_timeout_s", self.live.idle_timeout_s)
         self.stepper.wait_s = self.live.batch_wait_timeout_s
-        self.core.table.idle_timeout_s = self.live.idle_timeout_s
 
     # ------------------------------------------------------------------ housekeeping
     def _ensure_evictor(self) -> None:
@@ -94,7 +97,7 @@ class Verifier:
     async def _evict_loop(self) -> None:
         while True:
             await asyncio.sleep(max(0.5, min(10.0, self.live.idle_timeout_s / 4)))
-            self.core.evict_idle(self.live.idle_timeout_s)
+            self.service.evict_idle(self.live.idle_timeout_s)
             self.m_sessions.set(self.core.num_sessions)
 
     # ------------------------------------------------------------------ the step loop

@@ -333,6 +333,8 @@ class AsyncStepper:
         work.on_done = lambda w: fut.done() or fut.set_result(w)
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._loop())
+        if work.seq == 0 and not work.done:  # built, not yet queued
+            self.engine.submit(work)
         try:
             w = await fut
         except asyncio.CancelledError:  # the caller went away (a cancelled handle call, a cut socket)
@@ -341,6 +343,13 @@ class AsyncStepper:
         if w.error is not None:
             raise w.error
         return w.result
+
+    def call(self, fn, *args) -> None:
+        """fn(*args) now (the engine lives on this loop's thread): the interface `EngineThread.call` offers."""
+        fn(*args)
+
+    def stop(self) -> None:
+        """Nothing to stop: the stepping task ends when the engine is idle."""
 
     async def _loop(self) -> None:
         import asyncio
@@ -357,3 +366,148 @@ class AsyncStepper:
             if self.on_step is not None:
                 self.on_step(engine, finished)
             await asyncio.sleep(0)
+
+
+class EngineThread:
+    """Run a `StepEngine` on its own thread, the verifier's engine core (`ciar.collab.service.VerifierService`;
+    docs/architecture.md §6): the replica's event loop only submits works and awaits them, so a control call (a
+    close, stats, a cost hint, a readiness probe) is answered while a forward runs instead of after it.
+
+        core = EngineThread(verifier.engine, wait_s=0.005)
+        reply = await core.run(verifier.verify_work(request))   # from any asyncio loop: queued on the engine thread
+        core.call(verifier.close, "session-id")                 # fn(*args) on the engine thread, before its next step
+
+    One owner: the engine thread alone touches the engine, the session table and the cache. Every change from
+    outside is a command (`call`), applied in the order it was made, between steps; a work's result comes back to
+    its caller's loop (`call_soon_threadsafe`). What other threads read without a command (the verifier's counters,
+    its cost estimates, the number of open sessions) are single values the engine thread replaces, read as they
+    stand. An idle engine sleeps on a condition; the first work after idleness waits `wait_s` for company, as
+    `AsyncStepper` does. A step that raises fails its works (`StepEngine.fail_all`) and the thread goes on."""
+
+    def __init__(self, engine: StepEngine, wait_s: float = 0.0, on_step=None, name: str = "ciar-engine"):
+        import collections
+        import threading
+
+        self.engine, self.wait_s, self.on_step = engine, wait_s, on_step
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.steps_failed = 0
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args) -> None:
+        """fn(*args) on the engine thread before its next step, in call order; returns at once."""
+        with self._wake:
+            self._commands.append((fn, args))
+            self._wake.notify()
+
+    async def run(self, work: Work):
+        """Queue a built work (`CloudVerifier.open_work` / `verify_work` / `resume_work`) on the engine thread and
+        await its result (or its error, raised); cancelling the caller withdraws the work."""
+        import asyncio
+
+        if work.seq != 0:
+            raise ValueError("EngineThread.run takes a work that is not queued yet (its owner queues it)")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(w):
+            if not fut.done():
+                fut.set_result(w)
+
+        def done(w):  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(settle, w)
+            except RuntimeError:  # the caller's loop is closed: nobody waits any more
+                pass
+
+        work.on_done = done
+        work.loop = loop  # whose callers the engine lets answer after a step (`_let_callers_answer`)
+        self.call(self.engine.submit, work)
+        try:
+            w = await fut
+        except asyncio.CancelledError:  # the caller went away (a cancelled handle call, a cut socket)
+            self.call(self.engine.withdraw, work)
+            raise
+        if w.error is not None:
+            raise w.error
+        return w.result
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+
+    def _apply(self) -> None:
+        with self._wake:
+            commands = list(self._commands)
+            self._commands.clear()
+        for fn, args in commands:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a failed command (a bug) must not stop the engine
+                import logging
+
+                logging.getLogger("ray.serve").exception("engine command %s failed", getattr(fn, "__name__", fn))
+
+    def _main(self) -> None:
+        import time as _time
+
+        engine = self.engine
+        answered = False  # the last step's callers have had their turn (`_let_callers_answer`)
+        while True:
+            with self._wake:
+                while not self._commands and not engine.busy and not self._stopped:
+                    self._wake.wait()
+                    answered = False  # idle for real: the next arrival waits for company
+                if self._stopped:
+                    return
+            idle = not engine.busy
+            self._apply()
+            if idle and engine.busy and self.wait_s > 0 and not answered:
+                _time.sleep(self.wait_s)  # company: what arrives meanwhile joins the first step
+                self._apply()
+            if not engine.busy:
+                continue
+            try:
+                finished = engine.step()
+            except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the engine goes on
+                self.steps_failed += 1
+                engine.fail_all(e)
+                continue
+            if self.on_step is not None:
+                try:
+                    self.on_step(engine, finished)
+                except Exception:  # noqa: BLE001 - metrics must not stop the engine
+                    import logging
+
+                    logging.getLogger("ray.serve").exception("on_step failed")
+            answered = self._let_callers_answer(finished)
+
+    def _let_callers_answer(self, finished: list[Work]) -> bool:
+        """After a step that finished works, wait (at most `wait_s`) until their callers' loops have run what the
+        results woke up, so that the requests those callers send next (a device's next VERIFY) join the next step,
+        as they do when the engine steps on the loop itself. One loop turn: the results' callbacks, then the tasks
+        they resume, then the marker."""
+        import threading
+
+        loops = {getattr(w, "loop", None) for w in finished} - {None}
+        if not loops or self.wait_s <= 0:
+            return False
+        turned = threading.Event()
+        pending = [len(loops)]
+
+        def mark():
+            pending[0] -= 1
+            if pending[0] == 0:
+                turned.set()
+
+        for loop in loops:
+            try:  # two hops: the resumed tasks run in the loop turn after the callbacks that resumed them
+                loop.call_soon_threadsafe(loop.call_soon, mark)
+            except RuntimeError:  # a closed loop answers nothing
+                mark()
+        turned.wait(self.wait_s)
+        return True

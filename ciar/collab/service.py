@@ -8,8 +8,9 @@
 
 The Verifier deployment (`services.verifier`) serves these calls to the cluster's devices and to the device endpoint
 through Ray handles; `services.testing.InProcessBackend` serves them to the endpoint in one process (socket tests,
-fuzz runs), so both run this code. Every call queues a work on the verifier's step engine and awaits it
-(`ciar.collab.engine.AsyncStepper`).
+fuzz runs), so both run this code. Every call queues a work on the verifier's step engine and awaits it; the engine
+steps on its own thread (`ciar.collab.engine.EngineThread`), so a close, a cost hint or a readiness probe is
+answered while a forward runs.
 
 Ownership. The session token is HMAC(secret, session id | device id): any replica can check that a call comes from the
 device that opened the session, without shared state. VERIFY, RESUME and CLOSE need it (PermissionError otherwise).
@@ -32,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from ciar.collab.engine import AsyncStepper
+from ciar.collab.engine import AsyncStepper, EngineThread
 from ciar.collab.protocol import SessionError
 
 
@@ -42,13 +43,21 @@ def session_token(secret: str, session_id: str, device_id: str) -> str:
 
 
 class VerifierService:
-    def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None):
+    def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True):
         """`core`: a `ciar.collab.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
-        engine waits this long for company; `on_step(engine, finished)`: called after every step (metrics)."""
+        engine waits this long for company; `on_step(engine, finished)`: called after every step (metrics; on the
+        engine's thread). `engine_thread`: the engine steps on its own thread (`ciar.collab.engine.EngineThread`),
+        and the caller's event loop only submits and awaits; False: it steps on the caller's loop
+        (`AsyncStepper`, the engine before issue 37: every call waits for the forward in progress)."""
         self.core = core
         self.secret = secret
-        self.stepper = AsyncStepper(core.engine, batch_wait_s, on_step)
+        self.stepper = EngineThread(core.engine, batch_wait_s, on_step) if engine_thread else \
+            AsyncStepper(core.engine, batch_wait_s, on_step)
         self.opened = self.resumed = 0
+
+    def shutdown(self) -> None:
+        """Stop the engine's thread (a replica going away, a test done with it)."""
+        self.stepper.stop()
 
     @property
     def v(self):
@@ -67,25 +76,30 @@ class VerifierService:
     async def open(self, request, *, session_id: str, device_id: str):
         """-> (OpenReply, session token). An OPEN repeated after a lost reply is answered as the first was."""
         self._same(request, session_id)
-        reply = await self.stepper.run(self.core.submit_open(request, owner=device_id))
+        reply = await self.stepper.run(self.core.open_work(request, owner=device_id))
         self.opened += 1
         return reply, session_token(self.secret, session_id, device_id)
 
     async def verify(self, request, *, session_id: str, device_id: str, token: str):
         self.check(session_id, device_id, token)
         self._same(request, session_id)
-        return await self.stepper.run(self.core.submit_verify(request))
+        return await self.stepper.run(self.core.verify_work(request))
 
     async def resume(self, request, history, injected=None, *, session_id: str, device_id: str, token: str):
         self.check(session_id, device_id, token)
         self._same(request, session_id)
-        reply = await self.stepper.run(self.core.submit_resume(request, history, injected, owner=device_id))
+        reply = await self.stepper.run(self.core.resume_work(request, history, injected, owner=device_id))
         self.resumed += 1
         return reply
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None:
+        """Answered at once: the session is closed before the engine's next step, after anything sent before it."""
         self.check(session_id, device_id, token)
-        self.core.close(session_id)
+        self.stepper.call(self.core.close, session_id)
+
+    def evict_idle(self, max_idle_s: float) -> None:
+        """Close the sessions idle for at least `max_idle_s` (on the engine's side, like every change)."""
+        self.stepper.call(self.core.evict_idle, max_idle_s)
 
     async def cost_hint(self):
         """The verifier's recent span forward, sampled step and queue wait (`CloudVerifier.cost_hint`)."""

@@ -160,15 +160,29 @@ class CloudVerifier:
         `owner`: the calling device. The same OPEN repeated by its owner while the session has not moved on is
         answered as the first was (its reply, or the first's result when it is still in flight): OPEN is safe to
         send again after a lost reply (`ciar.collab.service`)."""
-        return self.engine.submit(OpenWork(self, request, caption_emb, caption_mask, owner))
+        return self.engine.submit(self.open_work(request, caption_emb, caption_mask, owner))
 
     def submit_verify(self, request: VerifyRequest) -> "VerifyWork":
-        return self.engine.submit(VerifyWork(self, request))
+        return self.engine.submit(self.verify_work(request))
 
     def submit_resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None,
                       caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
                       owner: str = "") -> "ResumeWork":
-        return self.engine.submit(ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner))
+        return self.engine.submit(self.resume_work(request, history, injected, caption_emb, caption_mask, owner))
+
+    # the same works, built but not queued: whoever owns the engine queues them (`ciar.collab.engine.EngineThread`
+    # takes them over to its thread; building checks their structure on the caller's side)
+    def open_work(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
+                  caption_mask: torch.Tensor | None = None, owner: str = "") -> "OpenWork":
+        return OpenWork(self, request, caption_emb, caption_mask, owner)
+
+    def verify_work(self, request: VerifyRequest) -> "VerifyWork":
+        return VerifyWork(self, request)
+
+    def resume_work(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None,
+                    caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
+                    owner: str = "") -> "ResumeWork":
+        return ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner)
 
     def _run(self, works: list) -> list:
         """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""

@@ -241,3 +241,77 @@ def test_injected_features_need_one_row_per_position(tiny_cloud, stub_text):
     missing = InjectedFeatures(torch.tensor([0]), None, None)
     with pytest.raises(SessionError, match="are missing"):
         v.resume_batch([_open_req("a", 4)], [history], injected=[missing])
+
+
+# ---------------------------------------------------------------------------------------------- the engine's thread
+def test_the_engine_thread_answers_control_calls_while_a_forward_runs(tiny_cloud, stub_text):
+    """With the engine on its own thread (`EngineThread`, the Verifier's default), the caller's loop is free while a
+    forward runs: a readiness probe, a cost hint and a close are answered during a forward that is held open, and the
+    held work completes after. (On the loop itself, `AsyncStepper`, they would wait for the forward.)"""
+    import asyncio
+    import threading
+
+    from ciar.collab.service import VerifierService, session_token
+    from ciar.collab.verifier import CloudVerifier
+
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    service = VerifierService(v, "s")
+    entered, release = threading.Event(), threading.Event()
+    forward = v.engine._forward
+
+    def held_forward(pieces):  # FAULT INJECTION: the forward waits for the test
+        entered.set()
+        assert release.wait(30), "the test never released the forward"
+        return forward(pieces)
+
+    v.engine._forward = held_forward
+
+    async def run():
+        opening = asyncio.ensure_future(service.open(_open_req("a", 3), session_id="a", device_id="d"))
+        assert await asyncio.to_thread(entered.wait, 30)  # a forward is running on the engine's thread
+        ready = await asyncio.wait_for(service.ready(), 10)
+        await asyncio.wait_for(service.cost_hint(), 10)
+        await asyncio.wait_for(service.close(session_id="x", device_id="d", token=session_token("s", "x", "d")), 10)
+        assert not opening.done() and ready["sessions"] == 1
+        release.set()
+        reply, _ = await asyncio.wait_for(opening, 30)
+        return reply
+
+    try:
+        reply = asyncio.run(run())
+    finally:
+        release.set()
+        service.shutdown()
+    assert len(reply.prefix_tokens) == 3
+
+
+def test_the_engine_thread_gives_the_same_replies_as_the_loop(tiny_cloud, stub_text):
+    """The same opens and spans through `VerifierService` with the engine on its thread and on the loop: the same
+    prefix tokens and verdicts (the thread changes who steps the engine, not what it computes)."""
+    import asyncio
+
+    from ciar.collab.service import VerifierService
+    from ciar.collab.verifier import CloudVerifier
+
+    def replies(engine_thread: bool):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
+        service = VerifierService(v, "s", engine_thread=engine_thread)
+
+        async def one(sid):
+            reply, token = await service.open(_open_req(sid, 4, seed=len(sid)), session_id=sid, device_id="d")
+            out = [reply.prefix_tokens.tolist()]
+            for _ in range(3):
+                r = await service.verify(_span(v, sid), session_id=sid, device_id="d", token=token)
+                out.append((r.num_accepted, r.next_token))
+            await service.close(session_id=sid, device_id="d", token=token)
+            return out
+
+        async def run():
+            return await asyncio.gather(*(one(s) for s in ("a", "bb", "ccc")))
+
+        try:
+            return asyncio.run(run())
+        finally:
+            service.shutdown()
+
+    assert replies(True) == replies(False)
