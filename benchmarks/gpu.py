@@ -514,9 +514,9 @@ def main(argv=None) -> int:
     if suite.dev.type != "cuda" and not args.tiny:
         print("no CUDA device: run with --tiny for the CPU check of the code, or on a GPU", file=sys.stderr)
         return 2
-    torch.set_grad_enabled(False)
-    for name in args.sections.split(","):
-        suite.section(name, getattr(suite, name))
+    with torch.no_grad():  # (not torch.set_grad_enabled(False): the caller's grad mode stays as it was)
+        for name in args.sections.split(","):
+            suite.section(name, getattr(suite, name))
     broke = [n for n, v in suite.result["sections"].items() if "broke" in v]
     print(f"wrote {args.out}/gpu.json and gpu.md" + (f"; broke: {', '.join(broke)}" if broke else ""))
     return 1 if broke else 0

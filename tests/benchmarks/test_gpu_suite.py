@@ -12,6 +12,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     from benchmarks.gpu import main
 
     assert main(["--tiny", "--out", str(tmp_path)]) == 0
+    assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
     assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "t5", "hf_llama", "engine", "capacity"]
