@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import threading
 import time
 
@@ -154,8 +155,7 @@ def main(argv=None) -> int:
                    "spans_per_s": med(m, "loaded", "spans_per_s")} for m in MODES}
     ratio = {"loaded_p99_loop_over_thread": summary["loop"]["loaded_p99_ms"] / summary["thread"]["loaded_p99_ms"],
              "spans_per_s_thread_over_loop": summary["thread"]["spans_per_s"] / summary["loop"]["spans_per_s"]}
-    result = {"command": "python -m benchmarks.engine " + " ".join(argv if argv is not None else
-                                                                   __import__("sys").argv[1:]),
+    result = {"command": "python -m benchmarks.engine " + " ".join(argv if argv is not None else sys.argv[1:]),
               "devices": args.devices, "seconds": args.seconds, "reps": args.reps, "control_latency_ms": summary,
               "ratios": ratio, "runs": runs}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -4,9 +4,10 @@
     python -m benchmarks.gpu --tiny --out /tmp/gpu-tiny                  # the same code at small shapes, CPU (tests)
 
 Needs only what the lent GPU machines hold (torch, numpy, transformers, safetensors, pillow, scipy, pyyaml, tqdm,
-psutil; no Ray, no pydantic, no install of this project: `client/` is put on the path; no weight files: every model is built in memory with RANDOM weights
-at the real shapes, so the times are real and the outputs are noise). Each section is timed on its own and written to
-`gpu.json` as soon as it ends (a run cut short keeps what it measured), then `gpu.md` summarises:
+psutil; no Ray, no pydantic, no install of this project: `client/` is put on the path; no weight files: every model
+is built in memory with RANDOM weights at the real shapes, so the times are real and the outputs are noise). Each
+section is timed on its own and written to `gpu.json` as soon as it ends (a run cut short keeps what it measured),
+then `gpu.md` summarises:
 
   env        the device, torch / transformers versions, free memory
   roofline   measured copy bandwidth (a 1 GiB device-to-device copy) and bf16 matmul throughput (8192^3): the bounds
@@ -179,10 +180,6 @@ class Suite:
                 "datasheet_h100": {"bandwidth_gb_s": GPUS["h100"].bandwidth / 1e9,
                                    "tflops": GPUS["h100"].peak_flops / 1e12}}
 
-    @staticmethod
-    def _cache(model, rows: int):
-        return model.new_cache(rows)
-
     def _step_fn(self, model, cache, rows: int, width: int, pos0: int, kv_len: int):
         """The engine's call for `rows` rows feeding `width` positions from absolute position pos0: embeddings of
         fixed tokens, `forward_cached` with per-row positions on the device (no host sync), the logits of every fed
@@ -225,7 +222,7 @@ class Suite:
             for rows in (TINY_ROWS if self.tiny else ROWS):
                 pos0 = c.cls_token_num + image_pos
                 kv_len = pos0 + width
-                cache = self._cache(model, rows)
+                cache = model.new_cache(rows)
                 fn, _, _ = self._step_fn(model, cache, rows, width, pos0, kv_len)
                 eager = self.time_ms(fn)
                 bound = 1000 * (wbytes + rows * kv_len * kv_row_bytes) / self.bandwidth
@@ -253,7 +250,7 @@ class Suite:
         first = torch.randint(0, c.vocab_size, (rows,), device=self.dev)
 
         def run(use_graph: bool) -> tuple[list[list[int]], float]:
-            cache = self._cache(model, rows)
+            cache = model.new_cache(rows)
             # the cache's earlier positions: the same random keys for both runs
             g = torch.Generator(device=self.dev).manual_seed(2)
             for k, v in zip(cache.k, cache.v):
@@ -375,7 +372,8 @@ class Suite:
             ours = next((s for s in self.result["sections"].get("xl_steps", {}).get("steps", [])
                          if s["kind"] == "decode" and s["rows"] == batch), None)
             if ours is None:  # tiny rows differ: time ours here at this batch
-                model, cache = self.gpt(), self._cache(self.gpt(), batch)
+                model = self.gpt()
+                cache = model.new_cache(batch)
                 fn, _, _ = self._step_fn(model, cache, batch, 1, prefix, prefix + 1)
                 row["ours_eager_ms"] = round(self.time_ms(fn), 3)
             else:
@@ -439,21 +437,16 @@ class Suite:
 
     def capacity(self) -> dict:
         """The forward costs as loadtests.gpu_model.forward_s reads them, with the overhead fitted per path."""
-        from loadtests.gpu_model import ModelShapes
+        from loadtests.gpu_model import GPU, ModelShapes, forward_s
 
         steps = self.result["sections"].get("xl_steps", {}).get("steps", [])
         if not steps:
             raise RuntimeError("no xl_steps to fit")
         shapes = ModelShapes.from_config(self.gpt().config)
+        measured = GPU("measured", self.bandwidth, self.flops, 0.0, "benchmarks.gpu roofline")
 
-        def modelled_s(s) -> float:  # forward_s without its overhead, at the measured bandwidth and FLOP/s
-            pieces = [(s["rows"], s["width"], s["keys"])]
-            positions = sum(r * w for r, w, _ in pieces)
-            kv_read = sum(r * k for r, _, k in pieces)
-            attention = sum(r * w * k for r, w, k in pieces)
-            nbytes = 2 * shapes.weight_params + 2 * 2 * shapes.n_layer * shapes.kv_dim * kv_read
-            flops = 2 * shapes.weight_params * positions + 4 * shapes.n_layer * shapes.dim * attention
-            return max(nbytes / self.bandwidth, flops / self.flops)
+        def modelled_s(s) -> float:  # the capacity model's forward at the measured roofline, without its overhead
+            return forward_s(measured, shapes, [(s["rows"], s["width"], s["keys"])], overhead_s=0.0)
 
         out = {"bandwidth": self.bandwidth, "peak_flops": self.flops}
         for path in ("eager", "graph"):

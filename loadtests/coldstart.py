@@ -143,9 +143,9 @@ def main(argv=None) -> int:
     for i in range(args.runs):
         r = one_run(args.url, args.key, os.path.join(args.out, f"serve-{i}.log"), args.hang_s, args.limit_s)
         runs.append(r)
+        answers = [(a["status"], a["retry_after"], a["sent_s"], a["took_s"]) for a in r["answers"]]
         print(json.dumps({"run": i, **{k: r[k] for k in ("image", "hang", "healthz_200_at_s", "after_healthz_ok")},
-                          "answers": [(a["status"], a["retry_after"], a["sent_s"], a["took_s"]) for a in r["answers"]]}),
-              flush=True)
+                          "answers": answers}), flush=True)
     ok = all(r["image"] and not r["hang"] and not r["off_contract"] and set(r["after_healthz_ok"]) <= {200}
              for r in runs)
     with open(os.path.join(args.out, "coldstart.json"), "w") as f:

@@ -51,7 +51,7 @@ from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
 from services import web
 from services.device import Device
-from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause
+from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause, within
 from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
                               ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.routing import ROUTER_CLASS
@@ -100,8 +100,8 @@ GENERATION_RESPONSES = {
     422: _error("a field out of range, of the wrong type or unknown (error.field names it), or `method` given with a "
                 "`model` that names a method (the schema's `not`), or n > 1 with png or stream (its `allOf`); also a "
                 "prompt over the caption encoder's token budget, params that make no valid method config (e.g. cloud "
-                "with prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation knobs "
-                "params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
+                "with prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation "
+                "knobs params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
     500: _error("internal error (logged with its traceback)"),
     503: _error("the cluster is starting (no Device or Verifier replica can take work yet), overloaded (every device "
                 "busy and the queue full, or no free verifier KV-cache slot), or the cloud unreachable (or past "
@@ -282,15 +282,9 @@ class Ingress:
     READY_TIMEOUT_S = 2.0  # a readiness probe waits at most this long
 
     async def _probe_verifier(self) -> bool:
-        response = self.verifier.ready.remote()
-
-        async def result():
-            return await response
-
-        try:
-            await asyncio.wait_for(result(), self.READY_TIMEOUT_S)
+        try:  # (past its time the probe is cancelled: none is left waiting in the router for a replica)
+            await within(self.verifier.ready.remote(), self.READY_TIMEOUT_S, "a readiness probe")
         except Exception:  # noqa: BLE001 - not ready (starting, gone, or too slow to answer)
-            response.cancel()  # no probe is left waiting in the router for a replica
             return False
         self._verifier_seen = time.monotonic()
         return True

@@ -103,34 +103,36 @@ class VerifierBackend(Protocol):
     async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_client.policy.CostHint) or None
 
 
+async def within(response, limit_s: float, what: str):
+    """A DeploymentResponse's result within `limit_s` seconds. Past it, or when the awaiting task is cancelled (a cut
+    socket), the call is cancelled on the verifier too (`DeploymentResponse.cancel`: the replica's coroutine is
+    cancelled and withdraws its work); past it, `CloudTimeoutError` naming `what`."""
+    from ciar.collab.protocol import CloudTimeoutError
+
+    async def result():
+        return await response
+
+    try:
+        return await asyncio.wait_for(result(), limit_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        raise CloudTimeoutError(f"the verifier did not answer {what} within {limit_s:g} s") from None
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+
+
 class RayVerifierBackend:
     """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`) and
-    bounded by `call_timeout_s`: past it the call is cancelled (its work withdrawn on the verifier) and
-    `CloudTimeoutError` raised, which the endpoint answers by the frame's retry semantics (`DeviceEndpoint._failure`)."""
+    bounded by `call_timeout_s` (`within`): past it the call is cancelled and `CloudTimeoutError` raised, which the
+    endpoint answers by the frame's retry semantics (`DeviceEndpoint._failure`)."""
 
     def __init__(self, handle, call_timeout_s: float = 60.0):
         self.handle = handle
         self.call_timeout_s = call_timeout_s
 
-    async def _call(self, what: str, response, timeout_s: float | None = None):
-        """The call's result within its deadline; past it, or when the connection's task is cancelled (a cut
-        socket), the call is cancelled on the verifier too (`DeploymentResponse.cancel`: the replica's coroutine
-        is cancelled and withdraws its work)."""
-        limit = self.call_timeout_s if timeout_s is None else timeout_s
-
-        async def result():
-            return await response
-
-        try:
-            return await asyncio.wait_for(result(), limit)
-        except asyncio.TimeoutError:
-            from ciar.collab.protocol import CloudTimeoutError
-
-            response.cancel()
-            raise CloudTimeoutError(f"the verifier did not answer {what} within {limit:g} s") from None
-        except asyncio.CancelledError:
-            response.cancel()
-            raise
+    async def _call(self, what: str, response):
+        return await within(response, self.call_timeout_s, what)
 
     def _to(self, session_id):
         return self.handle.options(session_id=session_id)

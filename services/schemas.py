@@ -134,7 +134,8 @@ class GenerationRequest(BaseModel):
         # n > 1 answers JSON: one PNG body or one event stream carries one image (422 naming `n`)
         "allOf": [{"not": {"required": ["n", "response_format"],
                            "properties": {"n": {"minimum": 2}, "response_format": {"const": "png"}}}},
-                  {"not": {"required": ["n", "stream"], "properties": {"n": {"minimum": 2}, "stream": {"const": True}}}}]})
+                  {"not": {"required": ["n", "stream"],
+                           "properties": {"n": {"minimum": 2}, "stream": {"const": True}}}}]})
     prompt: str = Field(..., min_length=1, max_length=MAX_PROMPT_CHARS, json_schema_extra={"pattern": PROMPT_PATTERN},
                         description="caption of the image (not blank). A caption with more tokens than the world's "
                         "caption positions (40 MiniLM tokens in the scenes world; 120 flan-t5 tokens after LlamaGen's "

@@ -10,9 +10,10 @@ cloud-only and burst tokens, prefill chunks, resumed histories) of every session
   stats()                                           -> sessions, slots, forwards, batch-size histogram
 
 Affinity: every call is made through `handle.options(session_id=...)`, and Ray's consistent-hash router (strict:
-no fallback replica; `services.routing` fixes a defect of it) sends it to the replica holding that session's cache; the `session_id=` keyword is checked
-against the request and the session token. A replica that lost the session (restart, idle eviction,
-re-routing after a replica died) answers `SessionLostError`, and the device re-sends its history (`resume`).
+no fallback replica; `services.routing` fixes a defect of it) sends it to the replica holding that session's cache;
+the `session_id=` keyword is checked against the request and the session token. A replica that lost the session
+(restart, idle eviction, re-routing after a replica died) answers `SessionLostError`, and the device re-sends its
+history (`resume`).
 
 Ownership: the session token is HMAC(app secret, session id | device id), so any replica of the pool can check
 that a call comes from the device that opened the session, without shared state; another device (or a device

@@ -33,12 +33,17 @@ order depends on the batch shape, as with any batching.
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 SPAN, DECODE, HISTORY, PREFILL = 0, 1, 2, 3  # priority classes, in scheduling order
+logger = logging.getLogger("ray.serve")  # the replica's log (the engine runs in the Verifier deployment)
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
 KINDS = ("span", "decode", "history", "prefill")
 
@@ -91,6 +96,7 @@ class Work:
         self.result = None
         self.error: BaseException | None = None
         self.on_done = None  # callback(work), called once when it finishes (result or error)
+        self.loop = None  # the asyncio loop its caller awaits it on (`EngineThread`), if any
 
     # --- subclass interface
     def admit(self) -> None:
@@ -311,49 +317,72 @@ class StepEngine:
         return outs
 
 
-class AsyncStepper:
-    """Drive a `StepEngine` from an asyncio event loop (a Serve replica, an in-process load test): `await
-    stepper.run(verifier.submit_verify(request))` waits for a submitted work and returns its result; one task steps the engine while anything is
-    queued, yielding to the loop between forwards so that requests arriving meanwhile join the next step. An idle
-    engine first waits `wait_s` for company. `on_step(engine, finished)` is called after every step (metrics)."""
+class _Driver:
+    """What drives a `StepEngine` for asyncio callers (`AsyncStepper` on the caller's loop, `EngineThread` on its own
+    thread): `run` queues a work, awaits it and withdraws it when the caller goes away, the same for both; `call`,
+    `_resolver` and `_kick` are where they differ."""
 
-    def __init__(self, engine: StepEngine, wait_s: float = 0.0, on_step=None):
-        self.engine, self.wait_s, self.on_step = engine, wait_s, on_step
-        self._task = None
+    engine: StepEngine
+
+    def call(self, fn, *args) -> None:
+        raise NotImplementedError
+
+    def _resolver(self, loop, fut):
+        """The work's `on_done`: resolves `fut` (on `loop`) with the finished work."""
+        raise NotImplementedError
+
+    def _kick(self, loop) -> None:
+        """Make sure something steps the engine."""
 
     async def run(self, work: Work):
-        """The work's result (or its error raised); cancelling the caller withdraws the work
+        """The work's result (or its error, raised). A work built but not queued (`CloudVerifier.open_work` /
+        `verify_work` / `resume_work`) is queued on the engine's side; cancelling the caller withdraws the work
         (`StepEngine.withdraw`)."""
-        import asyncio
-
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        work.on_done = self._resolver(loop, fut)
+        work.loop = loop
         if work.done:
             fut.set_result(work)
-        work.on_done = lambda w: fut.done() or fut.set_result(w)
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._loop())
-        if work.seq == 0 and not work.done:  # built, not yet queued
-            self.engine.submit(work)
+        elif work.seq == 0:
+            self.call(self.engine.submit, work)
+        self._kick(loop)
         try:
             w = await fut
         except asyncio.CancelledError:  # the caller went away (a cancelled handle call, a cut socket)
-            self.engine.withdraw(work)
+            self.call(self.engine.withdraw, work)
             raise
         if w.error is not None:
             raise w.error
         return w.result
 
+
+class AsyncStepper(_Driver):
+    """Drive a `StepEngine` from an asyncio event loop (an in-process load test; the Verifier before issue 37):
+    `await stepper.run(verifier.verify_work(request))` waits for a work and returns its result; one task steps the
+    engine while anything is queued, yielding to the loop between forwards so that requests arriving meanwhile join
+    the next step. An idle engine first waits `wait_s` for company. `on_step(engine, finished)` is called after
+    every step (metrics)."""
+
+    def __init__(self, engine: StepEngine, wait_s: float = 0.0, on_step=None):
+        self.engine, self.wait_s, self.on_step = engine, wait_s, on_step
+        self._task = None
+
     def call(self, fn, *args) -> None:
         """fn(*args) now (the engine lives on this loop's thread): the interface `EngineThread.call` offers."""
         fn(*args)
+
+    def _resolver(self, loop, fut):
+        return lambda w: fut.done() or fut.set_result(w)
+
+    def _kick(self, loop) -> None:
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._loop())
 
     def stop(self) -> None:
         """Nothing to stop: the stepping task ends when the engine is idle."""
 
     async def _loop(self) -> None:
-        import asyncio
-
         engine = self.engine
         if self.wait_s > 0:
             await asyncio.sleep(self.wait_s)
@@ -368,7 +397,7 @@ class AsyncStepper:
             await asyncio.sleep(0)
 
 
-class EngineThread:
+class EngineThread(_Driver):
     """Run a `StepEngine` on its own thread, the verifier's engine core (`ciar.collab.service.VerifierService`;
     docs/architecture.md §6): the replica's event loop only submits works and awaits them, so a control call (a
     close, stats, a cost hint, a readiness probe) is answered while a forward runs instead of after it.
@@ -385,9 +414,6 @@ class EngineThread:
     `AsyncStepper` does. A step that raises fails its works (`StepEngine.fail_all`) and the thread goes on."""
 
     def __init__(self, engine: StepEngine, wait_s: float = 0.0, on_step=None, name: str = "ciar-engine"):
-        import collections
-        import threading
-
         self.engine, self.wait_s, self.on_step = engine, wait_s, on_step
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Condition()
@@ -402,16 +428,7 @@ class EngineThread:
             self._commands.append((fn, args))
             self._wake.notify()
 
-    async def run(self, work: Work):
-        """Queue a built work (`CloudVerifier.open_work` / `verify_work` / `resume_work`) on the engine thread and
-        await its result (or its error, raised); cancelling the caller withdraws the work."""
-        import asyncio
-
-        if work.seq != 0:
-            raise ValueError("EngineThread.run takes a work that is not queued yet (its owner queues it)")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
+    def _resolver(self, loop, fut):
         def settle(w):
             if not fut.done():
                 fut.set_result(w)
@@ -422,17 +439,12 @@ class EngineThread:
             except RuntimeError:  # the caller's loop is closed: nobody waits any more
                 pass
 
-        work.on_done = done
-        work.loop = loop  # whose callers the engine lets answer after a step (`_let_callers_answer`)
-        self.call(self.engine.submit, work)
-        try:
-            w = await fut
-        except asyncio.CancelledError:  # the caller went away (a cancelled handle call, a cut socket)
-            self.call(self.engine.withdraw, work)
-            raise
-        if w.error is not None:
-            raise w.error
-        return w.result
+        return done
+
+    async def run(self, work: Work):
+        if work.seq != 0:
+            raise ValueError("EngineThread.run takes a work that is not queued yet (its owner queues it)")
+        return await super().run(work)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         with self._wake:
@@ -448,13 +460,9 @@ class EngineThread:
             try:
                 fn(*args)
             except Exception:  # noqa: BLE001 - a failed command (a bug) must not stop the engine
-                import logging
-
-                logging.getLogger("ray.serve").exception("engine command %s failed", getattr(fn, "__name__", fn))
+                logger.exception("engine command %s failed", getattr(fn, "__name__", fn))
 
     def _main(self) -> None:
-        import time as _time
-
         engine = self.engine
         answered = False  # the last step's callers have had their turn (`_let_callers_answer`)
         while True:
@@ -467,7 +475,7 @@ class EngineThread:
             idle = not engine.busy
             self._apply()
             if idle and engine.busy and self.wait_s > 0 and not answered:
-                _time.sleep(self.wait_s)  # company: what arrives meanwhile joins the first step
+                time.sleep(self.wait_s)  # company: what arrives meanwhile joins the first step
                 self._apply()
             if not engine.busy:
                 continue
@@ -481,9 +489,7 @@ class EngineThread:
                 try:
                     self.on_step(engine, finished)
                 except Exception:  # noqa: BLE001 - metrics must not stop the engine
-                    import logging
-
-                    logging.getLogger("ray.serve").exception("on_step failed")
+                    logger.exception("on_step failed")
             answered = self._let_callers_answer(finished)
 
     def _let_callers_answer(self, finished: list[Work]) -> bool:
@@ -491,9 +497,7 @@ class EngineThread:
         results woke up, so that the requests those callers send next (a device's next VERIFY) join the next step,
         as they do when the engine steps on the loop itself. One loop turn: the results' callbacks, then the tasks
         they resume, then the marker."""
-        import threading
-
-        loops = {getattr(w, "loop", None) for w in finished} - {None}
+        loops = {w.loop for w in finished} - {None}
         if not loops or self.wait_s <= 0:
             return False
         turned = threading.Event()

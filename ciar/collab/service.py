@@ -17,9 +17,10 @@ device that opened the session, without shared state. VERIFY, RESUME and CLOSE n
 
 Retries (docs/architecture.md §5, "Retry semantics"). Each call is safe to send again after its reply was lost:
   open    answered as the first was: an OPEN of a session this verifier holds, from the device that opened it, with
-          the same request, gets the first OPEN's reply (the very reply: the same prefix tokens and caption, no forward),
-          or waits for the first OPEN still in flight; the same id with another request, or a session that has moved
-          on since its open (a VERIFY or RESUME came), is refused (`SessionConflictError`, 409 on the socket).
+          the same request, gets the first OPEN's reply (the very reply: the same prefix tokens and caption, no
+          forward), or waits for the first OPEN still in flight; the same id with another request, or a session that
+          has moved on since its open (a VERIFY or RESUME came), is refused (`SessionConflictError`, 409 on the
+          socket).
   verify  not idempotent by itself; a device whose VERIFY reply was lost RESUMEs first, then re-sends it.
   resume  replaces any copy the verifier holds: sending it twice leaves the same state.
   close   closing a session that is not held does nothing.

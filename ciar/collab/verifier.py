@@ -377,6 +377,8 @@ class OpenWork(Work):
     """An open: prefill chunks, then `prefix_len` tokens sampled one decode step at a time (a cloud-only image is
     an open with prefix_len = N)."""
 
+    REPEATABLE = True  # the same OPEN sent again is answered as this one was (a resume replaces its session instead)
+
     def __init__(self, v: CloudVerifier, request: OpenRequest, caption_emb=None, caption_mask=None, owner: str = ""):
         super().__init__(request.session_id)
         self.v, self.request, self.owner = v, request, owner
@@ -405,13 +407,13 @@ class OpenWork(Work):
 
     def admit(self) -> None:
         held = self.v.table.sessions.get(self.session_id)
-        if held is not None and type(self) is OpenWork:
+        if held is not None and self.REPEATABLE:
             self.repeat(held)
             return
         self.s = self.v.table.open(self.request)
         self.s.work = self
         self.s.owner = self.owner
-        self.s.open_request = self.request if type(self) is OpenWork else None
+        self.s.open_request = self.request if self.REPEATABLE else None
 
     def repeat(self, held: Session) -> None:
         """An OPEN of a session this verifier holds: the same device's same OPEN (its reply was lost) is answered as
@@ -420,7 +422,7 @@ class OpenWork(Work):
         if held.owner != self.owner or held.open_request != self.request:
             raise SessionConflictError(f"session {sid!r} is already open with another request")
         first = held.work
-        if isinstance(first, OpenWork) and type(first) is OpenWork and not first.done:
+        if isinstance(first, OpenWork) and first.REPEATABLE and not first.done:
             self.leader = first  # the first OPEN is still building the session: finish with it
             first.followers.append(self)
         elif held.open_reply is not None:
@@ -505,7 +507,7 @@ class OpenWork(Work):
         self.s.work = None
         self.s.last_used = time.monotonic()
         r = self.request
-        tokens = list(self.reply_tokens())
+        tokens = self.reply_tokens()
         emb, mask = self.caption_emb, self.caption_mask
         self.v.reply_costs.observe(self.seconds, self.passes, verify=False)
         # the wait before its first forward, less its caption's encoding (in cloud_s)
@@ -516,13 +518,15 @@ class OpenWork(Work):
             emb.detach().to("cpu", torch.float16) if r.want_caption else None,
             (mask.detach().cpu() if mask is not None else torch.ones(emb.shape[0], dtype=torch.bool))
             if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size, queue_s))
-        if type(self) is OpenWork:
+        if self.REPEATABLE:
             self.s.open_reply = self.result  # until the session moves on: a repeated OPEN is answered with it
 
 
 class ResumeWork(OpenWork):
     """A resume: prefill chunks, then the history's committed tokens (all but the last) fed in chunks with their
     injected interval features; nothing is sampled."""
+
+    REPEATABLE = False
 
     def __init__(self, v: CloudVerifier, request: OpenRequest, history, injected: InjectedFeatures | None,
                  caption_emb=None, caption_mask=None, owner: str = ""):
