@@ -334,6 +334,9 @@ class _Driver:
     def _kick(self, loop) -> None:
         """Make sure something steps the engine."""
 
+    async def settled(self) -> None:
+        """Returns once every command made before it (`call`: a close, a withdrawal) has been applied."""
+
     async def run(self, work: Work):
         """The work's result (or its error, raised). A work built but not queued (`CloudVerifier.open_work` /
         `verify_work` / `resume_work`) is queued on the engine's side; cancelling the caller withdraws the work
@@ -440,6 +443,12 @@ class EngineThread(_Driver):
                 pass
 
         return done
+
+    async def settled(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.call(loop.call_soon_threadsafe, lambda: fut.done() or fut.set_result(None))
+        await fut
 
     async def run(self, work: Work):
         if work.seq != 0:

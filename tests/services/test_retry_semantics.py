@@ -127,6 +127,7 @@ def test_a_repeated_open_is_answered_as_the_first_and_a_conflicting_one_is_refus
         with pytest.raises(SessionConflictError, match="moved on"):
             await backend.open(req, session_id="dup", device_id="d1")
         await backend.close(session_id="dup", device_id="d1", token=tok_a)
+        await backend.stepper.settled()  # the close is answered at once and applied on the engine's thread
 
     asyncio.run(run())
     assert backend.v.num_sessions == 0
@@ -150,7 +151,10 @@ def test_a_caller_that_goes_away_withdraws_its_open(server):
         with pytest.raises(asyncio.CancelledError):
             await task
         steps = backend.v.engine.steps
-        await asyncio.sleep(0.05)
+        # the withdrawal is applied on the engine's thread, then one step drops the finished work from the active
+        # list; a second barrier comes after that step (commands are applied between steps)
+        await backend.stepper.settled()
+        await backend.stepper.settled()
         return steps
 
     steps = asyncio.run(run())
