@@ -25,7 +25,7 @@ then `gpu.md` summarises:
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
   engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
-  capacity   the forward costs in the form `loadtests.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
+  capacity   the forward costs in the form `ciar.collab.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
@@ -174,7 +174,7 @@ class Suite:
         ms_mm = self.time_ms(lambda: a @ b, reps=10)
         flops = 2 * m ** 3 / (ms_mm / 1000)
         self.bandwidth, self.flops = bandwidth, flops
-        from loadtests.gpu_model import GPUS
+        from ciar.collab.gpu_model import GPUS
 
         return {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1),
                 "datasheet_h100": {"bandwidth_gb_s": GPUS["h100"].bandwidth / 1e9,
@@ -296,7 +296,7 @@ class Suite:
     def t5(self) -> dict:
         from transformers import T5Config, T5EncoderModel
 
-        from loadtests.gpu_model import FLAN_T5_XL
+        from ciar.collab.gpu_model import FLAN_T5_XL
 
         cfg = dict(FLAN_T5_XL)
         if self.tiny:
@@ -436,8 +436,8 @@ class Suite:
                 "batching_gain": round((n_all / all_s) / (n_one / one_s), 2)}
 
     def capacity(self) -> dict:
-        """The forward costs as loadtests.gpu_model.forward_s reads them, with the overhead fitted per path."""
-        from loadtests.gpu_model import GPU, ModelShapes, forward_s
+        """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
+        from ciar.collab.gpu_model import GPU, ModelShapes, forward_s
 
         steps = self.result["sections"].get("xl_steps", {}).get("steps", [])
         if not steps:
@@ -455,7 +455,7 @@ class Suite:
             if gaps:
                 out[f"overhead_s_{path}"] = gaps[len(gaps) // 2]
                 out[f"overhead_s_{path}_range"] = [gaps[0], gaps[-1]]
-        out["how"] = ("loadtests.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, pieces, "
+        out["how"] = ("ciar.collab.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, pieces, "
                       "overhead_s): the overhead is the median of measured - modelled over the xl_steps")
         return out
 

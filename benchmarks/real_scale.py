@@ -83,8 +83,8 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     import torch
     import yaml
 
+    from ciar.collab.gpu_model import FLAN_T5_XL
     from ciar.testing import make_tiny_t5, write_llamagen_checkpoints
-    from loadtests.gpu_model import FLAN_T5_XL
 
     size = SIZES[sizes]
     grid = size["image_size"] // 16

@@ -26,7 +26,7 @@
    milliseconds per image at 1, 4, 16 and 64 sessions per forward: a fixed per-forward cost (memory-bound, a GPU)
    rewards CIAR's fewer passes, a per-position cost (compute-bound, this CPU) its equal positions.
 
-`--cost-model gpu:NAMES` replaces steps 2-4 by a model (`loadtests.gpu_model`, nothing runs on a GPU): the same
+`--cost-model gpu:NAMES` replaces steps 2-4 by a model (`ciar.collab.gpu_model`, nothing runs on a GPU): the same
 recorded phones replayed in simulated time against one modelled replica at LlamaGen-XL's shapes, each forward
 priced max(bytes / bandwidth, flops / peak) + overhead from the named GPUs' datasheet figures; it writes
 `OUT/gpu_capacity.json` and `.md`: phones per replica at the SLO for CIAR and cloud-only and cloud forward-seconds
@@ -50,7 +50,7 @@ import time
 import numpy as np
 import torch
 
-from loadtests.gpu_model import GPUS
+from ciar.collab.gpu_model import GPUS, phones_at_slo
 
 METHODS = ("ciar", "cloud")
 OVERLOAD = "ciar overload"  # --overload: CIAR phones that raise tau while their verifier is past a limit
@@ -304,13 +304,6 @@ def image_positions(point: dict) -> float | None:
     return pos["span"] + pos["decode"] + pos["history"]
 
 
-def phones_at_slo(points: list[dict], slo: float) -> int:
-    """The largest load whose images' p99 latency holds the SLO without errors (0: none)."""
-    ok = [p["phones"] for p in points if p["images"] and p["latency_s"]["p99"] is not None
-          and p["latency_s"]["p99"] <= slo and not p.get("errors")]
-    return max(ok) if ok else 0
-
-
 def summarize(points: dict[str, list[dict]], slo: float, accelerator: str, setup: dict) -> dict:
     def first(pts, fn):
         vals = [fn(p) for p in pts if p["images"]]
@@ -347,12 +340,13 @@ def gpu_capacity(traces: dict[str, list], gpus: list[str], loads: list[int], arg
     import shlex
 
     from benchmarks.collab import write_results
-    from loadtests.gpu_model import Engine, markdown, plan
+    from ciar.collab.gpu_model import Engine, markdown, plan
 
     live = verifier_config(args)
     engine = Engine(token_budget=live.get("token_budget", Engine.token_budget),
                     max_works=live.get("max_batch_size", Engine.max_works), overhead_s=args.gpu_overhead_ms / 1e3)
-    result = plan(traces, gpus, loads, args.slo_p99_s, args.network, args.duration, args.warmup, engine)
+    result = plan(traces, gpus, loads, args.slo_p99_s, args.network, args.duration, args.warmup, engine,
+                  extra_gpus=getattr(args, "extra_gpus", None))
     command = "python -m loadtests.capacity " + " ".join(shlex.quote(a) for a in argv)
     result["command"] = command
     write_results(os.path.join(args.out, "gpu_capacity.json"), result, markdown(result, command))
@@ -410,8 +404,14 @@ def main(argv: list[str] | None = None) -> int:
                          "coming and going under the ramp (sessions moved by the ring are resumed, nothing is lost)")
     ap.add_argument("--cost-model", default="measured",
                     help="'measured': one real Verifier replica on this machine; 'gpu:h100,a100,l4': the GPU MODEL of "
-                         "loadtests.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
+                         "ciar.collab.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
     ap.add_argument("--gpu-overhead-ms", type=float, default=3.0, help="the GPU model's fixed cost per forward")
+    ap.add_argument("--gpu-costs", default=None, metavar="GPU_JSON",
+                    help="benchmarks.gpu's gpu.json: adds the GPU it measured as 'measured' (--cost-model "
+                         "gpu:measured[,h100,...]) with its measured bandwidth, matmul rate and memory, and takes the "
+                         "per-forward overhead it fitted (--gpu-path) instead of --gpu-overhead-ms")
+    ap.add_argument("--gpu-path", default="graph", choices=("graph", "eager"),
+                    help="with --gpu-costs: the measured overhead of CUDA-graph replays or of eager forwards")
     ap.add_argument("--overload", default=None, metavar="LIMIT_S:FACTOR",
                     help="also ramp CIAR phones with graceful degradation: a phone whose estimate of the verifier's "
                          "seconds per exchange is past LIMIT_S makes its next image at tau x FACTOR (recorded too)")
@@ -422,7 +422,17 @@ def main(argv: list[str] | None = None) -> int:
     if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1:
         ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1")
     gpus = args.cost_model.removeprefix("gpu:").split(",") if args.cost_model.startswith("gpu:") else None
-    if args.cost_model != "measured" and not (gpus and all(g in GPUS for g in gpus)):
+    args.extra_gpus = {}
+    if args.gpu_costs:
+        from ciar.collab.gpu_model import measured_gpu
+
+        try:
+            with open(args.gpu_costs) as f:
+                gpu, overhead = measured_gpu(json.load(f), args.gpu_path)
+        except (OSError, ValueError) as e:
+            ap.error(f"--gpu-costs {args.gpu_costs}: {e}")
+        args.extra_gpus["measured"], args.gpu_overhead_ms = gpu, overhead * 1e3
+    if args.cost_model != "measured" and not (gpus and all(g in GPUS or g in args.extra_gpus for g in gpus)):
         ap.error(f"--cost-model is 'measured' or gpu:NAME[,NAME...] with names from {', '.join(GPUS)}")
     try:
         parse_overload(args.overload)

@@ -38,55 +38,25 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-SPAN, DECODE, HISTORY, PREFILL = 0, 1, 2, 3  # priority classes, in scheduling order
+from ciar.collab.runner import Piece
+from ciar.collab.scheduler import DECODE, HISTORY, KINDS, PREFILL, SPAN, Scheduled, Scheduler, SchedulerConfig
+
+__all__ = ["DECODE", "HISTORY", "KINDS", "PREFILL", "SPAN", "Piece", "SchedulerConfig", "StepEngine", "Work",
+           "AsyncStepper", "EngineThread"]
 logger = logging.getLogger("ray.serve")  # the replica's log (the engine runs in the Verifier deployment)
-PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
-KINDS = ("span", "decode", "history", "prefill")
-
-
-@dataclass
-class SchedulerConfig:
-    """token_budget: padded positions (batch rows x width) per forward; max_works: works per forward (1 = no
-    batching); prefill_chunk: the longest piece (prefill, history, catch-up) a work feeds in a step it shares."""
-
-    token_budget: int = 1024
-    max_works: int = 64
-    prefill_chunk: int = 64
-
-    def __post_init__(self):
-        for name in ("token_budget", "max_works", "prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
-
-
-@dataclass
-class Piece:
-    """What one work feeds in one forward: `n` positions from absolute sequence position `start`, either condition
-    embeddings (`emb` [rows, n, dim]) or image tokens (`tokens`, plus `extra` [n, dim] added to their embeddings
-    for the interval features). `want`: indices within the piece whose logits the work needs back."""
-
-    work: "Work"
-    start: int
-    n: int
-    tokens: list[int] | None = None
-    emb: torch.Tensor | None = None
-    extra: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (index in piece, [dim] add)
-    want: list[int] = field(default_factory=list)
-    kind: int = SPAN  # the work's class when the piece was picked (set by the engine)
 
 
 class Work:
-    """One request in flight. Subclasses (in `ciar.collab.verifier`) implement `admit`, `kind`, `next_piece` and
-    `take`; the engine calls them and records the work's forwards and compute seconds."""
+    """One request in flight (the scheduler's `ciar.collab.scheduler.Request`). Subclasses (in
+    `ciar.collab.verifier`) implement `admit`, `kind`, `pending`, `position`, `piece` and `take`; the engine calls
+    them and records the work's forwards and compute seconds."""
 
     def __init__(self, session_id: str):
         self.session_id = session_id
-        self.seq = 0  # arrival order (set by the engine)
+        self.seq = 0  # arrival order (set by the scheduler)
         self.passes = 0  # forwards this work took part in
         self.seconds = 0.0  # compute time of those steps (the whole step, as a reply's cloud_s always was)
         self.created = time.perf_counter()  # submission
@@ -105,9 +75,16 @@ class Work:
     def kind(self) -> int:
         raise NotImplementedError
 
-    def next_piece(self, limit: int) -> Piece | None:
-        """The next piece, at most `limit` positions if chunkable (a one-token or span piece may exceed it only
-        when it is the step's first)."""
+    def pending(self) -> int:
+        """Positions it could feed in the next forward (0: none now)."""
+        raise NotImplementedError
+
+    def position(self) -> int:
+        """The absolute position of its next piece's first position."""
+        raise NotImplementedError
+
+    def piece(self, n: int) -> Piece:
+        """Its next `n` positions (n <= pending()) as the model runner's input."""
         raise NotImplementedError
 
     def take(self, piece: Piece, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
@@ -132,47 +109,53 @@ class Work:
 
 
 class StepEngine:
-    """The verifier's scheduler: a queue of works, one forward per `step`."""
+    """The engine core: one `step` = admit what arrived, let the scheduler pick the forward's pieces, run them on the
+    model runner, hand the outputs to their works, judge the spans that completed, retire the finished works.
 
-    def __init__(self, verifier, config: SchedulerConfig | None = None):
-        self.v = verifier
-        self.config = config or SchedulerConfig()
-        self.inbox: list[Work] = []
-        self.active: list[Work] = []
-        self._seq = 0
-        self.steps = 0
-        self.step_log: list[dict] = []  # last steps: {"works", "rows", "width", "kinds"}, bounded
-        self.kind_positions = [0, 0, 0, 0]  # fed positions per class since start (cost accounting)
-        self.real_positions = 0  # fed positions x rows (CFG branches), summed over forwards
-        self.padded_positions = 0  # rows x width of every forward (what the dense ragged batch computes)
+    The three parts meet only here and nothing calls back up: the scheduler (`ciar.collab.scheduler`, pure Python)
+    decides from request state and budgets; the runner (`ciar.collab.runner.ModelRunner`) turns pieces into tensors
+    and returns logits and hidden states; the works (request state, owned by the verifier's session table) read
+    those. `admit(works)` (each admitted, or finished with its error) and `judge(running)` (the step's batched
+    acceptance) are given by the owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
+
+    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, judge=None):
+        self.scheduler = Scheduler(config)
+        self.runner = runner
+        self._admit_works = admit or (lambda works: [w.admit() for w in works])
+        self._judge = judge or (lambda works: None)
+
+    # the scheduler's state, as the engine's callers read it
+    config = property(lambda self: self.scheduler.config)
+    steps = property(lambda self: self.scheduler.steps)
+    step_log = property(lambda self: self.scheduler.step_log)
+    kind_positions = property(lambda self: self.scheduler.kind_positions)
+    real_positions = property(lambda self: self.scheduler.real_positions)
+    padded_positions = property(lambda self: self.scheduler.padded_positions)
+    inbox = property(lambda self: self.scheduler.waiting)
+    active = property(lambda self: self.scheduler.running)
 
     @property
     def busy(self) -> bool:
-        return bool(self.inbox or self.active)
+        return self.scheduler.busy
 
     def submit(self, work: Work) -> Work:
-        self._seq += 1
-        work.seq = self._seq
-        self.inbox.append(work)
-        return work
+        return self.scheduler.submit(work)
 
     def works_of(self, session_id: str) -> list[Work]:
-        return [w for w in self.inbox + self.active if w.session_id == session_id and not w.done]
+        return self.scheduler.of_session(session_id)
 
     def cancel(self, session_id: str, error: BaseException) -> None:
         """Fail the works of a session that was closed or evicted under them."""
         for w in self.works_of(session_id):
             w.finish(error=error)
-        self.inbox = [w for w in self.inbox if not w.done]
-        self.active = [w for w in self.active if not w.done]
+        self.scheduler.purge()
 
     def withdraw(self, work: Work) -> None:
         """Its caller went away: a queued work is dropped before it runs; an admitted one is told (`abandon`: an open
         or resume fails and frees the session it was building; a verification runs to its end)."""
         if work.done:
             return
-        if work in self.inbox:
-            self.inbox.remove(work)
+        if self.scheduler.drop(work):
             work.finish(error=RuntimeError(f"session {work.session_id!r}: the caller went away"))
             return
         abandon = getattr(work, "abandon", None)
@@ -181,9 +164,9 @@ class StepEngine:
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every queued and running work (the step itself raised: a bug or a lost accelerator)."""
-        for w in self.inbox + self.active:
+        for w in self.scheduler.all():
             w.finish(error=error)
-        self.inbox, self.active = [], []
+        self.scheduler.clear()
 
     def run(self, works: list[Work]) -> None:
         """Step until every work in `works` is done (the synchronous batch API)."""
@@ -193,128 +176,45 @@ class StepEngine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()  # as CollabDecoder._generate: no autograd bookkeeping on the small per-step ops
     def step(self) -> list[Work]:
-        """Admit queued works, run ONE forward over the pieces the policy picks, hand results back, judge the
+        """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, judge the
         spans that completed. -> the works finished in this step."""
         t0 = time.perf_counter()
         self._admit()
-        pieces = self._select()
-        if pieces:
-            try:
-                outs = self._forward(pieces)
-                dt = time.perf_counter() - t0
-                for p in pieces:  # before `take`: a work that finishes now reports this step in its reply
-                    if p.work.started is None:
-                        p.work.started = t0
-                    p.work.passes += 1
-                    p.work.seconds += dt
-                    p.work.batch_size = len(pieces)
-                for p, (logits, hidden) in zip(pieces, outs):
-                    p.work.take(p, logits, hidden)
-            except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
-                for p in pieces:
-                    p.work.finish(error=e)
-            for p in pieces:
-                self.kind_positions[p.kind] += p.n
-            rows = sum(len(p.work.slots) for p in pieces)
-            self.real_positions += sum(len(p.work.slots) * p.n for p in pieces)
-            self.padded_positions += rows * max(p.n for p in pieces)
-            self.steps += 1
-            self.step_log.append({"works": len(pieces), "rows": rows,
-                                  "width": max(p.n for p in pieces), "kinds": [KINDS[p.kind] for p in pieces]})
-            del self.step_log[:-256]
-        self.v.judge_ready(self.active)  # every span whose feed is complete (some need no forward at all)
-        finished = [w for w in self.active if w.done]
-        self.active = [w for w in self.active if not w.done]
-        return finished
+        batch = self.scheduler.schedule()
+        if batch:
+            self._execute(batch, t0)
+            self.scheduler.record(batch)
+        self._judge(self.scheduler.running)  # every span whose feed is complete (some need no forward at all)
+        return self.scheduler.retire()
 
     def _admit(self) -> None:
-        new, self.inbox = self.inbox, []
+        new = self.scheduler.take_waiting()
         try:
-            self.v.admit_works(new)  # each admitted or finished with its error
+            self._admit_works(new)  # each admitted or finished with its error
         except BaseException as e:  # admission itself broke: these works are in no queue, fail them here
             for w in new:
                 if not w.done:
                     w.finish(error=e)
             raise
-        self.active.extend(w for w in new if not w.done)
+        self.scheduler.start(new)
 
-    def _select(self) -> list[Piece]:
-        cfg = self.config
-        order = [w for w in sorted((w for w in self.active if not w.done), key=lambda w: (w.kind(), w.seq))
-                 if w.next_piece(cfg.token_budget) is not None][:cfg.max_works]
-        pieces: list[Piece] = []
-        rows = width = 0
-        for w in order:  # the first work feeds all it can (up to the budget), the others chunks
-            limit = cfg.prefill_chunk if pieces else max(1, cfg.token_budget // w.rows)
-            piece = w.next_piece(limit)
-            new_rows, new_width = rows + w.rows, max(width, piece.n)
-            if pieces and new_rows * new_width > cfg.token_budget:
-                fit = min(cfg.token_budget // new_rows, piece.n)  # shrink the chunk to the step's budget
-                if fit < 1:
-                    continue
-                piece = w.next_piece(fit)
-                new_width = max(width, piece.n)
-            piece.kind = w.kind()
-            pieces.append(piece)
-            rows, width = new_rows, new_width
-        return pieces
-
-    def _forward(self, pieces: list[Piece]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """One cached forward over the pieces: a row per (work, CFG branch), rows in cache-slot order (so sessions
-        on neighbouring slots share one zero-copy key read, `ciar.models.gpt.kv_runs`), padding at the scratch
-        position. Logits only where a work wants them. -> per piece (logits [rows, want, V], hidden [want, dim])."""
-        v = self.v
-        cloud, dev = v.cloud, v.device
-        order = sorted(range(len(pieces)), key=lambda i: pieces[i].work.slots[0])
-        row0, n_rows = {}, 0
-        for i in order:
-            row0[i] = n_rows
-            n_rows += pieces[i].work.rows
-        width = max(p.n for p in pieces)
-        tok = torch.zeros(n_rows, width, dtype=torch.long)
-        pos = torch.full((n_rows, width), v.scratch_pos, dtype=torch.long)
-        slots = torch.zeros(n_rows, dtype=torch.long)
-        for i, p in enumerate(pieces):
-            for j, slot in enumerate(p.work.slots):
-                r = row0[i] + j
-                slots[r] = slot
-                pos[r, :p.n] = torch.arange(p.start, p.start + p.n)
-                if p.tokens is not None:
-                    tok[r, :p.n] = torch.tensor(p.tokens, dtype=torch.long)
-        h = cloud.tok_embeddings(tok.to(dev))
-        for i, p in enumerate(pieces):
-            rs = slice(row0[i], row0[i] + p.work.rows)
-            if p.emb is not None:
-                h[rs, :p.n] = p.emb.to(h.dtype)
-            for idx, add in p.extra:
-                h[rs, idx] = h[rs, idx] + add.to(dev, h.dtype)
-        # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
-        # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
-        kv_len = max(p.start + p.n for p in pieces)
-        packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
-        if sum(p.work.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
-            packed = torch.cat([torch.arange(row0[i] + j, row0[i] + j + 1) * width + torch.arange(p.n)
-                                for i, p in enumerate(pieces) for j in range(p.work.rows)]).to(dev)
-        hid = cloud.forward_cached(v.cache, h, pos.to(dev), slots.to(dev), kv_len=kv_len, packed=packed)
-        sel_rows, sel_cols, spans = [], [], []
-        for i, p in enumerate(pieces):
-            start = len(sel_rows)
-            for j in range(p.work.rows):
-                sel_rows.extend([row0[i] + j] * len(p.want))
-                sel_cols.extend(p.want)
-            spans.append((start, len(p.want)))
-        outs = []
-        if sel_rows:
-            picked = hid[torch.tensor(sel_rows, device=dev), torch.tensor(sel_cols, device=dev)]  # [S, dim]
-            logits = cloud.logits(picked)
-        for i, ((start, n_want), p) in enumerate(zip(spans, pieces)):
-            if not n_want:
-                outs.append((None, None))
-                continue
-            rows = p.work.rows
-            lg = logits[start:start + rows * n_want].view(rows, n_want, -1)
-            outs.append((lg, picked[start:start + n_want]))
-        return outs
+    def _execute(self, batch: list[Scheduled], t0: float) -> None:
+        works = [p.request for p in batch]
+        try:
+            pieces = [w.piece(p.n) for w, p in zip(works, batch)]
+            outs = self.runner.execute(pieces)
+            dt = time.perf_counter() - t0
+            for w in works:  # before `take`: a work that finishes now reports this step in its reply
+                if w.started is None:
+                    w.started = t0
+                w.passes += 1
+                w.seconds += dt
+                w.batch_size = len(works)
+            for w, piece, (logits, hidden) in zip(works, pieces, outs):
+                w.take(piece, logits, hidden)
+        except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
+            for w in works:
+                w.finish(error=e)
 
 
 class _Driver:

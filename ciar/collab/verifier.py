@@ -55,7 +55,9 @@ from dataclasses import astuple, replace
 import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
-from ciar.collab.engine import DECODE, HISTORY, PREFILL, SPAN, Piece, SchedulerConfig, StepEngine, Work
+from ciar.collab.engine import StepEngine, Work
+from ciar.collab.runner import ModelRunner, Piece
+from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionConflictError,
@@ -84,6 +86,92 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(position) & _MASK64)) >> 1
 
 
+class Judge:
+    """The acceptance rules and the sampler, reading the runner's logits: every span whose feed is complete is
+    judged in one `verify_span` call per rule (`judge_ready`, once per engine step), each row drawing from its own
+    session's generator; single tokens (prefix and burst tokens) are drawn by `sample`."""
+
+    def __init__(self, cloud: GPT, codebook: torch.Tensor | None = None):
+        self.cloud = cloud
+        self.vocab_size, self.dim = cloud.config.vocab_size, cloud.config.dim
+        self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
+        self._neighbors: dict[int, NeighborTable] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.cloud.tok_embeddings.weight.device
+
+    def neighbor_table(self, k: int) -> NeighborTable:
+        if self.codebook is None:
+            raise SessionError("the LANTERN rule needs the tokenizer's codebook; this verifier was built without it")
+        k = min(k, self.vocab_size)
+        if k not in self._neighbors:
+            self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
+        return self._neighbors[k]
+
+    def judge_ready(self, works: list) -> None:
+        """Judge every verification in `works` whose feed is complete, one `verify_span` call per acceptance rule
+        for all of them, and commit each verdict (`VerifyWork.commit`)."""
+        ready = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
+        groups: dict[tuple, list[VerifyWork]] = {}
+        for w in ready:
+            groups.setdefault(astuple(w.s.rule), []).append(w)
+        for group in groups.values():
+            try:
+                outs = self.judge(group)
+            except Exception as e:  # noqa: BLE001 - fails these spans only
+                for w in group:
+                    w.finish(error=e)
+                continue
+            for w, (n, z, rec) in zip(group, outs):
+                w.commit(n, z, rec, len(ready))
+
+    def judge(self, works: list["VerifyWork"]) -> list[tuple[int, int, bool]]:
+        """-> per work (drafts accepted, next token, whether the next token was resampled)."""
+        v_size, dev = self.vocab_size, self.device
+        kmax = max(w.k for w in works)
+        b = len(works)
+        p = torch.zeros(b, kmax + 1, v_size, device=dev)
+        q = torch.full((b, kmax, v_size), 1.0 / v_size, device=dev)
+        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
+        hidden = None
+        rule = works[0].s.rule
+        for i, w in enumerate(works):
+            p_i = self.probs(w.s, w.target_logits())  # [k+1, V]
+            p[i, :w.k + 1] = p_i
+            p[i, w.k + 1:] = p_i[-1]  # padding: any valid distribution (outside the span)
+            if w.k:
+                q[i, :w.k] = draft_distribution(w.request.draft_probs.to(dev))
+                drafts[i, :w.k] = w.request.draft_tokens.to(dev)
+            w.s.generator.manual_seed(position_seed(w.s.seed, len(w.s.tokens)))  # draws keyed by (seed, position)
+        kwargs = {}
+        if rule.rule == "lantern":
+            kwargs["neighbors"] = self.neighbor_table(rule.lantern_k)
+            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
+        elif rule.rule == "cascade":
+            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
+            kwargs["token_embeddings"] = self.cloud.output.weight
+            if all(w.target_hidden() is not None for w in works):
+                hidden = torch.zeros(b, kmax + 1, self.dim, device=dev)
+                for i, w in enumerate(works):
+                    hidden[i, :w.k + 1] = w.target_hidden().float()
+                kwargs["target_hidden"] = hidden
+        out = verify_span(rule.rule, drafts, q, p, [w.s.generator for w in works],
+                          span_len=torch.tensor([w.k for w in works], device=dev), **kwargs)
+        return list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.recovered.tolist()))
+
+    @staticmethod
+    def probs(s: Session, logits: torch.Tensor) -> torch.Tensor:
+        """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
+        if len(s.slots) == 2:
+            return logits_to_probs(logits[0], s.sampling, uncond_logits=logits[1])
+        return logits_to_probs(logits[0], s.sampling)
+
+    def sample(self, s: Session, logits: torch.Tensor) -> int:
+        """One token from the session's generator."""
+        return int(sample(self.probs(s, logits).unsqueeze(0), s.generator)[0])
+
+
 class CloudVerifier:
     def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int = 16,
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
@@ -95,13 +183,12 @@ class CloudVerifier:
         self.text = text
         self.config = cloud.config
         self.vocab_size = cloud.config.vocab_size
-        self.cache = cloud.new_cache(2 * max_sessions)
+        self.runner = ModelRunner(cloud, 2 * max_sessions)  # the model and its KV cache (ciar.collab.runner)
+        self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
-        self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
-        self._neighbors: dict[int, NeighborTable] = {}
-        self.scratch_pos = self.cache.max_seq - 1  # padding of ragged batches lands here (beyond any sequence)
-        self.engine = StepEngine(self, scheduler)
+        self.judge = Judge(cloud, codebook)
+        self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, judge=self.judge.judge_ready)
         # what its replies told the devices, over all of them: the hint a device's first image starts from
         self.reply_costs = CloudStepEstimator()
         self.reply_queue = Ewma(0.2)
@@ -131,14 +218,6 @@ class CloudVerifier:
         return len(self.table.free_slots)
 
     # ------------------------------------------------------------------ sessions
-    def _neighbor_table(self, k: int) -> NeighborTable:
-        if self.codebook is None:
-            raise SessionError("the LANTERN rule needs the tokenizer's codebook; this verifier was built without it")
-        k = min(k, self.vocab_size)
-        if k not in self._neighbors:
-            self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
-        return self._neighbors[k]
-
     def close(self, session_id: str, cancel: bool = True) -> None:
         """Free a session's slots; a request of it still in flight fails with SessionLostError."""
         s = self.table.pop(session_id)
@@ -237,84 +316,18 @@ class CloudVerifier:
         works = [w for w in works if not w.done]
         if not works:
             return
-        c = self.config
-        dtype = self.cloud.tok_embeddings.weight.dtype
         embs, drops = [], []
         for w in works:
-            emb = w.caption_emb.to(self.device, dtype)
             for j, slot in enumerate(w.slots):
-                embs.append(emb)
+                embs.append(w.caption_emb)
                 drops.append(j == 1)
-                if w.caption_mask is not None and c.model_type == "t2i":
-                    self.cache.key_valid[slot, :c.cls_token_num] = w.caption_mask.to(self.device)
-                    self.cache.key_valid[slot, c.cls_token_num:] = True
-                else:
-                    self.cache.key_valid[slot] = True
-        cond = self.cloud.embed_condition(torch.stack(embs), torch.tensor(drops, device=self.device))
+                self.runner.mark_caption(slot, w.caption_mask)
+        cond = self.runner.condition(torch.stack([e.to(self.device, self.runner.dtype) for e in embs]),
+                                     torch.tensor(drops))
         row = 0
         for w in works:
             w.cond = cond[row:row + w.rows]
             row += w.rows
-
-    # ------------------------------------------------------------------ judging (one batched call per rule)
-    def judge_ready(self, works: list) -> None:
-        """Engine hook: judge every verification in `works` whose feed is complete, one `verify_span` call per
-        acceptance rule for all of them (each row drawing from its own session's generator)."""
-        ready = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
-        groups: dict[tuple, list[VerifyWork]] = {}
-        for w in ready:
-            groups.setdefault(astuple(w.s.rule), []).append(w)
-        for group in groups.values():
-            try:
-                outs = self._judge(group)
-            except Exception as e:  # noqa: BLE001 - fails these spans only
-                for w in group:
-                    w.finish(error=e)
-                continue
-            for w, (n, z, rec) in zip(group, outs):
-                w.commit(n, z, rec, len(ready))
-
-    def _judge(self, works: list["VerifyWork"]) -> list[tuple[int, int, bool]]:
-        v_size, dev = self.vocab_size, self.device
-        kmax = max(w.k for w in works)
-        b = len(works)
-        p = torch.zeros(b, kmax + 1, v_size, device=dev)
-        q = torch.full((b, kmax, v_size), 1.0 / v_size, device=dev)
-        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
-        hidden = None
-        rule = works[0].s.rule
-        for i, w in enumerate(works):
-            p_i = self._probs(w.s, w.target_logits())  # [k+1, V]
-            p[i, :w.k + 1] = p_i
-            p[i, w.k + 1:] = p_i[-1]  # padding: any valid distribution (outside the span)
-            if w.k:
-                q[i, :w.k] = draft_distribution(w.request.draft_probs.to(dev))
-                drafts[i, :w.k] = w.request.draft_tokens.to(dev)
-            w.s.generator.manual_seed(position_seed(w.s.seed, len(w.s.tokens)))  # draws keyed by (seed, position)
-        kwargs = {}
-        if rule.rule == "lantern":
-            kwargs["neighbors"] = self._neighbor_table(rule.lantern_k)
-            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
-        elif rule.rule == "cascade":
-            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
-            kwargs["token_embeddings"] = self.cloud.output.weight
-            if all(w.target_hidden() is not None for w in works):
-                hidden = torch.zeros(b, kmax + 1, self.config.dim, device=dev)
-                for i, w in enumerate(works):
-                    hidden[i, :w.k + 1] = w.target_hidden().float()
-                kwargs["target_hidden"] = hidden
-        out = verify_span(rule.rule, drafts, q, p, [w.s.generator for w in works],
-                          span_len=torch.tensor([w.k for w in works], device=dev), **kwargs)
-        return list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.recovered.tolist()))
-
-    def _probs(self, s: Session, logits: torch.Tensor) -> torch.Tensor:
-        """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
-        if len(s.slots) == 2:
-            return logits_to_probs(logits[0], s.sampling, uncond_logits=logits[1])
-        return logits_to_probs(logits[0], s.sampling)
-
-    def _sample(self, s: Session, logits: torch.Tensor) -> int:
-        return int(sample(self._probs(s, logits).unsqueeze(0), s.generator)[0])
 
     # ------------------------------------------------------------------ the batch API (submit, step until done)
     def open_batch(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None = None,
@@ -432,10 +445,15 @@ class OpenWork(Work):
             raise SessionConflictError(f"session {sid!r} is already open and has moved on since its OPEN: RESUME it "
                                        "from its history")
 
-    def next_piece(self, limit: int) -> Piece | None:
+    def pending(self) -> int:
         if self.leader is not None:
-            return None  # a repeated OPEN feeds nothing
-        return self._next_piece(limit)
+            return 0  # a repeated OPEN feeds nothing
+        cls = self.v.config.cls_token_num
+        return cls - self.cond_pos if self.cond_pos < cls else 1
+
+    def position(self) -> int:
+        cls = self.v.config.cls_token_num
+        return self.cond_pos if self.cond_pos < cls else cls + len(self.s.tokens) - 1
 
     def abandon(self) -> None:
         """Its caller went away: a repeated OPEN stops waiting; a first OPEN that nobody else waits for fails and
@@ -470,13 +488,12 @@ class OpenWork(Work):
     def kind(self) -> int:
         return PREFILL if self.cond_pos < self.v.config.cls_token_num else DECODE
 
-    def _next_piece(self, limit: int) -> Piece | None:
+    def piece(self, n: int) -> Piece:
         cls = self.v.config.cls_token_num
-        if self.cond_pos < cls:
-            n = min(limit, cls - self.cond_pos)
-            return Piece(self, self.cond_pos, n, emb=self.cond[:, self.cond_pos:self.cond_pos + n],
+        if self.cond_pos < cls:  # a prefill chunk
+            return Piece(self.slots, self.cond_pos, n, emb=self.cond[:, self.cond_pos:self.cond_pos + n],
                          want=[n - 1] if self.cond_pos + n == cls else [])
-        return Piece(self, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
+        return Piece(self.slots, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
 
     def take(self, piece: Piece, logits, hidden) -> None:
         if piece.emb is not None:
@@ -487,7 +504,7 @@ class OpenWork(Work):
             self.cond = None
             self.prefilled(logits[:, 0])
         else:
-            self.s.tokens.append(self.v._sample(self.s, logits[:, 0]))
+            self.s.tokens.append(self.v.judge.sample(self.s, logits[:, 0]))
         if len(self.s.tokens) >= self.request.prefix_len:
             self.complete()
 
@@ -496,7 +513,7 @@ class OpenWork(Work):
         if self.request.prefix_len == 0:
             self.s.first_logits = logits.clone()
         else:
-            self.s.tokens.append(self.v._sample(self.s, logits))
+            self.s.tokens.append(self.v.judge.sample(self.s, logits))
 
     def reply_tokens(self) -> list[int]:
         return self.s.tokens
@@ -566,13 +583,20 @@ class ResumeWork(OpenWork):
     def reply_tokens(self) -> list[int]:
         return []  # a resume generates nothing
 
-    def _next_piece(self, limit: int) -> Piece | None:
+    def pending(self) -> int:
         if self.cond_pos < self.v.config.cls_token_num:
-            return super()._next_piece(limit)
-        feed = self.history[:-1]
-        n = min(limit, len(feed) - self.fed)
+            return super().pending()
+        return len(self.history) - 1 - self.fed
+
+    def position(self) -> int:
+        cls = self.v.config.cls_token_num
+        return self.cond_pos if self.cond_pos < cls else cls + self.fed
+
+    def piece(self, n: int) -> Piece:
+        if self.cond_pos < self.v.config.cls_token_num:
+            return super().piece(n)
         a = self.fed
-        return Piece(self, self.v.config.cls_token_num + a, n, tokens=feed[a:a + n],
+        return Piece(self.slots, self.v.config.cls_token_num + a, n, tokens=self.history[a:a + n],
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras])
 
     def take(self, piece: Piece, logits, hidden) -> None:
@@ -675,15 +699,21 @@ class VerifyWork(Work):
     def kind(self) -> int:
         return DECODE if self.phase == "burst" else SPAN
 
-    def next_piece(self, limit: int) -> Piece | None:
+    def pending(self) -> int:
+        if self.phase == "burst":
+            return 1
+        return len(self.feed) - self.fed if self.phase == "feed" else 0
+
+    def position(self) -> int:
+        cls = self.v.config.cls_token_num
+        return cls + len(self.s.tokens) - 1 if self.phase == "burst" else cls + self.start + self.fed
+
+    def piece(self, n: int) -> Piece:
         cls = self.v.config.cls_token_num
         if self.phase == "burst":
-            return Piece(self, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
-        if self.phase != "feed":
-            return None
+            return Piece(self.slots, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
         a = self.fed
-        n = min(limit, len(self.feed) - a)
-        return Piece(self, cls + self.start + a, n, tokens=self.feed[a:a + n],
+        return Piece(self.slots, cls + self.start + a, n, tokens=self.feed[a:a + n],
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras],
                      want=[i - a for i in self.want if a <= i < a + n])
 
@@ -725,7 +755,7 @@ class VerifyWork(Work):
         take over there; that step's forward is spent) or at the last image token. Draws continue the session's
         generator after the acceptance rule's, so they depend only on (seed, position, inputs)."""
         s, r, c = self.s, self.request, self.v.config
-        p = self.v._probs(s, logits)  # [V]
+        p = self.v.judge.probs(s, logits)  # [V]
         if r.burst_entropy > 0 and float(entropy_score(p.unsqueeze(0))[0]) <= r.burst_entropy:
             self.complete()
             return

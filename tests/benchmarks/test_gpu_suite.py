@@ -26,6 +26,17 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
         assert isinstance(row["static_cache_ms"], float) and isinstance(row["dynamic_cache_ms"], float), row
     md = open(tmp_path / "gpu.md").read()
     assert md.startswith("# GPU suite: no GPU (cpu)") and "| decode (1 pos) | 1 |" in md
+    # the capacity model reads what the suite measured (loadtests.capacity --gpu-costs gpu.json)
+    from ciar.collab.gpu_model import GPU, ModelShapes, forward_s, measured_gpu
+
+    gpu, overhead = measured_gpu(result, "eager")
+    cap = sections["capacity"]
+    assert (gpu.bandwidth, gpu.peak_flops, overhead) == (cap["bandwidth"], cap["peak_flops"], cap["overhead_s_eager"])
+    shapes = ModelShapes.llamagen_xl()
+    assert forward_s(gpu, shapes, [(2, 1, 249)], overhead) == pytest.approx(
+        forward_s(GPU("x", cap["bandwidth"], cap["peak_flops"], 0, ""), shapes, [(2, 1, 249)], 0.0) + overhead)
+    with pytest.raises(ValueError, match="overhead_s_graph"):  # no CUDA here: no graph path was measured
+        measured_gpu(result, "graph")
 
 
 def test_without_a_gpu_the_full_suite_says_so(tmp_path, capsys):

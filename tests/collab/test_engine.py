@@ -162,7 +162,7 @@ def test_a_failed_forward_fails_its_works_and_frees_their_sessions(tiny_cloud, s
     def broken(*args, **kwargs):
         raise RuntimeError("accelerator lost")
 
-    monkeypatch.setattr(v.engine, "_forward", broken)
+    monkeypatch.setattr(v.runner, "execute", broken)  # FAULT INJECTION at the model runner
     v.engine.run([span, opening])
     assert isinstance(span.error, RuntimeError) and isinstance(opening.error, RuntimeError)
     assert "b" not in v.sessions and v.sessions["a"].work is None  # the half-opened session is gone, "a" is free
@@ -257,14 +257,14 @@ def test_the_engine_thread_answers_control_calls_while_a_forward_runs(tiny_cloud
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     service = VerifierService(v, "s")
     entered, release = threading.Event(), threading.Event()
-    forward = v.engine._forward
+    forward = v.runner.execute
 
     def held_forward(pieces):  # FAULT INJECTION: the forward waits for the test
         entered.set()
         assert release.wait(30), "the test never released the forward"
         return forward(pieces)
 
-    v.engine._forward = held_forward
+    v.runner.execute = held_forward
 
     async def run():
         opening = asyncio.ensure_future(service.open(_open_req("a", 3), session_id="a", device_id="d"))

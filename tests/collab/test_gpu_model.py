@@ -1,5 +1,7 @@
-"""loadtests.gpu_model: the GPU cost model's arithmetic on hand-worked cases, its parameter counts against the real
+"""ciar.collab.gpu_model: the GPU cost model's arithmetic on hand-worked cases, its parameter counts against the real
 modules, and the modelled replica's forwards per request."""
+
+import math
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import torch
 from ciar.collab.protocol import OpenRequest, VerifyRequest
 from ciar.collab.trace import SessionTrace, TraceStep
 from ciar.decoding.sampling import SamplingParams
-from loadtests.gpu_model import (FLAN_T5_XL, GPU, Engine, ModelShapes, encode_s, forward_s, image_forward_s,
+from ciar.collab.gpu_model import (FLAN_T5_XL, GPU, Engine, ModelShapes, encode_s, forward_s, image_forward_s,
                                  session_slots, simulate, t5_encoder_params, verify_plan)
 
 # a fictional GPU with round figures: 1 GB/s, 1 TFLOP/s, 1 GB
@@ -127,3 +129,69 @@ def test_capacity_cli_writes_the_modelled_plan(tmp_path):
     assert (tmp_path / "traces" / "ciar.pt").is_file()  # kept for the next run
     with pytest.raises(SystemExit):
         main(["--out", str(out), "--cost-model", "gpu:tpu"])
+
+
+def _wave_replay_real(traces, tiny_cloud, stub_text, scheduler):
+    """The recorded sessions on the real verifier in waves: every open at once, then every session's j-th
+    verification at once (each wave stepped until done). -> the engine's schedule, step by step."""
+    from dataclasses import replace
+
+    from ciar.collab.verifier import CloudVerifier
+
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=len(traces), scheduler=scheduler)
+    sid = [f"s{i}" for i in range(len(traces))]
+    v._run([v.submit_open(replace(t.open, session_id=s)) for t, s in zip(traces, sid)])
+    for j in range(max(len(t.steps) for t in traces)):
+        works = [v.submit_verify(replace(t.steps[j].request, session_id=s))
+                 for t, s in zip(traces, sid) if j < len(t.steps)]
+        replies = v._run(works)
+        recorded = [t.steps[j] for t in traces if j < len(t.steps)]
+        assert [(r.num_accepted, r.next_token) for r in replies] == \
+            [(s.num_accepted, s.next_token) for s in recorded]  # the replay is the recorded run
+    return [s["pieces"] for s in v.engine.step_log]
+
+
+def _wave_replay_model(traces, shapes, engine, image_tokens):
+    from ciar.collab.gpu_model import ReplicaModel, Sim
+
+    sim = Sim()
+    replica = ReplicaModel(sim, ROUND, shapes, len(traces), engine)
+    for t in traces:
+        replica.open(t.open.prefix_len, lambda forwards: None)
+    sim.run(math.inf)
+    plans = [verify_plan(t, image_tokens) for t in traces]
+    for j in range(max(len(t.steps) for t in traces)):
+        for plan in plans:
+            if j < len(plan):
+                replica.verify(*plan[j], lambda forwards: None)
+        sim.run(math.inf)
+    return [s["pieces"] for s in replica.scheduler.step_log]
+
+
+@pytest.mark.parametrize("budget", [1024, 24])
+def test_the_model_schedules_recorded_sessions_as_the_real_engine_does(tiny_cloud, tiny_device, stub_text, median_tau,
+                                                                       budget):
+    """The capacity model drives the engine's own scheduler: recorded CIAR (with bursts) and cloud-only sessions,
+    replayed through the real verifier (model runner, judge) and through the modelled replica (modelled works and
+    runner), give the same schedule step by step: the same pieces (class, first position, length, rows) in the same
+    forwards, with a roomy budget and with one that chunks prefills and spans."""
+    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.collab.engine import SchedulerConfig
+    from ciar.collab.gpu_model import Engine, ModelShapes
+    from ciar.collab.trace import TracingClient
+    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+
+    n = tiny_cloud.config.block_size
+    rec = TracingClient(InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=2)))
+    params = SamplingParams(cfg_scale=2.0, temperature=1.0)
+    for i, (method, kw) in enumerate([("ciar", dict(tau=median_tau, burst=2)), ("ciar", dict(tau=median_tau)),
+                                      ("cloud", {}), ("ciar", dict(tau=median_tau, burst=3))]):
+        CollabDecoder(tiny_device, rec, method_config(method, network="none", **kw), params,
+                      num_tokens=n).generate(f"prompt number {i}", seed=i, session_id=f"rec{i}")
+    traces = rec.sessions
+    assert any(s.burst_tokens for t in traces for s in t.steps)  # bursts are part of what is compared
+    engine = Engine(token_budget=budget, max_works=3)
+    real = _wave_replay_real(traces, tiny_cloud, stub_text, SchedulerConfig(budget, 3, engine.prefill_chunk))
+    model = _wave_replay_model(traces, ModelShapes.from_config(tiny_cloud.config), engine, n)
+    assert len(real) > len(traces) and max(len(step) for step in real) > 1  # several steps, some of them shared
+    assert model == real

@@ -1,5 +1,6 @@
 """A MODEL of one verifier replica on a GPU (nothing here runs on a GPU): the time of each engine forward at
-LlamaGen-XL's shapes from published hardware figures, and recorded phones replayed against it in simulated time.
+LlamaGen-XL's shapes from published hardware figures (or measured ones: `benchmarks.gpu`'s capacity section), and
+recorded phones replayed against it in simulated time, scheduled by the engine's own scheduler.
 
     gpu = GPUS["h100"]
     shapes = ModelShapes.llamagen_xl()
@@ -32,10 +33,13 @@ peaks (real kernels reach roughly 70-90 % of them), so the model is optimistic t
 - L4 24 GB: 300 GB/s GDDR6, 121 TFLOPS bf16. NVIDIA L4 Tensor Core GPU datasheet,
   https://www.nvidia.com/en-us/data-center/l4/ (242 TFLOPS bf16 with sparsity).
 
-**The replica** (`simulate`): the step engine's policy (`ciar.collab.engine`: spans first, then one-token decodes,
-then prefill chunks, FIFO within a class; `max_works` works and `token_budget` padded positions per step; a shared
-prefill cut to `prefill_chunk`), each work two rows (CFG). A step starts as soon as the previous one ended and work
-is queued (the 5 ms batch wait of the live config is not modelled). KV-cache slots are limited by the GPU's memory
+**The replica** (`ReplicaModel`, `simulate`): the replicas' own scheduler (`ciar.collab.scheduler.Scheduler`: the
+same queues, policy and step accounting the verifier's engine runs) over modelled works (`ModelledWork`: the pieces a
+real open or verification feeds, without their tokens), each step priced by a modelled runner (`ModelledRunner`:
+`forward_s` of the scheduled pieces, + `encode_s` for the opens it starts) instead of run by the model runner; each
+work two rows (CFG). A step starts as soon as the previous one ended and work is queued (the 5 ms batch wait of the
+live config is not modelled). `tests/collab/test_gpu_model.py` replays recorded sessions through the real verifier
+and through this model and checks that both schedule the same pieces, step by step. KV-cache slots are limited by the GPU's memory
 (after the GPT's and T5's weights and a 10 % reserve, each session holding 2 rows x (caption + image + 16) positions);
 an open without a free slot waits for one. Forwards per request follow the engine: an open is its prefill chunks
 and prefix_len - 1 decodes; a verification one feed of the committed-but-unfed token, the catch-up and the span
@@ -57,6 +61,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from ciar.collab.scheduler import DECODE, PREFILL, SPAN, Request, Scheduled, Scheduler, SchedulerConfig
 
 BYTES = 2  # bfloat16 weights and KV cache
 
@@ -81,6 +87,26 @@ GPUS: dict[str, GPU] = {
     "l4": GPU("NVIDIA L4 24GB", 300e9, 121e12, 24e9,
               "NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/"),
 }
+
+
+
+def measured_gpu(suite: dict, path: str = "graph") -> tuple[GPU, float]:
+    """The GPU `benchmarks.gpu` measured (its result JSON, `suite`): the measured copy bandwidth and matmul rate as
+    a `GPU`, its total memory, and the per-forward overhead fitted for `path` ("graph" or "eager") -> (gpu,
+    overhead_s). The capacity plan then runs from measured costs (`loadtests.capacity --gpu-costs FILE`)."""
+    sections = suite.get("sections", {})
+    cap, env = sections.get("capacity") or {}, sections.get("env") or {}
+    if not cap or "bandwidth" not in cap:
+        raise ValueError("the suite's result has no capacity section (was it cut short, or run with --tiny?)")
+    key = f"overhead_s_{path}"
+    if key not in cap:
+        raise ValueError(f"the suite's capacity section has no {key} (paths measured: "
+                         f"{[k.removeprefix('overhead_s_') for k in cap if k.startswith('overhead_s_') and 'range' not in k]})")
+    memory = float(env.get("gpu_memory_gib") or 0) * 2**30
+    name = f"{env.get('gpu') or 'measured'} (measured, {path})"
+    return GPU(name, float(cap["bandwidth"]), float(cap["peak_flops"]), memory,
+               f"benchmarks.gpu, measured on {env.get('gpu')} (torch {env.get('torch')})"), float(cap[key])
+
 
 # flan-t5-xl's encoder (its config.json): what the verifier runs once per new caption
 FLAN_T5_XL = dict(vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_heads=32,
@@ -168,22 +194,53 @@ def session_slots(gpu: GPU, shapes: ModelShapes, reserve: float = 0.1) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- the replica
-SPAN, DECODE, PREFILL = 0, 1, 3  # the engine's priority classes (ciar.collab.engine)
+class ModelledWork(Request):
+    """One request in flight on the modelled replica: the positions it feeds, piece by piece, as the real work
+    (`ciar.collab.verifier.OpenWork` / `VerifyWork`) feeds them: a feed (prefill or span, chunkable), then one-token
+    decodes (prefix or burst tokens)."""
+
+    def __init__(self, kind: int, start: int, feed: int, decodes: int, decode_start: int, on_done, rows: int,
+                 opening: bool = False):
+        self.seq, self.done, self.rows, self.session_id = 0, False, rows, ""
+        self._kind = kind
+        self.start = start  # absolute position of the feed's next position
+        self.feed = feed  # positions left in the feed
+        self.decodes = decodes  # one-token forwards after the feed
+        self.decode_start = decode_start  # absolute position of the first of them
+        self.on_done = on_done
+        self.opening = opening  # an open whose caption is not encoded yet
+        self.forwards = 0
+
+    def kind(self) -> int:
+        return self._kind if self.feed else DECODE
+
+    def pending(self) -> int:
+        return self.feed if self.feed else int(self.decodes > 0)
+
+    def position(self) -> int:
+        return self.start if self.feed else self.decode_start
+
+    def advance(self, n: int) -> None:
+        """Its piece of `n` positions was fed."""
+        self.forwards += 1
+        if self.feed:
+            self.start += n
+            self.feed -= n
+        else:
+            self.decodes -= 1
+            self.decode_start += 1
+        self.done = not self.feed and self.decodes <= 0
 
 
-@dataclass
-class _Work:
-    """One request in flight on the modelled replica: the positions it still feeds, piece by piece."""
+class ModelledRunner:
+    """The model runner's place in the modelled replica: a scheduled batch -> its modelled seconds."""
 
-    seq: int
-    kind: int
-    start: int  # absolute position of the next piece's first position
-    feed: int  # positions left in the current feed (prefill or span)
-    decodes: int  # one-token forwards after the feed (prefix tokens, burst tokens)
-    decode_start: int  # absolute position of the first of them
-    on_done: object
-    opening: bool = False  # an open whose caption is not encoded yet
-    forwards: int = 0
+    def __init__(self, gpu: GPU, shapes: ModelShapes, overhead_s: float):
+        self.gpu, self.shapes, self.overhead_s = gpu, shapes, overhead_s
+
+    def cost(self, batch: list[Scheduled], captions: int = 0) -> float:
+        return forward_s(self.gpu, self.shapes, [(p.rows, p.n, p.keys) for p in batch], self.overhead_s) + \
+            encode_s(self.gpu, self.shapes, captions, self.overhead_s)
 
 
 class Sim:
@@ -206,7 +263,8 @@ class Sim:
 
 @dataclass(frozen=True)
 class Engine:
-    """`ciar.collab.engine.SchedulerConfig`'s settings (serve_config.yaml's Verifier: 64 works, 1024 positions)."""
+    """The replica's `ciar.collab.scheduler.SchedulerConfig` (serve_config.yaml's Verifier: 64 works, 1024
+    positions), the modelled per-forward overhead and the rows per session."""
 
     token_budget: int = 1024
     max_works: int = 64
@@ -214,25 +272,32 @@ class Engine:
     overhead_s: float = 3e-3
     rows: int = 2  # CFG: a conditional and an unconditional row per session
 
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(self.token_budget, self.max_works, self.prefill_chunk)
+
 
 class ReplicaModel:
-    """The step engine of one replica in simulated time: requests queue as works, each step takes a piece of each
-    (the engine's selection policy) and lasts `forward_s` (+ `encode_s` for the opens it starts)."""
+    """One replica in simulated time: requests queue as modelled works on the engine's scheduler, each step runs the
+    pieces it schedules for `ModelledRunner.cost` seconds. Opens take a KV-cache slot (session) or wait, FIFO."""
 
     def __init__(self, sim: Sim, gpu: GPU, shapes: ModelShapes, slots: int, engine: Engine = Engine()):
-        self.sim, self.gpu, self.shapes, self.slots, self.engine = sim, gpu, shapes, slots, engine
-        self.active: list[_Work] = []
-        self.waiting: list[_Work] = []  # opens without a free slot, FIFO
+        self.sim, self.shapes, self.slots, self.engine = sim, shapes, slots, engine
+        self.scheduler = Scheduler(engine.scheduler)
+        self.runner = ModelledRunner(gpu, shapes, engine.overhead_s)
+        self.waiting: list[ModelledWork] = []  # opens without a free slot, FIFO
         self.sessions = 0
         self.running = False
         self.busy_s = 0.0
-        self.forwards = self.real_positions = self.padded_positions = 0
         self.batch_hist: dict[int, int] = {}
-        self._seq = itertools.count()
+
+    forwards = property(lambda self: self.scheduler.steps)
+    real_positions = property(lambda self: self.scheduler.real_positions)
+    padded_positions = property(lambda self: self.scheduler.padded_positions)
 
     def open(self, prefix_len: int, on_done) -> None:
         c = self.shapes.cls_token_num
-        w = _Work(next(self._seq), PREFILL, 0, c, max(prefix_len - 1, 0), c, on_done, opening=True)
+        w = ModelledWork(PREFILL, 0, c, max(prefix_len - 1, 0), c, on_done, self.engine.rows, opening=True)
         if self.sessions < self.slots:
             self.sessions += 1
             self._add(w)
@@ -242,8 +307,7 @@ class ReplicaModel:
     def verify(self, start: int, feed: int, decodes: int, decode_start: int, on_done) -> None:
         """Image positions: the feed's first, its length, then `decodes` one-token forwards from `decode_start`."""
         c = self.shapes.cls_token_num
-        self._add(_Work(next(self._seq), SPAN if feed else DECODE, c + start, feed, decodes, c + decode_start,
-                        on_done))
+        self._add(ModelledWork(SPAN, c + start, feed, decodes, c + decode_start, on_done, self.engine.rows))
 
     def close(self) -> None:
         self.sessions -= 1
@@ -251,62 +315,35 @@ class ReplicaModel:
             self.sessions += 1
             self._add(self.waiting.pop(0))
 
-    def _add(self, w: _Work) -> None:
+    def _add(self, w: ModelledWork) -> None:
         if not w.feed and w.decodes <= 0:  # nothing to feed (a verification with an empty feed and no burst)
             self.sim.at(self.sim.now, lambda: w.on_done(0))
             return
-        self.active.append(w)
+        self.scheduler.submit(w)
         if not self.running:
             self.running = True
             self.sim.at(self.sim.now, self._step)
 
-    def _select(self) -> list[tuple[_Work, int]]:
-        e = self.engine
-        chosen: list[tuple[_Work, int]] = []
-        rows = width = 0
-        for w in sorted(self.active, key=lambda w: (w.kind, w.seq))[:e.max_works]:
-            n = min(w.feed or 1, e.prefill_chunk if chosen else max(1, e.token_budget // e.rows))
-            if chosen and (rows + e.rows) * max(width, n) > e.token_budget:
-                n = min(e.token_budget // (rows + e.rows), n)
-                if n < 1:
-                    continue
-            chosen.append((w, n))
-            rows, width = rows + e.rows, max(width, n)
-        return chosen
-
     def _step(self) -> None:
-        if not self.active:
+        self.scheduler.start(self.scheduler.take_waiting())  # admitted: its slot was taken by `open`
+        batch = self.scheduler.schedule()
+        if not batch:
             self.running = False
             return
-        e = self.engine
-        chosen = self._select()
-        pieces = [(e.rows, n, (w.start if w.feed else w.decode_start) + n) for w, n in chosen]
-        opening = [w for w, _ in chosen if w.opening]
+        opening = [p.request for p in batch if p.request.opening]
         for w in opening:
             w.opening = False
-        dt = forward_s(self.gpu, self.shapes, pieces, e.overhead_s) + \
-            encode_s(self.gpu, self.shapes, len(opening), e.overhead_s)
+        dt = self.runner.cost(batch, len(opening))
         self.busy_s += dt
-        self.forwards += 1
-        self.real_positions += sum(r * n for r, n, _ in pieces)
-        self.padded_positions += e.rows * len(pieces) * max(n for _, n, _ in pieces)
-        self.batch_hist[len(pieces)] = self.batch_hist.get(len(pieces), 0) + 1
-        self.sim.at(self.sim.now + dt, lambda: self._finish(chosen))
+        self.scheduler.record(batch)
+        self.batch_hist[len(batch)] = self.batch_hist.get(len(batch), 0) + 1
+        self.sim.at(self.sim.now + dt, lambda: self._finish(batch))
 
-    def _finish(self, chosen: list[tuple[_Work, int]]) -> None:
-        for w, n in chosen:
-            w.forwards += 1
-            if w.feed:
-                w.start += n
-                w.feed -= n
-                if not w.feed:
-                    w.kind = DECODE
-            else:
-                w.decodes -= 1
-                w.decode_start += 1
-            if not w.feed and w.decodes <= 0:
-                self.active.remove(w)
-                w.on_done(w.forwards)
+    def _finish(self, batch: list[Scheduled]) -> None:
+        for p in batch:
+            p.request.advance(p.n)
+        for w in self.scheduler.retire():
+            w.on_done(w.forwards)
         self._step()
 
 
@@ -443,24 +480,30 @@ def image_forward_s(trace, image_tokens: int, gpu: GPU, shapes: ModelShapes, eng
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
+def phones_at_slo(points: list[dict], slo: float) -> int:
+    """The largest load whose images' p99 latency holds the SLO without errors (0: none)."""
+    ok = [p["phones"] for p in points if p["images"] and p["latency_s"]["p99"] is not None
+          and p["latency_s"]["p99"] <= slo and not p.get("errors")]
+    return max(ok) if ok else 0
+
+
 def plan(traces: dict[str, list], gpus: list[str], loads: list[int], slo_s: float, network: str = "5g",
          duration_s: float = 60.0, warmup_s: float = 10.0, engine: Engine = Engine(),
-         shapes: ModelShapes | None = None) -> dict:
+         shapes: ModelShapes | None = None, extra_gpus: dict[str, GPU] | None = None) -> dict:
     """The GPU capacity plan: per GPU and method (`traces`: method -> recorded sessions), the load ramp (stopping a
     method once its p99 passes twice the SLO), phones per replica at the p99 SLO, and cloud forward-seconds per
     image alone and at the SLO load. Every figure is modelled."""
-    from loadtests.capacity import phones_at_slo
-
     shapes = shapes or ModelShapes.llamagen_xl()
     image_tokens = max(t.open.prefix_len for t in traces["cloud"])  # a cloud-only open asks for every token
     out = {"model": "GPU cost model (modelled, not measured): t = max(bytes / bandwidth, flops / peak) + overhead "
-                    "per forward; loadtests/gpu_model.py",
+                    "per forward; ciar/collab/gpu_model.py",
            "shapes": {**shapes.__dict__, "weight_params": shapes.weight_params, "session_bytes": shapes.session_bytes()},
            "engine": engine.__dict__, "slo_p99_s": slo_s, "network": network, "duration_s": duration_s,
            "warmup_s": warmup_s, "recorded_image_tokens": image_tokens,
            "recorded_images": {m: len(t) for m, t in traces.items()}, "gpus": {}}
+    table = {**GPUS, **(extra_gpus or {})}
     for name in gpus:
-        gpu = GPUS[name]
+        gpu = table[name]
         res = {"gpu": gpu.__dict__, "session_slots": session_slots(gpu, shapes), "points": {}, "phones_at_slo": {},
                "cloud_forward_s_per_image_alone": {}, "cloud_forwards_per_image_alone": {},
                "cloud_busy_s_per_image_at_slo": {}}
@@ -494,11 +537,14 @@ def markdown(result: dict, command: str) -> str:
     lines = [
         "# GPU capacity plan for one verifier replica: a MODEL, not a measurement",
         "",
-        "No GPU was used. Each engine forward is priced by `loadtests/gpu_model.py`: "
+        "No GPU ran this plan" + ("; the rows named 'measured' use a GPU's measured bandwidth, matmul rate and "
+                                  "per-forward overhead (benchmarks.gpu, `--gpu-costs`) instead of datasheet figures"
+                                  if any("(measured" in r["gpu"]["name"] for r in result["gpus"].values()) else "") +
+        ". Each engine forward is priced by `ciar/collab/gpu_model.py`: "
         "t = max(bytes / bandwidth, flops / peak) + overhead (bf16 weights and KV cache; overhead "
         f"{1e3 * result['engine']['overhead_s']:.1f} ms per forward, an assumption for the eager engine), and the "
         "recorded CIAR and cloud-only phones of `loadtests.capacity` are replayed against the modelled replica in "
-        "simulated time (the engine's batching policy, its memory-bound KV-cache slots, a seeded "
+        "simulated time (the engine's own scheduler, its memory-bound KV-cache slots, a seeded "
         f"{result['network']} link per phone, the recorded device compute).",
         "",
         f"Shapes: LlamaGen-XL t2i ({sh['n_layer']} layers, width {sh['dim']}, {sh['cls_token_num']} caption positions, "
