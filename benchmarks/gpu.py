@@ -25,12 +25,18 @@ then `gpu.md` summarises:
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
   engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
+  engine_graphs  the engine's model runner (`ciar.collab.runner`) on the XL model: dynamic eager steps, static
+             (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
+             compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time
+  memory     the KV cache sized from the GPU's memory (`max_sessions="auto"`), allocated, and the largest steps the
+             scheduler allows run beside it: sessions, GiB, the peak
   capacity   the forward costs in the form `ciar.collab.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
-The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. The engine does not
-use graphs yet; this suite measures what they would buy at the engine's own call before the engine is changed.
+The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
+`graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
+from CUDA graphs on CUDA (not run on a GPU before this suite's first lent run).
 """
 
 from __future__ import annotations
@@ -435,6 +441,103 @@ class Suite:
                 "spans_per_s_all_in_one_step": round(n_all / all_s, 1),
                 "batching_gain": round((n_all / all_s) / (n_one / one_s), 2)}
 
+    @torch.inference_mode()
+    def engine_graphs(self) -> dict:
+        """The engine's own runner (`ciar.collab.runner`) on the XL model, three ways on the same seeded sessions
+        (opens with prefix tokens, rounds of spans with bursts): dynamic eager steps, static (bucketed) eager steps,
+        and static steps replayed from CUDA graphs. Replies (tokens) compared; spans/s with every session in one
+        step and with one session at a time."""
+        from ciar.collab.verifier import CloudVerifier
+        from ciar.decoding.sampling import SamplingParams
+        from ciar_client.wire import OpenRequest, VerifyRequest
+
+        model = self.gpt()
+        c = model.config
+        sessions, rounds, prefix = (4, 2, 8) if self.tiny else (16, 4, 64)
+        k = SPAN - 1
+        sampling = SamplingParams(cfg_scale=4.0)
+        emb = torch.randn(sessions, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(0))
+        cuda = self.dev.type == "cuda"
+        ways = {"dynamic": dict(static=False), "static": dict(static=True)}
+        out: dict = {"sessions": sessions, "rounds": rounds, "prefix": prefix, "span_drafts": k}
+        replies, paths = {}, {}
+        for way in ["dynamic", "static"] + (["graphs"] if cuda else []):
+            v = CloudVerifier(model, None, max_sessions=sessions, static=(way != "dynamic"))
+            if way == "static" and cuda:
+                v.runner.graphs = False  # eager static steps on the GPU: what the graphs replay, launched one by one
+            if way == "graphs":
+                t = time.perf_counter()
+                out["graphs_captured"] = v.runner.capture(2 * sessions, widths=(1, 8))
+                self.sync()
+                out["capture_s"] = round(time.perf_counter() - t, 2)
+            reqs = [OpenRequest(f"s{i}", "", i, sampling, prefix, want_caption=False) for i in range(sessions)]
+            got = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
+            g = torch.Generator().manual_seed(3)
+
+            def spans(ids):
+                return [VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
+                                      torch.randint(0, c.vocab_size, (k,), generator=g),
+                                      torch.full((k, c.vocab_size), 1.0 / c.vocab_size, dtype=torch.float16),
+                                      burst=2) for i in ids]
+
+            self.sync()
+            t = time.perf_counter()
+            for _ in range(rounds):
+                got += [(r.num_accepted, r.next_token, r.num_burst) for r in v.verify_batch(spans(range(sessions)))]
+            self.sync()
+            all_s = time.perf_counter() - t
+            t = time.perf_counter()
+            for i in range(sessions):
+                got += [(r.num_accepted, r.next_token, r.num_burst) for r in v.verify_batch(spans([i]))]
+            self.sync()
+            one_s = time.perf_counter() - t
+            replies[way], paths[way] = got, dict(v.runner.steps)
+            out[way] = {"spans_per_s_all_in_one_step": round(rounds * sessions / all_s, 1),
+                        "spans_per_s_one_at_a_time": round(sessions / one_s, 1), "forwards_by_path": paths[way]}
+            del v
+            self.release()
+        for a, b in (("static", "dynamic"), ("graphs", "static"), ("graphs", "dynamic")):
+            if a in replies:
+                same = sum(x == y for x, y in zip(replies[a], replies[b]))
+                out[f"{a}_vs_{b}"] = {"replies_equal": same, "replies": len(replies[a]),
+                                      "identical": replies[a] == replies[b]}
+        return out
+
+    @torch.inference_mode()
+    def memory(self) -> dict:
+        """The Verifier's start-up on a GPU (serve_config.gpu.yaml's settings): the KV cache sized from the GPU's memory
+        (`max_sessions="auto"`) with the XL model loaded and allocated, every CUDA-graph bucket captured, then the
+        largest steps the scheduler allows run beside them (the activation profile's promise: no out-of-memory
+        error)."""
+        from ciar.collab.runner import plan_sessions
+        from ciar.collab.scheduler import SchedulerConfig
+        from ciar.collab.verifier import CloudVerifier
+
+        model = self.gpt()
+        sched = SchedulerConfig(token_budget=16384, max_works=64) if not self.tiny else SchedulerConfig(64, 4)
+        self.release()
+        plan = plan_sessions(model, sched.token_budget, 2 * sched.max_works, 0.9)
+        out = {"plan": plan.to_dict(), "scheduler": sched.__dict__}
+        if self.dev.type != "cuda":
+            return out
+        v = CloudVerifier(model, None, max_sessions="auto", scheduler=sched)  # as the Verifier starts on a GPU
+        out["sessions"] = v.table.max_sessions
+        out["kv_cache_gib"] = round(v.cache.memory_bytes() / 2**30, 2)
+        t = time.perf_counter()
+        out["graphs_captured"] = v.runner.capture(2 * sched.max_works)  # every bucket, as at start-up
+        out["capture_s"] = round(time.perf_counter() - t, 1)
+        free, total = torch.cuda.mem_get_info()
+        out["free_gib_after_allocation"] = round(free / 2**30, 2)
+        from ciar.collab.runner import profile_activations
+
+        torch.cuda.reset_peak_memory_stats()
+        profile_activations(model, sched.token_budget, 2 * sched.max_works)  # the largest steps, beside the cache
+        out["peak_gib_with_largest_steps"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        out["total_gib"] = round(total / 2**30, 2)
+        del v
+        self.release()
+        return out
+
     def capacity(self) -> dict:
         """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
         from ciar.collab.gpu_model import GPU, ModelShapes, forward_s
@@ -486,7 +589,7 @@ def markdown(result: dict) -> str:
                          f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
                          f"{st.get('graph_over_bound', '–')} |")
         lines.append("")
-    for name in ("graphs", "t5", "hf_llama", "engine", "capacity"):
+    for name in ("graphs", "t5", "hf_llama", "engine", "engine_graphs", "memory", "capacity"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
@@ -501,7 +604,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (the tests)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
-    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,t5,hf_llama,engine,capacity")
+    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,t5,hf_llama,engine,engine_graphs,memory,"
+                                          "capacity")
     args = ap.parse_args(argv)
     suite = Suite(args.out, args.tiny, args.budget_s)
     if suite.dev.type != "cuda" and not args.tiny:

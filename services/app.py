@@ -666,13 +666,18 @@ def _session_secret(cfg: AppConfig) -> str:
     ).hexdigest()
 
 
+AUTO_SESSIONS_CEILING = 1024  # the ongoing calls a memory-sized verifier replica is sent at most: 4x this
+
+
 def _verifier(cfg: AppConfig, secret: str, world: dict):
     scale = {"autoscaling_config": cfg.verifier_autoscaling} if cfg.verifier_autoscaling else \
         {"num_replicas": cfg.verifier_replicas}
     return serve.deployment(Verifier).options(
         name="Verifier",
         **scale,
-        max_ongoing_requests=max(8, 4 * cfg.verifier_max_sessions),
+        # sized by memory at start-up ("auto"): beyond its slots a replica queues, then refuses (CapacityError)
+        max_ongoing_requests=max(8, 4 * (AUTO_SESSIONS_CEILING if cfg.verifier_max_sessions == "auto"
+                                         else cfg.verifier_max_sessions)),
         user_config=cfg.verifier.model_dump(),
         # Ray's consistent-hash router keyed by the handle's session_id (`handle.options(session_id=...)`), strict:
         # no fallback replica (a spill-over would only cost the session a re-prefill on the wrong replica)
@@ -682,7 +687,8 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
         ray_actor_options={"num_cpus": cfg.verifier_num_cpus, "num_gpus": cfg.verifier_num_gpus,
                            "resources": cfg.verifier_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads)
+    ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads,
+           memory_utilization=cfg.verifier_memory_utilization, cuda_graphs=cfg.verifier_cuda_graphs)
 
 
 def build_app(args: dict | None = None) -> serve.Application:

@@ -213,6 +213,9 @@ class VerifierLiveConfig(BaseModel):
                               "per forward, at most (the first work of a step always runs)")
     prefill_chunk: int = Field(64, ge=1, le=4096, description="longest prefill / history / catch-up chunk fed "
                                "next to other work in one forward")
+    slot_wait_s: float = Field(5.0, ge=0.0, le=600.0, description="an open or resume that finds every KV-cache "
+                               "slot taken waits this long for one (in arrival order), then is refused: 503 + "
+                               "Retry-After")
 
     def scheduler(self):
         from ciar.collab.engine import SchedulerConfig
@@ -281,7 +284,15 @@ class AppConfig(BaseModel):
                                                  "on the nodes that declare them")
     verifier_threads: int = Field(1, ge=1, le=256, description="torch CPU threads per verifier replica (a CPU "
                                   "replica with N cores: N; irrelevant on a GPU)")
-    verifier_max_sessions: int = Field(64, ge=1, le=100_000, description="KV-cache slots (sessions) per replica")
+    verifier_max_sessions: Annotated[int, Field(ge=1, le=100_000)] | Literal["auto"] = Field(64, description="KV-cache sessions per replica, or "
+                                                         "'auto': as many as the GPU's memory holds after loading "
+                                                         "(verifier_memory_utilization; on a CPU 'auto' means 64)")
+    verifier_cuda_graphs: bool = Field(True, description="on a GPU, pad the verifier's steps to buckets and replay "
+                                       "them from CUDA graphs captured at start-up (False: eager steps of the "
+                                       "batch's own shape); irrelevant on a CPU")
+    verifier_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="with verifier_max_sessions: auto, "
+                                               "the share of the GPU's total memory the replica may use (weights, "
+                                               "activations and KV cache), as vLLM's gpu_memory_utilization")
     verifier: VerifierLiveConfig = Field(default_factory=VerifierLiveConfig)
     allow_unauthenticated: bool = Field(False, description="accept requests without a key (only when no keys)")
     allow_simulation_params: bool = Field(False, description="accept the simulation knobs params.device_slowdown "

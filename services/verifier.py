@@ -32,6 +32,7 @@ the token budget and the wait for company when the engine is idle are live setti
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 
@@ -47,10 +48,12 @@ from ciar.collab.verifier import CloudVerifier, VerifyWork
 from ciar.world import load_world
 from services.schemas import VerifierLiveConfig
 
+logger = logging.getLogger("ray.serve")  # the replica's log
+
 
 class Verifier:
-    def __init__(self, world: dict | str | None, max_sessions: int, secret: str, live: dict | None = None,
-                 threads: int = 1):
+    def __init__(self, world: dict | str | None, max_sessions: int | str, secret: str, live: dict | None = None,
+                 threads: int = 1, memory_utilization: float = 0.9, cuda_graphs: bool = True):
         """`world`: the served world (`ciar.world_spec`; the builder passes it validated, as a dict); the GPT, the
         caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here."""
         torch.set_num_threads(threads)
@@ -59,7 +62,15 @@ class Verifier:
         self.live = VerifierLiveConfig(**(live or {}))
         self.core = CloudVerifier(world.cloud, world.text, max_sessions=max_sessions, projector=world.projector,
                                   codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s,
-                                  scheduler=self.live.scheduler())
+                                  scheduler=self.live.scheduler(), memory_utilization=memory_utilization,
+                                  slot_wait_s=self.live.slot_wait_s,
+                                  static=None if cuda_graphs else False)  # static steps + graphs on CUDA
+        if self.core.memory is not None:  # sized by the accelerator's memory ("auto")
+            logger.info("KV cache: %d sessions (%s)", self.core.table.max_sessions, self.core.memory.how)
+        if self.core.runner.graphs:  # every bucket the live config can reach, captured before the first request
+            t = time.perf_counter()
+            n = self.core.runner.capture(2 * self.live.max_batch_size)
+            logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t)
         self._steps_seen = 0
         # the calls (ownership, repeated OPENs, withdrawn works): the same code serves the endpoint's socket tests
         self.service = VerifierService(self.core, secret, self.live.batch_wait_timeout_s, self._on_step)
@@ -88,6 +99,7 @@ class Verifier:
         # applied on the engine's side between steps, like every change to what it owns
         self.stepper.call(setattr, self.core.engine, "config", self.live.scheduler())
         self.stepper.call(setattr, self.core.table, "idle_timeout_s", self.live.idle_timeout_s)
+        self.stepper.call(setattr, self.core, "slot_wait_s", self.live.slot_wait_s)
         self.stepper.wait_s = self.live.batch_wait_timeout_s
 
     # ------------------------------------------------------------------ housekeeping
@@ -154,6 +166,8 @@ class Verifier:
                 "padded_positions": self.core.engine.padded_positions,
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "max_sessions": self.core.table.max_sessions, "forwards_by_path": dict(self.core.runner.steps),
+                "memory": self.core.memory.to_dict() if self.core.memory is not None else None,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "time": time.time()}
 

@@ -18,7 +18,7 @@ def test_real_scale_pipeline_on_tiny_shapes(tmp_path):
     assert m["load_s"] > 0 and m["peak_rss_mb"] >= m["peak_rss_after_load_mb"] > 0
     assert m["t5"]["dtype"] == "torch.bfloat16" and m["t5"]["positions"] == 32
     assert set(m["verifier_forward_s"]["by_rows"]) == {"1", "8", "32"} and m["device_step_s"] > 0
-    assert m["kv_cache_mb_per_session"] > 0 and r["gpu_config_max_sessions"] >= 1
+    assert m["kv_cache_mb_per_session"] > 0 and r["gpu_config_max_sessions"] == "auto"
     assert {k: v["rc"] for k, v in r["images"].items()} == {"cloud": 0, "ciar": 0}, r["images"]
     assert r["images"]["ciar"]["peak_rss_mb"] > 0 and not r["broke"], r["broke"]
     serve = r["serve"]  # the Serve application served both images

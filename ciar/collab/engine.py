@@ -8,6 +8,11 @@
 
 (`CloudVerifier.open_batch` / `verify_batch` / `resume_batch` are exactly this: submit, step until done.)
 
+The engine core (`StepEngine`) joins three parts that do not call each other: the scheduler
+(`ciar.collab.scheduler`, pure Python: which works feed how many positions), the model runner
+(`ciar.collab.runner`: pieces -> tensors -> logits, static steps and CUDA graphs on CUDA) and the request state (the
+verifier's works and sessions, its judge). docs/architecture.md §6.
+
 A *work* is one request in flight; each step it contributes at most one *piece*, the positions it feeds in that
 forward:
   span     a verification's feed (the committed-but-unfed token, the locally accepted tokens, the drafts); the
@@ -67,6 +72,10 @@ class Work:
         self.error: BaseException | None = None
         self.on_done = None  # callback(work), called once when it finishes (result or error)
         self.loop = None  # the asyncio loop its caller awaits it on (`EngineThread`), if any
+        # an open or resume that finds no free KV-cache slot waits (parked) until `deadline` (perf_counter), then is
+        # refused (CapacityError: 503 + Retry-After); None: refused at once (`CloudVerifier.slot_wait_s`)
+        self.deadline: float | None = None
+        self.parked = False  # set by the admission: no slot yet, park it (the engine clears it)
 
     # --- subclass interface
     def admit(self) -> None:
@@ -124,8 +133,8 @@ class StepEngine:
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
         self._judge = judge or (lambda works: None)
 
-    # the scheduler's state, as the engine's callers read it
-    config = property(lambda self: self.scheduler.config)
+    # the scheduler's state, as the engine's callers read it (the config is set live: `Verifier.reconfigure`)
+    config = property(lambda self: self.scheduler.config, lambda self, c: setattr(self.scheduler, "config", c))
     steps = property(lambda self: self.scheduler.steps)
     step_log = property(lambda self: self.scheduler.step_log)
     kind_positions = property(lambda self: self.scheduler.kind_positions)
@@ -179,6 +188,8 @@ class StepEngine:
         """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, judge the
         spans that completed. -> the works finished in this step."""
         t0 = time.perf_counter()
+        if self.scheduler.parked:
+            self.unpark_due()
         self._admit()
         batch = self.scheduler.schedule()
         if batch:
@@ -190,13 +201,32 @@ class StepEngine:
     def _admit(self) -> None:
         new = self.scheduler.take_waiting()
         try:
-            self._admit_works(new)  # each admitted or finished with its error
+            self._admit_works(new)  # each admitted, parked (`Work.parked`: no slot yet) or finished with its error
         except BaseException as e:  # admission itself broke: these works are in no queue, fail them here
             for w in new:
                 if not w.done:
                     w.finish(error=e)
             raise
-        self.scheduler.start(new)
+        parked = [w for w in new if w.parked and not w.done]
+        for w in parked:
+            w.parked = False
+        self.scheduler.park(parked)
+        self.scheduler.start([w for w in new if not w.done and w not in parked])
+
+    # ------------------------------------------------------------------ works waiting for a KV-cache slot
+    def unpark(self) -> None:
+        """Slots were freed: the parked works try their admission again at the next step (before new arrivals)."""
+        self.scheduler.unpark()
+
+    def parked_timeout(self) -> float | None:
+        """Seconds until the first parked work's wait for a slot ends (None: nothing parked)."""
+        deadlines = [w.deadline for w in self.scheduler.parked]
+        return max(0.0, min(deadlines) - time.perf_counter()) if deadlines else None
+
+    def unpark_due(self) -> None:
+        """Parked works whose wait has ended go back for one last admission (a slot, or their refusal)."""
+        now = time.perf_counter()
+        self.scheduler.unpark(lambda w: w.deadline <= now)
 
     def _execute(self, batch: list[Scheduled], t0: float) -> None:
         works = [p.request for p in batch]
@@ -289,7 +319,11 @@ class AsyncStepper(_Driver):
         engine = self.engine
         if self.wait_s > 0:
             await asyncio.sleep(self.wait_s)
-        while engine.busy:
+        while engine.busy or engine.scheduler.parked:
+            if not engine.busy:  # only works waiting for a slot: look again soon (a close unparks them)
+                await asyncio.sleep(min(0.01, engine.parked_timeout() or 0.0))
+                engine.unpark_due()
+                continue
             try:
                 finished = engine.step()
             except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the loop ends cleanly
@@ -377,7 +411,8 @@ class EngineThread(_Driver):
         while True:
             with self._wake:
                 while not self._commands and not engine.busy and not self._stopped:
-                    self._wake.wait()
+                    self._wake.wait(engine.parked_timeout())  # a parked work's wait for a slot may end meanwhile
+                    engine.unpark_due()
                     answered = False  # idle for real: the next arrival waits for company
                 if self._stopped:
                     return

@@ -11,10 +11,24 @@ its outputs with the works that asked). One `execute` is one forward: a row per 
 (so sessions on neighbouring slots share one zero-copy key read, `ciar.models.gpt.kv_runs`), positions padded to the
 batch's width at the scratch position (inside the cache's slack, past every sequence), the inputs built from a few
 index tensors per batch (not row by row), logits computed only where a piece wants them.
+
+Two ways to run a step:
+  dynamic  the shape the batch has (rows x its widest piece, keys up to its furthest position), ragged steps packed,
+           consecutive slots read as views: the fewest operations, decided on the inputs' values on the host. The
+           default on a CPU.
+  static   the batch padded to a bucket (rows up to a power of two, width up to 1/2/4/8/16, keys up to a quarter of
+           the image), padding rows on a spare slot, later keys masked rather than sliced, every row's keys gathered
+           (`GPT.forward_cached(static=True)`): one kernel sequence per bucket, so on CUDA each bucket's forward is
+           captured once in a CUDA graph and replayed (one launch instead of hundreds; `graphs`). Steps beyond the
+           largest bucket (a long prefill chunk) run dynamically. The default on CUDA. On a CPU the same static path
+           runs eagerly (`static=True`), and gives the recorded tokens of every method
+           (tests/collab/test_decoder.py), which is what makes its GPU replays trustworthy; the replays themselves
+           are checked against eager static steps by `benchmarks.gpu` (section `engine_graphs`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +36,8 @@ import torch
 from ciar.models.gpt import GPT
 
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (padded up to the next)
+WIDTH_BUCKETS = (1, 2, 4, 8, 16)  # static steps' positions per row: one-token decodes and spans
 
 
 @dataclass
@@ -44,13 +60,38 @@ class Piece:
         return len(self.slots)
 
 
+@dataclass
+class _Graph:
+    """One captured static forward: its input buffers (written before each replay) and its output."""
+
+    graph: object
+    h: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    out: torch.Tensor
+
+
 class ModelRunner:
     """The cloud GPT and its KV cache, driven one batch of pieces at a time."""
 
-    def __init__(self, cloud: GPT, slots: int):
+    def __init__(self, cloud: GPT, slots: int, static: bool | None = None, graphs: bool | None = None):
+        """`slots`: KV-cache rows (2 per session with CFG). `static`: pad steps to buckets (default: on CUDA);
+        `graphs`: replay static steps from CUDA graphs (default: static on CUDA)."""
         self.cloud = cloud.eval()
-        self.cache = cloud.new_cache(slots)
+        cuda = self.device.type == "cuda"
+        self.static = cuda if static is None else bool(static)
+        self.graphs = (self.static and cuda) if graphs is None else bool(graphs)
+        if self.graphs and not (self.static and cuda):
+            raise ValueError("CUDA graphs need a CUDA device and static steps")
+        self.pad_slot = slots if self.static else None  # a spare slot for static steps' padding rows
+        self.cache = cloud.new_cache(slots + 1 if self.static else slots)
         self.scratch_pos = self.cache.max_seq - 1  # padding of ragged batches lands here (beyond any sequence)
+        c = cloud.config
+        # keys a static step reads: the caption and a quarter, a half, three quarters or all of the image
+        self.kv_buckets = tuple(sorted({c.cls_token_num + math.ceil(c.block_size * q / 4) for q in (1, 2, 3, 4)}))
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._pool = None
+        self.steps = {"dynamic": 0, "static": 0, "graph": 0}  # forwards by path
 
     @property
     def device(self) -> torch.device:
@@ -78,6 +119,50 @@ class ModelRunner:
     def execute(self, pieces: list[Piece]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """ONE cached forward over `pieces`. -> per piece (logits [rows, len(want), V], hidden [len(want), dim]),
         or (None, None) where it wants nothing."""
+        bucket = self.bucket(pieces) if self.static else None
+        if bucket is not None:
+            rows, width, kv_len = bucket
+            row0, h, pos, slots = self._inputs(pieces, width, rows)
+            if self.graphs:
+                self.steps["graph"] += 1
+                g = self._graph(rows, width, kv_len)
+                g.h.copy_(h)
+                g.pos.copy_(pos)
+                g.slots.copy_(slots)
+                g.graph.replay()
+                hid = g.out
+            else:
+                self.steps["static"] += 1
+                hid = self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True)
+            return self._outputs(pieces, row0, hid)
+        self.steps["dynamic"] += 1
+        width = max(p.n for p in pieces)
+        row0, h, pos, slots = self._inputs(pieces, width, None)
+        n_rows = h.shape[0]
+        # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
+        # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
+        kv_len = max(p.start + p.n for p in pieces)
+        packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
+        if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
+            packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
+                                .flatten() for i, p in enumerate(pieces)]).to(self.device)
+        hid = self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
+        return self._outputs(pieces, row0, hid)
+
+    def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:
+        """The static shape (rows, width, keys) a step pads to, or None when it is larger than every bucket."""
+        rows = sum(p.rows for p in pieces)
+        width = max(p.n for p in pieces)
+        keys = max(p.start + p.n for p in pieces)
+        r = next((b for b in ROW_BUCKETS if b >= rows), None)
+        w = next((b for b in WIDTH_BUCKETS if b >= width), None)
+        k = next((b for b in self.kv_buckets if b >= keys), None)
+        return None if r is None or w is None or k is None else (r, w, k)
+
+    def _inputs(self, pieces: list[Piece], width: int, rows: int | None):
+        """The step's inputs: rows in cache-slot order, each `width` positions (padding at the scratch position);
+        `rows` > the pieces' rows: padding rows on the spare slot. -> (first row of each piece, embeddings
+        [R, width, dim], positions [R, width], slots [R]), on the device."""
         cloud, dev = self.cloud, self.device
         order = sorted(range(len(pieces)), key=lambda i: pieces[i].slots[0])  # rows in cache-slot order
         row0 = [0] * len(pieces)
@@ -85,16 +170,17 @@ class ModelRunner:
         for i in order:
             row0[i] = r
             r += pieces[i].rows
-        n_rows, width = r, max(p.n for p in pieces)
-        by_row = [i for i in order for _ in pieces[i].slots]  # the piece of every row
-        slots = torch.tensor([s for i in order for s in pieces[i].slots], dtype=torch.long)
-        starts = torch.tensor([pieces[i].start for i in by_row], dtype=torch.long)
-        lens = torch.tensor([pieces[i].n for i in by_row], dtype=torch.long)
+        pad = 0 if rows is None else rows - r
+        by_row = [i for i in order for _ in pieces[i].slots]  # the piece of every real row
+        slots = torch.tensor([s for i in order for s in pieces[i].slots] + [self.pad_slot or 0] * pad,
+                             dtype=torch.long)
+        starts = torch.tensor([pieces[i].start for i in by_row] + [0] * pad, dtype=torch.long)
+        lens = torch.tensor([pieces[i].n for i in by_row] + [0] * pad, dtype=torch.long)
         cols = torch.arange(width)
         real = cols[None, :] < lens[:, None]  # [rows, width]: the fed positions, the rest is padding
         pos = torch.where(real, starts[:, None] + cols[None, :], self.scratch_pos)
-        tok = torch.zeros(n_rows, width, dtype=torch.long)
-        fed = torch.tensor([pieces[i].tokens is not None for i in by_row])
+        tok = torch.zeros(len(lens), width, dtype=torch.long)
+        fed = torch.tensor([pieces[i].tokens is not None for i in by_row] + [False] * pad)
         if bool(fed.any()):  # every token row's tokens, row-major (CFG rows repeat their piece's tokens)
             tok[real & fed[:, None]] = torch.tensor([t for i in by_row if pieces[i].tokens is not None
                                                      for t in pieces[i].tokens], dtype=torch.long)
@@ -110,15 +196,53 @@ class ModelRunner:
         if adds:
             ar, ac = torch.tensor(add_rows, device=dev), torch.tensor(add_cols, device=dev)
             h[ar, ac] = h[ar, ac] + torch.stack(adds).to(dev, h.dtype)
-        # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
-        # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
-        kv_len = max(p.start + p.n for p in pieces)
-        packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
-        if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
-            packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
-                                .flatten() for i, p in enumerate(pieces)]).to(dev)
-        hid = cloud.forward_cached(self.cache, h, pos.to(dev), slots.to(dev), kv_len=kv_len, packed=packed)
-        return self._outputs(pieces, row0, hid)
+        return row0, h, pos.to(dev), slots.to(dev)
+
+    # ------------------------------------------------------------------ CUDA graphs (run only where CUDA is)
+    def _graph(self, rows: int, width: int, kv_len: int) -> _Graph:
+        g = self._graphs.get((rows, width, kv_len))
+        return g if g is not None else self._capture(rows, width, kv_len)
+
+    @torch.inference_mode()
+    def _capture(self, rows: int, width: int, kv_len: int) -> _Graph:
+        """Capture the static forward of one bucket (after two warm-up runs on a side stream, as CUDA graphs need);
+        its inputs point at the spare slot's scratch position until a step writes them. All graphs share one
+        memory pool: a step's output is read before the next replay."""
+        dev = self.device
+        c = self.cloud.config
+        h = torch.zeros(rows, width, c.dim, dtype=self.dtype, device=dev)
+        pos = torch.full((rows, width), self.scratch_pos, dtype=torch.long, device=dev)
+        slots = torch.full((rows,), self.pad_slot, dtype=torch.long, device=dev)
+
+        def run():
+            return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = run()
+        g = self._graphs[(rows, width, kv_len)] = _Graph(graph, h, pos, slots, out)
+        return g
+
+    def capture(self, max_rows: int, widths=WIDTH_BUCKETS) -> int:
+        """Capture every bucket up to `max_rows` rows at start-up (largest first, so the pool is sized once), instead
+        of each on its first use. -> graphs captured."""
+        if not self.graphs:
+            return 0
+        rows = [r for r in ROW_BUCKETS if r <= max(1, max_rows)]
+        for r in sorted(rows, reverse=True):
+            for w in sorted(widths, reverse=True):
+                for k in sorted(self.kv_buckets, reverse=True):
+                    self._graph(r, w, k)
+        torch.cuda.synchronize(self.device)
+        return len(self._graphs)
 
     def _outputs(self, pieces: list[Piece], row0: list[int], hid: torch.Tensor):
         """Logits at the wanted positions only (one head matmul for the whole batch), split per piece."""
@@ -140,3 +264,104 @@ class ModelRunner:
                 continue
             outs.append((logits[start:start + p.rows * n_want].view(p.rows, n_want, -1), picked[start:start + n_want]))
         return outs
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+AUTO_CPU_SESSIONS = 64  # `max_sessions="auto"` without an accelerator: memory sizing needs one (see plan_sessions)
+
+
+@dataclass
+class MemoryPlan:
+    """How many sessions' KV cache an accelerator holds beside the weights and the largest step's activations
+    (vLLM's `gpu_memory_utilization` rule): sessions = (total x utilization - in use - activations) // per session."""
+
+    device: str
+    total_bytes: int
+    in_use_bytes: int  # after loading the models (this process and any other on the device)
+    activation_bytes: int  # the peak of the largest forward the scheduler can make, profiled
+    utilization: float
+    session_bytes: int  # KV cache of one session: its rows (CFG branches) x every layer's keys and values
+    sessions: int
+    how: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def slot_bytes(cloud: GPT, dtype: torch.dtype | None = None) -> int:
+    """Bytes one KV-cache slot (one row) takes: keys and values of every layer over the cache length, and its key
+    validity."""
+    c = cloud.config
+    max_seq = c.seq_len + 16  # GPT.new_cache's length (its slack for padding)
+    size = torch.empty((), dtype=dtype or cloud.tok_embeddings.weight.dtype).element_size()
+    return 2 * c.n_layer * c.kv_heads * max_seq * c.head_dim * size + max_seq
+
+
+def sessions_for(budget_bytes: int, session_bytes: int) -> int:
+    return max(0, int(budget_bytes // session_bytes))
+
+
+def plan_sessions(cloud: GPT, token_budget: int, max_rows: int, utilization: float = 0.9,
+                  rows_per_session: int = 2, profile: bool = True, graphs: bool = False) -> MemoryPlan:
+    """Size the KV cache from the accelerator's memory after loading: `utilization` of its total memory, less what
+    is in use and the activation peak of the largest forward the scheduler allows (`token_budget` padded positions,
+    at most `max_rows` rows; profiled by running it when `profile`), over one session's KV bytes.
+
+    Only an accelerator is sized this way (its memory belongs to the replica); on a CPU the replica shares the
+    host's memory with everything else, so `"auto"` there means AUTO_CPU_SESSIONS sessions (give a count to
+    change it). `graphs`: CUDA graphs will be captured, and their memory pool holds about one largest step's
+    activations for good, beside the eager steps' own: the activations are counted twice."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"memory utilization must be in (0, 1], got {utilization!r}")
+    per_session = rows_per_session * slot_bytes(cloud)
+    dev = cloud.tok_embeddings.weight.device
+    if dev.type != "cuda":
+        return MemoryPlan(str(dev), 0, 0, 0, utilization, per_session, AUTO_CPU_SESSIONS,
+                          f"no accelerator: {AUTO_CPU_SESSIONS} sessions (memory sizing needs one)")
+    torch.cuda.synchronize(dev)
+    activations = (profile_activations(cloud, token_budget, max_rows) if profile else 0) * (2 if graphs else 1)
+    free, total = torch.cuda.mem_get_info(dev)
+    return memory_plan(f"{dev} ({torch.cuda.get_device_name(dev)})", total, total - free, activations, utilization,
+                       per_session)
+
+
+def memory_plan(device: str, total: int, in_use: int, activations: int, utilization: float,
+                session_bytes: int) -> MemoryPlan:
+    """The sizing rule on given figures: (total x utilization - in use - activations) // session bytes sessions;
+    an error naming the figures when not even one fits."""
+    sessions = sessions_for(int(total * utilization) - in_use - activations, session_bytes)
+    if sessions < 1:
+        raise RuntimeError(f"no room for a KV cache on {device}: {total / 2**30:.1f} GiB x utilization "
+                           f"{utilization} - {in_use / 2**30:.1f} GiB in use - {activations / 2**30:.2f} GiB "
+                           f"activations leaves less than one session ({session_bytes / 2**20:.1f} MiB); raise the "
+                           f"memory utilization or lower the token budget")
+    return MemoryPlan(device, total, in_use, activations, utilization, session_bytes, sessions,
+                      f"({total} x {utilization} - {in_use} in use - {activations} activations) // {session_bytes}")
+
+
+@torch.inference_mode()
+def profile_activations(cloud: GPT, token_budget: int, max_rows: int) -> int:
+    """The peak memory (bytes, beyond what was allocated before and the profile's own cache) of the widest and the
+    tallest forward the scheduler allows: all `token_budget` positions in one session's rows (a prefill), and
+    `max_rows` rows of as many positions each as the budget leaves (a full step of spans)."""
+    dev = cloud.tok_embeddings.weight.device
+    c = cloud.config
+    peak = 0
+    for rows, width in ((2, max(1, min(token_budget // 2, c.seq_len))), (max_rows, max(1, token_budget // max_rows))):
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        cache = cloud.new_cache(rows)
+        own = torch.cuda.memory_allocated(dev) - base
+        slots = torch.arange(rows, device=dev)
+        rows_idx = torch.randperm(rows, device=dev)  # scattered slots: the gathered (costliest) key read
+        pos = (c.seq_len - width + torch.arange(width, device=dev)).clamp_min(0).expand(rows, width)
+        h = cloud.tok_embeddings(torch.zeros(rows, width, dtype=torch.long, device=dev))
+        hid = cloud.forward_cached(cache, h, pos, slots[rows_idx], kv_len=c.seq_len)
+        cloud.logits(hid.reshape(rows * width, -1))
+        torch.cuda.synchronize(dev)
+        peak = max(peak, torch.cuda.max_memory_allocated(dev) - base - own)
+        del cache, h, hid
+    torch.cuda.empty_cache()
+    return int(peak)

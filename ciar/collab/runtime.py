@@ -13,9 +13,9 @@ from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 
-def make_verifier(world, max_sessions: int = 8, projector: bool = True) -> CloudVerifier:
+def make_verifier(world, max_sessions: int = 8, projector: bool = True, static: bool | None = None) -> CloudVerifier:
     return CloudVerifier(world.cloud, world.text, max_sessions=max_sessions,
-                         projector=world.projector if projector else None, codebook=world.codebook)
+                         projector=world.projector if projector else None, codebook=world.codebook, static=static)
 
 
 def make_decoder(world, verifier: CloudVerifier, method: str, sampling: SamplingParams | None = None,

@@ -19,11 +19,12 @@ Policy (`SchedulerConfig`): spans first (a phone is waiting on each), then one-t
 prefill chunks; FIFO (arrival order) within a class; at most `max_works` requests per forward; the first request
 feeds all it has up to the budget (`token_budget // rows` positions), the others at most `prefill_chunk` each, and a
 piece shrinks to keep the step's padded size (batch rows x width; a row per session and CFG branch) within
-`token_budget`; a request that does not fit (not even one position beside the step's widest piece) waits for the
-next step. So no forward is larger than the budget, which bounds the shapes a forward can take (the CUDA-graph
-buckets of `ciar.collab.runner`). Until 2026-11-26 a piece was shrunk only to `token_budget // rows` and could join a
-wider first piece, so a step could pass the budget; the capacity plan's figures before and after:
-`benchmarks/results/2026-11-26/capacity_real_scheduler/README.md`.
+`token_budget` as far as its own width goes (`token_budget // rows`; a request that cannot fit even one position
+waits for the next step). A step whose first piece is wide (a long span or a prefill chunk) can therefore pass the
+budget in padded positions: the runner runs such ragged steps packed (projections and feed-forward on the real
+positions only), so their padding costs attention only. Holding the padded total strictly was tried and measured
+in the capacity model: it cut the modelled H100 capacity for CIAR phones from 1,024 to 256
+(`benchmarks/results/2026-11-26/capacity_real_scheduler/README.md`).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def schedule(requests, config: SchedulerConfig) -> list[Scheduled]:
         new_rows = rows + r.rows
         if out and new_rows * max(width, n) > budget:
             n = min(budget // new_rows, n)  # shrink the piece to the step's budget
-            if n < 1 or new_rows * max(width, n) > budget:  # not even that fits beside the step's widest piece
+            if n < 1:
                 continue
         out.append(Scheduled(r, r.kind(), r.position(), n))
         rows, width = new_rows, max(width, n)
@@ -124,6 +125,7 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.waiting: list = []  # submitted, not admitted yet
         self.running: list = []  # admitted, not finished
+        self.parked: list = []  # admitted once, waiting for a resource (a free KV-cache slot): not busy
         self._seq = 0
         self.steps = 0
         self.step_log: list[dict] = []  # last steps: {"works", "rows", "width", "kinds", "pieces"}, bounded
@@ -145,6 +147,18 @@ class Scheduler:
         """The waiting requests, in arrival order, for the engine to admit (they are in no queue until `start`)."""
         new, self.waiting = self.waiting, []
         return new
+
+    def park(self, requests) -> None:
+        """Requests that wait for a resource: out of the step loop until `unpark`."""
+        self.parked.extend(requests)
+
+    def unpark(self, due=None) -> None:
+        """Parked requests (those `due(request)` says, or all) go back to the front of the waiting queue, in arrival
+        order."""
+        back = [r for r in self.parked if due is None or due(r)]
+        if back:
+            self.parked = [r for r in self.parked if r not in back]
+            self.waiting = sorted(back, key=lambda r: r.seq) + self.waiting
 
     def start(self, requests) -> None:
         """Admitted requests join the running set (the finished ones are dropped)."""
@@ -175,22 +189,24 @@ class Scheduler:
         return finished
 
     def of_session(self, session_id: str) -> list:
-        return [r for r in self.waiting + self.running if r.session_id == session_id and not r.done]
+        return [r for r in self.all() if r.session_id == session_id and not r.done]
 
     def drop(self, request) -> bool:
-        """Remove a waiting request (-> True), or leave it (-> False: it was admitted)."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-            return True
+        """Remove a waiting or parked request (-> True), or leave it (-> False: it is running)."""
+        for queue in (self.waiting, self.parked):
+            if request in queue:
+                queue.remove(request)
+                return True
         return False
 
     def purge(self) -> None:
-        """Drop the finished requests from both queues (after works were failed from outside a step)."""
+        """Drop the finished requests from the queues (after works were failed from outside a step)."""
         self.waiting = [r for r in self.waiting if not r.done]
         self.running = [r for r in self.running if not r.done]
+        self.parked = [r for r in self.parked if not r.done]
 
     def all(self) -> list:
-        return self.waiting + self.running
+        return self.waiting + self.running + self.parked
 
     def clear(self) -> None:
-        self.waiting, self.running = [], []
+        self.waiting, self.running, self.parked = [], [], []

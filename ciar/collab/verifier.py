@@ -56,7 +56,7 @@ import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
 from ciar.collab.engine import StepEngine, Work
-from ciar.collab.runner import ModelRunner, Piece
+from ciar.collab.runner import ModelRunner, Piece, plan_sessions
 from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
@@ -173,17 +173,33 @@ class Judge:
 
 
 class CloudVerifier:
-    def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int = 16,
+    def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int | str = 16,
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
-                 idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None):
-        """`idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this long are
-        evicted first (None: never evict on demand; `evict_idle` can still be called). `scheduler`: the step
-        engine's token budget and limits (`ciar.collab.engine.SchedulerConfig`)."""
+                 idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None,
+                 memory_utilization: float = 0.9, slot_wait_s: float = 0.0, static: bool | None = None):
+        """`max_sessions`: KV-cache sessions (2 slots each with CFG), or "auto": as many as the accelerator's memory
+        holds after loading, at `memory_utilization` of its total (`ciar.collab.runner.plan_sessions`; the plan is
+        `self.memory`). `idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this
+        long are evicted first (None: never evict on demand; `evict_idle` can still be called). `scheduler`: the
+        step engine's token budget and limits (`ciar.collab.scheduler.SchedulerConfig`). `slot_wait_s`: how long a
+        queued open or resume waits for a slot before it is refused (`open_work`; 0: refused at once). `static`:
+        the model runner pads steps to buckets and, on CUDA, replays them from CUDA graphs (default: on CUDA;
+        `ciar.collab.runner`)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
         self.vocab_size = cloud.config.vocab_size
-        self.runner = ModelRunner(cloud, 2 * max_sessions)  # the model and its KV cache (ciar.collab.runner)
+        scheduler = scheduler or SchedulerConfig()
+        self.memory = None
+        if max_sessions == "auto":
+            graphs = static is not False and self.cloud.tok_embeddings.weight.device.type == "cuda"
+            self.memory = plan_sessions(cloud, scheduler.token_budget, 2 * scheduler.max_works, memory_utilization,
+                                        graphs=graphs)
+            max_sessions = self.memory.sessions
+        elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an integer >= 1 or 'auto', got {max_sessions!r}")
+        self.slot_wait_s = float(slot_wait_s)
+        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static)  # the model, its KV cache (ciar.collab.runner)
         self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
@@ -226,10 +242,14 @@ class CloudVerifier:
                 self.engine.cancel(session_id, SessionLostError(f"session {session_id!r} was closed while a "
                                                                 f"request was in flight", session_id))
             self.table.free(s)
+            self.engine.unpark()  # works waiting for a slot try again
 
     def evict_idle(self, max_idle_s: float) -> list[str]:
         """Close the sessions idle (no open/resume/verify) for at least `max_idle_s` seconds; -> their ids."""
-        return self.table.evict_idle(max_idle_s)
+        evicted = self.table.evict_idle(max_idle_s)
+        if evicted:
+            self.engine.unpark()
+        return evicted
 
     # ------------------------------------------------------------------ submitting work (step-level engine)
     def submit_open(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
@@ -253,7 +273,16 @@ class CloudVerifier:
     # takes them over to its thread; building checks their structure on the caller's side)
     def open_work(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
                   caption_mask: torch.Tensor | None = None, owner: str = "") -> "OpenWork":
-        return OpenWork(self, request, caption_emb, caption_mask, owner)
+        return self._waits_for_a_slot(OpenWork(self, request, caption_emb, caption_mask, owner))
+
+    def _waits_for_a_slot(self, work: "OpenWork") -> "OpenWork":
+        """A queued open or resume that finds every KV-cache slot taken waits up to `slot_wait_s` for one (in
+        arrival order, taken as closes and evictions free them), then is refused with a CapacityError (503 +
+        Retry-After at the API; the device retries): the cache is never over-committed. The engine's owner steps it
+        (`EngineThread` wakes at the deadline); the synchronous `*_batch` calls refuse at once."""
+        if self.slot_wait_s > 0:
+            work.deadline = work.created + self.slot_wait_s
+        return work
 
     def verify_work(self, request: VerifyRequest) -> "VerifyWork":
         return VerifyWork(self, request)
@@ -261,7 +290,7 @@ class CloudVerifier:
     def resume_work(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None = None,
                     caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
                     owner: str = "") -> "ResumeWork":
-        return ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner)
+        return self._waits_for_a_slot(ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner))
 
     def _run(self, works: list) -> list:
         """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""
@@ -281,6 +310,13 @@ class CloudVerifier:
                 continue
             try:
                 w.admit()
+            except CapacityError as e:
+                if w.deadline is not None and time.perf_counter() < w.deadline:
+                    w.parked = True  # wait for a slot (the engine parks it; a close or its deadline brings it back)
+                    continue
+                w.finish(error=CapacityError(f"{e}; waited {time.perf_counter() - w.created:.1f} s for a slot"
+                                             if w.deadline is not None else str(e)))
+                continue
             except Exception as e:  # noqa: BLE001 - one work's bad input fails that work only, never the step
                 if getattr(w, "s", None) is not None and w.s.work is w:
                     w.s.work = None  # its session takes the next request (a resume, or a corrected verify)

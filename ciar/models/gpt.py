@@ -467,7 +467,7 @@ class GPT(nn.Module):
 
     def forward_cached(self, cache: KVCache, h: torch.Tensor, input_pos: torch.Tensor,
                        slots: torch.Tensor | None = None, kv_len: int | None = None,
-                       packed: torch.Tensor | None = None) -> torch.Tensor:
+                       packed: torch.Tensor | None = None, static: bool = False) -> torch.Tensor:
         """Run embeddings h [B, T, dim] at positions input_pos ([T] shared or [B, T] per row) through the layers,
         writing k/v into cache slots `slots` [B] (default rows 0..B-1). -> normed hidden states [B, T, dim].
 
@@ -477,10 +477,19 @@ class GPT(nn.Module):
 
         Queries see cache keys at positions <= their own (and valid caption keys), so stale entries beyond a
         rolled-back pointer are ignored. `kv_len` bounds the keys read (default: max(input_pos) + 1).
+
+        `static`: the same computation with no decision taken on the inputs' values (no host read of positions or
+        slots, every row's keys gathered, `kv_len` given, positions [B, T], not packed): one sequence of kernels per
+        shape, which a CUDA graph can capture (`ciar.collab.runner.ModelRunner`).
         """
         b, t, _ = h.shape
         rows = torch.arange(b, device=h.device) if slots is None else slots
-        runs = kv_runs(slots, b)
+        if static:
+            if kv_len is None or packed is not None or input_pos.dim() != 2:
+                raise ValueError("a static forward takes kv_len, [B, T] positions and no packing")
+            runs = None
+        else:
+            runs = kv_runs(slots, b)
         p0 = _consecutive(input_pos, self.freqs_cis.shape[0]) if runs is not None and packed is None else None
         if input_pos.dim() == 1:
             input_pos = input_pos.unsqueeze(0).expand(b, t)

@@ -15,7 +15,11 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "t5", "hf_llama", "engine", "capacity"]
+    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "t5", "hf_llama", "engine", "engine_graphs",
+                              "memory", "capacity"]
+    eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
+    assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
+    assert sections["memory"]["plan"]["sessions"] >= 1
     assert not [n for n, v in sections.items() if "broke" in v or "skipped" in v], sections
     steps = sections["xl_steps"]["steps"]
     assert {(s["kind"], s["rows"]) for s in steps} == {(k, r) for k in ("decode", "span") for r in (1, 4)}
@@ -57,3 +61,14 @@ def test_graph_replays_make_the_same_tokens_as_eager(tmp_path):
     main(["--out", str(tmp_path), "--sections", "env,roofline,graphs"])
     g = json.load(open(tmp_path / "gpu.json"))["sections"]["graphs"]
     assert g["identical"], g
+
+
+@pytest.mark.gpu
+def test_the_engine_replays_cuda_graphs_with_the_eager_static_steps_replies(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from benchmarks.gpu import main
+
+    main(["--out", str(tmp_path), "--sections", "env,engine_graphs"])
+    g = json.load(open(tmp_path / "gpu.json"))["sections"]["engine_graphs"]
+    assert g["graphs_vs_static"]["identical"] and g["graphs"]["forwards_by_path"]["graph"] > 0, g

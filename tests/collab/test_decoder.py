@@ -248,16 +248,18 @@ RECORDED_CASES = {**{m: {} for m in METHODS},
                   "ciar:voting": dict(gate="interval", tau=52.0, voting=True)}
 
 
-def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS) -> dict:
+def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool | None = None,
+                  paths: dict | None = None) -> dict:
     """{"case|prompt|seed": {"tokens": sha256 of the token ids (16 hex digits), counter: value}} on the shipped world,
     one torch thread. The voting case runs the shipped two-head ensemble device with its heads voting (no shipped
-    device votes)."""
+    device votes). `static`: the verifier's runner pads every step to a bucket (`ciar.collab.runner`); `paths` gets
+    its forwards by path."""
     from ciar.collab.device import DeviceModel
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.world import load_world
 
     world = load_world(None)
-    verifier = make_verifier(world, max_sessions=2)
+    verifier = make_verifier(world, max_sessions=2, static=static)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -281,21 +283,33 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS) -> dict:
                                                       **{k: counts[k] for k in RECORDED_COUNTS}}
     finally:
         torch.set_num_threads(threads)
+    if paths is not None:
+        paths.update(verifier.runner.steps)
     return out
 
 
-def check_recorded(prompts, seeds):
+def check_recorded(prompts, seeds, static: bool | None = None) -> dict:
     with open(RECORDED) as f:
         recorded = json.load(f)
-    runs = recorded_runs(prompts, seeds)
+    paths = {}
+    runs = recorded_runs(prompts, seeds, static, paths)
     differ = [key for key, run in runs.items() if run != recorded[key]]
     assert not differ, (f"{len(differ)} of {len(runs)} runs differ from {RECORDED} (first: {differ[0]}); re-record "
                         f"only if the change of tokens is intended")
+    return paths
 
 
 def test_every_method_gives_the_recorded_tokens_and_counts():
     """Every case on one prompt and seed (~10 s); the slow test runs all 3 prompts x 2 seeds."""
     check_recorded(RECORDED_PROMPTS[:1], RECORDED_SEEDS[:1])
+
+
+def test_the_static_bucketed_steps_give_the_recorded_tokens():
+    """The verifier's static path (every step padded to a bucket, keys masked not sliced, gathered: what CUDA graphs
+    replay on a GPU) run eagerly here gives every method's recorded tokens and counts."""
+    paths = check_recorded(RECORDED_PROMPTS[:1], RECORDED_SEEDS[:1], static=True)
+    # nearly every step ran static (the rest: prefill chunks wider than the widest bucket)
+    assert paths["static"] > 10 * paths["dynamic"] and not paths["graph"], paths
 
 
 @pytest.mark.slow

@@ -71,11 +71,14 @@ def test_a_cloud_only_image_does_not_hold_back_spans(tiny_cloud, stub_text):
 
 
 @torch.no_grad()
-def test_works_in_mixed_steps_match_works_run_alone(tiny_cloud, stub_text):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_works_in_mixed_steps_match_works_run_alone(tiny_cloud, stub_text, static):
     """Opens, verifications (with bursts) and resumes of several sessions interleaved step by step give what each
-    gives alone: draws are per session and keyed by position, so company changes nothing."""
-    def drive(together: bool):
-        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=8, scheduler=SchedulerConfig(token_budget=48))
+    gives alone: draws are per session and keyed by position, so company changes nothing. The same with the runner's
+    static steps (padded rows, widths and keys: what CUDA graphs replay), which also give the dynamic steps' replies."""
+    def drive(together: bool, static: bool = static):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=8, scheduler=SchedulerConfig(token_budget=48),
+                          static=static)
         v.open_batch([_open_req(f"s{i}", 1 + i, seed=i, prompt=f"prompt {i} " * (i + 1)) for i in range(3)])
         v.engine.step_log.clear()
         results = {}
@@ -97,11 +100,14 @@ def test_works_in_mixed_steps_match_works_run_alone(tiny_cloud, stub_text):
                 results[(rnd, i)] = _reply(w.result) if hasattr(w.result, "num_accepted") else \
                     w.result.prefix_tokens.tolist()
         results["r"] = _reply(v.verify_batch([_span(v, "r", seed=77)])[0])
+        assert v.runner.steps["static" if static else "dynamic"] > v.runner.steps["dynamic" if static else "static"]
         return results, max(s["works"] for s in v.engine.step_log)
 
     (together, widest), (alone, single) = drive(True), drive(False)
     assert widest >= 4 and single == 1
     assert together == alone
+    if static:
+        assert together == drive(True, static=False)[0]
 
 
 @torch.no_grad()

@@ -49,20 +49,17 @@ def test_classes_in_priority_order_fifo_within_a_class():
 def test_the_first_piece_takes_the_budget_and_the_others_shrink_to_it():
     s = Scheduler(SchedulerConfig(token_budget=64, max_works=8, prefill_chunk=16))
     wide, span, decode = _submit(s, Fake(SPAN, 100, position=7), Fake(SPAN, 20), Fake(DECODE, 1))
-    # the first span feeds 64 // 2 rows = 32 positions: 2 x 32 = 64, the budget; nothing else fits beside it
     batch = s.schedule()
-    assert [(p.request, p.n, p.start, p.keys) for p in batch] == [(wide, 32, 7, 39)]
-    wide._pending = 10  # a narrower first piece: 2 x 10; the span's 16 shrink to 64 // 4 = 16 -> 4 x 16 = 64
-    batch = s.schedule()
-    assert [(p.request, p.n) for p in batch] == [(wide, 10), (span, 16)]
-    wide._pending = 5  # 2 x 5; the span 16 at 4 rows = 64; the decode: 6 rows x 16 > 64, 64 // 6 = 10 >= 1 but
-    batch = s.schedule()  # the step is already 16 wide: it waits
-    assert [(p.request, p.n) for p in batch] == [(wide, 5), (span, 16)]
-    span._pending = 8  # 4 rows x 8 = 32; the decode: 6 rows x 8 = 48 <= 64
-    assert [(p.request, p.n) for p in s.schedule()] == [(wide, 5), (span, 8), (decode, 1)]
+    # the first span feeds 64 // 2 rows = 32 positions (from position 7: 39 keys); the second span's chunk of 16
+    # (prefill_chunk) would make 4 rows x 32 > 64: it shrinks to 64 // 4 = 16; the decode: 64 // 6 = 10 >= 1
+    assert [(p.request, p.n) for p in batch] == [(wide, 32), (span, 16), (decode, 1)]
+    assert (batch[0].start, batch[0].keys, batch[0].rows) == (7, 39, 2)
+    s = Scheduler(SchedulerConfig(token_budget=8, max_works=8, prefill_chunk=16))
+    first, tall = _submit(s, Fake(SPAN, 3, rows=2), Fake(DECODE, 1, rows=8))
+    assert [p.request for p in s.schedule()] == [first]  # 10 rows: 8 // 10 = 0 positions, it waits
 
 
-def test_no_step_passes_the_budget_and_max_works_caps_the_step():
+def test_the_budget_bounds_each_joining_piece_and_max_works_caps_the_step():
     import random
 
     rng = random.Random(0)
@@ -75,8 +72,10 @@ def test_no_step_passes_the_budget_and_max_works_caps_the_step():
             r.seq = i + 1
         batch = schedule(reqs, cfg)
         assert len(batch) <= cfg.max_works and all(1 <= p.n <= p.request.pending() for p in batch)
-        rows, width = sum(p.rows for p in batch), max((p.n for p in batch), default=0)
-        assert rows * width <= cfg.token_budget or len(batch) == 1  # only a lone piece may pass it (rows x 1)
+        if batch:
+            assert batch[0].n == min(batch[0].request.pending(), max(1, cfg.token_budget // batch[0].rows))
+        for k, p in enumerate(batch[1:], start=1):  # a joining piece: the rows so far x its width within budget
+            assert p.n <= cfg.prefill_chunk and sum(q.rows for q in batch[:k + 1]) * p.n <= cfg.token_budget
         assert bool(batch) == any(r.pending() for r in reqs)  # something ready is never left with an empty step
         kinds = [(p.kind, p.request.seq) for p in batch]
         assert kinds == sorted(kinds)  # priority order, FIFO within a class

@@ -239,3 +239,15 @@ def test_a_device_merges_its_live_defaults_under_the_requests_knobs():
     assert (eagle.gate, eagle.tau, eagle.burst, eagle.span) == ("always", None, 0, 4)  # the baseline's own knobs
     with pytest.raises(ValueError, match="cloud"):
         Device.config_for(phone, "cloud", "5g", CollabOverrides(prefix_rate=0.5))
+
+
+def test_verifier_sessions_are_a_count_or_auto():
+    assert AppConfig(verifier_max_sessions="auto").verifier_max_sessions == "auto"
+    assert AppConfig(verifier_max_sessions=8).verifier_max_sessions == 8
+    for bad in (0, "all", -3):
+        with pytest.raises(ValidationError, match="verifier_max_sessions"):
+            AppConfig(verifier_max_sessions=bad)
+    with pytest.raises(ValidationError, match="verifier_memory_utilization"):
+        AppConfig(verifier_memory_utilization=1.5)
+    with pytest.raises(ValidationError, match="slot_wait_s"):
+        VerifierLiveConfig(slot_wait_s=-1)
