@@ -74,7 +74,16 @@ def _mb(nbytes: float) -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set (Linux: ru_maxrss in KiB)."""
+    """This process's peak resident set: Linux's VmHWM (the high-water mark of this process's own memory map, new at
+    exec), else ru_maxrss. Not ru_maxrss on Linux: a child's ru_maxrss starts at its parent's peak at the fork (it is
+    kept across exec), so a measuring child of a parent that peaked higher reported the parent's figure."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
@@ -173,12 +182,14 @@ def measure(world_file: str, reps: int) -> dict:
     return out
 
 
-def gpu_config_max_sessions() -> int:
-    """`verifier_max_sessions` of serve_config.gpu.yaml (the KV-cache slots a GPU replica allocates)."""
+def gpu_config_max_sessions() -> int | str:
+    """`verifier_max_sessions` of serve_config.gpu.yaml (the KV-cache sessions a GPU replica allocates, or "auto":
+    sized from the GPU's memory at start)."""
     import yaml
 
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve_config.gpu.yaml")) as f:
-        return int(yaml.safe_load(f)["applications"][0]["args"]["verifier_max_sessions"])
+        n = yaml.safe_load(f)["applications"][0]["args"]["verifier_max_sessions"]
+    return n if n == "auto" else int(n)
 
 
 def run_child(cmd: list[str]) -> dict:
@@ -283,8 +294,9 @@ def markdown(r: dict) -> str:
         lines.append(f"| device step (1 token, 2 CFG rows) | {1e3 * m['device_step_s']:.1f} ms |")
         if "kv_cache_mb_per_session" in m:
             kv, n = m["kv_cache_mb_per_session"], r["gpu_config_max_sessions"]
-            lines.append(f"| verifier KV cache per session (2 CFG rows, {m['gpt']['dtype']}) | {kv:.0f} MB; "
-                         f"serve_config.gpu.yaml's {n} sessions: {kv * n / 1024:.1f} GiB, allocated at start |")
+            held = (f"serve_config.gpu.yaml's {n} sessions: {kv * n / 1024:.1f} GiB, allocated at start" if n != "auto"
+                    else "serve_config.gpu.yaml sizes the sessions from the GPU's memory at start (auto)")
+            lines.append(f"| verifier KV cache per session (2 CFG rows, {m['gpt']['dtype']}) | {kv:.0f} MB; {held} |")
     for method, img in r.get("images", {}).items():
         st = img.get("stats") or {}
         st = {**st, **(st.get("collab") or {}).get("stats", {})}

@@ -113,8 +113,7 @@ class T5CaptionEncoder:
             raise FileNotFoundError(f"{path}: cannot load its T5 tokenizer ({e})") from None
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.model = T5EncoderModel.from_pretrained(path, local_files_only=True, torch_dtype=self.dtype)
-        self.model = self.model.eval().to(self.device)
+        self.model = _load_encoder(T5EncoderModel, path, self.dtype).eval().to(self.device)
         self.max_length, self.preprocess, self.path = int(max_length), preprocess, path
         self.dim = self.model.config.d_model
 
@@ -146,6 +145,64 @@ class T5CaptionEncoder:
             embs.append(emb.cpu())
             masks.append(mask.cpu())
         return CaptionBatch(torch.cat(embs), torch.cat(masks))
+
+
+def _load_encoder(model_class, path: str, dtype: torch.dtype):
+    """`model_class.from_pretrained(path, torch_dtype=dtype)` without the stored weights staying in memory when they
+    are converted. transformers memory-maps a safetensors file, and the pages a conversion reads stay in the
+    process's resident set until the load ends: flan-t5-xl's float32 encoder loaded as bfloat16 peaks at the 4.9 GB
+    file plus the 2.4 GB model. So when a floating tensor of the folder's safetensors files is stored in another type
+    than `dtype`, the files are opened for positional reads (no map) and handed to transformers as its state dict of
+    unread slices, as its own load hands the mapped ones: it reads, converts and places each the same way (the same
+    values), and only the model in `dtype` and the tensors in conversion are resident. Weights already in `dtype`
+    (or another layout, or a library without positional reads) keep transformers' own load (mapped, nothing read
+    until used)."""
+    files = _safetensors_files(path)
+    readers = _positional_readers(files, dtype) if files else None
+    if readers is None:
+        return model_class.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+    try:
+        state = {k: f.get_slice(k) for f in readers for k in f.keys()}
+        config = model_class.config_class.from_pretrained(path, local_files_only=True)
+        return model_class.from_pretrained(None, config=config, state_dict=state, torch_dtype=dtype)
+    finally:
+        for f in readers:
+            f.__exit__(None, None, None)
+
+
+def _safetensors_files(path: str) -> list[str] | None:
+    """The safetensors weight files of a `save_pretrained` folder (one file, or the shards its index names)."""
+    import json
+
+    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    return None
+
+
+def _positional_readers(files: list[str], dtype: torch.dtype) -> list | None:
+    """`safe_open` readers with positional reads of `files` when a floating tensor in them is stored in another type
+    than `dtype` and transformers takes unread slices as a state dict (its 5.x loader); otherwise None."""
+    import transformers
+    from safetensors import safe_open
+
+    stored = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return None
+    try:
+        readers = [safe_open(f, framework="pt", backend="pread") for f in files]
+    except TypeError:  # an older safetensors: memory-mapped only
+        return None
+    types = {f.get_slice(k).get_dtype() for f in readers for k in f.keys()}
+    converts = any(t != stored and (t == "BF16" or t.startswith("F")) for t in types)  # F64, F32, F16, BF16, F8_*
+    if not converts:
+        for f in readers:
+            f.__exit__(None, None, None)
+        return None
+    return readers
 
 
 def _left_pad(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

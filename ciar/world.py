@@ -142,7 +142,7 @@ def load_world_cloud(source=None, device: str | torch.device = "cpu") -> tuple[G
     else:
         path = spec.path(spec.gpt_checkpoint)
         cloud = load_llamagen_gpt(path, spec.gpt_config, image_size=spec.image_size, downsample=spec.downsample,
-                                  **spec.gpt_overrides).to(_gpt_dtype(spec))
+                                  dtype=_gpt_dtype(spec), **spec.gpt_overrides)
     return cloud.to(torch.device(device)).eval(), path
 
 
@@ -162,7 +162,7 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
             raise WorldSpecError(f"expected a LlamaGen world, got {spec.describe()}")
     device = torch.device(device)
     cloud = load_llamagen_gpt(spec.path(spec.gpt_checkpoint), spec.gpt_config, image_size=spec.image_size,
-                              downsample=spec.downsample, **spec.gpt_overrides).to(_gpt_dtype(spec))
+                              downsample=spec.downsample, dtype=_gpt_dtype(spec), **spec.gpt_overrides)
     vq = _llamagen_vq(spec, cloud.config)
     device_model = projector = None
     if spec.device_checkpoint:
@@ -190,7 +190,8 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
 
 
 def _gpt_dtype(spec) -> torch.dtype:
-    """The cloud GPT's dtype the world gives (`gpt_dtype`)."""
+    """The cloud GPT's dtype the world gives (`gpt_dtype`): `load_llamagen_gpt` casts each weight to it as it reads
+    the checkpoint, so a bfloat16 world never holds the float32 weights."""
     from ciar.t5 import DTYPES
 
     return DTYPES[spec.gpt_dtype]

@@ -576,17 +576,33 @@ GPT_IGNORED_KEY_SUFFIXES = (".kv_cache.k_cache", ".kv_cache.v_cache")
 
 
 def load_llamagen_gpt(path: str, config: str = "GPT-XL", image_size: int = 256, downsample: int = 16,
-                      **overrides) -> GPT:
-    """Load a LlamaGen GPT checkpoint (e.g. `t2i_XL_stage1_256.pt`) strictly.
+                      dtype: torch.dtype = torch.float32, **overrides) -> GPT:
+    """Load a LlamaGen GPT checkpoint (e.g. `t2i_XL_stage1_256.pt`) strictly, its weights in `dtype`.
 
     `image_size / downsample` sets the token grid (256 px -> 16x16, 512 px -> 32x32). Raises
-    `CheckpointMismatchError` naming every missing, unexpected or mis-shaped key.
+    `CheckpointMismatchError` naming every missing, unexpected or mis-shaped key (checked on the shapes, before the
+    weights are read). The model is built on the meta device and the file read one tensor at a time
+    (`open_checkpoint`), each cast to `dtype` as it is read (`load_cast`): the peak memory is the model in `dtype`
+    plus one checkpoint tensor, not the float32 checkpoint plus a float32 model. The weights are those of a float32
+    load cast to `dtype` afterwards (in float32: the checkpoint's values, as `load_strict` copies them).
     """
-    from ciar.models.checkpoint import load_strict, read_checkpoint
+    import itertools
+
+    from ciar.models.checkpoint import load_cast, load_strict, open_checkpoint
 
     grid = image_size // downsample
-    model = build_gpt(config, block_size=grid * grid, **overrides)
-    state = read_checkpoint(path)
-    state = {k: v for k, v in state.items() if not k.endswith(GPT_IGNORED_KEY_SUFFIXES)}
-    load_strict(model, state, ignore_prefixes=GPT_IGNORED_KEY_PREFIXES, what=f"LlamaGen {config} model")
+    with torch.device("meta"):  # shapes only: no float32 weights allocated, no random initialisation run
+        model = build_gpt(config, block_size=grid * grid, **overrides)
+    what = f"LlamaGen {config} model"
+    with open_checkpoint(path) as stored:
+        stored = {k: v for k, v in stored.items() if not k.endswith(GPT_IGNORED_KEY_SUFFIXES)}
+        load_strict(model, {k: v.placeholder() for k, v in stored.items()}, ignore_prefixes=GPT_IGNORED_KEY_PREFIXES,
+                    what=what)
+        load_cast(model, stored, dtype, ignore_prefixes=GPT_IGNORED_KEY_PREFIXES, what=what)
+    c = model.config  # the one buffer no checkpoint holds, computed as GPT.__init__ does (then cast, as .to(dtype))
+    model.freqs_cis = precompute_freqs_cis_2d(c.grid_size, c.head_dim, c.rope_base, c.cls_token_num,
+                                              c.cls_rope).to(dtype)
+    unset = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if unset:  # a buffer GPT.__init__ computes that is not recomputed above
+        raise RuntimeError(f"{what}: neither in the checkpoint nor computed on load: {unset}")
     return model.eval()
