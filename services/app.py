@@ -46,7 +46,7 @@ from ray.serve.handle import DeploymentHandle
 from ciar.collab.decoder import check_method_overrides
 from ciar.collab.defaults import UncalibratedError
 from ciar.collab.knobs import SIMULATION_KNOBS
-from ciar.collab.protocol import CapacityError, CloudUnreachableError
+from ciar.collab.protocol import CapacityError, CloudUnreachableError, ForwardFault
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
 from services import web
@@ -548,6 +548,9 @@ class Ingress:
         if caused_by(BackPressureError):
             counted(503)
             return self._overloaded("all simulated devices are busy and the queue is full; retry later")
+        if caused_by(ForwardFault):
+            counted(503)
+            return self._overloaded(f"a cloud forward failed ({cause}); nothing is kept of it: retry later")
         if caused_by(CapacityError):
             counted(503)
             return self._overloaded("the verifier pool has no free KV-cache slot; retry later")

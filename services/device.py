@@ -32,8 +32,8 @@ import torch
 from ray import serve
 
 from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, InjectedFeatures, OpenReply, OpenRequest,
-                                  SessionLostError, VerifyReply, VerifyRequest)
+from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, ForwardFault, InjectedFeatures, OpenReply,
+                                  OpenRequest, SessionLostError, VerifyReply, VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
@@ -49,6 +49,14 @@ def is_replica_loss(exc: BaseException) -> bool:
 
 def is_session_lost(exc: BaseException) -> bool:
     return isinstance(exc, SessionLostError) or isinstance(getattr(exc, "cause", None), SessionLostError)
+
+
+def forward_fault(exc: BaseException) -> ForwardFault | None:
+    """The verifier's `ForwardFault` behind `exc` (raised here, or the cause Ray keeps), else None."""
+    for e in (exc, getattr(exc, "cause", None)):
+        if isinstance(e, ForwardFault):
+            return e
+    return None
 
 
 class RayCloudClient:
@@ -110,7 +118,7 @@ class RayCloudClient:
             try:
                 return call()
             except Exception as e:  # noqa: BLE001
-                if not is_replica_loss(e):
+                if not is_replica_loss(e) and forward_fault(e) is None:
                     raise
                 if attempt == self.retries:
                     raise CloudUnreachableError(f"no verifier replica answered after {self.retries} retries: "
@@ -138,6 +146,9 @@ class RayCloudClient:
         except Exception as e:  # noqa: BLE001
             if is_replica_loss(e):
                 raise SessionLostError(f"verifier replica of session {sid!r} is gone: {type(e).__name__}") from e
+            fault = forward_fault(e)
+            if fault is not None:  # the session is as before this verify: RecoveringClient sends it again
+                raise fault from e
             raise
         self.batch_sizes.setdefault(sid, []).append(reply.batch_size)
         return reply

@@ -468,8 +468,8 @@ class DeviceEndpoint:
         A call past its deadline is answered by its frame's retry semantics (docs/architecture.md §5): a VERIFY may
         or may not have been applied, so 410 (RESUME, then send it again); OPEN, RESUME and CLOSE are safe to send
         again as they are, so 503 with a retry-after."""
-        from ciar.collab.protocol import (CapacityError, CloudTimeoutError, SessionConflictError, SessionError,
-                                          SessionLostError)
+        from ciar.collab.protocol import (CapacityError, CloudTimeoutError, ForwardFault, SessionConflictError,
+                                          SessionError, SessionLostError)
         from ciar.text import CaptionTooLongError
 
         cause = root_cause(e)
@@ -488,6 +488,8 @@ class DeviceEndpoint:
             return RequestFailed(422, msg, "prompt")
         if isinstance(cause, (SessionError, ValueError)):
             return RequestFailed(400, msg)
+        if isinstance(cause, ForwardFault):  # nothing of the request was kept: send it again as it is
+            return RequestFailed(503, msg, retry_after_s=self.limits.retry_after_s)
         if isinstance(cause, CapacityError) or type(cause).__name__ == "BackPressureError":
             return RequestFailed(503, "no free verifier capacity: retry later", retry_after_s=self.limits.retry_after_s)
         logger.warning("device request failed: %s", type(cause).__name__)

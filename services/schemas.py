@@ -213,6 +213,9 @@ class VerifierLiveConfig(BaseModel):
                               "per forward, at most (the first work of a step always runs)")
     prefill_chunk: int = Field(64, ge=1, le=4096, description="longest prefill / history / catch-up chunk fed "
                                "next to other work in one forward")
+    forward_timeout_s: float = Field(120.0, gt=0.0, le=3600.0, description="a forward running longer than this "
+                                     "(a hung kernel) makes the replica report unhealthy (check_health), and Serve "
+                                     "replaces it")
     slot_wait_s: float = Field(5.0, ge=0.0, le=600.0, description="an open or resume that finds every KV-cache "
                                "slot taken waits this long for one (in arrival order), then is refused: 503 + "
                                "Retry-After")

@@ -153,6 +153,12 @@ class Verifier:
         device's adaptive policy starts before its first image."""
         return await self.service.cost_hint()
 
+    def check_health(self) -> None:
+        """Serve's periodic health check: unhealthy when the engine's current forward has run past
+        `forward_timeout_s` (a hung kernel), so that Serve replaces the replica; a failed forward is not unhealthy
+        (its works got a retryable error and the engine went on: `ciar.collab.engine.StepEngine._execute`)."""
+        self.service.check_stalled(self.live.forward_timeout_s)
+
     async def ready(self) -> dict:
         """Answers once this replica can take work: the ingress's readiness (`/healthz`) asks it."""
         return {"replica_id": self.replica_id, **await self.service.ready()}
@@ -167,6 +173,7 @@ class Verifier:
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "max_sessions": self.core.table.max_sessions, "forwards_by_path": dict(self.core.runner.steps),
+                "forward_faults": dict(self.core.engine.faults), "step_running_s": self.stepper.stalled_s(),
                 "memory": self.core.memory.to_dict() if self.core.memory is not None else None,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "time": time.time()}

@@ -46,7 +46,8 @@ import time
 
 import torch
 
-from ciar.collab.runner import Piece
+from ciar.collab.protocol import ForwardFault
+from ciar.collab.runner import NonFiniteLogits, Piece
 from ciar.collab.scheduler import DECODE, HISTORY, KINDS, PREFILL, SPAN, Scheduled, Scheduler, SchedulerConfig
 
 __all__ = ["DECODE", "HISTORY", "KINDS", "PREFILL", "SPAN", "Piece", "SchedulerConfig", "StepEngine", "Work",
@@ -106,6 +107,11 @@ class Work:
         raise NotImplementedError
 
     # --- completion
+    def fault(self, error: BaseException) -> None:
+        """The forward carrying this work failed (a `ForwardFault`): by default the work fails with it (its session
+        as before the request; subclasses undo what they changed)."""
+        self.finish(error=error)
+
     def finish(self, result=None, error: BaseException | None = None) -> None:
         if self.done:
             return
@@ -128,6 +134,7 @@ class StepEngine:
     acceptance) are given by the owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
 
     def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, judge=None):
+        self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
         self.scheduler = Scheduler(config)
         self.runner = runner
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
@@ -229,21 +236,41 @@ class StepEngine:
         self.scheduler.unpark(lambda w: w.deadline <= now)
 
     def _execute(self, batch: list[Scheduled], t0: float) -> None:
+        """Run the batch on the runner and hand each work its outputs. A forward that raises (out of memory, a
+        broken kernel) fails the step's works with a `ForwardFault` (retryable; `Work.fault` decides what the
+        session keeps) and frees the accelerator's cached blocks; a piece whose logits are not finite fails only
+        its own work. The engine and every other work go on."""
         works = [p.request for p in batch]
         try:
             pieces = [w.piece(p.n) for w, p in zip(works, batch)]
             outs = self.runner.execute(pieces)
-            dt = time.perf_counter() - t0
-            for w in works:  # before `take`: a work that finishes now reports this step in its reply
-                if w.started is None:
-                    w.started = t0
-                w.passes += 1
-                w.seconds += dt
-                w.batch_size = len(works)
-            for w, piece, (logits, hidden) in zip(works, pieces, outs):
-                w.take(piece, logits, hidden)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
+            self.faults[type(e).__name__] = self.faults.get(type(e).__name__, 0) + 1
+            logger.warning("a forward of %d works failed (%s: %s); they are answered with a retryable error",
+                           len(works), type(e).__name__, e)
+            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # what the failed step held goes back to the device
+            fault = ForwardFault(f"the cloud forward failed ({type(e).__name__}): send the request again", origin=e)
             for w in works:
+                w.fault(fault)
+            return
+        dt = time.perf_counter() - t0
+        for w in works:  # before `take`: a work that finishes now reports this step in its reply
+            if w.started is None:
+                w.started = t0
+            w.passes += 1
+            w.seconds += dt
+            w.batch_size = len(works)
+        for w, piece, out in zip(works, pieces, outs):
+            try:
+                if isinstance(out, NonFiniteLogits):
+                    self.faults["NonFiniteLogits"] = self.faults.get("NonFiniteLogits", 0) + 1
+                    logger.warning("session %s: %s", w.session_id, out)
+                    fault = ForwardFault("the cloud forward gave non-finite logits: send the request again", origin=out)
+                    w.fault(fault)
+                else:
+                    w.take(piece, *out)
+            except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
                 w.finish(error=e)
 
 
@@ -315,6 +342,10 @@ class AsyncStepper(_Driver):
     def stop(self) -> None:
         """Nothing to stop: the stepping task ends when the engine is idle."""
 
+    def stalled_s(self) -> float:
+        """0: a step on the caller's loop blocks the loop, so nothing could ask meanwhile."""
+        return 0.0
+
     async def _loop(self) -> None:
         engine = self.engine
         if self.wait_s > 0:
@@ -356,6 +387,7 @@ class EngineThread(_Driver):
         self._wake = threading.Condition()
         self._stopped = False
         self.steps_failed = 0
+        self.step_started: float | None = None  # time.monotonic() of the step running now (the watchdog reads it)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -388,6 +420,12 @@ class EngineThread(_Driver):
         if work.seq != 0:
             raise ValueError("EngineThread.run takes a work that is not queued yet (its owner queues it)")
         return await super().run(work)
+
+    def stalled_s(self) -> float:
+        """How long the step running now has run (0 between steps): a forward that hangs (a kernel that never
+        returns) shows here, for a watchdog (`VerifierService.check_stalled`, the Verifier's `check_health`)."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def stop(self, timeout_s: float = 5.0) -> None:
         with self._wake:
@@ -423,12 +461,15 @@ class EngineThread(_Driver):
                 self._apply()
             if not engine.busy:
                 continue
+            self.step_started = time.monotonic()
             try:
                 finished = engine.step()
             except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the engine goes on
                 self.steps_failed += 1
                 engine.fail_all(e)
                 continue
+            finally:
+                self.step_started = None
             if self.on_step is not None:
                 try:
                     self.on_step(engine, finished)

@@ -21,7 +21,8 @@ client): an 8-byte header, token ids bit-packed at ceil(log2 V) bits, float vect
 `nbytes()` is the exact size of its frame, so a simulated link charges the bytes a real socket carries.
 
 Errors every transport shares (defined here, raised by the verifier): `SessionError` (a request that does not fit
-the session: a client bug, 4xx), `SessionLostError` (the session is not held), `CapacityError` (no free slot).
+the session: a client bug, 4xx), `SessionLostError` (the session is not held), `CapacityError` (no free slot) and
+its `ForwardFault` (the step's forward failed; send the request again).
 
 Recovery: a verify naming a session the cloud no longer holds (replica lost, slot evicted) fails with
 `SessionLostError`; `resume` rebuilds the session from the device's committed tokens (and the
@@ -82,7 +83,20 @@ class SessionConflictError(SessionError):
 
 
 class CapacityError(RuntimeError):
-    """No free cache slot for a new session."""
+    """No free cache slot for a new session (or, `ForwardFault`, no forward to be had now): 503 + Retry-After."""
+
+
+class ForwardFault(CapacityError):
+    """The cloud forward of the step that carried this request failed (out of memory, non-finite logits, a broken
+    kernel): only that step's requests fail, and the replica goes on. The session is as it was before the request,
+    so the request is safe to send again as it is (503 + Retry-After; `RecoveringClient` re-sends a verify); a
+    verification that had already committed its verdict loses its session instead (`SessionLostError`: resume).
+    `origin`: the error the forward raised (not chained as `__cause__`: the transports unwrap causes to find the
+    verifier's own error, and must find this one)."""
+
+    def __init__(self, message: str, origin: BaseException | None = None):
+        super().__init__(message)
+        self.origin = origin
 
 
 class CloudUnreachableError(ConnectionError):

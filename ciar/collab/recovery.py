@@ -11,7 +11,9 @@ after that), plus the interval features the device sent with its locally accepte
 raises an error that `is_lost(exc)` accepts (default: `SessionLostError`: the replica holding the session's cache
 was lost or restarted, or the slot was evicted), it calls `inner.resume(request with want_caption=False, history,
 injected)` and re-sends the verify once; the reply is marked `resumed=True` and carries the resume's cloud_s and
-forward_passes too (the decoder counts `GenerationStats.resumes`).
+forward_passes too (the decoder counts `GenerationStats.resumes`). An open, resume or verify whose forward failed
+(`ForwardFault`: nothing of it was kept) is sent again as it is, up to `FAULT_RETRIES` times; a failed forward after the verdict
+drops the session (`SessionLostError`), which is then resumed as above.
 
 Why the result is exact (equal to an uninterrupted session's): the cloud's state for a session is (a) the KV cache,
 a deterministic function of the caption, the committed tokens and the features injected with them, which `resume`
@@ -34,7 +36,7 @@ from dataclasses import replace
 import torch
 
 from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.protocol import SessionLostError
+from ciar.collab.protocol import ForwardFault, SessionLostError
 from ciar_client.history import SessionHistory
 
 
@@ -46,11 +48,14 @@ class RecoveringClient:
     """`CloudClient` over `inner` (any CloudClient with `resume`) that survives lost cloud sessions; see the module
     docstring. `is_lost(exc)`: which errors of `inner.verify` / `inner.close` mean "the cloud lost this session"."""
 
+    FAULT_RETRIES = 3  # a verify whose forward failed (`ForwardFault`) is sent again up to this many times
+
     def __init__(self, inner: CloudClient, is_lost: Callable[[BaseException], bool] | None = None):
         self.inner = inner
         self.is_lost = is_lost or _is_session_lost
         self._sessions: dict[str, SessionHistory] = {}
         self.resumes = 0  # sessions re-created through this wrapper (all sessions together)
+        self.faults = 0  # calls made again after a failed forward
 
     @property
     def vocab_size(self) -> int:
@@ -67,7 +72,7 @@ class RecoveringClient:
         return len(self._sessions)
 
     def open(self, request: OpenRequest) -> OpenReply:
-        reply = self.inner.open(request)
+        reply = self._again(self.inner.open, request)
         self._sessions[request.session_id] = SessionHistory(replace(request, want_caption=False),
                                                             reply.prefix_tokens.tolist())
         return reply
@@ -75,8 +80,8 @@ class RecoveringClient:
     def resume(self, request: OpenRequest, history: torch.Tensor,
                injected: InjectedFeatures | None = None) -> OpenReply:
         """Pass-through (the wrapper then tracks the session from `history`)."""
-        reply = self.inner.resume(request, history) if injected is None else \
-            self.inner.resume(request, history, injected)
+        reply = self._again(self.inner.resume, request, history) if injected is None else \
+            self._again(self.inner.resume, request, history, injected)
         self._sessions[request.session_id] = SessionHistory.resumed(replace(request, want_caption=False), history,
                                                                     injected)
         return reply
@@ -84,7 +89,7 @@ class RecoveringClient:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         t = self._sessions.get(request.session_id)
         try:
-            reply = self.inner.verify(request)
+            reply = self._verify(request)
         except Exception as e:
             if t is None or not self.is_lost(e):
                 raise
@@ -96,12 +101,26 @@ class RecoveringClient:
     def _resume_and_retry(self, t: SessionHistory, request: VerifyRequest) -> VerifyReply:
         history, injected = t.history(torch.from_numpy), t.injected(torch.from_numpy)
         # only pass `injected` when there is some, so that clients without interval features need not accept it
-        res = self.inner.resume(t.request, history) if injected is None else \
-            self.inner.resume(t.request, history, injected)
+        res = self._again(self.inner.resume, t.request, history) if injected is None else \
+            self._again(self.inner.resume, t.request, history, injected)
         self.resumes += 1
-        reply = self.inner.verify(request)
+        reply = self._verify(request)
         return replace(reply, resumed=True, cloud_s=reply.cloud_s + res.cloud_s,
                        forward_passes=reply.forward_passes + res.forward_passes)
+
+    def _verify(self, request: VerifyRequest) -> VerifyReply:
+        return self._again(self.inner.verify, request)
+
+    def _again(self, call, *args):
+        """call(*args), made again when its forward failed (`ForwardFault`: nothing of it was kept, so the same
+        request gives the same reply), up to FAULT_RETRIES times."""
+        for attempt in range(self.FAULT_RETRIES + 1):
+            try:
+                return call(*args)
+            except Exception as e:
+                if not isinstance(e, ForwardFault) or attempt == self.FAULT_RETRIES:
+                    raise
+                self.faults += 1
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

@@ -40,6 +40,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (pa
 WIDTH_BUCKETS = (1, 2, 4, 8, 16)  # static steps' positions per row: one-token decodes and spans
 
 
+class NonFiniteLogits(ArithmeticError):
+    """A piece's logits hold a NaN or an infinity (`ModelRunner.execute` returns it in that piece's place: only its
+    work fails)."""
+
+
 @dataclass
 class Piece:
     """What one work feeds in one forward: `n` positions from absolute sequence position `start` in cache `slots`
@@ -116,9 +121,10 @@ class ModelRunner:
         else:
             kv[slot] = True
 
-    def execute(self, pieces: list[Piece]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    def execute(self, pieces: list[Piece]) -> list:
         """ONE cached forward over `pieces`. -> per piece (logits [rows, len(want), V], hidden [len(want), dim]),
-        or (None, None) where it wants nothing."""
+        (None, None) where it wants nothing, or a `NonFiniteLogits` where its logits are not finite. Raises what the
+        forward raises (out of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
         bucket = self.bucket(pieces) if self.static else None
         if bucket is not None:
             rows, width, kv_len = bucket
@@ -258,11 +264,16 @@ class ModelRunner:
         dev = hid.device
         picked = hid[torch.tensor(sel_rows, device=dev), torch.tensor(sel_cols, device=dev)]  # [S, dim]
         logits = self.cloud.logits(picked)
+        finite = torch.isfinite(logits).all(dim=-1)  # [S]: one host read for the step (its judge reads it anyway)
+        bad = None if bool(finite.all()) else finite.logical_not().tolist()
         for (start, n_want), p in zip(spans, pieces):
             if not n_want:
                 outs.append((None, None))
-                continue
-            outs.append((logits[start:start + p.rows * n_want].view(p.rows, n_want, -1), picked[start:start + n_want]))
+            elif bad is not None and any(bad[start:start + p.rows * n_want]):
+                outs.append(NonFiniteLogits(f"the forward gave non-finite logits for slots {p.slots}"))
+            else:
+                outs.append((logits[start:start + p.rows * n_want].view(p.rows, n_want, -1),
+                             picked[start:start + n_want]))
         return outs
 
 

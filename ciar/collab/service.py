@@ -43,6 +43,10 @@ def session_token(secret: str, session_id: str, device_id: str) -> str:
     return hmac.new(secret.encode(), f"{session_id}|{device_id}".encode(), hashlib.sha256).hexdigest()
 
 
+class EngineStalledError(RuntimeError):
+    """A step of the engine has run past its limit: the replica is unhealthy."""
+
+
 class VerifierService:
     def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True):
         """`core`: a `ciar.collab.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
@@ -55,6 +59,15 @@ class VerifierService:
         self.stepper = EngineThread(core.engine, batch_wait_s, on_step) if engine_thread else \
             AsyncStepper(core.engine, batch_wait_s, on_step)
         self.opened = self.resumed = 0
+
+    def check_stalled(self, limit_s: float) -> None:
+        """Raise `EngineStalledError` when the engine's current step has run longer than `limit_s` (a forward that
+        hangs): the Verifier's `check_health` calls it, so that Serve replaces the replica. Its works' callers give
+        up at their own deadlines meanwhile and resume their sessions elsewhere."""
+        stalled = self.stepper.stalled_s()
+        if stalled > limit_s:
+            raise EngineStalledError(f"the verifier's forward has run for {stalled:.0f} s (limit {limit_s:g} s, "
+                                     f"forward_timeout_s): the engine is stuck")
 
     def shutdown(self) -> None:
         """Stop the engine's thread (a replica going away, a test done with it)."""

@@ -763,6 +763,20 @@ class VerifyWork(Work):
         if self.fed >= len(self.feed):
             self.phase = "judge"
 
+    def fault(self, error: BaseException) -> None:
+        """Its forward failed. Before its verdict the session is as before the request (its tokens and cache lengths
+        are only set by `commit`): the verify fails with the retryable `error` and may be sent again as it is. After
+        the verdict (a burst step failed) the session has moved past what the device knows: it is closed, and the
+        device resumes it from its history (`SessionLostError`), as after a lost replica."""
+        if self.outcome is None:
+            self.finish(error=error)
+            return
+        self.v.close(self.session_id, cancel=False)
+        lost = SessionLostError(f"session {self.session_id!r} was dropped: a cloud burst step failed after its "
+                                f"verdict ({error}); resume it from its history", self.session_id)
+        lost.origin = error  # (not chained as __cause__: the transports unwrap causes and must find this one)
+        self.finish(error=lost)
+
     def target_logits(self) -> torch.Tensor:
         """[rows, k+1, V]: the distributions the drafts and the next token are judged by."""
         return torch.stack([self.s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
