@@ -42,7 +42,7 @@ def cluster(world):
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 2,
-                   "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 8,
+                   "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": "auto",
                    "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
                   user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.1, "realtime": False},
                                 "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
@@ -79,3 +79,12 @@ def test_llamagen_world_served_end_to_end_and_equal_to_in_process(cluster):
 
     cloud = post({"prompt": PROMPT, "seed": 5, "method": "cloud", "response_format": "tokens"})
     assert cloud.status_code == 200 and cloud.json()["stats"]["cloud_call_rate"] == 1.0
+
+
+def test_the_gpu_configs_memory_sized_verifier_runs_on_a_cpu(cluster):
+    """`verifier_max_sessions: auto` (serve_config.gpu.yaml's) on a CPU replica: 64 sessions, and the replica says why;
+    its steps ran on the dynamic path (static steps and CUDA graphs are the default on CUDA only)."""
+    st = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
+    assert st["max_sessions"] == 64 and "no accelerator" in st["memory"]["how"], st["memory"]
+    assert st["forwards_by_path"]["dynamic"] > 0 and st["forwards_by_path"]["graph"] == 0
+    assert st["forward_faults"] == {} and st["step_running_s"] >= 0
