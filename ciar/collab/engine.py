@@ -209,7 +209,11 @@ class StepEngine:
         new = self.scheduler.take_waiting()
         try:
             self._admit_works(new)  # each admitted, parked (`Work.parked`: no slot yet) or finished with its error
-        except BaseException as e:  # admission itself broke: these works are in no queue, fail them here
+        except Exception as e:  # noqa: BLE001 - the admission's own model work (caption encoding, condition
+            # embedding) failed, e.g. out of memory: these works are in no queue; they fail retryably, the rest runs
+            self._fault([w for w in new if not w.done], e, "admitting")
+            return
+        except BaseException as e:  # (an interrupt: these works are in no queue, fail them here)
             for w in new:
                 if not w.done:
                     w.finish(error=e)
@@ -219,6 +223,18 @@ class StepEngine:
             w.parked = False
         self.scheduler.park(parked)
         self.scheduler.start([w for w in new if not w.done and w not in parked])
+
+    def _fault(self, works: list, e: Exception, what: str) -> None:
+        """The model work of a step failed with `e`: its `works` fail with a retryable ForwardFault (each undoing
+        what it changed: `Work.fault`), what the step held goes back to the accelerator, the engine goes on."""
+        self.faults[type(e).__name__] = self.faults.get(type(e).__name__, 0) + 1
+        logger.warning("%s %d works failed (%s: %s); they are answered with a retryable error", what, len(works),
+                       type(e).__name__, e)
+        if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        fault = ForwardFault(f"the cloud forward failed ({type(e).__name__}): send the request again", origin=e)
+        for w in works:
+            w.fault(fault)
 
     # ------------------------------------------------------------------ works waiting for a KV-cache slot
     def unpark(self) -> None:
@@ -245,14 +261,7 @@ class StepEngine:
             pieces = [w.piece(p.n) for w, p in zip(works, batch)]
             outs = self.runner.execute(pieces)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
-            self.faults[type(e).__name__] = self.faults.get(type(e).__name__, 0) + 1
-            logger.warning("a forward of %d works failed (%s: %s); they are answered with a retryable error",
-                           len(works), type(e).__name__, e)
-            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # what the failed step held goes back to the device
-            fault = ForwardFault(f"the cloud forward failed ({type(e).__name__}): send the request again", origin=e)
-            for w in works:
-                w.fault(fault)
+            self._fault(works, e, "the forward of")
             return
         dt = time.perf_counter() - t0
         for w in works:  # before `take`: a work that finishes now reports this step in its reply

@@ -186,3 +186,86 @@ def test_a_hung_forward_makes_the_replica_unhealthy(tiny_cloud, stub_text):
     finally:
         release.set()
         service.shutdown()
+
+
+REAL_ALLOCATION_FAILURE = r'''
+import ctypes, json, resource, sys, torch
+torch.set_num_threads(1)
+from ciar.collab.protocol import OpenRequest
+from ciar.collab.runtime import make_verifier
+from ciar.world import load_world
+
+world = load_world(None)
+cap = world.text.encode([f"a red circle number {i}" for i in range(32)])
+reqs = [OpenRequest(f"s{i}", "x", seed=i, sampling=world.sampling, prefix_len=3) for i in range(32)]
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+def capped(fn):  # no new address space for the duration of fn (the heap's free memory given back first)
+    def run(*a):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        resource.setrlimit(resource.RLIMIT_AS, (vm_bytes(), hard))
+        try:
+            return fn(*a)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return run
+
+out = {}
+for where in ("admission", "forward"):
+    v = make_verifier(world, max_sessions=40)
+    v.open_batch(reqs[:2], caption_emb=cap.emb[:2], caption_mask=cap.mask[:2])  # small shapes warmed up
+    for r in reqs[:2]:
+        v.close(r.session_id)
+    works = [v.submit_open(r, cap.emb[i], cap.mask[i]) for i, r in enumerate(reqs)]
+    name = "condition" if where == "admission" else "execute"  # the admission's condition embedding, or a forward
+    real, first = getattr(v.runner, name), v.engine.steps
+    setattr(v.runner, name, lambda *a: (capped(real) if v.engine.steps == first else real)(*a))
+    v.engine.run(works)
+    setattr(v.runner, name, real)
+    failed = [i for i, w in enumerate(works) if w.error is not None]
+    out[where] = {"failed": len(failed), "errors": sorted({type(works[i].error).__name__ for i in failed}),
+                  "origin": str(getattr(works[failed[0]].error, "origin", ""))[:200] if failed else "",
+                  "faults": v.engine.faults, "sessions_held": v.num_sessions,
+                  "slots_held": 80 - v.free_slot_count}
+    again = v.open_batch([reqs[i] for i in failed], caption_emb=cap.emb[failed], caption_mask=cap.mask[failed])
+    tokens = {i: w.result.prefix_tokens.tolist() for i, w in enumerate(works) if w.error is None}
+    tokens.update({i: a.prefix_tokens.tolist() for i, a in zip(failed, again)})
+    out[where]["tokens"] = [tokens[i] for i in range(len(reqs))]
+ref = make_verifier(world, max_sessions=40).open_batch(reqs, caption_emb=cap.emb, caption_mask=cap.mask)
+out["reference"] = [r.prefix_tokens.tolist() for r in ref]
+print(json.dumps(out))
+'''
+
+
+def test_a_real_allocation_failure_fails_only_its_step():
+    """Not an injected exception: the process's address space is capped just above what it maps (RLIMIT_AS, in a
+    child process), during the admission of 32 opens (their condition embedding) and during their first forward, so
+    the CPU allocator really fails. The works of that step get the retryable ForwardFault (the others of the batch
+    go on in later steps), the verifier holds nothing of the failed ones, and those sent again give, with the
+    others, what an undisturbed verifier gives."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("RLIMIT_AS, /proc and glibc's MALLOC_MMAP_THRESHOLD_ are Linux's")
+    # glibc's allocator with a fixed mmap threshold: every allocation of 64 KiB or more maps new memory (no reuse of
+    # freed heap, which made whether the cap bites depend on fragmentation)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    p = subprocess.run([sys.executable, "-c", REAL_ALLOCATION_FAILURE], capture_output=True, text=True, timeout=600,
+                       env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    for where in ("admission", "forward"):
+        r = out[where]
+        assert r["failed"] >= 1 and r["errors"] == ["ForwardFault"] and "can't allocate memory" in r["origin"], r
+        assert sum(r["faults"].values()) == 1, r
+        assert r["sessions_held"] == 32 - r["failed"] and r["slots_held"] == 2 * r["sessions_held"], r
+        assert r["tokens"] == out["reference"]
+    assert out["admission"]["failed"] == 32  # a failed admission fails the whole batch it admits
