@@ -34,6 +34,9 @@ then `gpu.md` summarises:
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
+They run in the order env, roofline, xl_steps, graphs, capacity, engine_graphs, memory, engine, t5, hf_llama (the most
+needed first: sections not started within `--budget-s` are skipped).
+
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
 from CUDA graphs on CUDA (not run on a GPU before this suite's first lent run).
@@ -589,7 +592,7 @@ def markdown(result: dict) -> str:
                          f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
                          f"{st.get('graph_over_bound', '–')} |")
         lines.append("")
-    for name in ("graphs", "t5", "hf_llama", "engine", "engine_graphs", "memory", "capacity"):
+    for name in ("graphs", "capacity", "engine_graphs", "memory", "engine", "t5", "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
@@ -604,8 +607,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (the tests)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
-    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,t5,hf_llama,engine,engine_graphs,memory,"
-                                          "capacity")
+    # the most needed first (a run cut by --budget-s skips the rest): the measured costs the capacity plan reads,
+    # then the engine's own CUDA graphs and the GPU start-up, then the comparisons
+    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,capacity,engine_graphs,memory,engine,t5,"
+                                          "hf_llama")
     args = ap.parse_args(argv)
     suite = Suite(args.out, args.tiny, args.budget_s)
     if suite.dev.type != "cuda" and not args.tiny:
