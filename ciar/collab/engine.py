@@ -185,9 +185,12 @@ class StepEngine:
         self.scheduler.clear()
 
     def run(self, works: list[Work]) -> None:
-        """Step until every work in `works` is done (the synchronous batch API)."""
+        """Step until every work in `works` is done (the synchronous batch API). Works waiting for a slot with nothing
+        else to do wait for their deadline (nobody else can close a session meanwhile)."""
         while not all(w.done for w in works):
             self.step()
+            if not self.busy and self.scheduler.parked:
+                time.sleep(self.parked_timeout() or 0.0)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()  # as CollabDecoder._generate: no autograd bookkeeping on the small per-step ops

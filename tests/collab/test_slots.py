@@ -120,3 +120,14 @@ def test_the_synchronous_batch_api_refuses_at_once(tiny_cloud, stub_text):
     v.open_batch([_open("a")])
     with pytest.raises(CapacityError, match="verifier full"):  # it reserves before it queues: nothing to wait on
         v.open_batch([_open("b")])
+
+
+def test_a_synchronous_run_waits_for_the_slot_deadline_without_spinning(tiny_cloud, stub_text):
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1, slot_wait_s=0.2)
+    v.open_batch([_open("a")])
+    w = v.submit_open(_open("b"))  # queued with a deadline: parks, nobody frees a slot, then it is refused
+    steps, calls, real_step = v.engine.steps, [0], v.engine.step
+    v.engine.step = lambda: calls.__setitem__(0, calls[0] + 1) or real_step()
+    v.engine.run([w])
+    assert isinstance(w.error, CapacityError) and "waited" in str(w.error)
+    assert v.engine.steps == steps and calls[0] <= 3  # no forward meanwhile; slept to the deadline, not spun
