@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CLUSTER = os.path.join(REPO, "cluster")
 SECRET_NAME = "ciar-api-keys"
 SECRET_ENV = {"CIAR_API_KEYS": "keys", "CIAR_SESSION_SECRET": "session-secret"}
+REDIS_PASSWORD_KEY = "redis-password"  # the GCS fault tolerance's Redis (cluster/redis.yaml)
 APP_FIELDS = ("name", "route_prefix", "import_path", "args", "deployments", "runtime_env")
 
 
@@ -144,9 +145,33 @@ def test_secret_example_matches_references():
     assert secret["kind"] == "Secret" and secret["apiVersion"] == "v1"
     assert secret["metadata"]["name"] == SECRET_NAME
     data = secret.get("stringData") or secret.get("data")
-    assert set(data) == set(SECRET_ENV.values())
+    assert set(data) == set(SECRET_ENV.values()) | {REDIS_PASSWORD_KEY}
     for key, value in data.items():
         assert "REPLACE" in value.upper(), f"secret.example.yaml `{key}` must be an obvious placeholder"
+
+
+def test_gcs_fault_tolerance_points_at_the_redis_and_its_password(rayservice):
+    """The RayService's GCS keeps its metadata in cluster/redis.yaml's Redis (KubeRay's gcsFaultToleranceOptions):
+    the address is that Service's, the password the same Secret key the Redis container requires, and Redis keeps an
+    append-only file on a persistent volume (a restarted Redis pod keeps what the GCS stored)."""
+    ft = rayservice["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _load_all(os.path.join(CLUSTER, "redis.yaml"))}
+    host, port = ft["redisAddress"].split(":")
+    svc = docs[("Service", host)]
+    assert int(port) in [p["port"] for p in svc["spec"]["ports"]]
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": SECRET_NAME, "key": REDIS_PASSWORD_KEY}
+    dep = next(d for (kind, _), d in docs.items() if kind == "Deployment")
+    assert dep["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"]
+    (redis,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in redis["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": SECRET_NAME, "key": REDIS_PASSWORD_KEY}
+    command = " ".join(redis["command"])
+    assert '--requirepass "$REDIS_PASSWORD"' in command and "--appendonly yes" in command and "--dir /data" in command
+    (mount,) = redis["volumeMounts"]
+    (vol,) = dep["spec"]["template"]["spec"]["volumes"]
+    assert mount["mountPath"] == "/data" and vol["name"] == mount["name"]
+    assert ("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]) in docs
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
 
 
 def test_no_dev_key_in_the_rayservice(rayservice):
