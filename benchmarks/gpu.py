@@ -394,34 +394,40 @@ class Suite:
         self.release()
         return out
 
-    @torch.inference_mode()
-    def engine(self) -> dict:
-        """16 sessions' spans through the real verifier: one session per step vs all in one step."""
-        from ciar.collab.verifier import CloudVerifier
+    def _span_sessions(self, sessions: int, prefix: int, burst: int = 0):
+        """The engine sections' seeded sessions on the suite's GPT: their OPENs (`prefix` cloud tokens each) and
+        caption embeddings, and spans(ids) -> a VERIFY of SPAN - 1 random drafts (uniform draft distributions) per
+        session id, from a draw stream of its own."""
         from ciar.decoding.sampling import SamplingParams
         from ciar_client.wire import OpenRequest, VerifyRequest
 
-        model = self.gpt()
-        c = model.config
-        sessions = 4 if self.tiny else 16
-        v = CloudVerifier(model, None, max_sessions=sessions)
-        sampling = SamplingParams(cfg_scale=4.0)
-        prefix = 8 if self.tiny else 64
-        emb = torch.randn(sessions, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(0))
-        reqs = [OpenRequest(f"s{i}", "", i, sampling, prefix, want_caption=False) for i in range(sessions)]
-        t = time.perf_counter()
-        v.open_batch(reqs, caption_emb=emb)
-        self.sync()
-        open_s = time.perf_counter() - t
-        g = torch.Generator().manual_seed(3)
+        c = self.gpt().config
         k = SPAN - 1
+        sampling = SamplingParams(cfg_scale=4.0)
+        emb = torch.randn(sessions, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(0))
+        opens = [OpenRequest(f"s{i}", "", i, sampling, prefix, want_caption=False) for i in range(sessions)]
+        g = torch.Generator().manual_seed(3)
 
         def spans(ids):
             return [VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
                                   torch.randint(0, c.vocab_size, (k,), generator=g),
-                                  torch.full((k, c.vocab_size), 1.0 / c.vocab_size, dtype=torch.float16))
-                    for i in ids]
+                                  torch.full((k, c.vocab_size), 1.0 / c.vocab_size, dtype=torch.float16),
+                                  burst=burst) for i in ids]
 
+        return opens, emb, spans
+
+    @torch.inference_mode()
+    def engine(self) -> dict:
+        """16 sessions' spans through the real verifier: one session per step vs all in one step."""
+        from ciar.collab.verifier import CloudVerifier
+
+        sessions = 4 if self.tiny else 16
+        v = CloudVerifier(self.gpt(), None, max_sessions=sessions)
+        reqs, emb, spans = self._span_sessions(sessions, 8 if self.tiny else 64)
+        t = time.perf_counter()
+        v.open_batch(reqs, caption_emb=emb)
+        self.sync()
+        open_s = time.perf_counter() - t
         rounds = 2 if self.tiny else 4
         self.sync()
         t = time.perf_counter()
@@ -439,7 +445,7 @@ class Suite:
             n_all += sessions
         self.sync()
         all_s = time.perf_counter() - t
-        return {"sessions": sessions, "open_all_s": round(open_s, 3), "span_drafts": k,
+        return {"sessions": sessions, "open_all_s": round(open_s, 3), "span_drafts": SPAN - 1,
                 "spans_per_s_one_at_a_time": round(n_one / one_s, 1),
                 "spans_per_s_all_in_one_step": round(n_all / all_s, 1),
                 "batching_gain": round((n_all / all_s) / (n_one / one_s), 2)}
@@ -451,21 +457,13 @@ class Suite:
         and static steps replayed from CUDA graphs. Replies (tokens) compared; spans/s with every session in one
         step and with one session at a time."""
         from ciar.collab.verifier import CloudVerifier
-        from ciar.decoding.sampling import SamplingParams
-        from ciar_client.wire import OpenRequest, VerifyRequest
 
-        model = self.gpt()
-        c = model.config
         sessions, rounds, prefix = (4, 2, 8) if self.tiny else (16, 4, 64)
-        k = SPAN - 1
-        sampling = SamplingParams(cfg_scale=4.0)
-        emb = torch.randn(sessions, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(0))
         cuda = self.dev.type == "cuda"
-        ways = {"dynamic": dict(static=False), "static": dict(static=True)}
-        out: dict = {"sessions": sessions, "rounds": rounds, "prefix": prefix, "span_drafts": k}
-        replies, paths = {}, {}
+        out: dict = {"sessions": sessions, "rounds": rounds, "prefix": prefix, "span_drafts": SPAN - 1}
+        replies = {}
         for way in ["dynamic", "static"] + (["graphs"] if cuda else []):
-            v = CloudVerifier(model, None, max_sessions=sessions, static=(way != "dynamic"))
+            v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=(way != "dynamic"))
             if way == "static" and cuda:
                 v.runner.graphs = False  # eager static steps on the GPU: what the graphs replay, launched one by one
             if way == "graphs":
@@ -473,16 +471,8 @@ class Suite:
                 out["graphs_captured"] = v.runner.capture(2 * sessions, widths=(1, 8))
                 self.sync()
                 out["capture_s"] = round(time.perf_counter() - t, 2)
-            reqs = [OpenRequest(f"s{i}", "", i, sampling, prefix, want_caption=False) for i in range(sessions)]
+            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)  # the same sessions every way
             got = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
-            g = torch.Generator().manual_seed(3)
-
-            def spans(ids):
-                return [VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
-                                      torch.randint(0, c.vocab_size, (k,), generator=g),
-                                      torch.full((k, c.vocab_size), 1.0 / c.vocab_size, dtype=torch.float16),
-                                      burst=2) for i in ids]
-
             self.sync()
             t = time.perf_counter()
             for _ in range(rounds):
@@ -494,9 +484,10 @@ class Suite:
                 got += [(r.num_accepted, r.next_token, r.num_burst) for r in v.verify_batch(spans([i]))]
             self.sync()
             one_s = time.perf_counter() - t
-            replies[way], paths[way] = got, dict(v.runner.steps)
+            replies[way] = got
             out[way] = {"spans_per_s_all_in_one_step": round(rounds * sessions / all_s, 1),
-                        "spans_per_s_one_at_a_time": round(sessions / one_s, 1), "forwards_by_path": paths[way]}
+                        "spans_per_s_one_at_a_time": round(sessions / one_s, 1),
+                        "forwards_by_path": dict(v.runner.steps)}
             del v
             self.release()
         for a, b in (("static", "dynamic"), ("graphs", "static"), ("graphs", "dynamic")):
@@ -512,18 +503,17 @@ class Suite:
         (`max_sessions="auto"`) with the XL model loaded and allocated, every CUDA-graph bucket captured, then the
         largest steps the scheduler allows run beside them (the activation profile's promise: no out-of-memory
         error)."""
-        from ciar.collab.runner import plan_sessions
+        from ciar.collab.runner import profile_activations
         from ciar.collab.scheduler import SchedulerConfig
         from ciar.collab.verifier import CloudVerifier
 
         model = self.gpt()
         sched = SchedulerConfig(token_budget=16384, max_works=64) if not self.tiny else SchedulerConfig(64, 4)
         self.release()
-        plan = plan_sessions(model, sched.token_budget, 2 * sched.max_works, 0.9)
-        out = {"plan": plan.to_dict(), "scheduler": sched.__dict__}
-        if self.dev.type != "cuda":
-            return out
         v = CloudVerifier(model, None, max_sessions="auto", scheduler=sched)  # as the Verifier starts on a GPU
+        out = {"plan": v.memory.to_dict(), "scheduler": sched.__dict__}
+        if self.dev.type != "cuda":  # (no accelerator: "auto" is a fixed count, and there is nothing to capture)
+            return out
         out["sessions"] = v.table.max_sessions
         out["kv_cache_gib"] = round(v.cache.memory_bytes() / 2**30, 2)
         t = time.perf_counter()
@@ -531,8 +521,6 @@ class Suite:
         out["capture_s"] = round(time.perf_counter() - t, 1)
         free, total = torch.cuda.mem_get_info()
         out["free_gib_after_allocation"] = round(free / 2**30, 2)
-        from ciar.collab.runner import profile_activations
-
         torch.cuda.reset_peak_memory_stats()
         profile_activations(model, sched.token_budget, 2 * sched.max_works)  # the largest steps, beside the cache
         out["peak_gib_with_largest_steps"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -48,17 +48,18 @@ import torch
 
 from ciar.collab.protocol import ForwardFault
 from ciar.collab.runner import NonFiniteLogits, Piece
-from ciar.collab.scheduler import DECODE, HISTORY, KINDS, PREFILL, SPAN, Scheduled, Scheduler, SchedulerConfig
+from ciar.collab.scheduler import (DECODE, HISTORY, KINDS, PREFILL, SPAN, Request, Scheduled, Scheduler,
+                                   SchedulerConfig)
 
 __all__ = ["DECODE", "HISTORY", "KINDS", "PREFILL", "SPAN", "Piece", "SchedulerConfig", "StepEngine", "Work",
            "AsyncStepper", "EngineThread"]
 logger = logging.getLogger("ray.serve")  # the replica's log (the engine runs in the Verifier deployment)
 
 
-class Work:
-    """One request in flight (the scheduler's `ciar.collab.scheduler.Request`). Subclasses (in
-    `ciar.collab.verifier`) implement `admit`, `kind`, `pending`, `position`, `piece` and `take`; the engine calls
-    them and records the work's forwards and compute seconds."""
+class Work(Request):
+    """One request in flight: what the scheduler reads (`ciar.collab.scheduler.Request`: `kind`, `pending`,
+    `position`, `rows`) and what the engine adds. Subclasses (in `ciar.collab.verifier`) implement those and `admit`,
+    `piece` and `take`; the engine calls them and records the work's forwards and compute seconds."""
 
     def __init__(self, session_id: str):
         self.session_id = session_id
@@ -81,17 +82,6 @@ class Work:
     # --- subclass interface
     def admit(self) -> None:
         """Validate against the live session state, take slots, set up the feed (raise to fail the work)."""
-
-    def kind(self) -> int:
-        raise NotImplementedError
-
-    def pending(self) -> int:
-        """Positions it could feed in the next forward (0: none now)."""
-        raise NotImplementedError
-
-    def position(self) -> int:
-        """The absolute position of its next piece's first position."""
-        raise NotImplementedError
 
     def piece(self, n: int) -> Piece:
         """Its next `n` positions (n <= pending()) as the model runner's input."""

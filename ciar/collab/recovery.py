@@ -89,7 +89,7 @@ class RecoveringClient:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         t = self._sessions.get(request.session_id)
         try:
-            reply = self._verify(request)
+            reply = self._again(self.inner.verify, request)
         except Exception as e:
             if t is None or not self.is_lost(e):
                 raise
@@ -104,12 +104,9 @@ class RecoveringClient:
         res = self._again(self.inner.resume, t.request, history) if injected is None else \
             self._again(self.inner.resume, t.request, history, injected)
         self.resumes += 1
-        reply = self._verify(request)
+        reply = self._again(self.inner.verify, request)
         return replace(reply, resumed=True, cloud_s=reply.cloud_s + res.cloud_s,
                        forward_passes=reply.forward_passes + res.forward_passes)
-
-    def _verify(self, request: VerifyRequest) -> VerifyReply:
-        return self._again(self.inner.verify, request)
 
     def _again(self, call, *args):
         """call(*args), made again when its forward failed (`ForwardFault`: nothing of it was kept, so the same

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pickle
@@ -51,9 +52,13 @@ def _torch_state(path: str, map_location: str) -> dict:
     return {next((k[len(p):] for p in prefixes if k.startswith(p)), k): v for k, v in obj.items()}
 
 
+def _under(key: str, prefixes: tuple) -> bool:
+    return any(key.startswith(p) for p in prefixes)
+
+
 def load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], ignore_prefixes=(), what: str = "model") -> None:
     """Load `state` into `model`; every key must match in name and shape except those under `ignore_prefixes`."""
-    ignored = lambda k: any(k.startswith(p) for p in ignore_prefixes)  # noqa: E731
+    ignored = functools.partial(_under, prefixes=tuple(ignore_prefixes))
     own = {k: v for k, v in model.state_dict().items() if not ignored(k)}
     theirs = {k: v for k, v in state.items() if not ignored(k)}
     missing = sorted(set(own) - set(theirs))
@@ -153,13 +158,12 @@ def open_checkpoint(path: str):
 
     A safetensors file is read through `safe_open` with positional reads (no memory map: the pages of a mapped file
     that a load touches count in the process's resident set until it is closed); a torch zip file (LlamaGen's .pt) is
-    unpickled with shapes only (`_read_shapes`: each storage's offset in the file) and a tensor's storage read from
+    unpickled with shapes only (`_torch_state(path, "meta")`: each storage's offset in the file) and a tensor's storage read from
     its offset, into one buffer reused for every tensor, when asked. A file that cannot be read so (torch's legacy
     format, a big-endian file, a torch that gives no offsets) is read whole by `read_checkpoint`, each tensor handed
     over once (and dropped from the dict).
     """
     import contextlib
-    import functools
 
     @contextlib.contextmanager
     def opened():
@@ -174,7 +178,7 @@ def open_checkpoint(path: str):
                        for k, s in ((k, f.get_slice(k)) for k in f.keys())}
             return
         if _offsets_readable(path):
-            shapes = _read_shapes(path)
+            shapes = _torch_state(path, "meta")  # the tensors as meta tensors, each storage's offset noted
             if all(getattr(v.untyped_storage(), "_checkpoint_offset", None) is not None
                    for v in shapes.values() if isinstance(v, torch.Tensor)):
                 # one buffer for every storage read, sized for the largest and allocated before the model's
@@ -209,13 +213,8 @@ def _offsets_readable(path: str) -> bool:
         return all(z.read(n) == b"little" for n in z.namelist() if n.rsplit("/", 1)[-1] == "byteorder")
 
 
-def _read_shapes(path: str) -> dict:
-    """`read_checkpoint(path)` of a torch zip file with meta tensors (each storage's offset in the file noted)."""
-    return _torch_state(path, "meta")
-
-
 def _read_storage(f, meta: torch.Tensor, path: str, scratch: torch.Tensor) -> torch.Tensor:
-    """The values of a meta tensor from `_read_shapes`: its storage's bytes read from their offset in `f` into the
+    """The values of a meta tensor of `_torch_state(path, "meta")`: its storage's bytes read from their offset in `f` into the
     start of `scratch` (a view of it: valid until the next read)."""
     storage = meta.untyped_storage()
     raw = scratch[:storage.nbytes()]
@@ -229,7 +228,7 @@ def load_cast(model: torch.nn.Module, stored: dict, dtype: torch.dtype, ignore_p
     """Read `stored` ({name: StoredTensor}, checked by `load_strict` first) into `model`, built on the meta device,
     one tensor at a time: each is converted to the model's type (as `load_strict` does), a floating one then to
     `dtype` (as `.to(dtype)` does), into a new contiguous tensor before the next is read; then all are assigned."""
-    ignored = lambda k: any(k.startswith(p) for p in ignore_prefixes)  # noqa: E731
+    ignored = functools.partial(_under, prefixes=tuple(ignore_prefixes))
     own = model.state_dict()
     loaded = {}
     for k, entry in stored.items():

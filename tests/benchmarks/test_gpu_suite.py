@@ -52,23 +52,23 @@ def test_without_a_gpu_the_full_suite_says_so(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "gpu.json")
 
 
-@pytest.mark.gpu
-def test_graph_replays_make_the_same_tokens_as_eager(tmp_path):
+def _gpu_section(tmp_path, sections: str, name: str) -> dict:
+    """The suite's `sections` run on this machine's CUDA device (skipped without one) -> section `name`'s result."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from benchmarks.gpu import main
 
-    main(["--out", str(tmp_path), "--sections", "env,roofline,graphs"])
-    g = json.load(open(tmp_path / "gpu.json"))["sections"]["graphs"]
+    main(["--out", str(tmp_path), "--sections", sections])
+    return json.load(open(tmp_path / "gpu.json"))["sections"][name]
+
+
+@pytest.mark.gpu
+def test_graph_replays_make_the_same_tokens_as_eager(tmp_path):
+    g = _gpu_section(tmp_path, "env,roofline,graphs", "graphs")
     assert g["identical"], g
 
 
 @pytest.mark.gpu
 def test_the_engine_replays_cuda_graphs_with_the_eager_static_steps_replies(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from benchmarks.gpu import main
-
-    main(["--out", str(tmp_path), "--sections", "env,engine_graphs"])
-    g = json.load(open(tmp_path / "gpu.json"))["sections"]["engine_graphs"]
+    g = _gpu_section(tmp_path, "env,engine_graphs", "engine_graphs")
     assert g["graphs_vs_static"]["identical"] and g["graphs"]["forwards_by_path"]["graph"] > 0, g
