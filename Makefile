@@ -27,7 +27,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml client/pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ./client
 	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[serve,load,test,export]"
 	touch $(STAMP)
