@@ -57,6 +57,7 @@ from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats, methods_markdown, summarize_method
 from ciar.data import scenes
+from ciar.results import write_results
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 
@@ -228,16 +229,6 @@ def summarize(results: dict, base: str, world, ps: PromptSet, probe, fid_net) ->
                       "speedup_paper_profile": (base_paper / paper) if base_paper else None,
                       "latency_paper_profile_s": paper, **quality(world, tokens, ps, probe, fid_net)}
     return rows
-
-
-def write_results(out: str, report: dict, md: str) -> None:
-    """A benchmark's results: the JSON at `out`, its Markdown tables beside it (.md), and the tables printed."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(md)
-    print(md)
 
 
 def build_parser() -> argparse.ArgumentParser:

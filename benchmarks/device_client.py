@@ -249,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds or args.num_prompts < 2:
         p.error("give at least one seed and --num-prompts >= 2")
 
-    from benchmarks.collab import load_prompts, write_results
+    from benchmarks.collab import load_prompts
     from ciar.metrics.probe import load_probe
+    from ciar.results import write_results
     from ciar.world import load_world
     from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config
 

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.collab import load_prompts, write_results
+from benchmarks.collab import load_prompts
 from ciar.collab import decoder as D
 from ciar.collab.network import get_profile
 from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.results import write_results
 from ciar.world import load_world
 
 

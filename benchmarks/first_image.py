@@ -28,8 +28,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmarks.collab import load_prompts, write_results
+from benchmarks.collab import load_prompts
 from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.results import write_results
 from ciar.world import load_world
 from ciar_client.policy import CostObserver
 

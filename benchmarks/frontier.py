@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.collab import (fidelity_checks, load_prompts, paired_fidelity_ci, run_variants, summarize,
-                               write_results)
+from benchmarks.collab import fidelity_checks, load_prompts, paired_fidelity_ci, run_variants, summarize
 from ciar.collab.knobs import KNOBS
 from ciar.collab.names import METHODS
 from ciar.collab.protocol import RuleConfig
 from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.results import write_results
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
 

@@ -339,8 +339,8 @@ def gpu_capacity(traces: dict[str, list], gpus: list[str], loads: list[int], arg
     (`argv`: the command's arguments, recorded with the results)."""
     import shlex
 
-    from benchmarks.collab import write_results
     from ciar.collab.gpu_model import Engine, markdown, plan
+    from ciar.results import write_results
 
     live = verifier_config(args)
     engine = Engine(token_budget=live.get("token_budget", Engine.token_budget),
