@@ -54,7 +54,7 @@ from ciar.collab.decoder import METHODS
 from ciar.collab.defaults import CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.protocol import RuleConfig
-from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.collab.runtime import RUNTIMES, device_runtime, make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats, methods_markdown, summarize_method
 from ciar.data import scenes
 from ciar.results import write_results
@@ -104,12 +104,24 @@ def calibration_prompts(spec, captions: str | None, n_eval: int, n: int, seed: i
 
 
 def run_variants(world, verifier, variants: dict, prompts: list[str], seed: int, desc: str = "generate",
-                 done: dict | None = None, on_prompt=None):
-    """variants: name -> (method, overrides dict, device model or None). Interleaved over prompts.
+                 done: dict | None = None, on_prompt=None, runtimes: dict | None = None):
+    """variants: name -> (method, overrides dict, device model or None). Interleaved over prompts. `runtimes`:
+    name -> what runs that variant's device model ("torch" when not named; `ciar.collab.runtime.RUNTIMES`).
     `done` ({name: ([tokens], [GenerationStats])} of the first prompts, e.g. a checkpoint) resumes after them;
     `on_prompt(i, done)` is called after prompt i with everything so far (to checkpoint it).
     -> {name: (tokens [n, N] int64, [GenerationStats])}."""
-    decoders = {name: make_decoder(world, verifier, m, device_model=dev, **ov) for name, (m, ov, dev) in variants.items()}
+    runtimes = runtimes or {}
+
+    def runtime(name, method, dev):
+        kind = runtimes.get(name, "torch")
+        if method == "cloud" or kind == "torch":
+            return None
+        if dev is not None:
+            raise SystemExit(f"{name}: the {kind} runtime runs the world's exported device model only")
+        return device_runtime(kind, world.device_model, world.weights_dir, world.device_file)
+
+    decoders = {name: make_decoder(world, verifier, m, device_model=dev, runtime=runtime(name, m, dev), **ov)
+                for name, (m, ov, dev) in variants.items()}
     warm = prompts[0]
     for d in decoders.values():  # first-call overheads out of the measurement
         d.generate(warm, seed=10 ** 9)
@@ -268,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--saturation", type=float, default=SATURATION_FACTOR,
                    help="table 8: a saturated verifier's step as a factor on an idle one's (default: the capacity "
                         "run's, %(default).2f)")
+    p.add_argument("--device-runtime", default="torch",
+                   help=f"what runs the device models: {' or '.join(RUNTIMES)} (onnx: the export real phones run, "
+                        f"<weights>/onnx); table 8 takes both, 'torch,onnx', side by side")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     return p
@@ -287,6 +302,11 @@ class Run:
     common: dict
     ciar: dict
     report: dict
+    runtimes: tuple = ("torch",)  # --device-runtime: what runs the device models
+    runtime_of: dict = None  # variant name -> its runtime (the run's only one when not named)
+
+    def __post_init__(self):
+        self.runtime_of = {} if self.runtime_of is None else self.runtime_of
 
 
 def ciar_knobs(args, world, verifier, calib: list[str], report: dict) -> tuple[dict, dict]:
@@ -473,18 +493,31 @@ def table8_regimes(run: Run) -> list[Regime]:
     return [Regime(c, l, factor[c] * load[l] * args.cloud_slowdown, load[l]) for c in costs for l in loads]
 
 
+def table8_methods(run: Run) -> dict:
+    """Table 8's methods: label -> (method, knobs, device runtime); with several `--device-runtime`s each CIAR row
+    once per runtime ("ciar [onnx]")."""
+    several = len(run.runtimes) > 1
+    out = {}
+    for label, (method, knobs) in TABLE8_METHODS.items():
+        for kind in (["torch"] if method == "cloud" else run.runtimes):
+            out[f"{label} [{kind}]" if several and method != "cloud" else label] = (method, knobs, kind)
+    return out
+
+
 def network_variants(run: Run) -> dict:
     """Table 8: cloud-only, CIAR at its fixed (calibrated) point and CIAR with the adaptive policy on each link, in
-    each cost regime (`table8_regimes`)."""
+    each cost regime (`table8_regimes`), on each device runtime."""
     variants: dict = {}
     regimes = table8_regimes(run)
     run.report["table8_regimes"] = {r.name: r.__dict__ for r in regimes}  # in order
     for regime in regimes:
         for net in NETWORKS:
-            for label, (method, knobs) in TABLE8_METHODS.items():
+            for label, (method, knobs, kind) in table8_methods(run).items():
                 base = run.common if method == "cloud" else run.ciar
-                variants[f"{label} | {net} | {regime.name}"] = (
-                    method, {**base, **knobs, "network": net, "cloud_slowdown": regime.cloud_factor}, None)
+                name = f"{label} | {net} | {regime.name}"
+                variants[name] = (method, {**base, **knobs, "network": net, "cloud_slowdown": regime.cloud_factor},
+                                  None)
+                run.runtime_of[name] = kind
     return variants
 
 
@@ -504,7 +537,7 @@ def table8_rows(run: Run, results: dict, quality_of) -> tuple[dict, str]:
         profile = {"cloud_step_s": PAPER_PROFILE["cloud_step_s"] * load_factor,
                    "device_step_s": PAPER_PROFILE["device_step_s"]}
         for net in NETWORKS:
-            cell = {label: results[f"{label} | {net} | {name}"] for label in TABLE8_METHODS
+            cell = {label: results[f"{label} | {net} | {name}"] for label in table8_methods(run)
                     if f"{label} | {net} | {name}" in results}
             seconds = {label: (priced(sum(st, GenerationStats()), len(st), profile) if costs == "paper"
                                else float(np.mean([x.total_s for x in st]))) for label, (_, st) in cell.items()}
@@ -590,10 +623,16 @@ def main(argv=None) -> int:
                     "weights": world.weights_dir}
     t0 = time.time()
     common, ciar_ov = ciar_knobs(args, world, verifier, calib, report)
-    run = Run(args, world, verifier, ps, calib, common, ciar_ov, report)
+    runtimes = tuple(k.strip() for k in args.device_runtime.split(",") if k.strip())
+    if not runtimes or any(k not in RUNTIMES for k in runtimes) or len(set(runtimes)) < len(runtimes):
+        p.error(f"--device-runtime: one or more of {', '.join(RUNTIMES)}, got {args.device_runtime!r}")
+    if len(runtimes) > 1 and (args.table != 8 or args.sweep):
+        p.error("--device-runtime with several runtimes needs --table 8")
+    report["device_runtimes"] = list(runtimes)
+    run = Run(args, world, verifier, ps, calib, common, ciar_ov, report, runtimes)
     variants, title = build_variants(run, p.error)
-
-    results = run_variants(world, verifier, variants, ps.captions, args.seed)
+    runtime_of = {name: run.runtime_of.get(name, runtimes[0]) for name in variants}
+    results = run_variants(world, verifier, variants, ps.captions, args.seed, runtimes=runtime_of)
     rows, md_extra = score(run, spec, results)
     report["methods"] = rows
     report["configs"] = {name: make_decoder(world, verifier, m, device_model=dev, **ov).config.to_dict()

@@ -33,20 +33,22 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.collab import load_prompts
-from ciar.collab import decoder as D
 from ciar.collab.network import get_profile
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.results import write_results
 from ciar.world import load_world
+from ciar_client import loop as L
+from ciar_client import maths as M
 
 
 class GuessRecorder:
-    """Wraps `_Generation.commit`: before a reply whose drafts were all accepted is committed, the device's output
-    at the next token's position (its last draft fed) is compared with the cloud's next token."""
+    """Wraps the device loop's commit (`ciar_client.loop._Image.commit`): before a reply whose drafts were all
+    accepted is committed, the device's output at the next token's position (its last draft fed) is compared with the
+    cloud's next token."""
 
     def __init__(self):
         self.records: list[dict] = []  # per verification: all accepted, guess holds, p_device(z), z's position
-        self._commit = D._Generation.commit
+        self._commit = L._Image.commit
 
     def __enter__(self):
         recorder = self
@@ -56,19 +58,19 @@ class GuessRecorder:
             row = {"all_accepted": reply.num_accepted == k, "holds": False, "p_device_z": None,
                    "position": start + k}
             if row["all_accepted"] and start + k < gen.n_total:
-                out = D._last(gen.feed([span[-1]], start + k - 1))  # the commit rolls back and re-feeds from here
-                p = gen.sampling
-                q = D.logits_to_probs(out.center[0], p, uncond_logits=out.center[1] if p.uses_cfg else None)
+                gen.feed([span[-1]], start + k - 1)  # the commit rolls back and re-feeds from here
+                c, p = gen.step.center, gen.cfg.sampling
+                q = M.logits_to_probs(c[0], p, uncond_logits=c[1] if gen.cfg.cfg_rows == 2 else None)
                 row["holds"] = int(q.argmax()) == int(reply.next_token)
                 row["p_device_z"] = float(q[int(reply.next_token)])
             recorder.records.append(row)
             return recorder._commit(gen, span, reply)
 
-        D._Generation.commit = commit
+        L._Image.commit = commit
         return self
 
     def __exit__(self, *exc):
-        D._Generation.commit = self._commit
+        L._Image.commit = self._commit
 
 
 def local_run_after(who: list[str], position: int) -> int:

@@ -39,6 +39,7 @@ class World:
     device_model: "DeviceModel | None" = None  # CIAR device model (device.safetensors), if shipped
     projector: "IntervalProjector | None" = None  # interval-feature projector (projector.safetensors), if shipped
     cloud_file: str | None = None  # the file the cloud GPT came from (names caches of its samples)
+    device_file: str | None = None  # the file the device model came from
 
     @property
     def codebook(self) -> torch.Tensor:
@@ -113,7 +114,8 @@ def load_default_world(weights_dir: str | None = None, device: str | torch.devic
         projector = IntervalProjector.load(projector_file, device=device)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=text, weights_dir=weights_dir,
                  sampling=sampling_from_extra(extra), device_model=device_model, projector=projector,
-                 cloud_file=os.path.join(weights_dir, "cloud.safetensors"))
+                 cloud_file=os.path.join(weights_dir, "cloud.safetensors"),
+                 device_file=device_file if device_model is not None else None)
 
 
 def load_world(source=None, device: str | torch.device = "cpu", need_device: bool = False,
@@ -186,7 +188,8 @@ def load_llamagen_world(spec, device: str | torch.device = "cpu", text: bool = T
         enc = PrecomputedCaptions(positions, caption_dim)
     return World(vq=vq.to(device).eval(), cloud=cloud.to(device).eval(), text=enc,
                  weights_dir=os.path.dirname(spec.path(spec.gpt_checkpoint)), sampling=llamagen_sampling(spec),
-                 device_model=device_model, projector=projector, cloud_file=spec.path(spec.gpt_checkpoint))
+                 device_model=device_model, projector=projector, cloud_file=spec.path(spec.gpt_checkpoint),
+                 device_file=spec.device_file())
 
 
 def _gpt_dtype(spec) -> torch.dtype:
@@ -244,6 +247,7 @@ class DeviceSide:
     sampling: SamplingParams
     num_tokens: int  # image tokens per image
     weights_dir: str
+    device_file: str  # the device model's file
 
 
 def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSide:
@@ -259,7 +263,7 @@ def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSi
         state, config, _ = _read(weights_dir, "tokenizer.safetensors", "vq")
         vq = VQModel(VQConfig.from_dict(config))
         load_strict(vq, state, ignore_prefixes=VQ_IGNORED_KEY_PREFIXES, what="tokenizer (tokenizer.safetensors)")
-        device_model = DeviceModel.load(spec.file("device.safetensors", spec.device_checkpoint), device=device)
+        device_model = DeviceModel.load(spec.device_file(), device=device)
         _, _, extra = read_model_metadata(os.path.join(weights_dir, "cloud.safetensors"))
         sampling = sampling_from_extra(extra)
     else:
@@ -268,4 +272,5 @@ def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSi
         device_model = _llamagen_device(spec, gpt_cfg, device)
         sampling, weights_dir = llamagen_sampling(spec), os.path.dirname(spec.path(spec.device_checkpoint))
     return DeviceSide(vq=vq.to(device).eval(), device_model=device_model, sampling=sampling,
-                      num_tokens=device_model.config.block_size, weights_dir=weights_dir)
+                      num_tokens=device_model.config.block_size, weights_dir=weights_dir,
+                      device_file=spec.device_file())

@@ -91,6 +91,10 @@ class ScenesWorldSpec(_Spec):
     def weights_dir(self) -> str:
         return self.path(self.weights) if self.weights else default_weights_dir()
 
+    def device_file(self) -> str:
+        """The device model's file."""
+        return self.file("device.safetensors", self.device_checkpoint)
+
     def file(self, name: str, override: str | None) -> str:
         """A file of the weights folder (an override is relative to that folder)."""
         if override is None:
@@ -174,6 +178,10 @@ class LlamaGenWorldSpec(_Spec):
         if need_text and self.text_encoder is None:
             raise WorldSpecError("text_encoder: encoding new captions needs a local T5 folder (flan-t5-xl); "
                                  "t5_embeddings only serve the COCO evaluation")
+
+    def device_file(self) -> str | None:
+        """The device model's file (None when the world has none)."""
+        return self.path(self.device_checkpoint)
 
     def gpt_cfg(self):
         """The GPT's config as the checkpoint will be built (no file is read)."""

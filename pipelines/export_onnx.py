@@ -211,10 +211,10 @@ def source_files(world=None) -> dict:
     spec = read_world(world, need_device=True)
     if isinstance(spec, ScenesWorldSpec):
         folder = spec.weights_dir()
-        return {"device": spec.file("device.safetensors", spec.device_checkpoint),
+        return {"device": spec.device_file(),
                 "tokenizer": os.path.join(folder, "tokenizer.safetensors"),
                 "cloud": os.path.join(folder, "cloud.safetensors")}
-    return {"device": spec.path(spec.device_checkpoint), "tokenizer": spec.path(spec.vq_checkpoint)}
+    return {"device": spec.device_file(), "tokenizer": spec.path(spec.vq_checkpoint)}
 
 
 def export_onnx(world=None, out_dir: str | None = None, log=None) -> dict:

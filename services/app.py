@@ -711,7 +711,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         user_config=cfg.device.model_dump(),
         ray_actor_options={"num_cpus": cfg.device_num_cpus, "resources": cfg.device_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
-    ).bind(world, verifier, call_timeout_s=cfg.verifier_call_timeout_s)
+    ).bind(world, verifier, call_timeout_s=cfg.verifier_call_timeout_s, runtime=cfg.device_runtime)
     return Ingress.options(
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,

@@ -35,6 +35,7 @@ from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shar
 from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, ForwardFault, InjectedFeatures, OpenReply,
                                   OpenRequest, SessionLostError, VerifyReply, VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
+from ciar.collab.runtime import device_runtime
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
 from services.schemas import CollabOverrides, DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
@@ -190,9 +191,12 @@ class Device:
     stats); `generate_stream(job)` yields ProgressEvent (with a preview PNG until the last) and finally the
     GenerationOutput. A dict job is validated into a GenerationJob."""
 
-    def __init__(self, world: dict | str | None, verifier, live: dict | None = None, call_timeout_s: float = 60.0):
+    def __init__(self, world: dict | str | None, verifier, live: dict | None = None, call_timeout_s: float = 60.0,
+                 runtime: str = "torch"):
         torch.set_num_threads(1)
         self.side = load_device_side(world)  # the device model and the VQ decoder of the served world
+        s = self.side  # what runs the device model (AppConfig.device_runtime): torch, or the export phones run
+        self.runtime = device_runtime(runtime, s.device_model, s.weights_dir, s.device_file)
         self.live = DeviceLiveConfig(**(live or {}))
         try:
             self.device_id = serve.get_replica_context().replica_id.unique_id
@@ -224,7 +228,8 @@ class Device:
         sampling = dataclasses.replace(self.side.sampling, **job.sampling.given()).validate()
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
-                                progress_every=self.live.preview_every, observers=self.observers)
+                                progress_every=self.live.preview_every, observers=self.observers,
+                                runtime=self.runtime)
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job.session_id
         with self._busy:

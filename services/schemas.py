@@ -272,6 +272,9 @@ class AppConfig(BaseModel):
     max_images: int = Field(4, ge=1, le=MAX_IMAGES_LIMIT, description="the most images one request may ask for "
                             "(`n`); each takes a device")
     device_num_cpus: float = Field(0.2, gt=0.0)
+    device_runtime: Literal["torch", "onnx"] = Field("torch", description="what runs each simulated phone's "
+                                                     "device model: 'torch', or 'onnx', the exported model real "
+                                                     "phones run (<weights>/onnx, `make onnx`)")
     device_max_queued_requests: int = Field(32, ge=1, description="beyond this, 503 + Retry-After")
     device: DeviceLiveConfig = Field(default_factory=DeviceLiveConfig)
     device_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per Device "

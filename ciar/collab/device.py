@@ -20,6 +20,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -28,6 +29,7 @@ from ciar.collab.interval import InterHead
 from ciar.models.checkpoint import load_strict, read_model_file, save_model
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.kv_cache import KVCache
+from ciar_client.runtime import Step
 
 DEVICE_KIND = "ciar_device"
 DEVICE_DEPTHS = (1, 2, 3, 5)  # the paper's device depths (Table 6)
@@ -157,3 +159,81 @@ class DeviceModel(nn.Module):
         model.ciar_defaults = CIARDefaults.from_extra(extra, source=path)
         model.extra = extra
         return model.to(device).eval()
+
+
+class TorchRuntime:
+    """The torch device model behind the device loop's runtime interface (`ciar_client.runtime.DeviceRuntime`'s:
+    `start`, `feed`, `rollback`, `step_seconds`; numpy in and out), one image at a time: the cluster's simulated
+    phones run `ciar_client.loop` on it. A voting device's steps carry every head's box (`Step.heads`)."""
+
+    def __init__(self, model: DeviceModel):
+        self.model = model.eval()
+        c = model.config
+        self.vocab_size, self.num_tokens, self.dim = c.vocab_size, c.block_size, c.dim
+        self.cls_token_num, self.caption_dim = c.cls_token_num, c.caption_dim
+        dc = model.device_config
+        self.voting = dc.num_heads > 1 and dc.combine == "voting"
+        self.cache: KVCache | None = None
+        self.rows = 0
+        self.length = 0  # image tokens held in the cache
+
+    @torch.inference_mode()
+    def start(self, caption_emb, caption_mask, rows: int) -> Step:
+        """Prefill the caption (caption_emb [L, caption_dim], caption_mask [L] bool) on `rows` rows (2: row 1
+        unconditional) in a new cache; -> Step for image token 0."""
+        if rows not in (1, 2):
+            raise ValueError(f"rows must be 1 (no guidance) or 2 (classifier-free guidance), got {rows!r}")
+        w = self.model.gpt.tok_embeddings.weight
+        emb = torch.from_numpy(np.ascontiguousarray(caption_emb)).to(w.device, w.dtype).unsqueeze(0)
+        mask = torch.from_numpy(np.ascontiguousarray(caption_mask, dtype=bool)).to(w.device).unsqueeze(0)
+        emb, mask = emb.expand(rows, -1, -1), mask.expand(rows, -1)
+        drop = torch.tensor([False, True], device=w.device) if rows == 2 else None
+        self.cache = self.model.new_cache(rows)
+        self.rows, self.length = rows, 0
+        out = self.model.prefill(self.cache, emb, mask, drop, torch.arange(rows, device=w.device),
+                                 with_heads=self.voting)
+        return self._step(out)
+
+    @torch.inference_mode()
+    def feed(self, tokens, start: int) -> Step:
+        """Feed image tokens at image indices start .. (every row the same ids; `start` at most the tokens held)
+        -> Step of the last one."""
+        toks = [int(t) for t in tokens]
+        if self.cache is None:
+            raise RuntimeError("feed before start: prefill a caption first")
+        if not toks or not 0 <= start <= self.length or start + len(toks) > self.num_tokens:
+            raise ValueError(f"cannot feed {len(toks)} tokens at image index {start}: the cache holds {self.length} "
+                             f"of {self.num_tokens}")
+        w = self.model.gpt.tok_embeddings.weight
+        t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(self.rows, -1)
+        pos0 = self.cls_token_num + start
+        pos = torch.arange(pos0, pos0 + len(toks), device=w.device)
+        out = self.model.decode(self.cache, t, pos, kv_len=pos0 + len(toks), with_heads=self.voting, last_only=True)
+        self.cache.set_length(range(self.rows), pos0 + len(toks))
+        self.length = start + len(toks)
+        return self._step(out, last=True)
+
+    def rollback(self, length: int) -> None:
+        """Keep image tokens [0, length) in the cache."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} image tokens: the cache holds {self.length}")
+        for r in range(self.rows):
+            self.cache.rollback(r, self.cls_token_num + length)
+        self.length = length
+
+    def step_seconds(self, rows: int = 1) -> float:
+        return self.model.step_seconds(rows)
+
+    @staticmethod
+    def _step(out: DeviceOutput, last: bool = False) -> Step:
+        """DeviceOutput ([rows, ...], or [rows, 1, ...] from a feed) -> Step of numpy float32 arrays."""
+        pick = (lambda t: t[:, -1]) if last else (lambda t: t)
+        heads = None
+        if out.heads is not None:
+            centers, radii = out.heads  # [H, rows, (1,) V]
+            heads = (_np32(centers[:, :, -1] if last else centers), _np32(radii[:, :, -1] if last else radii))
+        return Step(_np32(pick(out.center)), _np32(pick(out.radius)), _np32(pick(out.hidden)), heads)
+
+
+def _np32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32).numpy()

@@ -32,14 +32,27 @@ RecoveringClient` does this for any client; the result equals an uninterrupted s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # the messages are defined once, with their wire encoding, in the client package's codec (numpy only), so that the
 # cluster and a torch-free device share the very same module
 from ciar_client.wire import (HEADER_BYTES, CloseRequest, InjectedFeatures, OpenReply, OpenRequest,  # noqa: F401
                               ResumeRequest, RuleConfig, VerifyReply, VerifyRequest, feature_bytes, token_bytes)
+
+
+def verify_tensors(request: VerifyRequest) -> VerifyRequest:
+    """A VerifyRequest with its arrays as torch tensors (the device loop sends numpy arrays; the socket decodes to
+    either): the verifier's view of a request from any transport."""
+    arrays = ("new_tokens", "draft_tokens", "draft_probs", "device_hidden", "features")
+    if not any(isinstance(getattr(request, name), np.ndarray) for name in arrays):
+        return request
+    conv = {name: torch.from_numpy(np.ascontiguousarray(getattr(request, name))) for name in arrays
+            if isinstance(getattr(request, name), np.ndarray)}
+    return replace(request, **conv)
 
 
 def quantize_draft(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,7 +61,8 @@ from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfi
 from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionConflictError,
-                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution)
+                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution,
+                                  verify_tensors)
 from ciar.collab.sessions import Session, SessionTable, slots_needed
 from ciar.decoding.sampling import logits_to_probs, sample
 from ciar.models.gpt import GPT
@@ -676,6 +677,7 @@ class VerifyWork(Work):
 
     def __init__(self, v: CloudVerifier, r: VerifyRequest):
         super().__init__(r.session_id)
+        r = verify_tensors(r)
         self.v, self.request = v, r
         k, m = int(r.draft_tokens.numel()), int(r.new_tokens.numel())
         if r.draft_probs.shape[0] != k or (k and r.draft_probs.shape[-1] != v.vocab_size):

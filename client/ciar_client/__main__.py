@@ -2,7 +2,7 @@
 
     python -m ciar_client --server ws://localhost:8000 --key ciar-dev-device-key \
         --prompt "a small red circle at the top on a gray background" --out img.png [--seed 0] [--stats out.json] \
-        [--model-dir DIR] [--tau T] [--gate lower|interval|entropy|softmax] [--span K] [--burst G] [--prefix-rate R]
+        [--model-dir DIR] [--tau T] [--gate GATE] [--span K] [--burst G] [--prefix-rate R]
         [--threads N]
 
 The device model comes from the server (`GET /v1/device/model`, verified and cached by `ciar_client.fetch`) unless
@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: downloaded from the server and cached")
     p.add_argument("--stats", default=None, help="JSON file to write generation statistics to")
     p.add_argument("--tau", type=float, default=None, help="gate threshold (default: the manifest's calibrated one)")
-    p.add_argument("--gate", default=None, help="lower | interval | entropy | softmax (default: the manifest's)")
+    p.add_argument("--gate", default=None, help="lower | interval | entropy | softmax | random | topk | always | never (default: the "
+                   "manifest's calibrated gate)")
     p.add_argument("--span", type=int, default=None, help="drafts per verification (default: the manifest's)")
     p.add_argument("--burst", type=int, default=None, help="cloud burst after a rejection (default: the manifest's)")
     p.add_argument("--prefix-rate", type=float, default=None, help="cloud prefix fraction (default: the manifest's)")

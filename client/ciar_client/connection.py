@@ -262,8 +262,10 @@ class DeviceConnection:
         return self._retrying(lambda: self._exchange(RESUME, body, s.token)).body
 
     def close(self, session_id: str) -> None:
+        """Close a session, best effort: sent on a live connection only (a close never reconnects: after the link was
+        lost the verifier frees the idle session itself); the local state goes either way."""
         s = self.sessions.pop(session_id, None)
-        if s is None:
+        if s is None or self.ws is None:
             return
         try:
             self._retrying(lambda: self._exchange(CLOSE, CloseRequest(session_id), s.token))

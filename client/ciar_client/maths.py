@@ -5,7 +5,7 @@ one function, on arrays of shape [..., V] (V = 1024 for the scenes world, 16384 
 Python loop over V):
 
     logits_to_probs   ciar.decoding.sampling.logits_to_probs (CFG -> temperature -> top-k -> top-p; `guide`)
-    sample            ciar.decoding.sampling.sample (a different draw method, see below)
+    sample, uniform   the device's draw (see "Draws" below; the cloud's sampler is ciar.decoding.sampling.sample)
     quantize_draft    ciar.collab.protocol.quantize_draft
     draft_distribution  ciar.collab.protocol.draft_distribution
     guided_interval   ciar.collab.interval.guided_interval
@@ -17,7 +17,7 @@ Python loop over V):
 
     q32 = logits_to_probs(cond, cfg_scale=1.5, uncond_logits=uncond)   # or logits_to_probs(cond, params, ...)
     q_sent, q_used = quantize_draft(q32)                                # float16 as sent, float32 to draw from
-    x = sample(q_used, rng)                                             # rng: np.random.Generator
+    x = sample(q_used, uniform(seed, DRAFT_STREAM, position))           # the draw of image token `position`
     c, r = guided_interval(c_cond, r_cond, c_uncond, r_uncond, cfg_scale=1.5)
     escalate = gate_score("lower", center=c, radius=r, drafted=x) > tau
 
@@ -49,9 +49,11 @@ Measured against torch 2.13 on CPU (AVX512) by tests/client/test_maths.py (rando
   - interval_features on exactly tied centers among the `top` (e.g. masked -inf ones): the radii of the tied
     entries may come in another order than torch.topk's, which is itself unspecified.
 
-Sampling: `sample` is an inverse-CDF draw: one uniform double u from the numpy Generator, the index of the first
-entry whose float64 running sum exceeds u * total. Zero-probability tokens are never drawn (a one-hot row always
-gives its token). The draws do not equal torch.multinomial's for the same seed; the distribution is the same.
+Draws: `sample` is an inverse-CDF draw at one uniform double u, the index of the first entry whose float64 running
+sum exceeds u * total; zero-probability tokens are never drawn (a one-hot row always gives its token). u comes from
+`uniform(seed, stream, position)`, a counter-based generator (splitmix64 of the seed, the stream and the image
+position), which `web/src/maths.js` computes bit for bit: devices that compute the same draft distribution draw the
+same token (docs/architecture.md §7, "Draws").
 """
 
 from __future__ import annotations
@@ -269,16 +271,42 @@ def draft_distribution(q_sent) -> np.ndarray:
     return q / np.maximum(_sum32(q, keepdims=True), np.float32(_F32_TINY))
 
 
-def sample(q_used, rng: np.random.Generator) -> int:
-    """One token from a probability vector q_used [V] (need not sum exactly to 1), by inverse CDF: u = rng.random()
-    (one float64 draw), the first index whose float64 running sum exceeds u * total. Zero-probability entries are
-    never drawn. ValueError if q has no positive entry."""
+_MASK64 = (1 << 64) - 1
+# the device's draw streams (`uniform`): the draft token's and the random gate's, apart from each other and from the
+# verifier's acceptance draws (`ciar.collab.verifier.position_seed`, which mixes the seed and position alone)
+DRAFT_STREAM = 0x6369617264726166  # "ciardraf"
+GATE_STREAM = 0x6369617267617465  # "ciargate"
+
+
+def splitmix64(x: int) -> int:
+    """One splitmix64 step (Steele et al. 2014): a 64-bit integer -> a well-mixed 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, stream: int, position: int) -> float:
+    """The device's uniform double in [0, 1) for image token `position` of the image with `seed`, in `stream`
+    (DRAFT_STREAM, GATE_STREAM): splitmix64(splitmix64(splitmix64(seed mod 2**64) ^ stream) ^ position), its top 53
+    bits / 2**53. Counter-based: a draw depends on (seed, stream, position) alone, never on what was drawn before, so
+    every device (the cluster's, the torch-free client, the browser: `web/src/maths.js` computes the same bits)
+    draws the same number at the same position, and a position drafted again after a rejection (with another
+    context) draws it again. Fixed forever: changing it changes every image drafted for a given seed."""
+    z = splitmix64(splitmix64(splitmix64(int(seed) & _MASK64) ^ (int(stream) & _MASK64)) ^ (int(position) & _MASK64))
+    return (z >> 11) / 9007199254740992.0
+
+
+def sample(q_used, u: float) -> int:
+    """One token from a probability vector q_used [V] (need not sum exactly to 1), by inverse CDF at the uniform
+    u in [0, 1) (`uniform`): the first index whose float64 running sum (left to right) exceeds u * total.
+    Zero-probability entries are never drawn. ValueError if q has no positive entry."""
     q = np.asarray(q_used, dtype=np.float64).reshape(-1)
-    cdf = np.cumsum(q)
+    cdf = np.cumsum(q)  # sequential (not pairwise), as the browser's loop sums
     total = cdf[-1] if cdf.size else 0.0
     if not total > 0.0 or not math.isfinite(total):
         raise ValueError("sample needs a probability vector with a positive, finite total")
-    i = int(np.searchsorted(cdf, rng.random() * total, side="right"))
+    i = int(np.searchsorted(cdf, float(u) * total, side="right"))
     if i >= q.size:  # u * total rounded up to the total: the last token with mass
         i = int(np.flatnonzero(q > 0)[-1])
     return i
@@ -477,12 +505,12 @@ def _need(kind: str, **inputs) -> None:
         raise ValueError(f"gate {kind!r} needs {', '.join(missing)}")
 
 
-def gate_score(kind: str, *, center=None, radius=None, probs=None, rng: np.random.Generator | None = None,
+def gate_score(kind: str, *, center=None, radius=None, probs=None, u: float | None = None,
                topk: int = 200, margin: float = 0.0, drafted: int | None = None) -> float:
     """The gate's score of one position (escalate when score > tau), as `ciar.collab.gating.gate_scores` row by row.
 
     center, radius: [V] the guided logit box; probs: [V] the draft distribution (q_used); drafted: the drawn token
-    ("lower"); rng: numpy Generator of the "random" gate (one float32 uniform draw, not torch's stream).
+    ("lower"); u: the "random" gate's uniform (`uniform(seed, GATE_STREAM, position)`), its score.
     Unknown kind or a missing input -> ValueError naming it."""
     if kind == "interval":
         _need(kind, center=center, radius=radius)
@@ -497,8 +525,8 @@ def gate_score(kind: str, *, center=None, radius=None, probs=None, rng: np.rando
         _need(kind, probs=probs)
         return float(softmax_score(probs))
     if kind == "random":
-        _need(kind, rng=rng)
-        return float(rng.random(dtype=np.float32))
+        _need(kind, u=u)
+        return float(u)
     if kind == "topk":
         _need(kind, center=center, radius=radius)
         return float(topk_score(center, radius, topk=topk, margin=margin))

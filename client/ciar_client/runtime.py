@@ -7,10 +7,11 @@
     rt.rollback(3)                                         # keep image tokens [0, 3); feed from index 3 next
     image = ImageDecoder("weights/scenes-v2/onnx").decode(tokens)   # [N] ids -> uint8 [H, W, 3]
 
-The same semantics as the torch device loop (`ciar.collab.decoder._Generation`): `start` is its prefill (row 1 of
-a CFG pair takes the unconditional caption, mask kept), `feed(tokens, start)` its `feed` (every row gets the same
-ids; only the last fed position's output comes back), `rollback(length)` its cache rollback to `length` image
-tokens. The KV cache is two fixed-size arrays [n_layer, rows, n_head, max_seq, head_dim] passed through the step
+The runtime interface of the device loop (`ciar_client.loop`), which `ciar.collab.device.TorchRuntime` implements
+on the torch model: `start` prefills the caption (row 1 of a CFG pair takes the unconditional caption, mask kept),
+`feed(tokens, start)` feeds image tokens (every row gets the same ids; only the last fed position's output comes
+back), `rollback(length)` rolls the cache back to `length` image tokens, `step_seconds(rows)` times one step;
+`vocab_size`, `num_tokens`, `dim`. The KV cache is two fixed-size arrays [n_layer, rows, n_head, max_seq, head_dim] passed through the step
 graph; a query only sees keys at positions up to its own, so rollback just moves a pointer (`length`).
 """
 
@@ -36,6 +37,7 @@ class Step:
     center: np.ndarray  # [rows, V] float32 Inter-Head center logits
     radius: np.ndarray  # [rows, V] float32, >= 0
     hidden: np.ndarray  # [rows, dim] float32 final hidden state (input of the cloud's interval projector)
+    heads: tuple[np.ndarray, np.ndarray] | None = None  # per-head (centers, radii) [H, rows, V]: voting devices only
 
 
 def read_manifest(model_dir: str) -> dict:
@@ -71,6 +73,7 @@ class DeviceRuntime:
         self._step = _session(model_dir, m, "device_step", threads, providers)
         self.vocab_size, self.num_tokens = int(m["vocab_size"]), int(m["num_tokens"])
         self.cls_token_num, self.caption_dim = int(m["cls_token_num"]), int(m["caption_dim"])
+        self.dim = int(m["dim"])  # the hidden state's width (the projector's input)
         self.rows = 0
         self.length = 0  # image tokens held in the cache (positions cls_token_num .. cls_token_num + length - 1)
         self._k = self._v = self._mask = None

@@ -151,9 +151,11 @@ def test_config_from_manifest_and_refusals(runtime):
     assert (cfg.gate, cfg.tau, cfg.span, cfg.burst) == (d["gate"], d["taus"][d["gate"]], d["span"], d["burst"])
     assert cfg.prefix_rate == m["prefix_rate"] and cfg.sampling.cfg_scale == m["sampling"]["cfg_scale"]
     assert loop_config(m, gate="entropy").tau == d["taus"]["entropy"]
-    for bad in ("random", "topk", "always", "nope"):
-        with pytest.raises(ValueError, match="not supported"):
-            loop_config(m, gate=bad)
+    for gate in ("random", "topk"):  # every gate the cluster's devices run, a real device runs too
+        assert loop_config(m, gate=gate, tau=0.5).tau == 0.5
+    assert loop_config(m, gate="always").tau is None  # EAGLE's: every token verified, no threshold
+    with pytest.raises(ValueError, match="not supported"):
+        loop_config(m, gate="nope")
     with pytest.raises(ValueError, match="no threshold"):
         loop_config({**m, "ciar_defaults": None})
     with pytest.raises(ValueError, match="span"):
@@ -202,7 +204,7 @@ def test_cli_unreachable_server_and_bad_gate(onnx_dir, tmp_path):
     base = ["--key", "k", "--prompt", "p", "--out", str(tmp_path / "o.png"), "--model-dir", onnx_dir]
     p = _cli("--server", f"ws://127.0.0.1:{port}", *base)
     assert p.returncode == 2 and "cannot reach the server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    p = _cli("--server", f"ws://127.0.0.1:{port}", *base, "--gate", "random")
+    p = _cli("--server", f"ws://127.0.0.1:{port}", *base, "--gate", "nope")
     assert p.returncode == 2 and "not supported" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
@@ -304,9 +306,8 @@ class _CloudGoneAfter:
             raise ConnectionError("lost the connection 4 times")
         return self.cloud.verify(request)
 
-    def close(self, session_id):
+    def close(self, session_id):  # as a DeviceConnection whose link is gone: best effort, nothing sent
         self.closed = True
-        raise ConnectionError("lost the connection 4 times")
 
 
 def test_link_loss_finishes_on_the_device_degraded(runtime, cloud):
@@ -317,7 +318,7 @@ def test_link_loss_finishes_on_the_device_degraded(runtime, cloud):
     assert ref.stats["degraded"] == 0 == ref.stats["degraded_tokens"] and ref.stats["verifications"] > 2
     gone = _CloudGoneAfter(cloud, 2)
     r = generate(runtime, gone, prompt, seed=2, session_id="gone")
-    assert not hasattr(gone, "closed")  # an unreachable cloud is not asked to close
+    assert gone.closed  # every image ends with a close (a transport whose link is gone sends none)
     st, n = r.stats, runtime.num_tokens
     assert r.tokens.shape == (n,) and st["total_tokens"] == n and st["degraded"] == 1
     assert st["verifications"] == 2 and st["cloud_tokens"] + st["device_tokens"] == n

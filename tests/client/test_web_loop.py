@@ -67,6 +67,41 @@ def test_images_complete_with_consistent_stats(node, server, onnx_dir):
     assert out["reconnects"] == 0 and out["resumes"] == 0
 
 
+def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node, server, onnx_dir):
+    """One request, seed and operating point, three devices: the page's loop (onnxruntime-web), the torch-free
+    client (`ciar_client.loop` on onnxruntime, over a socket to the same endpoint) and the cluster's simulated phone
+    on the same runtime (`CollabDecoder` with the onnx runtime, in process): the same tokens, decided by the same
+    side, since they draw at the same position-keyed uniforms from the same draft distributions."""
+    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.collab.runtime import device_runtime
+    from ciar.collab.verifier import InProcessCloud
+    from ciar.world import load_world
+    from ciar_client.connection import DeviceConnection
+    from ciar_client.loop import generate
+    from ciar_client.runtime import DeviceRuntime
+
+    prompts = _prompts(3, 60)
+    jobs = [{"prompt": p, "seed": 70 + i, "session_id": f"web-same-{i}"} for i, p in enumerate(prompts)]
+    browser = _run(node, server, onnx_dir, jobs, options=FIXED)["results"]
+    rt = DeviceRuntime(onnx_dir)
+    conn = DeviceConnection(server, key=KEY, vocab_size=rt.vocab_size)
+    try:
+        client = [generate(rt, conn, j["prompt"], j["seed"], policy="fixed") for j in jobs]
+    finally:
+        conn.disconnect()
+    world = load_world(None)
+    phone = CollabDecoder(world.device_model, InProcessCloud(SERVED["verifier"]),
+                          method_config("ciar", network="none", policy="fixed"), world.sampling,
+                          runtime=device_runtime("onnx", world.device_model, world.weights_dir, world.device_file,
+                                                 onnx_dir))
+    for job, b, c in zip(jobs, browser, client):
+        assert "error" not in b, b
+        cluster = phone.generate(job["prompt"], job["seed"], trace=True)
+        assert b["tokens"] == c.tokens.tolist() == cluster.tokens.tolist()
+        assert b["who"] == c.who == cluster.trace
+        assert 0 < c.stats["device_tokens"] < 144  # drafted, not handed over
+
+
 def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_dir):
     job = [{"prompt": _prompts(1, 30)[0], "seed": 4, "session_id": "web-cut"}]
     plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]

@@ -38,10 +38,10 @@ def recorded(onnx_dir):
     rt = DeviceRuntime(onnx_dir)
     cloud = NumpyCloud(make_verifier(load_world(None)))
     seen = []
-    real_draft, real_score = loop._Loop.draft, loop._Loop.score
+    real_draft, real_score = loop._Image.draft, loop._Image.score
 
-    def draft(self):
-        q_sent, q_used, x = real_draft(self)
+    def draft(self, position):
+        q_sent, q_used, x = real_draft(self, position)
         c = self.step.center
         seen.append({"cond": c[0].copy(), "uncond": c[1].copy(), "q_sent": q_sent, "q_used": q_used, "x": x})
         return q_sent, q_used, x
@@ -51,12 +51,12 @@ def recorded(onnx_dir):
         seen[-1].update(center=center.copy(), radius=radius.copy())
         return real_score(self, q_used, x)
 
-    loop._Loop.draft, loop._Loop.score = draft, score
+    loop._Image.draft, loop._Image.score = draft, score
     try:
         for i in range(2):
             loop.generate(rt, cloud, scene_at("val", 10 + i).caption, seed=i)
     finally:
-        loop._Loop.draft, loop._Loop.score = real_draft, real_score
+        loop._Image.draft, loop._Image.score = real_draft, real_score
     cases = [c for c in seen if "center" in c][::2]
     for c in cases:
         c["scores"] = {g: M.gate_score(g, center=c["center"], radius=c["radius"], probs=c["q_used"], drafted=c["x"],
@@ -160,7 +160,17 @@ def test_draws_follow_the_distribution_and_skip_zeros(node):
     assert counts[q == 0].sum() == 0
     assert np.abs(counts - q).max() < 0.012  # ~4 standard errors at n = 20000
     (again,) = node("maths", {"calls": [{"fn": "sampleMany", "args": [q.tolist(), 7, 50]}]})
-    assert again == draws[:50]  # seeded: the same stream
+    assert again == draws[:50]  # keyed by (seed, position): the same draws
+    assert draws[:2000] == [M.sample(q, M.uniform(7, M.DRAFT_STREAM, i)) for i in range(2000)]  # Python's too
+
+
+def test_uniforms_are_pythons_bit_for_bit(node):
+    """The page's counter-based uniforms equal `ciar_client.maths.uniform`'s, seeds up to 2**62 and negative ones
+    (taken mod 2**64, as the wire's int64 would carry them), both streams."""
+    keys = [(seed, stream, pos) for seed in (0, 1, 7, 123456789, 2**53 + 1, 2**62, -5)
+            for stream in (M.DRAFT_STREAM, M.GATE_STREAM) for pos in (0, 1, 255, 1023, 70000)]
+    (got,) = node("maths", {"calls": [{"fn": "uniforms", "args": [[[str(s), str(t), p] for s, t, p in keys]]}]})
+    assert got == [M.uniform(s, t, p) for s, t, p in keys]
 
 
 def test_refusals_name_the_problem(node):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ciar.collab.decoder import DEVICE_SEED_OFFSET, GATED_METHODS, CollabDecoder, method_config
+from ciar.collab.decoder import GATED_METHODS, CollabDecoder, method_config
 from ciar.collab.names import METHODS
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import OpenRequest, SessionError, VerifyRequest
@@ -49,19 +49,20 @@ def test_tau_zero_is_speculative_decoding_with_every_token_verified(tiny_cloud, 
 
 @torch.no_grad()
 def device_only_reference(device, text, prompt, params, seed, n):
-    """Sample n tokens from the device alone with full (uncached) forwards each step."""
+    """Sample n tokens from the device alone with full (uncached) forwards each step, drawing as every device does
+    (the float16 draft distribution at the position's uniform, `ciar_client.maths`)."""
+    from ciar_client import maths as M
+
     cap = text.encode([prompt])
-    emb, mask, drop = cap.emb, cap.mask, None
+    emb, mask, drop = cap.emb.half().float(), cap.mask, None  # float16 on the wire, as the open carries it
     if params.uses_cfg:
         emb, mask, drop = torch.cat([emb, emb]), torch.cat([mask, mask]), torch.tensor([False, True])
-    g = torch.Generator().manual_seed(seed + DEVICE_SEED_OFFSET)
     toks = torch.zeros(emb.shape[0], 0, dtype=torch.long)
-    for _ in range(n):
-        out = device(toks, emb, mask, drop=drop)
-        c = out.center[:, -1]
-        probs = logits_to_probs(c[:1], params, uncond_logits=c[1:]) if params.uses_cfg else logits_to_probs(c, params)
-        x = sample(probs, g)
-        toks = torch.cat([toks, x.expand(emb.shape[0]).unsqueeze(1)], dim=1)
+    for i in range(n):
+        c = device(toks, emb, mask, drop=drop).center[:, -1].numpy()
+        q32 = M.logits_to_probs(c[0], params, uncond_logits=c[1] if params.uses_cfg else None)
+        x = M.sample(M.quantize_draft(q32)[1], M.uniform(seed, M.DRAFT_STREAM, i))
+        toks = torch.cat([toks, torch.tensor([x]).expand(emb.shape[0]).unsqueeze(1)], dim=1)
     return toks[0]
 
 

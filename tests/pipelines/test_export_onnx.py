@@ -16,14 +16,12 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from ciar.collab.device import DeviceConfig, DeviceOutput
-from ciar.collab.defaults import CIARDefaults
+from ciar.collab.device import TorchRuntime
 from ciar.models.gpt import apply_rotary_emb
 from ciar.models.vq import tensor_to_images
 from pipelines import export_onnx as ex
@@ -75,45 +73,22 @@ def _caption(world, seed: int = 0, n_real: int = 11):
     return emb, mask
 
 
-class _TorchSide:
-    """The torch device model driven as `_Generation` drives it (prefill, feed, rollback)."""
-
-    def __init__(self, dev, emb, mask, rows):
-        self.dev, self.rows, self.cls = dev, rows, dev.config.cls_token_num
-        self.cache = dev.new_cache(rows)
-        drop = torch.tensor([False, True]) if rows == 2 else None
-        with torch.inference_mode():
-            self.first = dev.prefill(self.cache, emb.float().unsqueeze(0).expand(rows, -1, -1),
-                                     mask.unsqueeze(0).expand(rows, -1), drop, torch.arange(rows))
-
-    def feed(self, toks, start):
-        t = torch.tensor(toks).unsqueeze(0).expand(self.rows, -1)
-        p0 = self.cls + start
-        with torch.inference_mode():
-            out = self.dev.decode(self.cache, t, torch.arange(p0, p0 + len(toks)), kv_len=p0 + len(toks),
-                                  last_only=True)
-        self.cache.set_length(range(self.rows), p0 + len(toks))
-        return out
-
-    def rollback(self, length):
-        for r in range(self.rows):
-            self.cache.rollback(r, self.cls + length)
-
-
-def _diff(out, step) -> list[float]:
-    return [float((torch.from_numpy(b) - a.reshape(b.shape)).abs().max())
-            for a, b in ((out.center, step.center), (out.radius, step.radius), (out.hidden, step.hidden))]
+def _diff(ref, step) -> list[float]:
+    return [float(np.abs(b - a).max()) for a, b in ((ref.center, step.center), (ref.radius, step.radius),
+                                                     (ref.hidden, step.hidden))]
 
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_device_graphs_match_torch(world, runtime, rows):
+    """The two runtimes of the device loop side by side: the torch model (`TorchRuntime`) and the export."""
     dev = world.device_model
     emb, mask = _caption(world, seed=rows)
-    ref = _TorchSide(dev, emb, mask, rows)
+    ref = TorchRuntime(dev)
+    first = ref.start(emb.numpy(), mask.numpy(), rows)
     step = runtime.start(emb.numpy(), mask.numpy(), rows)
     assert step.center.shape == (rows, dev.config.vocab_size) and step.center.dtype == np.float32
     assert step.hidden.shape == (rows, dev.config.dim) and (step.radius >= 0).all()
-    diffs = {"prefill": _diff(ref.first, step)}
+    diffs = {"prefill": _diff(first, step)}
     toks = torch.randint(0, dev.config.vocab_size, (30,), generator=torch.Generator().manual_seed(rows)).tolist()
     diffs["9 tokens"] = _diff(ref.feed(toks[:9], 0), runtime.feed(toks[:9], 0))
     for i in range(9, 14):
@@ -161,72 +136,20 @@ def test_vq_decoder_matches_torch(world, exported):
 
 
 # ---------------------------------------------------------------------- the device loop on the ONNX graphs
-class _OnnxCache:
-    """The part of `KVCache` the decoder touches, over a `DeviceRuntime` (one session, every row at one length)."""
-
-    def __init__(self, rt: DeviceRuntime, cls_token_num: int):
-        self.rt, self.cls = rt, cls_token_num
-
-    def rollback(self, slot: int, length: int) -> None:
-        self.rt.rollback(length - self.cls)  # the rows of a CFG pair roll back together (idempotent)
-
-    def set_length(self, slots, length: int) -> None:
-        assert length - self.cls == self.rt.length
-
-
-class OnnxDeviceModel:
-    """Test adapter: the `DeviceModel` interface `ciar.collab.decoder` uses (prefill / decode with last_only /
-    new_cache / config / device_config / ciar_defaults), answered by the exported graphs through
-    `ciar_client.runtime.DeviceRuntime`; the configuration comes from the manifest alone."""
-
-    def __init__(self, model_dir: str):
-        self.rt = DeviceRuntime(model_dir, threads=1)
-        m = self.rt.manifest
-        self.config = SimpleNamespace(block_size=m["num_tokens"], cls_token_num=m["cls_token_num"],
-                                      vocab_size=m["vocab_size"])
-        head = m["inter_head"]
-        self.device_config = DeviceConfig(n_layer=m["n_layer"], num_heads=head["num_heads"],
-                                          combine=head["combine"], max_radius=head["max_radius"])
-        self.ciar_defaults = CIARDefaults(**m["ciar_defaults"])
-        self.gpt = SimpleNamespace(tok_embeddings=SimpleNamespace(weight=torch.zeros(0)))  # device / dtype only
-
-    def eval(self):
-        return self
-
-    def new_cache(self, slots: int) -> _OnnxCache:
-        return _OnnxCache(self.rt, self.config.cls_token_num)
-
-    @staticmethod
-    def _out(step, t: bool) -> DeviceOutput:
-        f = (lambda a: torch.from_numpy(a)[:, None]) if t else torch.from_numpy
-        return DeviceOutput(f(step.center), f(step.radius), f(step.hidden))
-
-    def prefill(self, cache, cond, cond_mask=None, drop=None, slots=None, with_heads=False) -> DeviceOutput:
-        rows = cond.shape[0]
-        assert not with_heads and (drop is None) == (rows == 1)
-        assert rows == 1 or drop.tolist() == [False, True]
-        return self._out(self.rt.start(cond[0].numpy(), cond_mask[0].numpy(), rows), False)
-
-    def decode(self, cache, tokens, input_pos, slots=None, kv_len=None, with_heads=False, last_only=False):
-        assert last_only and not with_heads and (tokens == tokens[:1]).all()
-        start = int(input_pos[0]) - self.config.cls_token_num
-        assert input_pos.tolist() == list(range(start + self.config.cls_token_num, kv_len))
-        return self._out(self.rt.feed(tokens[0].tolist(), start), True)
-
-
 def test_device_loop_same_decisions(world, exported):
+    """The simulated phone on either runtime (`ciar.collab.runtime.device_runtime`) makes the same images."""
     from ciar.collab.calibration import val_prompts
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.collab.runtime import device_runtime, make_decoder, make_verifier
 
     verifier = make_verifier(world)
-    onnx_dev = OnnxDeviceModel(exported[0])
     prompts = val_prompts(4, seed=7, start=20_000)
     flips = []
     for i, prompt in enumerate(prompts):
         runs = []
-        for dev in (world.device_model, onnx_dev):
-            # the calibrated point: the two devices' own costs would let the adaptive policy choose differently
-            d = make_decoder(world, verifier, "ciar", device_model=dev, network="none", policy="fixed")
+        for kind in ("torch", "onnx"):
+            rt = device_runtime(kind, world.device_model, world.weights_dir, world.device_file, exported[0])
+            # the calibrated point: the two runtimes' own costs would let the adaptive policy choose differently
+            d = make_decoder(world, verifier, "ciar", network="none", policy="fixed", runtime=rt)
             runs.append(d.generate(prompt, seed=100 + i, trace=True))
         a, b = runs
         assert a.trace.count("device") > 0 and a.trace.count("cloud") > 0  # both paths exercised

@@ -26,7 +26,6 @@
 import * as M from "./maths.js";
 import * as P from "./policy.js";
 
-export const DEVICE_SEED_OFFSET = 2n ** 32n; // ciar.collab.decoder.DEVICE_SEED_OFFSET
 export const PROGRESS_EVERY = 12;
 export const POLICIES = ["adaptive", "fixed"]; // ciar.collab.knobs' `policy`
 
@@ -96,7 +95,6 @@ class Loop {
     this.V = rt.vocabSize;
     this.cfgRows = cfg.sampling.cfg_scale > 1;
     this.temp = cfg.sampling.temperature || 1; // greedy sampling: the box is taken at temperature 1
-    this.rng = new M.DeviceRandom(BigInt(seed) + DEVICE_SEED_OFFSET);
     this.lastProgress = -PROGRESS_EVERY;
     this.tokens = [];
     this.who = [];
@@ -184,7 +182,7 @@ class Loop {
     while (this.tokens.length < this.nTotal) {
       this.progress();
       const t = performance.now();
-      const { sent, used, x } = this.draft();
+      const { sent, used, x } = this.draft(this.tokens.length);
       this.box = null;
       const escalate = !this.offline && this.score(used, x) > cfg.tau;
       if (!this.offline) this.observer.escalation.observe(escalate ? 1 : 0);
@@ -216,12 +214,13 @@ class Loop {
     }
   }
 
-  /** At the current position: { sent: the float16 bits as sent, used: the float32 q drawn from, x: the token }. */
-  draft() {
+  /** Image token `position` (the current output): { sent: the float16 bits as sent, used: the float32 q drawn
+   *  from, x: the token drawn at the position's uniform }. */
+  draft(position) {
     const c = this.step.center;
     const q32 = M.logitsToProbs(this.row(c, 0), this.cfg.sampling, this.cfgRows ? this.row(c, 1) : null);
     const { sent, used } = M.quantizeDraft(q32);
-    return { sent, used, x: M.sample(used, this.rng) };
+    return { sent, used, x: M.sample(used, M.uniform(this.seed, M.DRAFT_STREAM, position)) };
   }
 
   /** The guided logit box of the current position, computed once per position. */
@@ -261,7 +260,7 @@ class Loop {
     const span = [x], spanQ = [sent];
     for (let j = 1; j < k; j++) {
       await this.feed([span[span.length - 1]], i + j - 1);
-      const d = this.draft();
+      const d = this.draft(i + j);
       span.push(d.x);
       spanQ.push(d.sent);
     }

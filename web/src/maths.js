@@ -7,7 +7,7 @@
 //
 //   const q32 = logitsToProbs(cond, sampling, uncond);        // CFG -> temperature -> top-k -> top-p
 //   const { sent, used } = quantizeDraft(q32);                 // float16 bits as sent (Uint16Array), float32 drawn
-//   const x = sample(used, rng);                               // rng = new DeviceRandom(seed)
+//   const x = sample(used, uniform(seed, DRAFT_STREAM, position)); // the draw of image token `position`
 //   const { center, radius } = guidedInterval(cc, rc, cu, ru, cfgScale, temperature);
 //   const escalate = gateScore("lower", { center, radius, drafted: x }) > tau;
 //
@@ -17,9 +17,9 @@
 // (numpy's are pairwise): the float64 results may differ in the last bits, which float32 rounding almost always
 // absorbs.
 //
-// Sampling: the same inverse-CDF rule as the numpy client (one uniform double per draw, the first entry whose float64
-// running sum exceeds u * total), on a SplitMix64 stream seeded by the image's seed: the same distribution as the
-// other devices, not the same draws.
+// Draws: the same inverse-CDF rule as the numpy loop (the first entry whose float64 running sum exceeds u * total) at
+// the same counter-based uniform (`uniform(seed, stream, position)`, splitmix64 on BigInts): from the same draft
+// distribution, the same token as every other device.
 
 const F32_TINY = 1.1754943508222875e-38; // np.finfo(np.float32).tiny
 export const FEATURE_LOGIT_FLOOR = -50.0; // ciar.collab.interval.FEATURE_LOGIT_FLOOR
@@ -205,29 +205,36 @@ export function draftDistribution(sent) {
 }
 
 /** A seeded stream of uniform doubles in [0, 1): SplitMix64 (BigInt), 53 bits per draw. */
-export class DeviceRandom {
-  constructor(seed) {
-    this.state = BigInt.asUintN(64, BigInt(seed));
-  }
+const MASK64 = (1n << 64n) - 1n;
+// the device's draw streams (ciar_client.maths.DRAFT_STREAM / GATE_STREAM)
+export const DRAFT_STREAM = 0x6369617264726166n; // "ciardraf"
+export const GATE_STREAM = 0x6369617267617465n; // "ciargate"
 
-  next() {
-    this.state = BigInt.asUintN(64, this.state + 0x9e3779b97f4a7c15n);
-    let z = this.state;
-    z = BigInt.asUintN(64, (z ^ (z >> 30n)) * 0xbf58476d1ce4e5b9n);
-    z = BigInt.asUintN(64, (z ^ (z >> 27n)) * 0x94d049bb133111ebn);
-    z ^= z >> 31n;
-    return Number(z >> 11n) / 9007199254740992;
-  }
+/** One splitmix64 step on a BigInt in [0, 2**64). */
+export function splitmix64(x) {
+  x = (x + 0x9e3779b97f4a7c15n) & MASK64;
+  x = ((x ^ (x >> 30n)) * 0xbf58476d1ce4e5b9n) & MASK64;
+  x = ((x ^ (x >> 27n)) * 0x94d049bb133111ebn) & MASK64;
+  return x ^ (x >> 31n);
 }
 
-/** One token from q [V] by inverse CDF: u = rng.next(), the first index whose float64 running sum exceeds
- *  u * total. Zero-probability entries are never drawn. */
-export function sample(q, rng) {
+/** The device's uniform double in [0, 1) for image token `position` of the image with `seed`, in `stream`:
+ *  `ciar_client.maths.uniform`, bit for bit (splitmix64 of the seed, then of the stream, then of the position; the
+ *  top 53 bits / 2**53). */
+export function uniform(seed, stream, position) {
+  const s = splitmix64(BigInt.asUintN(64, BigInt(seed)));
+  const z = splitmix64(splitmix64(s ^ BigInt.asUintN(64, BigInt(stream))) ^ BigInt.asUintN(64, BigInt(position)));
+  return Number(z >> 11n) / 9007199254740992;
+}
+
+/** One token from q [V] by inverse CDF at the uniform u in [0, 1) (`uniform`): the first index whose float64 running
+ *  sum exceeds u * total. Zero-probability entries are never drawn. */
+export function sample(q, u) {
   const cdf = new Float64Array(q.length);
   let total = 0;
   for (let i = 0; i < q.length; i++) { total += q[i]; cdf[i] = total; }
   if (!(total > 0) || !Number.isFinite(total)) throw new Error("sample needs a probability vector with a positive, finite total");
-  const target = rng.next() * total;
+  const target = u * total;
   let lo = 0, hi = q.length; // the first index with cdf > target
   while (lo < hi) {
     const mid = (lo + hi) >>> 1;

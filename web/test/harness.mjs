@@ -40,9 +40,12 @@ function typed(args) {
 function maths(input) {
   return input.calls.map(({ fn, args }) => {
     try {
-      if (fn === "sampleMany") { // [q, seed, n]: n draws from one stream
-        const [q, seed, n] = args, rng = new M.DeviceRandom(BigInt(seed));
-        return Array.from({ length: n }, () => M.sample(Float32Array.from(q), rng));
+      if (fn === "sampleMany") { // [q, seed, n]: the draws of positions 0 .. n - 1
+        const [q, seed, n] = args, qf = Float32Array.from(q);
+        return Array.from({ length: n }, (_, i) => M.sample(qf, M.uniform(seed, M.DRAFT_STREAM, i)));
+      }
+      if (fn === "uniforms") { // [[seed (a decimal string), stream (a decimal string), position], ...]
+        return args[0].map(([seed, stream, position]) => M.uniform(BigInt(seed), BigInt(stream), position));
       }
       if (fn === "quantizeDraft") {
         const { sent, used } = M.quantizeDraft(Float32Array.from(args[0]));
