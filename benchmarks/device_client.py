@@ -18,8 +18,10 @@ headless chromium, onnxruntime-web on WebAssembly, one thread), driven by `loadt
 over the same endpoint with the same downloaded model; its device time is the tab's own (onnxruntime-web + the
 page's maths). Every device is compared with the cluster's.
 
-All make the same distributions with different draws (torch's generator vs numpy's), so their figures agree only
-within noise. Noise is measured, not assumed: for each device the same figure under two seeds (different images of
+The cluster's phones run the torch runtime, the client and the browser the exported model: every device draws at the
+same position-keyed uniforms, so they make the same image wherever their float16 drafts agree, and their figures
+differ only by the drafts a runtime's rounding flips (the cluster on the onnx runtime makes the client's images:
+tests/client/test_web_loop.py). Noise is measured, not assumed: for each device the same figure under two seeds (different images of
 the same prompts), and the paired standard error over prompts of the client-minus-cluster difference. Reported per
 device and seed: cloud-call rate, cloud requests per image, fidelity (the attribute probe's accuracy on the decoded
 images), device ms per token (the client: onnxruntime + numpy; the cluster: torch, as its stats report it), bytes

@@ -23,8 +23,8 @@ come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open
 
 Resumption. Sessions outlive their connection (until the verifier's idle timeout): a device that reconnects goes
 on with the same session ids and tokens; one that lost a reply in flight, or finds its session gone (410), sends
-RESUME with its committed history (`ciar_client.connection` does both) and gets a bit-identical image
-(position-keyed randomness on the cloud). Every message is safe to send again after a lost reply (an OPEN is answered
+RESUME with its committed history (`ciar_client.connection` does both) and gets the same image (docs/architecture.md,
+Determinism). Every message is safe to send again after a lost reply (an OPEN is answered
 as the first was: `ciar.collab.service`); the table is in docs/architecture.md §5. Every call to the verifier has a
 deadline (`verifier_call_timeout_s`); a request in flight when its connection closes is cancelled on the verifier.
 """

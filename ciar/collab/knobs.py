@@ -119,8 +119,8 @@ _KNOBS = (
     Knob("policy", str, "adaptive", "the image's operating point: adaptive, the span and burst (at least the "
          "calibrated ones) or cloud-only that minimise the expected time to finish the image from the link, device "
          "and verifier costs the device observed on its earlier images (ciar_client.policy; the stats report the "
-         "point, and the same request with it as fixed knobs makes the same image); fixed, the calibrated span and "
-         "burst always (the paper's tables)", choices=("fixed", "adaptive"), request=True, live=True),
+         "point: docs/architecture.md, Determinism); fixed, the calibrated span and burst always (the paper's "
+         "tables)", choices=("fixed", "adaptive"), request=True, live=True),
     Knob("overload_verifier_s", float, None, "graceful degradation under overload: when the device's running "
          "estimate of the verifier's seconds per exchange (queue wait + its forwards, as the replies report them) is "
          "past this, the image's gate runs at tau x overload_tau_factor (fewer cloud calls, lower fidelity; the stats "

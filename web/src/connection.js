@@ -14,7 +14,7 @@
 // open session it keeps the OPEN request, the session token and the committed tokens both sides agree on, with the
 // interval features sent along the way; when the socket drops it reconnects (backoff, `retries` attempts) and, for a
 // verify that was in flight or a 410 (the verifier lost the session), re-creates the session from that history
-// (RESUME) and sends the request again: the cloud's position-keyed randomness gives the same image. An OPEN or a
+// (RESUME) and sends the request again (the same image: docs/architecture.md, Determinism). An OPEN or a
 // CLOSE whose reply was lost is sent again as it is (the verifier answers a repeated OPEN as the first; closing a
 // session it does not hold does nothing). The retry semantics of every message: docs/architecture.md §5.
 
