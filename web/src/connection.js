@@ -261,10 +261,13 @@ export class DeviceConnection {
     return reply;
   }
 
+  /** Close a session, best effort: sent on a live connection only (a close never reconnects: after the link was
+   *  lost the verifier frees the idle session itself); the local state goes either way. */
   async close(sessionId) {
     const s = this.sessions.get(sessionId);
     if (!s) return;
     this.sessions.delete(sessionId);
+    if (this.ws === null) return;
     try {
       await this.retrying(() => this.exchange(CLOSE, { session_id: sessionId }, s.token));
     } catch (err) { // best effort: the verifier frees idle sessions itself

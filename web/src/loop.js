@@ -138,10 +138,12 @@ class Loop {
         if (st.device_forward_passes) this.observer.deviceStep.update(st.device_s / st.device_forward_passes);
       }
     } catch (err) {
-      if (!this.offline) await this.client.close(this.sid).catch(() => {}); // the error in flight is the one to report
+      await this.client.close(this.sid).catch(() => {}); // the error in flight is the one to report
       throw err;
     }
-    if (!this.offline) await this.client.close(this.sid);
+    // every image ends with a close, best effort (ciar_client.loop's rule): the image is complete, and a transport
+    // whose link is gone sends none
+    await this.client.close(this.sid).catch(() => {});
     this.st.total_tokens = this.tokens.length;
     this.st.wall_s = (performance.now() - t0) / 1000;
     this.progress(true);
