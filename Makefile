@@ -24,11 +24,11 @@ PYTEST_ARGS ?=
 
 .PHONY: setup lock test test-slow serve load clean-venv browser onnx web
 
-$(STAMP): pyproject.toml client/pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml device/pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet -c $(LOCK) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ./client
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ./device
 	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[serve,load,test,export]"
 	touch $(STAMP)
 
@@ -45,7 +45,7 @@ lock:
 	$(PYTHON) -m venv "$$tmp/venv" && \
 	"$$tmp/venv/bin/python" -m pip install --quiet --upgrade pip packaging && \
 	"$$tmp/venv/bin/python" -m pip install --quiet --dry-run --ignore-installed --report "$$tmp/report.json" \
-	  "$(TORCH_SPEC)" -e ./client -e ".[serve,load,test,export]" && \
+	  "$(TORCH_SPEC)" -e ./device -e ".[serve,load,test,export]" && \
 	"$$tmp/venv/bin/python" tests/test_lock.py --report "$$tmp/report.json" --out $(LOCK)
 	@echo "lock: review git diff $(LOCK), then make setup && make test"
 

@@ -1,4 +1,4 @@
-"""The torch-free device client (`ciar_client`: ONNX + numpy, over the device endpoint's socket) against the
+"""The torch-free device client (`ciar_device`: ONNX + numpy, over the device endpoint's socket) against the
 in-cluster device (the torch `CollabDecoder` in a Device replica), on the same held-out prompts and seeds, through
 one running cluster.
 
@@ -11,7 +11,7 @@ waits off (`Device.realtime=false`: the decisions do not depend on them) and sto
 (the first --num-prompts scenes of the held-out split), both devices make image seed s * 1000003 + i with method
 ciar and the device file's calibrated defaults: the in-cluster device through POST /v1/images/generations
 (response_format tokens, network none), the client through `ws://.../v1/device/sessions` with the device model it
-downloads from the cluster (GET /v1/device/model), as `python -m ciar_client` does.
+downloads from the cluster (GET /v1/device/model), as `python -m ciar_device` does.
 
 With --browser, a third device makes the same images: the playground's browser device (web/src in a Web Worker of
 headless chromium, onnxruntime-web on WebAssembly, one thread), driven by `loadtests.playground.browser_generate`,
@@ -21,7 +21,7 @@ page's maths). Every device is compared with the cluster's.
 The cluster's phones run the torch runtime, the client and the browser the exported model: every device draws at the
 same position-keyed uniforms, so they make the same image wherever their float16 drafts agree, and their figures
 differ only by the drafts a runtime's rounding flips (the cluster on the onnx runtime makes the client's images:
-tests/client/test_web_loop.py). Noise is measured, not assumed: for each device the same figure under two seeds (different images of
+tests/device/test_web_loop.py). Noise is measured, not assumed: for each device the same figure under two seeds (different images of
 the same prompts), and the paired standard error over prompts of the client-minus-cluster difference. Reported per
 device and seed: cloud-call rate, cloud requests per image, fidelity (the attribute probe's accuracy on the decoded
 images), device ms per token (the client: onnxruntime + numpy; the cluster: torch, as its stats report it), bytes
@@ -108,10 +108,10 @@ def run(http_url: str, api_key: str, device_key: str, prompts: list[str], seeds:
     over the prompts, then (browser) the browser device on the same prompts and seeds."""
     from tqdm import tqdm
 
-    from ciar_client.connection import DeviceConnection
-    from ciar_client.fetch import fetch_model
-    from ciar_client.loop import generate
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.fetch import fetch_model
+    from ciar_device.loop import generate
+    from ciar_device.runtime import DeviceRuntime
 
     ws_url = "ws" + http_url[len("http"):]
     runtime = DeviceRuntime(fetch_model(ws_url, device_key))

@@ -37,12 +37,12 @@ from ciar.collab.network import get_profile
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.results import write_results
 from ciar.world import load_world
-from ciar_client import loop as L
-from ciar_client import maths as M
+from ciar_device import loop as L
+from ciar_device import maths as M
 
 
 class GuessRecorder:
-    """Wraps the device loop's commit (`ciar_client.loop._Image.commit`): before a reply whose drafts were all
+    """Wraps the device loop's commit (`ciar_device.loop._Image.commit`): before a reply whose drafts were all
     accepted is committed, the device's output at the next token's position (its last draft fed) is compared with the
     cloud's next token."""
 

@@ -42,7 +42,7 @@ async def _run(world, mode: str, devices: int, seconds: float, seed: int) -> dic
     from ciar.collab.runtime import make_verifier
     from ciar.collab.service import VerifierService, session_token
     from ciar.decoding.sampling import SamplingParams
-    from ciar_client.wire import OpenRequest, VerifyRequest
+    from ciar_device.wire import OpenRequest, VerifyRequest
 
     core = make_verifier(world, max_sessions=max(devices, 1), projector=False)
     service = VerifierService(core, "bench-secret", 0.005, engine_thread=(mode == "thread"))

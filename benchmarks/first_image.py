@@ -3,7 +3,7 @@
     python -m benchmarks.first_image --num-prompts 30 --out benchmarks/results/DATE/first_image.json
 
 A phone that asks for one image has observed nothing of its costs. The adaptive policy primes its estimates before
-the open (`ciar_client.policy.CostObserver.prime`): half the round trip of its connection's handshake (HELLO and
+the open (`ciar_device.policy.CostObserver.prime`): half the round trip of its connection's handshake (HELLO and
 WELCOME through its link's network model), one timed step of its own, and the verifier's recent span forward,
 sampled step and queue wait (`CloudVerifier.cost_hint`, which WELCOME carries to a device on the network). This
 runs each held-out prompt as the first image of a new device (a new decoder and observer per image; the step is
@@ -32,7 +32,7 @@ from benchmarks.collab import load_prompts
 from ciar.collab.runtime import make_decoder, make_verifier
 from ciar.results import write_results
 from ciar.world import load_world
-from ciar_client.policy import CostObserver
+from ciar_device.policy import CostObserver
 
 LINKS = ("5g", "wifi", "4g")
 METHODS = {"cloud-only": ("cloud", {}), "fixed CIAR": ("ciar", {"policy": "fixed"}),

@@ -57,9 +57,9 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 try:  # the device side's package (numpy only); on a bare GPU machine it is not installed, only checked out
-    import ciar_client  # noqa: F401
+    import ciar_device  # noqa: F401
 except ImportError:
-    sys.path.insert(0, os.path.join(REPO, "client"))
+    sys.path.insert(0, os.path.join(REPO, "device"))
 
 SPAN = 5  # positions a span verify feeds: the committed-but-unfed token and 4 drafts
 IMAGE_POS = 248  # image position of the span / decode (near the end of a 256-token image: the longest keys)
@@ -399,7 +399,7 @@ class Suite:
         caption embeddings, and spans(ids) -> a VERIFY of SPAN - 1 random drafts (uniform draft distributions) per
         session id, from a draw stream of its own."""
         from ciar.decoding.sampling import SamplingParams
-        from ciar_client.wire import OpenRequest, VerifyRequest
+        from ciar_device.wire import OpenRequest, VerifyRequest
 
         c = self.gpt().config
         k = SPAN - 1

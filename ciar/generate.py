@@ -32,7 +32,7 @@ import time
 
 from ciar.collab.names import METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
 from ciar.world_spec import add_world_arguments, world_from_args
-from ciar_client.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
+from ciar_device.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
                              write_file)
 
 PROG = "python -m ciar.generate"

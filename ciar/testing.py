@@ -205,13 +205,13 @@ def make_tiny_t5(folder: str, d_model: int = 32, num_layers: int = 2, num_heads:
 
 
 def cutting_connection(url: str, key: str, vocab_size: int, cuts=(), **kw):
-    """A `ciar_client.connection.DeviceConnection` that cuts its socket right after sending the verifies numbered in
+    """A `ciar_device.connection.DeviceConnection` that cuts its socket right after sending the verifies numbered in
     `cuts` (1-based), before their replies arrive: the connection drops with a request in flight, as in a tunnel
     (fault injection for the resumption tests and the device-channel fuzz run)."""
     import time
 
-    from ciar_client import wire
-    from ciar_client.connection import DeviceConnection, _Dropped
+    from ciar_device import wire
+    from ciar_device.connection import DeviceConnection, _Dropped
 
     class CuttingConnection(DeviceConnection):
         def __init__(self):

@@ -210,11 +210,11 @@ def parse_overload(spec: str | None) -> tuple[float, float] | None:
 
 
 class ObservingClient(HandleClient):
-    """A replay client that keeps, as a device does (`ciar_client.policy.CostObserver.verifier`), a running
+    """A replay client that keeps, as a device does (`ciar_device.policy.CostObserver.verifier`), a running
     estimate of the verifier's seconds per verify exchange (queue wait + its forwards, from the replies)."""
 
     def __init__(self, handle, device_id: str):
-        from ciar_client.policy import Ewma
+        from ciar_device.policy import Ewma
 
         super().__init__(handle, device_id)
         self.verifier = Ewma()

@@ -5,12 +5,12 @@
                                                                                          # cluster (make serve)
     python -m loadtests.devices --worker runs/devices/clients/plan-0.json     # one client (the parent starts these)
 
-Each client is its own OS process (`--worker PLAN`): a `ciar_client.runtime.DeviceRuntime` (onnxruntime, one
-thread), one `ciar_client.connection.DeviceConnection` (one WebSocket, the device key) and
-`ciar_client.loop.generate`, images one after another. Client c's j-th image is scene `c * images + j` of the
+Each client is its own OS process (`--worker PLAN`): a `ciar_device.runtime.DeviceRuntime` (onnxruntime, one
+thread), one `ciar_device.connection.DeviceConnection` (one WebSocket, the device key) and
+`ciar_device.loop.generate`, images one after another. Client c's j-th image is scene `c * images + j` of the
 held-out split (`ciar.data.scenes`, seed --seed) with image seed `seed * 1000003 + index` (benchmarks.collab's
 rule), so every image of a run has its own prompt; the parent picks them (the clients import no torch). The device
-model is the one the server serves (`ciar_client.fetch`, once, by the parent) unless --model-dir names an export.
+model is the one the server serves (`ciar_device.fetch`, once, by the parent) unless --model-dir names an export.
 Bounded in count and time: a client stops after `images` images or at the deadline (it starts no image after it;
 one underway finishes, each reply bounded by --reply-timeout); the parent waits until the deadline plus --grace,
 then stops the clients still running, each by its own PID (SIGTERM to the process group it was started in, then
@@ -70,8 +70,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from ciar_client import wire
-from ciar_client.connection import ConnectionRefused, DeviceConnection
+from ciar_device import wire
+from ciar_device.connection import ConnectionRefused, DeviceConnection
 from loadtests.plan import mean as _mean
 from loadtests.plan import percentile
 
@@ -146,9 +146,9 @@ def exchange_rows(conn: RecordingConnection, start: int) -> list[dict]:
 def run_worker(plan: dict) -> int:
     """One client process: the plan's images until done or past the deadline; one JSON line per image. -> 0, or 2
     when the server refused the device for good."""
-    from ciar_client.loop import generate
-    from ciar_client.policy import CostObserver
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device.loop import generate
+    from ciar_device.policy import CostObserver
+    from ciar_device.runtime import DeviceRuntime
 
     rt = DeviceRuntime(plan["model_dir"], threads=1)
     # one device: the adaptive policy's estimates kept across its images (the first primed from the WELCOME)
@@ -195,7 +195,7 @@ class ClientsConfig:
     duration_s: float = 60.0  # no image starts after this
     out: str = "runs/devices"
     key: str = DEVICE_KEY
-    model_dir: str | None = None  # None: fetched from the server (ciar_client.fetch)
+    model_dir: str | None = None  # None: fetched from the server (ciar_device.fetch)
     seed: int = 0
     split: str = "heldout"
     grace_s: float = 60.0  # past the deadline, before the parent stops a client
@@ -229,7 +229,7 @@ class DeviceClients:
     def model_dir(self) -> str:
         if self.cfg.model_dir:
             return os.path.abspath(self.cfg.model_dir)
-        from ciar_client.fetch import fetch_model
+        from ciar_device.fetch import fetch_model
 
         return fetch_model(self.cfg.url, self.cfg.key)
 

@@ -20,7 +20,7 @@ The device channel (--device-frames N: about N hypothesis frames, plus the fixed
 frame limits, out-of-order frames, wrong / replayed / foreign session tokens, hundreds of sessions, a slow reader,
 connection limits) runs against ws://HOST/v1/device/sessions as the device key given first (--device-key; default
 the development key ciar-dev-device-key), a second device key being the other device (cross-device probes) and the
-witnesses' (`ciar_client.loop.generate` on the exported device model, --onnx-dir, default <weights>/onnx: make it
+witnesses' (`ciar_device.loop.generate` on the exported device model, --onnx-dir, default <weights>/onnx: make it
 with `python -m pipelines.export_onnx`). Without --host a second key is made up and accepted by its digest, and the
 endpoint's limits are read from the config. Their images during the fuzz must equal the quiet ones; the health
 route must answer after it; the logs are also searched for both device keys and every session token seen. The slow

@@ -28,7 +28,7 @@ rate, their calibration record, burst, span) stays as it is; without it the taus
 
 The adaptive policy's starting rates (`--policy-rates`): CIAR at the file's calibrated gate, tau, span and burst on
 the first `--policy-prompts` val prompts; the gate's escalation rate and the cloud's acceptance of the span's
-first and later drafts are written as extra["ciar"]["policy_rates"] (`ciar_client.policy.CostObserver` starts from
+first and later drafts are written as extra["ciar"]["policy_rates"] (`ciar_device.policy.CostObserver` starts from
 them; a device then follows its own).
 """
 
@@ -141,7 +141,7 @@ def measure_policy_rates(models: tuple, n: int, seed: int) -> dict:
     """CIAR at the device file's calibrated point (fixed policy, no network) on `n` val prompts (`models`:
     `load_models`'s) -> {"rates": escalation_rate / accept_first / accept_next, "calibration": the record written
     beside them}."""
-    from ciar_client.policy import CostObserver
+    from ciar_device.policy import CostObserver
 
     world, device, verifier = models
     observer = CostObserver(decay=1.0)  # a plain average over the prompts

@@ -1,4 +1,4 @@
-"""Export a world's device model and VQ decoder to ONNX, for the torch-free device client (`ciar_client.runtime`).
+"""Export a world's device model and VQ decoder to ONNX, for the torch-free device client (`ciar_device.runtime`).
 
     python -m pipelines.export_onnx                                  # the shipped world -> weights/scenes-v2/onnx/
     python -m pipelines.export_onnx --weights runs/w-v4 --out /tmp/onnx

@@ -333,13 +333,13 @@ class Ingress:
 
     @api.websocket("/v1/device/sessions")
     async def device_sessions(self, ws: WebSocket) -> None:
-        """Real devices: the CIAR protocol over a WebSocket (services.device_endpoint, ciar_client.wire)."""
+        """Real devices: the CIAR protocol over a WebSocket (services.device_endpoint, ciar_device.wire)."""
         if self.endpoint is None:
             await ws.close(code=1008, reason="no device endpoint on this deployment")
             return
         if not self._started and (missing := await self.readiness()):  # a device reconnects after the retry time
             await ws.accept()
-            from ciar_client import wire
+            from ciar_device import wire
 
             await ws.close(code=wire.CLOSE_OVERLOADED, reason=f"the cluster is starting (no {' or '.join(missing)}): "
                            f"retry after {self.retry_after_s} s")

@@ -1,8 +1,8 @@
 """The device endpoint: real devices (phones, laptops, browsers) run the CIAR loop against the verifier pool.
 
-    ws://HOST:8000/v1/device/sessions     (a route of the Ingress; `python -m ciar_client` speaks it)
+    ws://HOST:8000/v1/device/sessions     (a route of the Ingress; `python -m ciar_device` speaks it)
 
-One WebSocket carries any number of a device's sessions; every message is one binary frame of `ciar_client.wire`
+One WebSocket carries any number of a device's sessions; every message is one binary frame of `ciar_device.wire`
 (the codec the cluster and the torch-free client share). The connection starts with HELLO (the device key) and the
 server answers WELCOME (the device's id and the limits below) or closes with a reason. Then OPEN / VERIFY / RESUME /
 CLOSE frames are forwarded to the Verifier deployment exactly as the simulated devices' calls are: through its
@@ -23,7 +23,7 @@ come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open
 
 Resumption. Sessions outlive their connection (until the verifier's idle timeout): a device that reconnects goes
 on with the same session ids and tokens; one that lost a reply in flight, or finds its session gone (410), sends
-RESUME with its committed history (`ciar_client.connection` does both) and gets the same image (docs/architecture.md,
+RESUME with its committed history (`ciar_device.connection` does both) and gets the same image (docs/architecture.md,
 Determinism). Every message is safe to send again after a lost reply (an OPEN is answered
 as the first was: `ciar.collab.service`); the table is in docs/architecture.md §5. Every call to the verifier has a
 deadline (`verifier_call_timeout_s`); a request in flight when its connection closes is cancelled on the verifier.
@@ -45,8 +45,8 @@ from typing import Any, Protocol
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from ciar.collab.service import session_token  # noqa: F401 - the token the Verifier issues (re-exported)
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               CloseReply, ErrorReply, Frame, VersionError, WireError, Welcome)
 
 logger = logging.getLogger("ray.serve")
@@ -100,7 +100,7 @@ class VerifierBackend(Protocol):
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None: ...
 
-    async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_client.policy.CostHint) or None
+    async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_device.policy.CostHint) or None
 
 
 async def within(response, limit_s: float, what: str):
@@ -300,7 +300,7 @@ class DeviceEndpoint:
             return None
         data = msg.get("bytes")
         if data is None:
-            raise _Close(wire.CLOSE_PROTOCOL, "binary frames only (ciar_client.wire)")
+            raise _Close(wire.CLOSE_PROTOCOL, "binary frames only (ciar_device.wire)")
         if len(data) > self.limits.max_frame_bytes:
             raise _Close(wire.CLOSE_TOO_BIG, f"frame of {len(data)} bytes over the {self.limits.max_frame_bytes}-byte "
                                              "limit")

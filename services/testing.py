@@ -95,7 +95,7 @@ class CuttingProxy:
         self.url = ""
 
     def _cut_here(self, direction: str, data: bytes) -> str | None:
-        from ciar_client import wire
+        from ciar_device import wire
 
         try:
             ftype = wire.decode_header(data)[1]

@@ -3,7 +3,7 @@
 - it is well formed: one `name==version` a line, each name once, none of the packages it must leave alone (torch,
   which TORCH_SPEC installs; pip, setuptools, wheel; the project's own editable packages);
 - every requirement of pyproject.toml (its dependencies and the extras `make setup` installs) and of
-  client/pyproject.toml is pinned there, and the pin lies within the declared range;
+  device/pyproject.toml is pinned there, and the pin lies within the declared range;
 - the running interpreter has exactly the pinned versions, and every package the project's requirements pull in
   (followed through the installed metadata, not into torch) is pinned: a lock and a .venv that drifted apart fail
   here, saying to run `make setup` (install the pins) or `make lock` (move the lock on).
@@ -30,10 +30,10 @@ from packaging.version import Version
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK = os.path.join(REPO, "constraints.txt")
-# what the Makefile installs: `pip install -e ./client`, then `pip install -e ".[serve,load,test,export]"`
+# what the Makefile installs: `pip install -e ./device`, then `pip install -e ".[serve,load,test,export]"`
 EXTRAS = ("serve", "load", "test", "export")
-ROOTS = (("ciar", EXTRAS), ("ciar-client", ()))
-OWN = {"ciar", "ciar-client"}
+ROOTS = (("ciar", EXTRAS), ("ciar-device", ()))
+OWN = {"ciar", "ciar-device"}
 # torch (and what only torch needs: networkx here, nvidia-* and triton with CUDA builds) comes from the Makefile's
 # TORCH_SPEC line, so the lock neither pins it nor follows its requirements; pip, setuptools and wheel are the venv's
 TORCH = {"torch"}
@@ -43,9 +43,9 @@ FIX = ("run `make setup` to install the locked versions into .venv, or `make loc
 
 HEADER = """\
 # The dependency lock: the exact version of every package `make setup` installs for the project, used as pip
-# constraints by its two installs (`pip install -c constraints.txt -e ./client` and
+# constraints by its two installs (`pip install -c constraints.txt -e ./device` and
 # `pip install -c constraints.txt -e ".[serve,load,test,export]"`), so a fresh clone gets what the tests passed with.
-# Generated, do not edit: `make lock` resolves pyproject.toml's and client/pyproject.toml's ranges afresh (together
+# Generated, do not edit: `make lock` resolves pyproject.toml's and device/pyproject.toml's ranges afresh (together
 # with TORCH_SPEC) in a throwaway venv under /tmp and rewrites this file, so the lock moves forward only on purpose;
 # review `git diff constraints.txt`, then `make setup` and `make test`. tests/test_lock.py (run by `make test`) checks
 # that every declared requirement is pinned here within its range and that .venv has exactly these versions.
@@ -167,7 +167,7 @@ def _declared() -> list:
                 for r in importlib.metadata.requires(name) or []
                 if any(_applies(Requirement(r), e) for e in ("",) + extras)]
     out = []
-    for rel, extras in (("pyproject.toml", EXTRAS), (os.path.join("client", "pyproject.toml"), ())):
+    for rel, extras in (("pyproject.toml", EXTRAS), (os.path.join("device", "pyproject.toml"), ())):
         with open(os.path.join(REPO, rel), "rb") as f:
             project = tomllib.load(f)["project"]
         lines = list(project.get("dependencies", []))
@@ -184,7 +184,7 @@ def test_lock_is_well_formed_and_leaves_torch_to_torch_spec():
     assert len(pins) > 50, "constraints.txt pins almost nothing: run `make lock`"
     wrong = sorted(set(pins) & NOT_PINNED)
     assert not wrong, f"constraints.txt must not pin {wrong}: torch comes from the Makefile's TORCH_SPEC (GPU users " \
-                      f"bring their own), pip/setuptools/wheel are the venv's, ciar and ciar-client are this checkout"
+                      f"bring their own), pip/setuptools/wheel are the venv's, ciar and ciar-device are this checkout"
 
 
 def test_every_declared_requirement_is_pinned_within_its_range():

@@ -4,7 +4,7 @@
     result = decoder.generate("a small red circle at the top on a gray background", seed=0)
     result.tokens   # [N] int64 image tokens;  result.stats  # GenerationStats (ciar.collab.stats)
 
-The loop itself (open, draft, gate, span, verify, commit, roll back, go offline) is `ciar_client.loop`, the one
+The loop itself (open, draft, gate, span, verify, commit, roll back, go offline) is `ciar_device.loop`, the one
 Python device loop, which real devices run too; this module keeps what is the cluster's: the knobs and their
 validation (`CollabConfig`, `ciar.collab.knobs`), the method presets (`method_config`), and the wiring of a
 simulated device (`CollabDecoder`): the torch model as the loop's runtime (`ciar.collab.device.TorchRuntime`), a
@@ -23,7 +23,7 @@ Methods (`METHODS`, the same names in the CLI, the benchmark and the HTTP API):
   entropy / softmax / random / topk - CIAR with its gate replaced (paper Tables 2 and 3).
 
 Seeds: the cloud's stream is `seed` (so `cloud` equals `ciar.decoding.generate_cloud` with the same seed); the
-device's draws and the random gate's scores are keyed by (seed, position) (`ciar_client.maths.uniform`); the network
+device's draws and the random gate's scores are keyed by (seed, position) (`ciar_device.maths.uniform`); the network
 model's jitter/loss stream is seeded with `seed`, the handshake that primes the adaptive policy with
 `seed + HANDSHAKE_SEED_OFFSET`.
 
@@ -50,9 +50,9 @@ from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.protocol import CloudClient, RuleConfig, VerifyRequest
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.sampling import SamplingParams
-from ciar_client.loop import Clock, Link, LoopConfig, run_image
-from ciar_client.policy import CostObserver
-from ciar_client.wire import Hello, Welcome
+from ciar_device.loop import Clock, Link, LoopConfig, run_image
+from ciar_device.policy import CostObserver
+from ciar_device.wire import Hello, Welcome
 
 HANDSHAKE_SEED_OFFSET = 3 << 32  # the simulated link of a device's handshake (`CollabDecoder.prime`)
 # a connection's HELLO and WELCOME (a 32-character key and device id): the handshake whose round trip primes the link
@@ -91,7 +91,7 @@ class CollabConfig:
     network: str = "5g"  # ciar.collab.network profile name (options: get_profile)
     link_drop_after: int | None = _default("link_drop_after")  # simulation: the link goes down after this many messages
     fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
-    policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar_client.policy)
+    policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar_device.policy)
     cloud_step_price_s: float = _default("cloud_step_price_s")  # adaptive: an operator's price of one cloud step
     overload_verifier_s: float | None = _default("overload_verifier_s")  # degradation under overload (None: off)
     overload_tau_factor: float = _default("overload_tau_factor")  # ... its budget: tau x at most this
@@ -140,7 +140,7 @@ class CollabConfig:
         return out
 
     def loop_config(self, sampling: SamplingParams) -> LoopConfig:
-        """The device loop's knobs (`ciar_client.loop.LoopConfig`) of this resolved config."""
+        """The device loop's knobs (`ciar_device.loop.LoopConfig`) of this resolved config."""
         return LoopConfig(gate=self.gate, tau=self.tau, span=self.span, burst=self.burst,
                           burst_entropy=self.burst_entropy, prefix_rate=self.prefix_rate,
                           feature_top=self.feature_top, inter_enhance=self.inter_enhance, sampling=sampling,
@@ -265,7 +265,7 @@ class SimulatedLink(Link):
 
 class CollabDecoder:
     """A simulated device: the configuration of collaborative decoding (config, sampling, the device model, the
-    cloud client) wired into the device loop (`ciar_client.loop.run_image`) with its plug-ins: the torch model as
+    cloud client) wired into the device loop (`ciar_device.loop.run_image`) with its plug-ins: the torch model as
     the runtime (`TorchRuntime`), a `SimulatedLink` per image and a `Clock` stretched by `device_slowdown`."""
 
     def __init__(self, device: DeviceModel | None, client: CloudClient, config: CollabConfig,

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 from ciar.collab.knobs import KNOBS
 from ciar.collab.names import GATES
-from ciar_client.policy import POLICY_RATES
-from ciar_client.wire import RuleConfig
+from ciar_device.policy import POLICY_RATES
+from ciar_device.wire import RuleConfig
 
 EXTRA_KEY = "ciar"
 DEFAULT_SPAN = 4  # draft tokens per verification of a device file that names none

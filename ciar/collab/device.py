@@ -29,7 +29,7 @@ from ciar.collab.interval import InterHead
 from ciar.models.checkpoint import load_strict, read_model_file, save_model
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.kv_cache import KVCache
-from ciar_client.runtime import Step
+from ciar_device.runtime import Step
 
 DEVICE_KIND = "ciar_device"
 DEVICE_DEPTHS = (1, 2, 3, 5)  # the paper's device depths (Table 6)
@@ -126,7 +126,7 @@ class DeviceModel(nn.Module):
     def step_seconds(self, rows: int = 1, repeats: int = 3) -> float:
         """Seconds of one cached decode step over `rows` cache rows (2 under CFG), the median of `repeats` after a
         warm-up, on a condition of zeros: what a device knows of its own step before its first image (the adaptive
-        policy's prior, `ciar_client.policy.CostObserver.prime`; its images' own steps, with the gate's maths,
+        policy's prior, `ciar_device.policy.CostObserver.prime`; its images' own steps, with the gate's maths,
         replace it)."""
         c = self.config
         weight = self.gpt.tok_embeddings.weight
@@ -162,9 +162,9 @@ class DeviceModel(nn.Module):
 
 
 class TorchRuntime:
-    """The torch device model behind the device loop's runtime interface (`ciar_client.runtime.DeviceRuntime`'s:
+    """The torch device model behind the device loop's runtime interface (`ciar_device.runtime.DeviceRuntime`'s:
     `start`, `feed`, `rollback`, `step_seconds`; numpy in and out), one image at a time: the cluster's simulated
-    phones run `ciar_client.loop` on it. A voting device's steps carry every head's box (`Step.heads`)."""
+    phones run `ciar_device.loop` on it. A voting device's steps carry every head's box (`Step.heads`)."""
 
     def __init__(self, model: DeviceModel):
         self.model = model.eval()

@@ -118,7 +118,7 @@ _KNOBS = (
          "failing"),
     Knob("policy", str, "adaptive", "the image's operating point: adaptive, the span and burst (at least the "
          "calibrated ones) or cloud-only that minimise the expected time to finish the image from the link, device "
-         "and verifier costs the device observed on its earlier images (ciar_client.policy; the stats report the "
+         "and verifier costs the device observed on its earlier images (ciar_device.policy; the stats report the "
          "point: docs/architecture.md, Determinism); fixed, the calibrated span and burst always (the paper's "
          "tables)", choices=("fixed", "adaptive"), request=True, live=True),
     Knob("overload_verifier_s", float, None, "graceful degradation under overload: when the device's running "

@@ -15,8 +15,8 @@ samples after the next token, exact cloud tokens that cost a cloud step each and
 
 `CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
 it with direct calls (tests, benchmarks, CLI), `services.device.RayCloudClient` over Ray handles (the simulated
-devices in the cluster), `ciar_client.connection.DeviceConnection` over a WebSocket (real devices). The messages
-and their binary encoding are defined once in `ciar_client.wire` (numpy only, shared with the torch-free device
+devices in the cluster), `ciar_device.connection.DeviceConnection` over a WebSocket (real devices). The messages
+and their binary encoding are defined once in `ciar_device.wire` (numpy only, shared with the torch-free device
 client): an 8-byte header, token ids bit-packed at ceil(log2 V) bits, float vectors as float16. Each message's
 `nbytes()` is the exact size of its frame, so a simulated link charges the bytes a real socket carries.
 
@@ -40,7 +40,7 @@ import torch
 
 # the messages are defined once, with their wire encoding, in the client package's codec (numpy only), so that the
 # cluster and a torch-free device share the very same module
-from ciar_client.wire import (HEADER_BYTES, CloseRequest, InjectedFeatures, OpenReply, OpenRequest,  # noqa: F401
+from ciar_device.wire import (HEADER_BYTES, CloseRequest, InjectedFeatures, OpenReply, OpenRequest,  # noqa: F401
                               ResumeRequest, RuleConfig, VerifyReply, VerifyRequest, feature_bytes, token_bytes)
 
 
@@ -141,6 +141,6 @@ class CloudClient(Protocol):
 
     def close(self, session_id: str) -> None: ...
 
-    # optional: `cost_hint() -> ciar_client.policy.CostHint | None`, the verifier's recent span forward, sampled
+    # optional: `cost_hint() -> ciar_device.policy.CostHint | None`, the verifier's recent span forward, sampled
     # step and queue wait, which the adaptive policy starts from before a device's first image (`CollabDecoder`
     # reads it when the client has it; WELCOME carries it to a device on the network)

@@ -37,7 +37,7 @@ import torch
 
 from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.protocol import ForwardFault, SessionLostError
-from ciar_client.history import SessionHistory
+from ciar_device.history import SessionHistory
 
 
 def _is_session_lost(exc: BaseException) -> bool:

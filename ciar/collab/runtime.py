@@ -7,7 +7,7 @@
                                                                         world.weights_dir, world.device_file))
 
 A simulated device runs its model on one of two runtimes (`RUNTIMES`): "torch" (`ciar.collab.device.TorchRuntime`)
-or "onnx", the exported model real phones run (`ciar_client.runtime.DeviceRuntime` on `<weights>/onnx`, written by
+or "onnx", the exported model real phones run (`ciar_device.runtime.DeviceRuntime` on `<weights>/onnx`, written by
 `python -m pipelines.export_onnx`; refused when it was exported from another device file).
 """
 
@@ -40,7 +40,7 @@ def device_runtime(kind: str, device_model: DeviceModel, weights_dir: str, devic
         return TorchRuntime(device_model)
     if kind != "onnx":
         raise ValueError(f"device runtime must be one of {', '.join(RUNTIMES)}, got {kind!r}")
-    from ciar_client.runtime import MANIFEST, DeviceRuntime
+    from ciar_device.runtime import MANIFEST, DeviceRuntime
 
     onnx_dir = onnx_dir or os.path.join(weights_dir, "onnx")
     path = os.path.join(onnx_dir, MANIFEST)

@@ -1,5 +1,5 @@
 """Side-by-side summaries of per-image `GenerationStats` (the struct lives with the device loop that fills it,
-`ciar_client.stats`, so that every device, torch-free ones included, accounts the same way; docs/architecture.md §8).
+`ciar_device.stats`, so that every device, torch-free ones included, accounts the same way; docs/architecture.md §8).
 
     total = sum(per_image_stats, GenerationStats())          # aggregate over images
     row = summarize_method(per_image_stats, base_total_s)     # one method's row of a table
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ciar_client.stats import STATS_FIELDS, GenerationStats  # noqa: F401
+from ciar_device.stats import STATS_FIELDS, GenerationStats  # noqa: F401
 
 
 def _finite(x: float) -> float | None:

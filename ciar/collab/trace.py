@@ -31,7 +31,7 @@ import torch
 
 from ciar.collab.network import NetworkModel
 from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, SessionLostError, VerifyReply, VerifyRequest
-from ciar_client.history import SessionHistory
+from ciar_device.history import SessionHistory
 
 
 @dataclass

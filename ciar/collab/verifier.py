@@ -67,7 +67,7 @@ from ciar.collab.sessions import Session, SessionTable, slots_needed
 from ciar.decoding.sampling import logits_to_probs, sample
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
-from ciar_client.policy import CloudStepEstimator, CostHint, Ewma
+from ciar_device.policy import CloudStepEstimator, CostHint, Ewma
 
 _MASK64 = (1 << 64) - 1
 
@@ -212,7 +212,7 @@ class CloudVerifier:
 
     def cost_hint(self) -> CostHint | None:
         """The verifier's recent span forward, sampled step and queue wait, as its replies reported them (a running
-        mean over every device's replies: `ciar_client.policy.CloudStepEstimator`), for a device that has not
+        mean over every device's replies: `ciar_device.policy.CloudStepEstimator`), for a device that has not
         drafted yet (WELCOME, `CloudClient.cost_hint`); None before its first verify reply or long open."""
         hint = self.reply_costs.hint(self.reply_queue.value)
         return hint if hint.span_s is not None or hint.step_s is not None else None

@@ -29,7 +29,7 @@ What is sent (`DeviceFuzzer.run`), every wait bounded by `Target.timeout_s` (an 
              front of the endpoint); inconclusive, not failed, when connections that sent no HELLO were closed
              before the last ones were open (the limit was not reached); the per-device connection limit (1008);
              connections that vanish right after HELLO do not use up their device's connections.
-Witnesses (`Witnesses`: `ciar_client.loop.generate` over a `DeviceConnection` on the second device key; the tests
+Witnesses (`Witnesses`: `ciar_device.loop.generate` over a `DeviceConnection` on the second device key; the tests
 pass a torch decoder) make their images once before the fuzz and then in a loop during it: every image must be
 bit-identical to the quiet one, without a reconnect. After the fuzz the health route must answer and one more
 witness image must be identical. Passes: no ERROR 5xx other than 503, no close 1011, no answer out of time or to

@@ -1,6 +1,6 @@
 """One raw WebSocket to the device endpoint and what it may answer: the `Target` (the endpoint and what the fuzz knows
 about it), an `Answer` to a frame, the `Probe` (one connection, every wait bounded) and the oracle `expected_answers`
-(the answers ciar_client.wire and services.device_endpoint allow for a frame)."""
+(the answers ciar_device.wire and services.device_endpoint allow for a frame)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlparse
 
-from ciar_client import wire
-from ciar_client.connection import DEFAULT_PATH
-from ciar_client.wire import (BODY_TYPES, CLOSE, ERROR, HELLO, MAGIC, OPEN, PROTOCOL_VERSION, RESUME, VERIFY,
+from ciar_device import wire
+from ciar_device.connection import DEFAULT_PATH
+from ciar_device.wire import (BODY_TYPES, CLOSE, ERROR, HELLO, MAGIC, OPEN, PROTOCOL_VERSION, RESUME, VERIFY,
                               ErrorReply, Frame, Hello)
 
 PROMPT = "a small red circle at the top on a gray background"
@@ -147,7 +147,7 @@ def answer_allowed(key: str, allowed) -> bool:
 
 
 def expected_answers(data: bytes | str, max_frame_bytes: int, hello_done: bool = True) -> tuple[str, ...]:
-    """The answers the endpoint may give to `data` (as ciar_client.wire and services.device_endpoint define them):
+    """The answers the endpoint may give to `data` (as ciar_device.wire and services.device_endpoint define them):
     "close:CODE", "error:STATUS", "reply:TYPE" or a prefix "reply:"."""
     if isinstance(data, str):
         return ("close:4000",)

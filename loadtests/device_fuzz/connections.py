@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ciar_client import wire
-from ciar_client.wire import (HELLO, MAGIC, PROTOCOL_VERSION, RESUME, Frame, Hello, OpenRequest, ResumeRequest,
+from ciar_device import wire
+from ciar_device.wire import (HELLO, MAGIC, PROTOCOL_VERSION, RESUME, Frame, Hello, OpenRequest, ResumeRequest,
                               Sampling)
 from loadtests.device_fuzz.channel import PROMPT, Probe, http_status
 from loadtests.device_fuzz.recorder import Recorder

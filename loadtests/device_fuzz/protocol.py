@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, HELLO, MAGIC, OPEN, PROTOCOL_VERSION, RESUME, VERIFY, CloseRequest, Frame, Hello,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, HELLO, MAGIC, OPEN, PROTOCOL_VERSION, RESUME, VERIFY, CloseRequest, Frame, Hello,
                               OpenRequest, ResumeRequest, Sampling, VerifyRequest)
 from loadtests.device_fuzz.channel import PROMPT, Probe
 from loadtests.device_fuzz.recorder import Recorder

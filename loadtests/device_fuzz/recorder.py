@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, HELLO, OPEN, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, HELLO, OPEN, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling,
                               VerifyRequest, Welcome)
 from loadtests.device_fuzz.channel import PROMPT, Answer, Probe, Target, answer_allowed, http_status, rid_of
 

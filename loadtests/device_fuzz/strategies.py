@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ciar_client import wire
-from ciar_client.wire import (BODY_TYPES, CLOSE, ERROR, HELLO, MAGIC, OPEN, OPEN_REPLY, PROTOCOL_VERSION, RESUME,
+from ciar_device import wire
+from ciar_device.wire import (BODY_TYPES, CLOSE, ERROR, HELLO, MAGIC, OPEN, OPEN_REPLY, PROTOCOL_VERSION, RESUME,
                               RULES, VERIFY, VERIFY_REPLY, WELCOME, CloseReply, CloseRequest, ErrorReply, Frame,
                               Hello, InjectedFeatures, OpenReply, OpenRequest, ResumeRequest, RuleConfig, Sampling,
                               VerifyReply, VerifyRequest, Welcome)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ciar_client.connection import DeviceConnection
+from ciar_device.connection import DeviceConnection
 from loadtests.device_fuzz.channel import PROMPT, Target
 
 WITNESS_CASES = ((PROMPT, 7), ("a large blue square at the bottom", 11))  # (prompt, seed) per witness image
@@ -32,8 +32,8 @@ def onnx_witnesses(model_dir: str) -> Witnesses:
     """Witnesses on the exported device model (`python -m pipelines.export_onnx`): the torch-free device loop at the
     calibrated point (`policy="fixed"`: the adaptive policy would choose from the costs the fuzz inflates, and a
     witness checks the channel, not the policy)."""
-    from ciar_client.loop import generate
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device.loop import generate
+    from ciar_device.runtime import DeviceRuntime
 
     rt = DeviceRuntime(model_dir)
     return Witnesses(lambda conn, prompt, seed, sid: generate(rt, conn, prompt, seed, session_id=sid,

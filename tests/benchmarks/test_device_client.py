@@ -31,7 +31,7 @@ def test_summary_arithmetic():
 
 
 def test_wire_table_sets_socket_bytes_beside_the_charged_ones():
-    from ciar_client.connection import Exchange
+    from ciar_device.connection import Exchange
 
     from benchmarks.device_client import wire_markdown, wire_table
 

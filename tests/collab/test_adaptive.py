@@ -1,4 +1,4 @@
-"""The adaptive policy (CollabConfig.policy = "adaptive", ciar_client.policy) on the shipped world: each image's
+"""The adaptive policy (CollabConfig.policy = "adaptive", ciar_device.policy) on the shipped world: each image's
 operating point is chosen before its open from the costs the device observed on its earlier images. Where the costs
 say so the image goes to the cloud whole (cloud-only's open), where they do not the device drafts; it never verifies
 less than the calibrated point (the gate and tau are the fixed policy's; spans and bursts only grow); the point is
@@ -77,7 +77,7 @@ def test_a_slow_link_and_a_cheap_cloud_give_the_image_to_the_cloud(world):
     observer = dec.observers["4g"]
     assert observer.ready and observer.cloud_only_streak == 2
     # after EXPLORE_EVERY images on the cloud, one is drafted at the calibrated point to look at its costs again
-    from ciar_client.policy import EXPLORE_EVERY
+    from ciar_device.policy import EXPLORE_EVERY
 
     observer.cloud_only_streak = EXPLORE_EVERY
     st = dec.generate(_prompts(1)[0], seed=7).stats

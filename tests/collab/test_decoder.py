@@ -50,8 +50,8 @@ def test_tau_zero_is_speculative_decoding_with_every_token_verified(tiny_cloud, 
 @torch.no_grad()
 def device_only_reference(device, text, prompt, params, seed, n):
     """Sample n tokens from the device alone with full (uncached) forwards each step, drawing as every device does
-    (the float16 draft distribution at the position's uniform, `ciar_client.maths`)."""
-    from ciar_client import maths as M
+    (the float16 draft distribution at the position's uniform, `ciar_device.maths`)."""
+    from ciar_device import maths as M
 
     cap = text.encode([prompt])
     emb, mask, drop = cap.emb.half().float(), cap.mask, None  # float16 on the wire, as the open carries it

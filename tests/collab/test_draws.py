@@ -1,4 +1,4 @@
-"""The device's draws (`ciar_client.maths.uniform` and `sample`): counter-based uniforms keyed by (seed, stream,
+"""The device's draws (`ciar_device.maths.uniform` and `sample`): counter-based uniforms keyed by (seed, stream,
 position), fixed bits, uniform and independent; draws that follow the draft distribution; and, on a real (tiny)
 device model, image-token sequences distributed as the previous scheme's (torch.multinomial on a seeded stream) made
 them: the change of draws that re-recorded tests/collab/decoder_tokens.json left the distribution of images alone.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from ciar_client import maths as M
+from ciar_device import maths as M
 
 ALPHA = 1e-3
 

@@ -1,4 +1,4 @@
-"""The cost model of an operating point (ciar_client.policy): hand-worked cases, the choice and its quality floor,
+"""The cost model of an operating point (ciar_device.policy): hand-worked cases, the choice and its quality floor,
 message sizes from the codec, and the running estimates."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 
 from ciar.collab.network import NetworkModel
 from ciar.collab.protocol import VerifyReply, VerifyRequest
-from ciar_client.policy import (CLOUD_ONLY, CloudStepEstimator, CostHint, CostObserver, Costs, Ewma, LinkEstimator,
+from ciar_device.policy import (CLOUD_ONLY, CloudStepEstimator, CostHint, CostObserver, Costs, Ewma, LinkEstimator,
                                 OperatingPoint, RateEstimator, accepted_drafts, allowed_points, choose, expected_cost,
                                 full_accept, reply_bytes, request_bytes)
 
@@ -273,7 +273,7 @@ def test_a_primed_observer_is_ready_before_its_first_image_and_its_observations_
 def test_exploration_looks_at_drafting_again_less_often_while_the_cloud_stays_cheaper():
     """Costs that keep the device on the cloud: the calibrated point is tried after EXPLORE_EVERY images in a row on
     the cloud, then after twice as many each time (up to EXPLORE_MAX); drafting by choice starts the count over."""
-    from ciar_client.policy import EXPLORE_EVERY, EXPLORE_MAX
+    from ciar_device.policy import EXPLORE_EVERY, EXPLORE_MAX
 
     cal = OperatingPoint(2, 4)
     cloud_cheap = replace(FOUR_G_CHEAP_CLOUD, cloud_step_s=0.0001, decode_step_s=0.0001)

@@ -1,10 +1,10 @@
-"""A generation carried through the wire codec (`ciar_client.wire`) in both directions equals the in-process one, and
+"""A generation carried through the wire codec (`ciar_device.wire`) in both directions equals the in-process one, and
 the bytes the decoder charges the network model are exactly the bytes of the frames."""
 
 import torch
 
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, CLOSED, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, CloseReply, CloseRequest,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, CLOSED, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, CloseReply, CloseRequest,
                               Frame, ResumeRequest, decode_frame, encode_frame)
 
 TOKEN = bytes(range(32))

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from ciar_client import wire
-from ciar_client.wire import CLOSE, HELLO, OPEN, CloseRequest, Frame, Hello, OpenRequest, Sampling
+from ciar_device import wire
+from ciar_device.wire import CLOSE, HELLO, OPEN, CloseRequest, Frame, Hello, OpenRequest, Sampling
 from loadtests.device_fuzz import FRAME_KINDS, DeviceFuzzer, Target, Witnesses, expected_answers
 
 KEYS = ("fuzz-device-key-a", "fuzz-device-key-b")

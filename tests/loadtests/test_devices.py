@@ -100,7 +100,7 @@ def endpoint():
 
 
 def test_two_client_processes_records_and_summary(endpoint, onnx_dir, tmp_path):
-    from ciar_client import wire
+    from ciar_device import wire
 
     url, backend = endpoint
     cfg = devices.ClientsConfig(url, clients=2, images=1, duration_s=120, out=str(tmp_path), key=KEY,

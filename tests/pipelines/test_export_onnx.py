@@ -1,4 +1,4 @@
-"""pipelines.export_onnx + ciar_client.runtime: the ONNX device model and VQ decoder against torch, on the shipped
+"""pipelines.export_onnx + ciar_device.runtime: the ONNX device model and VQ decoder against torch, on the shipped
 world (exported once per module, ~10 s).
 
 Tolerances, and what they were measured at (2-core CPU, onnxruntime 1.32, torch 2.13):
@@ -27,11 +27,11 @@ from ciar.models.vq import tensor_to_images
 from pipelines import export_onnx as ex
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLIENT = os.path.join(REPO, "client")
+CLIENT = os.path.join(REPO, "device")
 if CLIENT not in sys.path:  # until the client is installed (`pip install -e client`)
     sys.path.insert(0, CLIENT)
 
-from ciar_client.runtime import DeviceRuntime, ImageDecoder  # noqa: E402
+from ciar_device.runtime import DeviceRuntime, ImageDecoder  # noqa: E402
 
 TOL = 1e-4
 
@@ -193,6 +193,6 @@ def test_manifest(world, exported):
 
 def test_runtime_does_not_import_torch():
     env = {**os.environ, "PYTHONPATH": CLIENT}
-    code = "import sys; import ciar_client.runtime; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; import ciar_device.runtime; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=CLIENT)
     assert r.returncode == 0, r.stderr

@@ -217,7 +217,7 @@ def test_a_real_device_over_the_websocket_endpoint(cluster):
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.testing import cutting_connection
     from ciar.world import load_default_world
-    from ciar_client.connection import ConnectionRefused, DeviceConnection
+    from ciar_device.connection import ConnectionRefused, DeviceConnection
 
     world = load_default_world(cluster["weights"])
     knobs = dict(tau=TAU, span=4, prefix_rate=0.06, network="none", policy="fixed")  # the channel, not the policy
@@ -240,8 +240,8 @@ def test_a_real_device_over_the_websocket_endpoint(cluster):
 def test_the_device_model_is_served_to_devices(cluster, tmp_path):
     """GET /v1/device/model (a device key) serves the export's manifest and graphs; the client's fetch verifies and
     caches them; an API key or none is refused; before the export the answer says how to make it."""
-    from ciar_client.fetch import fetch_model
-    from ciar_client.runtime import read_manifest
+    from ciar_device.fetch import fetch_model
+    from ciar_device.runtime import read_manifest
     from pipelines.export_onnx import export_onnx
 
     r = requests.get(f"{URL}/v1/device/model", headers={"Authorization": f"Bearer {DEVICE_KEY}"}, timeout=60)
@@ -283,7 +283,7 @@ def test_the_browser_is_the_device_in_a_headless_browser(cluster, tmp_path):
     each finish with an image, the token map and the tab's stats beside the cluster device's for the same prompt and
     seed (different draws, so different tokens: a loose bound on the cloud-call rates). The tab drafts at the
     calibrated point (?policy=fixed): under the adaptive default this box's wasm step (~10 ms, as long as the
-    verifier's) can give its images to the cloud whole, which is the node harness's test (tests/client)."""
+    verifier's) can give its images to the cloud whole, which is the node harness's test (tests/device)."""
     pytest.importorskip("playwright")
     from loadtests.playground import chromium_path, drive
     from pipelines.export_onnx import export_onnx

@@ -61,7 +61,7 @@ def _client(handle, **kw):
 
 def _open_request(sid="s1"):
     from ciar.decoding.sampling import SamplingParams
-    from ciar_client.wire import OpenRequest
+    from ciar_device.wire import OpenRequest
 
     return OpenRequest(sid, "a red circle", 1, SamplingParams(), 2)
 

@@ -1,6 +1,6 @@
 """The device endpoint (services.device_endpoint) over real sockets, without Ray: a uvicorn server on loopback
 serving the endpoint against an in-process verifier (services.testing.InProcessBackend: a test double of the Verifier
-deployment with its session tokens), and `ciar_client.connection.DeviceConnection` as the device. The Serve
+deployment with its session tokens), and `ciar_device.connection.DeviceConnection` as the device. The Serve
 application's route is tested in tests/services/test_app.py."""
 
 import numpy as np
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ciar.testing import cutting_connection
-from ciar_client import wire
-from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError
-from ciar_client.wire import CLOSE, HELLO, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
+from ciar_device import wire
+from ciar_device.connection import ConnectionRefused, DeviceConnection, ServerError
+from ciar_device.wire import CLOSE, HELLO, VERIFY, CloseRequest, Frame, Hello, OpenRequest, Sampling
 
 KEY, OTHER_KEY = "device-key-one", "device-key-two"
 SECRET = "test-secret"

@@ -1,5 +1,5 @@
 """Every message of the device protocol is safe to send again after a lost reply (docs/architecture.md §5, "Retry
-semantics"), on real sockets: the device (`ciar_client.connection.DeviceConnection` under the torch loop) talks to the
+semantics"), on real sockets: the device (`ciar_device.connection.DeviceConnection` under the torch loop) talks to the
 endpoint through `services.testing.CuttingProxy`, which cuts the connection at one frame of one type in one direction,
 either after relaying it ("deliver") or instead ("drop"). For every frame of an image the image must be bit-identical
 to an uninterrupted one, and afterwards the verifier must hold no session and the endpoint count none.
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from ciar_client import wire
+from ciar_device import wire
 
 KEY, SECRET = "retry-device-key", "retry-secret"
 VERIFY_CUT = ("up", wire.VERIFY, 2, "drop")  # a verify lost on its way: the device then RESUMEs
@@ -48,7 +48,7 @@ def server(tiny_cloud, stub_text):
 def _generate(url, tiny_device, median_tau, sid="img"):
     from ciar.collab.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
-    from ciar_client.connection import DeviceConnection
+    from ciar_device.connection import DeviceConnection
 
     conn = DeviceConnection(url, KEY, vocab_size=64, array=torch.from_numpy, backoff_s=0.01)
     cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none", policy="fixed")
@@ -104,7 +104,7 @@ def test_a_repeated_open_is_answered_as_the_first_and_a_conflicting_one_is_refus
 
     from ciar.collab.protocol import SessionConflictError, VerifyRequest
     from ciar.decoding.sampling import SamplingParams
-    from ciar_client.wire import OpenRequest
+    from ciar_device.wire import OpenRequest
 
     _, _, backend = server
     req = OpenRequest("dup", "a red circle", 7, SamplingParams(cfg_scale=2.0), 2)
@@ -138,7 +138,7 @@ def test_a_caller_that_goes_away_withdraws_its_open(server):
     import asyncio
 
     from ciar.decoding.sampling import SamplingParams
-    from ciar_client.wire import OpenRequest
+    from ciar_device.wire import OpenRequest
 
     _, _, backend = server
     req = OpenRequest("gone", "a red circle", 7, SamplingParams(cfg_scale=2.0), 30)  # 30 prefix tokens: 30 forwards

@@ -1,5 +1,5 @@
 // The page's connection to the device endpoint (ws://HOST/v1/device/sessions): the frames of wire.js on a
-// WebSocket, with reconnection and resumption, as `ciar_client.connection.DeviceConnection` does for the Python
+// WebSocket, with reconnection and resumption, as `ciar_device.connection.DeviceConnection` does for the Python
 // client.
 //
 //   const conn = new DeviceConnection("ws://localhost:8000", "ciar-dev-device-key", 1024);
@@ -52,7 +52,7 @@ class Dropped extends Error {}
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
-/** A session as the device knows it: enough to re-create it on a verifier (`ciar_client.history.SessionHistory`). */
+/** A session as the device knows it: enough to re-create it on a verifier (`ciar_device.history.SessionHistory`). */
 class SessionHistory {
   constructor(request, token, tokens) {
     this.request = { ...request, want_caption: false };

@@ -1,4 +1,4 @@
-// The CIAR device loop in the page: `ciar_client.loop` (numpy) ported message for message, on onnxruntime-web and
+// The CIAR device loop in the page: `ciar_device.loop` (numpy) ported message for message, on onnxruntime-web and
 // maths.js, against a DeviceConnection (or any object with async open / verify / close).
 //
 //   const result = await generate(runtime, conn, prompt, seed, { onProgress });
@@ -11,7 +11,7 @@
 // span[:n] + [next] + burst, roll the device cache back to the accepted prefix and feed the rest. When the cloud
 // becomes unreachable after the open, the device keeps the span it drafted and finishes alone (`degraded`).
 //
-// The operating point: under the adaptive policy (the default, `ciar_client.loop`'s) each image's span and burst
+// The operating point: under the adaptive policy (the default, `ciar_device.loop`'s) each image's span and burst
 // (never below the calibrated ones) or cloud-only (the open asks for all N tokens, no device work) is chosen before
 // its open from the costs a CostObserver (policy.js) saw on this connection's earlier images; keep one per connection
 // across images (options.observer). A fresh one is primed before its first image with the connection's handshake
@@ -141,7 +141,7 @@ class Loop {
       await this.client.close(this.sid).catch(() => {}); // the error in flight is the one to report
       throw err;
     }
-    // every image ends with a close, best effort (ciar_client.loop's rule): the image is complete, and a transport
+    // every image ends with a close, best effort (ciar_device.loop's rule): the image is complete, and a transport
     // whose link is gone sends none
     await this.client.close(this.sid).catch(() => {});
     this.st.total_tokens = this.tokens.length;

@@ -1,8 +1,8 @@
 // The browser device's maths: guidance and sampling, the float16 draft, the logit box, the gates, the features.
 //
-// The page's port of `ciar_client.maths` (numpy), function for function, on one position at a time (Float32Array
+// The page's port of `ciar_device.maths` (numpy), function for function, on one position at a time (Float32Array
 // [V]; V = 1024 for the scenes world, 16384 for LlamaGen). Python's side and this one are tested against each other
-// on inputs recorded from the real device model (tests/client/test_web_maths.py, through node): the same escalate /
+// on inputs recorded from the real device model (tests/device/test_web_maths.py, through node): the same escalate /
 // accept decision at the calibrated threshold, scores within float32 rounding, the same float16 draft bits.
 //
 //   const q32 = logitsToProbs(cond, sampling, uncond);        // CFG -> temperature -> top-k -> top-p
@@ -127,7 +127,7 @@ export function topIndices(x, k) {
   return idx;
 }
 
-/** The sampling settings, checked as `ciar_client.maths.check_sampling` does (Error naming the field). */
+/** The sampling settings, checked as `ciar_device.maths.check_sampling` does (Error naming the field). */
 export function checkSampling({ cfg_scale = 1, temperature = 1, top_k = 0, top_p = 1 } = {}) {
   const real = (name, v) => {
     if (typeof v !== "number" || !Number.isFinite(v)) throw new Error(`${name} must be a finite number, got ${v}`);
@@ -150,7 +150,7 @@ export function guide(cond, uncond, cfgScale) {
 }
 
 /** logits [V] (the conditional row), uncond [V] or null -> probs Float32Array [V]: CFG -> temperature -> top-k ->
- *  top-p, as `ciar_client.maths.logits_to_probs`. */
+ *  top-p, as `ciar_device.maths.logits_to_probs`. */
 export function logitsToProbs(cond, sampling, uncond = null) {
   const { cfg_scale, temperature, top_k, top_p } = checkSampling(sampling);
   let l = uncond !== null && cfg_scale !== 1 ? guide(cond, uncond, cfg_scale) : Float32Array.from(cond);
@@ -206,7 +206,7 @@ export function draftDistribution(sent) {
 
 /** A seeded stream of uniform doubles in [0, 1): SplitMix64 (BigInt), 53 bits per draw. */
 const MASK64 = (1n << 64n) - 1n;
-// the device's draw streams (ciar_client.maths.DRAFT_STREAM / GATE_STREAM)
+// the device's draw streams (ciar_device.maths.DRAFT_STREAM / GATE_STREAM)
 export const DRAFT_STREAM = 0x6369617264726166n; // "ciardraf"
 export const GATE_STREAM = 0x6369617267617465n; // "ciargate"
 
@@ -219,7 +219,7 @@ export function splitmix64(x) {
 }
 
 /** The device's uniform double in [0, 1) for image token `position` of the image with `seed`, in `stream`:
- *  `ciar_client.maths.uniform`, bit for bit (splitmix64 of the seed, then of the stream, then of the position; the
+ *  `ciar_device.maths.uniform`, bit for bit (splitmix64 of the seed, then of the stream, then of the position; the
  *  top 53 bits / 2**53). */
 export function uniform(seed, stream, position) {
   const s = splitmix64(BigInt.asUintN(64, BigInt(seed)));
@@ -264,7 +264,7 @@ export function guidedInterval(cc, rc, cu = null, ru = null, cfgScale = 1, tempe
   return { center, radius };
 }
 
-/** log sum_{j != i} exp(a_j) for every i, float64 (`ciar_client.maths._log_rest`). */
+/** log sum_{j != i} exp(a_j) for every i, float64 (`ciar_device.maths._log_rest`). */
 function logRest(a) {
   const V = a.length, rest = new Float64Array(V);
   if (V === 1) return rest.fill(-Infinity);

@@ -1,7 +1,7 @@
-// The browser device's operating points and the cost model that chooses one: `ciar_client.policy` (numpy) ported
+// The browser device's operating points and the cost model that chooses one: `ciar_device.policy` (numpy) ported
 // function for function, with the same formulas, constants and decision (its module docstring derives the model).
 // Held against the Python side on hand-made and random costs and on a scripted observer's whole history
-// (tests/client/test_web_policy.py, through node): the same costs to ~1e-9 relative, the same points.
+// (tests/device/test_web_policy.py, through node): the same costs to ~1e-9 relative, the same points.
 //
 //   const costs = new Costs({ deviceStepS: 1e-3, latencyS: 0.010, bandwidthBps: 300e6 / 8, cloudStepS: 0.060,
 //     queueS: 0, escalationRate: 0.25, acceptFirst: 0.5, acceptNext: 0.9, vocabSize: 1024 });

@@ -1,4 +1,4 @@
-// The exported device model and VQ decoder on onnxruntime-web (`ciar_client.runtime` in the page): the same graphs
+// The exported device model and VQ decoder on onnxruntime-web (`ciar_device.runtime` in the page): the same graphs
 // (`python -m pipelines.export_onnx`), the same semantics.
 //
 //   const rt = await DeviceRuntime.create(ort, manifest, { device_prefill: bytes, device_step: bytes }, options);

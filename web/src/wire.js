@@ -1,7 +1,7 @@
-// The device <-> cloud wire format in the page: the frames of `ciar_client.wire` (the protocol's one definition,
+// The device <-> cloud wire format in the page: the frames of `ciar_device.wire` (the protocol's one definition,
 // whose module docstring lays every body out), for the messages a device sends (HELLO, OPEN, VERIFY, RESUME, CLOSE)
 // and the ones it receives (WELCOME, OPEN_REPLY, VERIFY_REPLY, CLOSED, ERROR). Tested against the Python codec both
-// ways on the same messages (tests/client/test_web_wire.py, through node): Python decodes what this encodes, and
+// ways on the same messages (tests/device/test_web_wire.py, through node): Python decodes what this encodes, and
 // this decodes what Python encodes, field for field.
 //
 //   const bytes = encodeFrame({ type: VERIFY, requestId: 7, token, body: { session_id, vocab_size, new_tokens, ... } });

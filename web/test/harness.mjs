@@ -1,5 +1,5 @@
 // The page's modules (web/src) under node, for the tests that hold them against the Python side
-// (tests/client/test_web_*.py) and for running the browser device's loop without a browser:
+// (tests/device/test_web_*.py) and for running the browser device's loop without a browser:
 //
 //   node web/test/harness.mjs maths    < cases.json    # {"calls": [{"fn": "lowerScore", "args": [...]}, ...]} -> results
 //   node web/test/harness.mjs policy   < cases.json    # {"calls": [{"fn": "choose", "costs": {...}, ...}]} -> results

@@ -6,7 +6,7 @@
 `GET /v1/device/model` (a device key as Bearer) answers the export's manifest (`pipelines.export_onnx`): the graphs
 with their sha256 and size, the calibrated CIAR defaults, the sampling settings. Each graph comes from
 `GET /v1/device/model/<file>` and is checked against its sha256 before it is kept. The cache folder is named by the
-manifest's own hash (`~/.cache/ciar-client/<hash>/`, or `$CIAR_CLIENT_CACHE`), so a re-exported model is fetched
+manifest's own hash (`~/.cache/ciar-device/<hash>/`, or `$CIAR_DEVICE_CACHE`), so a re-exported model is fetched
 again and an unchanged one never is.
 """
 
@@ -49,8 +49,8 @@ def fetch_model(server: str, key: str, cache_dir: str | None = None, timeout_s: 
     base = http_base(server)
     raw = _get(f"{base}/v1/device/model", key, timeout_s)
     manifest = json.loads(raw)
-    root = cache_dir or os.environ.get("CIAR_CLIENT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                               "ciar-client")
+    root = cache_dir or os.environ.get("CIAR_DEVICE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                               "ciar-device")
     folder = os.path.join(root, hashlib.sha256(raw).hexdigest()[:16])
     os.makedirs(folder, exist_ok=True)
     for graph in manifest["graphs"].values():

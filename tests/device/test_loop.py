@@ -1,4 +1,4 @@
-"""ciar_client.loop (the numpy / onnxruntime CIAR device loop) against an in-process cloud (the torch CloudVerifier
+"""ciar_device.loop (the numpy / onnxruntime CIAR device loop) against an in-process cloud (the torch CloudVerifier
 behind a numpy adapter), its gate decisions against ciar.collab.gating, and the CLI's argument errors."""
 
 import os
@@ -69,7 +69,7 @@ def cloud(world):
 
 @pytest.fixture(scope="module")
 def runtime(onnx_dir):
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device.runtime import DeviceRuntime
 
     return DeviceRuntime(onnx_dir)
 
@@ -81,7 +81,7 @@ def _val(n):
 
 
 def test_images_complete_and_stats_consistent(runtime, cloud):
-    from ciar_client.loop import generate
+    from ciar_device.loop import generate
 
     n, vocab = runtime.num_tokens, runtime.vocab_size
     rates, seen = [], []
@@ -117,7 +117,7 @@ def test_escalations_are_torch_gate_decisions(runtime, cloud, monkeypatch, gate)
     """Every position the loop scores: its decision (score > tau) equals ciar.collab.gating.gate_scores(...) > tau on
     the same guided box and drafted token; and each escalation is one verify request."""
     from ciar.collab.gating import gate_scores
-    from ciar_client import loop
+    from ciar_device import loop
 
     rows = []
     real = loop.M.gate_score
@@ -143,7 +143,7 @@ def test_escalations_are_torch_gate_decisions(runtime, cloud, monkeypatch, gate)
 
 
 def test_config_from_manifest_and_refusals(runtime):
-    from ciar_client.loop import loop_config
+    from ciar_device.loop import loop_config
 
     m = runtime.manifest
     d = m["ciar_defaults"]
@@ -163,14 +163,14 @@ def test_config_from_manifest_and_refusals(runtime):
 
 
 def test_entropy_gate_runs(runtime, cloud):
-    from ciar_client.loop import generate
+    from ciar_device.loop import generate
 
     r = generate(runtime, cloud, _val(1)[0], seed=3, gate="entropy")
     assert r.tokens.shape == (runtime.num_tokens,) and r.stats["total_tokens"] == runtime.num_tokens
 
 
 def _cli(*args, cwd=REPO):
-    return subprocess.run([PY, "-m", "ciar_client", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+    return subprocess.run([PY, "-m", "ciar_device", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -191,7 +191,7 @@ def test_cli_errors_one_line_exit_2(args, match, tmp_path):
     p = _cli(*args, cwd=str(tmp_path))
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m ciar_client: error:") and match in lines[0], p.stderr
+    assert len(lines) == 1 and lines[0].startswith("python -m ciar_device: error:") and match in lines[0], p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
@@ -223,9 +223,9 @@ def server(cloud):
 
 
 def test_over_the_socket_equals_in_process_and_cli(server, runtime, cloud, onnx_dir, tmp_path, capsys):
-    from ciar_client.__main__ import main
-    from ciar_client.connection import DeviceConnection
-    from ciar_client.loop import generate
+    from ciar_device.__main__ import main
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
 
     prompt = _val(1)[0]
     ref = generate(runtime, cloud, prompt, seed=5, session_id="sock-5", policy="fixed")
@@ -264,9 +264,9 @@ def test_adaptive_over_the_socket_starts_from_the_welcome_and_reports_a_point_th
     its handshake, its step from one timed step and the verifier's costs from the WELCOME (the verifier has served
     other images by now); it keeps one observer across its images; and the same request at the reported point with
     the fixed policy makes the same image (or, given to the cloud whole, cloud-only's)."""
-    from ciar_client.connection import DeviceConnection
-    from ciar_client.loop import generate
-    from ciar_client.policy import CostObserver
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
+    from ciar_device.policy import CostObserver
 
     conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size)
     generate(runtime, conn, _val(3)[2], seed=19, policy="fixed")  # the verifier has served an image
@@ -311,7 +311,7 @@ class _CloudGoneAfter:
 
 
 def test_link_loss_finishes_on_the_device_degraded(runtime, cloud):
-    from ciar_client.loop import generate
+    from ciar_device.loop import generate
 
     prompt = _val(1)[0]
     ref = generate(runtime, cloud, prompt, seed=2, session_id="gone-ref")
@@ -335,8 +335,8 @@ def test_link_loss_finishes_on_the_device_degraded(runtime, cloud):
 def test_server_gone_mid_image_over_a_real_socket(server, runtime, capsys):
     """The server stops answering mid-image (the connection drops and every reconnect is refused): the loop
     finishes the image alone, marked degraded."""
-    from ciar_client.connection import DeviceConnection
-    from ciar_client.loop import generate
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
 
     conn = DeviceConnection(server, KEY, vocab_size=runtime.vocab_size, retries=2, backoff_s=0.01)
 

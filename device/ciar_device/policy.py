@@ -24,7 +24,7 @@ accepted. For a span of k drafts and a burst g:
     S(k, g)   = 1 + g (1 - P_full(k))                        sequential cloud steps of one exchange
     X(k, g)   = 2 l + (B_up(k) + B_down(g)) / b + w + t_c + t_s (S(k, g) - 1)      one exchange, request to reply
 
-B_up is the exact size of the VerifyRequest (`ciar_client.wire`'s `nbytes`) with the k drafts, their [k, V] float16
+B_up is the exact size of the VerifyRequest (`ciar_device.wire`'s `nbytes`) with the k drafts, their [k, V] float16
 distributions and the m = round((1 - e) / e) tokens accepted locally since the last exchange (with their
 projector inputs under Inter-Enhance); B_down the VerifyReply's, averaged over a burst (1 - P_full) or none. Each
 drafted position costs one device step and ends locally with probability 1 - e; an escalation costs k device steps
@@ -63,7 +63,7 @@ import numpy as np
 
 # the messages' sizes come from the codec itself (numpy only: every device runs this module, the torch decoder and
 # the torch-free client alike)
-from ciar_client.wire import VerifyReply, VerifyRequest
+from ciar_device.wire import VerifyReply, VerifyRequest
 
 # the adaptive policy's rates, under the names the device file carries them (`CIARDefaults.policy_rates`)
 POLICY_RATES = ("escalation_rate", "accept_first", "accept_next")

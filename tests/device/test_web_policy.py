@@ -1,4 +1,4 @@
-"""The page's adaptive policy (web/src/policy.js, under node) against the Python device's (ciar_client.policy): on
+"""The page's adaptive policy (web/src/policy.js, under node) against the Python device's (ciar_device.policy): on
 hand-made and random costs the same expected costs, the same chosen points (with and without the switch margin,
 before the open and mid-image, with a price on cloud steps) and the same message sizes; a CostObserver scripted
 through the same priming, exchanges, verdicts, escalations and a thousand decisions (the exploration's backoff to
@@ -12,8 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from ciar_client import policy as P
-from ciar_client.wire import VERIFY_REPLY, Frame, VerifyReply, encode_frame
+from ciar_device import policy as P
+from ciar_device.wire import VERIFY_REPLY, Frame, VerifyReply, encode_frame
 
 REL = 1e-9
 BASE = P.Costs(device_step_s=1e-3, latency_s=0.010, bandwidth_Bps=300e6 / 8, cloud_step_s=0.060, queue_s=0.0,

@@ -7,7 +7,7 @@
     rt.rollback(3)                                         # keep image tokens [0, 3); feed from index 3 next
     image = ImageDecoder("weights/scenes-v2/onnx").decode(tokens)   # [N] ids -> uint8 [H, W, 3]
 
-The runtime interface of the device loop (`ciar_client.loop`), which `ciar.collab.device.TorchRuntime` implements
+The runtime interface of the device loop (`ciar_device.loop`), which `ciar.collab.device.TorchRuntime` implements
 on the torch model: `start` prefills the caption (row 1 of a CFG pair takes the unconditional caption, mask kept),
 `feed(tokens, start)` feeds image tokens (every row gets the same ids; only the last fed position's output comes
 back), `rollback(length)` rolls the cache back to `length` image tokens, `step_seconds(rows)` times one step;
@@ -124,7 +124,7 @@ class DeviceRuntime:
     def step_seconds(self, rows: int = 1, repeats: int = 3) -> float:
         """Seconds of one step (one token fed), the median of `repeats` after a warm-up, on a caption of zeros: what
         the device knows of its own step before its first image (the adaptive policy's prior,
-        `ciar_client.policy.CostObserver.prime`). Leaves the cache empty (`start` comes next)."""
+        `ciar_device.policy.CostObserver.prime`). Leaves the cache empty (`start` comes next)."""
         L, D = self.cls_token_num, self.caption_dim
         self.start(np.zeros((L, D), np.float32), np.ones(L, bool), rows)
         times = []

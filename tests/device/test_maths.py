@@ -1,7 +1,7 @@
-"""ciar_client.maths (numpy) against the torch definitions it mirrors: ciar.decoding.sampling, ciar.collab.protocol,
+"""ciar_device.maths (numpy) against the torch definitions it mirrors: ciar.decoding.sampling, ciar.collab.protocol,
 ciar.collab.interval and ciar.collab.gating; plus the shipped device's gate decisions and a torch-free import.
 
-Tolerances (see the module docstring of ciar_client.maths for why each is what it is):
+Tolerances (see the module docstring of ciar_device.maths for why each is what it is):
   bit-identical   guide, guided_interval, quantize_draft's q_sent, the greedy one-hot, softmax_score
   q_used          bit-identical when the float16 values sum below 1, else within 8 float32 ulps (measured: 4)
   probabilities   PROB_RTOL relative (+ PROB_ATOL for torch's flushed subnormals), same support
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "client"))  # until the client package is installed (`pip install -e client`)
+sys.path.insert(0, os.path.join(REPO, "device"))  # until the client package is installed (`pip install -e device`)
 
-from ciar_client import maths as M  # noqa: E402
+from ciar_device import maths as M  # noqa: E402
 
 from ciar.collab import gating as G, interval as I  # noqa: E402
 from ciar.collab.protocol import draft_distribution, quantize_draft  # noqa: E402
@@ -88,8 +88,8 @@ def assert_probs_close(ours, ref):
 
 
 def test_import_does_not_load_torch():
-    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "client"))
-    code = "import sys; import ciar_client.maths; assert 'torch' not in sys.modules, 'torch imported'"
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "device"))
+    code = "import sys; import ciar_device.maths; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO)
 
 
@@ -390,7 +390,7 @@ def recorded(one_torch_thread):
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.data.scenes import scene_at
     from ciar.world import load_world
-    from ciar_client.loop import _Image
+    from ciar_device.loop import _Image
 
     world = load_world(None)
     decoder = make_decoder(world, make_verifier(world), "ciar", network="none", policy="fixed")

@@ -1,4 +1,4 @@
-"""The wire codec (ciar_client.wire): every message type round-trips, its frame is exactly as long as the network
+"""The wire codec (ciar_device.wire): every message type round-trips, its frame is exactly as long as the network
 model charges (`nbytes`), and malformed frames fail as WireError and nothing else (a generation carried through the
 codec: tests/collab/test_wire_accounting.py)."""
 
@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               CloseReply, CloseRequest, ErrorReply, Frame, Hello, InjectedFeatures, OpenReply,
                               OpenRequest, ResumeRequest, RuleConfig, Sampling, VerifyReply, VerifyRequest, Welcome,
                               WireError, VersionError, decode_frame, encode_frame)
@@ -36,7 +36,7 @@ def _messages():
     r = _rng()
     probs = r.random((2, V)).astype(np.float16)
     return [
-        Frame(HELLO, 1, Hello("ciar-dev-device-key", "ciar-client/0.1")),
+        Frame(HELLO, 1, Hello("ciar-dev-device-key", "ciar-device/0.1")),
         Frame(WELCOME, 1, Welcome("d-1234", 2 << 20, 8, 200.0, 60.0, "ciar", 0.012, 0.004, 0.001)),
         Frame(OPEN, 2, _open()),
         Frame(OPEN_REPLY, 2, OpenReply("s1", r.integers(0, V, 9), r.standard_normal((40, 384)).astype(np.float16),
@@ -188,5 +188,5 @@ def test_fuzzed_frames_fail_cleanly(data):
 
 
 def test_codec_imports_neither_torch_nor_ray():
-    code = "import sys, ciar_client.wire; assert 'torch' not in sys.modules and 'ray' not in sys.modules"
+    code = "import sys, ciar_device.wire; assert 'torch' not in sys.modules and 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

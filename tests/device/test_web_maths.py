@@ -1,4 +1,4 @@
-"""The page's gate maths (web/src/maths.js, under node) against the Python device's (ciar_client.maths) on inputs
+"""The page's gate maths (web/src/maths.js, under node) against the Python device's (ciar_device.maths) on inputs
 recorded from the real device model: the same escalate / accept decision at every calibrated threshold, the same
 float16 draft bits, scores and interval features within float32 rounding; float16 conversion bit-exact everywhere;
 sampling edge cases; the draws follow the distribution."""
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from ciar_client import maths as M
+from ciar_device import maths as M
 
 GATES = ("lower", "interval", "entropy", "softmax")
 
@@ -30,8 +30,8 @@ def recorded(onnx_dir):
     from ciar.collab.runtime import make_verifier
     from ciar.data.scenes import scene_at
     from ciar.world import load_world
-    from ciar_client import loop
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device import loop
+    from ciar_device.runtime import DeviceRuntime
 
     from test_loop import NumpyCloud
 
@@ -165,7 +165,7 @@ def test_draws_follow_the_distribution_and_skip_zeros(node):
 
 
 def test_uniforms_are_pythons_bit_for_bit(node):
-    """The page's counter-based uniforms equal `ciar_client.maths.uniform`'s, seeds up to 2**62 and negative ones
+    """The page's counter-based uniforms equal `ciar_device.maths.uniform`'s, seeds up to 2**62 and negative ones
     (taken mod 2**64, as the wire's int64 would carry them), both streams."""
     keys = [(seed, stream, pos) for seed in (0, 1, 7, 123456789, 2**53 + 1, 2**62, -5)
             for stream in (M.DRAFT_STREAM, M.GATE_STREAM) for pos in (0, 1, 255, 1023, 70000)]

@@ -6,7 +6,7 @@
     conn.close(session_id)
 
 The same four calls as every `CloudClient` (`ciar.collab.protocol`): the torch device loop (`CollabDecoder`) and the
-torch-free one (`ciar_client.loop`) both run over it. Synchronous, one request at a time (a device's loop waits for
+torch-free one (`ciar_device.loop`) both run over it. Synchronous, one request at a time (a device's loop waits for
 each reply), any number of sessions on one connection.
 
 Resumption. The connection remembers, per open session, its OpenRequest, its session token and the committed tokens
@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ciar_client import wire
-from ciar_client.history import SessionHistory
-from ciar_client.policy import CostHint
-from ciar_client.wire import (CLOSE, ERROR, HELLO, OPEN, RESUME, VERIFY, WELCOME, CloseRequest, Frame, Hello,
+from ciar_device import wire
+from ciar_device.history import SessionHistory
+from ciar_device.policy import CostHint
+from ciar_device.wire import (CLOSE, ERROR, HELLO, OPEN, RESUME, VERIFY, WELCOME, CloseRequest, Frame, Hello,
                               InjectedFeatures, OpenReply, OpenRequest, ResumeRequest, VerifyReply, VerifyRequest)
 
 DEFAULT_PATH = "/v1/device/sessions"
@@ -85,7 +85,7 @@ class Exchange:
 
 class DeviceConnection:
     def __init__(self, url: str, key: str, vocab_size: int, *, array: Callable[[np.ndarray], Any] | None = None,
-                 client_name: str = "ciar-client/0.1", retries: int = 8, backoff_s: float = 0.2,
+                 client_name: str = "ciar-device/0.1", retries: int = 8, backoff_s: float = 0.2,
                  timeout_s: float = 300.0, connect_timeout_s: float = 10.0):
         """`url`: ws://HOST:PORT (the endpoint's path is added when missing) or the full endpoint URL. `array`:
         what decoded arrays become (numpy by default; `torch.from_numpy` for a torch device loop)."""

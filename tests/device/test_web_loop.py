@@ -69,16 +69,16 @@ def test_images_complete_with_consistent_stats(node, server, onnx_dir):
 
 def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node, server, onnx_dir):
     """One request, seed and operating point, three devices: the page's loop (onnxruntime-web), the torch-free
-    client (`ciar_client.loop` on onnxruntime, over a socket to the same endpoint) and the cluster's simulated phone
+    client (`ciar_device.loop` on onnxruntime, over a socket to the same endpoint) and the cluster's simulated phone
     on the same runtime (`CollabDecoder` with the onnx runtime, in process): the same tokens, decided by the same
     side, since they draw at the same position-keyed uniforms from the same draft distributions."""
     from ciar.collab.decoder import CollabDecoder, method_config
     from ciar.collab.runtime import device_runtime
     from ciar.collab.verifier import InProcessCloud
     from ciar.world import load_world
-    from ciar_client.connection import DeviceConnection
-    from ciar_client.loop import generate
-    from ciar_client.runtime import DeviceRuntime
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
+    from ciar_device.runtime import DeviceRuntime
 
     prompts = _prompts(3, 60)
     jobs = [{"prompt": p, "seed": 70 + i, "session_id": f"web-same-{i}"} for i, p in enumerate(prompts)]
@@ -137,7 +137,7 @@ def test_every_message_is_retried_safely_by_the_browsers_connection(node, server
     or not (services.testing.CuttingProxy); the same image as without the cut, and nothing left held afterwards."""
     import time
 
-    from ciar_client import wire
+    from ciar_device import wire
     from services.testing import CuttingProxy
 
     job, plain = retry_plain

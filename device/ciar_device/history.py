@@ -1,5 +1,5 @@
 """A session as its device knows it: enough to re-create it on a verifier (RESUME) after the verifier lost it or a
-reply was lost in flight. One definition for both transports: `ciar_client.connection.DeviceConnection` (a real
+reply was lost in flight. One definition for both transports: `ciar_device.connection.DeviceConnection` (a real
 socket) and `ciar.collab.recovery.RecoveringClient` (the in-cluster devices' Ray handles).
 
 Requests and replies may carry numpy arrays or torch tensors; the history keeps numpy arrays in the dtype they were
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ciar_client.wire import InjectedFeatures, OpenRequest, VerifyReply, VerifyRequest
+from ciar_device.wire import InjectedFeatures, OpenRequest, VerifyReply, VerifyRequest
 
 
 def _numpy(a) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The page's wire codec (web/src/wire.js, under node) against the protocol's definition (ciar_client.wire): the
+"""The page's wire codec (web/src/wire.js, under node) against the protocol's definition (ciar_device.wire): the
 frames a device sends are byte-identical to Python's for the same messages, the frames it receives decode to the same
 fields, and malformed frames are refused naming the field."""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from test_wire import TOKEN, V, _messages
 
-from ciar_client import wire
-from ciar_client.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
+from ciar_device import wire
+from ciar_device.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               Frame, VerifyReply, encode_frame)
 
 SENT = (HELLO, OPEN, VERIFY, RESUME, CLOSE)

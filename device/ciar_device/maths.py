@@ -29,7 +29,7 @@ entropies are taken in float64; `_log_rest` takes one exp pass instead of three 
 Elementwise float32 steps (guidance, temperature, the radius combination, float16 rounding) are the same IEEE
 operations as torch's (python scalars rounded to float32 first, as torch does), hence bit-identical.
 
-Measured against torch 2.13 on CPU (AVX512) by tests/client/test_maths.py (random inputs of several shapes, V = 1 ..
+Measured against torch 2.13 on CPU (AVX512) by tests/device/test_maths.py (random inputs of several shapes, V = 1 ..
 16384, ties, masked -inf logits, every sampling edge case) and on 408 real drafts of the shipped scenes device:
   - quantize_draft of the same float32 q: q_sent bit-identical, always. q_used: bit-identical whenever the float16
     values sum below 1 (both sums are then exact); otherwise ours is the exact sum rounded once while torch's float32

@@ -1,11 +1,11 @@
 """Generate one image with CIAR from a device: the exported device model here, the verifier behind a server.
 
-    python -m ciar_client --server ws://localhost:8000 --key ciar-dev-device-key \
+    python -m ciar_device --server ws://localhost:8000 --key ciar-dev-device-key \
         --prompt "a small red circle at the top on a gray background" --out img.png [--seed 0] [--stats out.json] \
         [--model-dir DIR] [--tau T] [--gate GATE] [--span K] [--burst G] [--prefix-rate R]
         [--threads N]
 
-The device model comes from the server (`GET /v1/device/model`, verified and cached by `ciar_client.fetch`) unless
+The device model comes from the server (`GET /v1/device/model`, verified and cached by `ciar_device.fetch`) unless
 `--model-dir` names an export folder (`python -m pipelines.export_onnx --out DIR`); the gate, tau, span, burst,
 sampling settings and prefix rate default to its manifest's. Bad arguments, an unknown key, an unreachable server
 or a server error print one `error:` line on stderr and exit with status 2.
@@ -21,10 +21,10 @@ import os
 import sys
 import time
 
-from ciar_client.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
+from ciar_device.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
                              write_file)
 
-PROG = "python -m ciar_client"
+PROG = "python -m ciar_device"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +61,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.stats:
         check_writable(args.stats, "--stats")
 
-    from ciar_client.connection import ConnectionRefused, DeviceConnection, ServerError
-    from ciar_client.loop import generate, loop_config
-    from ciar_client.runtime import DeviceRuntime, ImageDecoder, read_manifest
+    from ciar_device.connection import ConnectionRefused, DeviceConnection, ServerError
+    from ciar_device.loop import generate, loop_config
+    from ciar_device.runtime import DeviceRuntime, ImageDecoder, read_manifest
 
     if args.model_dir is None:
-        from ciar_client.fetch import fetch_model
+        from ciar_device.fetch import fetch_model
 
         try:
             args.model_dir = fetch_model(args.server, args.key)

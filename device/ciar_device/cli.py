@@ -1,4 +1,4 @@
-"""What the command lines share (`python -m ciar_client` and the project's `python -m ciar.generate`): one-line
+"""What the command lines share (`python -m ciar_device` and the project's `python -m ciar.generate`): one-line
 usage errors (exit status 2), output-path checks before any work (missing folders created), and the prompt / seed checks."""
 
 from __future__ import annotations

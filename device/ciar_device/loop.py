@@ -8,19 +8,19 @@
 A real device calls `generate` (the ONNX runtime, a WebSocket). The cluster's simulated phones run the same loop
 (`run_image`) through `ciar.collab.decoder.CollabDecoder`, which only plugs in their parts. The loop has three
 plug-ins:
-- the **runtime**: the device model behind `start` / `feed` / `rollback` / `step_seconds` (`ciar_client.runtime.
+- the **runtime**: the device model behind `start` / `feed` / `rollback` / `step_seconds` (`ciar_device.runtime.
   DeviceRuntime` on onnxruntime, `ciar.collab.device.TorchRuntime` on torch);
 - the **link**: one image's requests and what they cost. `Link` measures a real transport: wall time and the
   frames a `DeviceConnection` saw. `ciar.collab.decoder.SimulatedLink` charges a network model's seconds for each
   message's bytes instead, spending them for real when asked;
 - the **clock**: device compute, measured (`Clock`; a simulated device stretches it by its slowdown).
-The maths and the draws are not plugged: every device computes with `ciar_client.maths` on numpy and draws with its
+The maths and the draws are not plugged: every device computes with `ciar_device.maths` on numpy and draws with its
 counter-based `uniform(seed, stream, position)`. Two devices with the same draft distributions draw the same tokens,
 whatever runs their model. The browser's port (`web/src/loop.js`) computes the same bits.
 
 One image (docs/architecture.md §4, §7):
 1. *choose the point*: before the open, the image's span and burst (the calibrated ones under the fixed policy;
-   the adaptive policy's choice from the device's observed costs, `ciar_client.policy`; or cloud-only);
+   the adaptive policy's choice from the device's observed costs, `ciar_device.policy`; or cloud-only);
 2. *open*: the cloud makes ceil(prefix_rate * N) tokens (all N for cloud-only) and returns the caption embeddings;
 3. per position: draft x from the float16 draft distribution (`quantize_draft`), score it with the gate (the
    calibrated gate on the guided logit box, a baseline gate, or "always" / "never"); score <= tau: *accept
@@ -38,7 +38,7 @@ the rest alone (no gate, no verification); the stats count the image as `degrade
 `fallback=False` raises instead. Every image ends with a CLOSE, best effort: a transport that knows its link is down
 sends none, and a close that fails loses nothing (the verifier frees an idle session itself).
 
-Stats: `ciar_client.stats.GenerationStats`, filled the same way by every device; `generate` returns them as a dict
+Stats: `ciar_device.stats.GenerationStats`, filled the same way by every device; `generate` returns them as a dict
 with the wall time and device ms per token.
 """
 
@@ -52,10 +52,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ciar_client import maths as M
-from ciar_client.policy import CostObserver, OperatingPoint
-from ciar_client.stats import GenerationStats
-from ciar_client.wire import OpenRequest, RuleConfig, Sampling, VerifyRequest
+from ciar_device import maths as M
+from ciar_device.policy import CostObserver, OperatingPoint
+from ciar_device.stats import GenerationStats
+from ciar_device.wire import OpenRequest, RuleConfig, Sampling, VerifyRequest
 
 SCORING_GATES = M.GATES  # gates that score each position against tau
 LOOP_GATES = SCORING_GATES + ("always", "never")  # "always": every token verified (EAGLE); "never": none (CoDe)
@@ -139,7 +139,7 @@ def generate(runtime, client, prompt: str, seed: int, *, session_id: str | None 
     the end. `fallback`: when the cloud becomes unreachable after the open (`unreachable`), finish the image on the
     device alone and mark it degraded; False raises instead. `policy`: "adaptive" (default) chooses the image's span
     and burst (never below the calibrated ones) or cloud-only before the open from the costs in `observer`
-    (`ciar_client.policy.CostObserver`: keep one per connection across images; a fresh one when not given, primed
+    (`ciar_device.policy.CostObserver`: keep one per connection across images; a fresh one when not given, primed
     with the connection's handshake, one timed step and the WELCOME's hint); "fixed" runs the calibrated span and
     burst. The point is in the stats (`span_used`, `burst_used`, `handovers`): the same request with it as fixed
     knobs makes the same image."""

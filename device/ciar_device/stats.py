@@ -21,7 +21,7 @@ Counters (per image, summed by `+`):
   device_s, cloud_s, comm_s  device compute (measured x slowdown), cloud compute, communication (network model)
   queue_s                time the verify requests queued in the verifier before their first forward (as replied)
   images                 images accounted
-The image's operating point (ciar_client.loop's `choose_point`; per image, an aggregate divides by `images`):
+The image's operating point (ciar_device.loop's `choose_point`; per image, an aggregate divides by `images`):
   span_used, burst_used  the span and burst of its escalations (the calibrated ones under the fixed policy)
   adapted                1 when the adaptive policy chose another point than the calibrated one
   handovers              1 when it gave the whole image to the cloud (cloud-only's open)
@@ -32,7 +32,7 @@ Derived: cloud_call_rate = cloud_tokens / total_tokens; steps_compression = tota
 acceptance_rate = accepted / drafted; mean_accepted_length = 1 + accepted / verifications (tokens gained per
 verification, the bonus/recovered token included); total_s = device_s + cloud_s + comm_s.
 
-Bytes: each message's exact frame size on the wire (`nbytes()` of the messages of `ciar_client.wire`, which
+Bytes: each message's exact frame size on the wire (`nbytes()` of the messages of `ciar_device.wire`, which
 `ciar.collab.protocol` re-exports).
 """
 
