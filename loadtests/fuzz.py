@@ -211,7 +211,8 @@ def serving_rss() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, use_key
+    from loadtests.run import (REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, use_key,
+                               use_weights)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--examples", type=int, default=500)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             app = apply_overrides(load_app_config(args.config), ["Device.realtime=false"] + args.sets)
             app["args"]["devices"] = args.devices
             if args.weights:
-                app["args"]["weights_dir"] = os.path.abspath(args.weights)
+                use_weights(app, args.weights)
             if args.api_key:
                 use_key(app, args.api_key)
             key = client_key(app, args.api_key)

@@ -39,7 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ciar.collab.names import NETWORKS as ALL_NETWORKS
 from loadtests.plan import percentile
-from loadtests.run import REPO, Cluster, apply_overrides, client_key, each_replica, free_port, load_app_config
+from loadtests.run import (REPO, Cluster, apply_overrides, client_key, each_replica, free_port, load_app_config,
+                           use_weights)
 
 PROMPTS = ("a small red circle at the top on a gray background",
            "a large blue square at the center on a black background",
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     app = apply_overrides(load_app_config(args.config), list(DEFAULT_SETS) + args.sets)
     app["args"]["devices"] = args.devices
     if args.weights:
-        app["args"]["weights_dir"] = os.path.abspath(args.weights)
+        use_weights(app, args.weights)
     key = client_key(app)
     os.makedirs(args.out, exist_ok=True)
     report: dict = {"devices": args.devices, "user_configs": app["user_configs"], "scenarios": {}}

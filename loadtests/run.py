@@ -82,6 +82,16 @@ def load_app_config(path: str, app_name: str = APP_NAME) -> dict:
             "import_path": app.get("import_path", "services.app:build_app")}
 
 
+def use_weights(app: dict, weights: str) -> None:
+    """Serve another weights folder. Its phones run the onnx runtime (serve_config.yaml's `device_runtime`) only
+    when the folder has an export (`python -m pipelines.export_onnx --world FOLDER`); otherwise on torch, said so."""
+    app["args"]["weights_dir"] = os.path.abspath(weights)
+    if app["args"].get("device_runtime") == "onnx" and not os.path.isfile(os.path.join(weights, "onnx",
+                                                                                         "manifest.json")):
+        app["args"]["device_runtime"] = "torch"
+        print(f"{weights} has no onnx export: its simulated phones run the torch runtime", flush=True)
+
+
 def apply_overrides(app: dict, sets: list[str]) -> dict:
     """`Deployment.key=value` (user_config) or `args.key=value` (builder args); value parsed as YAML."""
     for item in sets:
@@ -309,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices is not None:
         app["args"]["devices"] = args.devices
     if args.weights is not None:
-        app["args"]["weights_dir"] = os.path.abspath(args.weights)
+        use_weights(app, args.weights)
     if args.api_key is not None:
         use_key(app, args.api_key)
     api_key = client_key(app if args.host is None else None, args.api_key)

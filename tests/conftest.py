@@ -103,13 +103,19 @@ def median_tau(tiny_device, stub_text):
 
 @pytest.fixture(scope="session")
 def onnx_dir(tmp_path_factory):
-    """The shipped device model exported for the torch-free client (pipelines.export_onnx), once per test session;
+    """The shipped device model exported for the torch-free client (pipelines.export_onnx): the weights' own export
+    when it was made from the shipped device file (`make test` makes it first), else once per test session;
     $CIAR_TEST_ONNX_DIR names an existing export instead (skips the ~30 s export)."""
+    from ciar.collab.runtime import exported_from
+    from ciar.world import default_weights_dir
     from pipelines.export_onnx import export_onnx
 
     out = os.environ.get("CIAR_TEST_ONNX_DIR")
     if out and os.path.isfile(os.path.join(out, "manifest.json")):
         return out
+    shipped = os.path.join(default_weights_dir(), "onnx")
+    if exported_from(shipped, os.path.join(default_weights_dir(), "device.safetensors")):
+        return shipped
     out = str(tmp_path_factory.mktemp("onnx"))
     export_onnx(None, out)
     return out

@@ -47,12 +47,22 @@ def device_runtime(kind: str, device_model: DeviceModel, weights_dir: str, devic
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: the onnx device runtime needs the exported model "
                                 f"(`python -m pipelines.export_onnx`, or `make onnx`)")
-    with open(path) as f:
-        exported = (json.load(f).get("sources") or {}).get("device", {}).get("sha256")
-    if device_file is not None and exported != _sha256(device_file):
+    if device_file is not None and not exported_from(onnx_dir, device_file):
         raise ValueError(f"{onnx_dir} was exported from another device model than {device_file}: re-export it "
                          f"(`python -m pipelines.export_onnx`, or `make onnx`)")
     return DeviceRuntime(onnx_dir, threads=1)
+
+
+def exported_from(onnx_dir: str, device_file: str) -> bool:
+    """Whether the export in `onnx_dir` (its manifest's sources) was made from this device file (by its SHA-256)."""
+    from ciar_device.runtime import MANIFEST
+
+    try:
+        with open(os.path.join(onnx_dir, MANIFEST)) as f:
+            exported = (json.load(f).get("sources") or {}).get("device", {}).get("sha256")
+    except (OSError, ValueError):
+        return False
+    return exported is not None and exported == _sha256(device_file)
 
 
 def _sha256(path: str) -> str:

@@ -309,8 +309,10 @@ def test_dockerfile_installs_like_the_makefile():
         assert re.search(r"^TORCH_SPEC \?= torch==2\.13\.0$", f.read(), re.M), "Makefile default changed"
     body = "\n".join(lines)
     torch_at = body.index('pip install "${TORCH_SPEC}"')
-    project_at = body.index('pip install -e ".[serve]"')
+    project_at = body.index('pip install -e ".[serve,export]"')
     assert torch_at < project_at, "torch is installed before the project"
+    # the device model's export (real devices, and serve_config.yaml's onnx phones) is made from the copied weights
+    assert body.index("COPY weights ./weights") < body.index("RUN python -m pipelines.export_onnx")
     for folder in ("ciar", "services", "pipelines", "benchmarks", "loadtests", "weights", "worlds"):
         assert re.search(rf"^COPY {folder} \./{folder}$", body, re.M), f"{folder}/ not copied"
     assert "serve_config.yaml" in body and "serve_config.gpu.yaml" in body
