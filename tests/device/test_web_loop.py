@@ -102,6 +102,29 @@ def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node
         assert 0 < c.stats["device_tokens"] < 144  # drafted, not handed over
 
 
+@pytest.mark.parametrize("gate", ["random", "topk", "always", "never"])
+def test_every_gate_of_the_python_loop_runs_in_the_page_to_the_same_image(node, server, onnx_dir, gate):
+    """The baseline gates (random, top-k) and the methods' "always" (EAGLE-style, every token verified) and "never"
+    (CoDe-style, none) run in the page as in `ciar_device.loop`: the same tokens, decided by the same side."""
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
+    from ciar_device.runtime import DeviceRuntime
+
+    prompt, seed = _prompts(1, 80)[0], 81
+    job = {"prompt": prompt, "seed": seed, "session_id": f"web-gate-{gate}", "options": {**FIXED, "gate": gate}}
+    (b,) = _run(node, server, onnx_dir, [job])["results"]
+    assert "error" not in b, b
+    rt = DeviceRuntime(onnx_dir)
+    conn = DeviceConnection(server, key=KEY, vocab_size=rt.vocab_size)
+    try:
+        c = generate(rt, conn, prompt, seed, gate=gate, policy="fixed")
+    finally:
+        conn.disconnect()
+    assert b["tokens"] == c.tokens.tolist() and b["who"] == c.who
+    assert c.stats["verifications"] == 0 if gate == "never" else c.stats["verifications"] > 0
+    assert c.stats["device_tokens"] == 0 if gate == "always" else c.stats["device_tokens"] > 0
+
+
 def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_dir):
     job = [{"prompt": _prompts(1, 30)[0], "seed": 4, "session_id": "web-cut"}]
     plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]

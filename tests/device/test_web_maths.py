@@ -60,7 +60,7 @@ def recorded(onnx_dir):
     cases = [c for c in seen if "center" in c][::2]
     for c in cases:
         c["scores"] = {g: M.gate_score(g, center=c["center"], radius=c["radius"], probs=c["q_used"], drafted=c["x"],
-                                       margin=0.0) for g in GATES}
+                                       margin=0.0) for g in GATES + ("topk",)}
     return rt.manifest, cases
 
 
@@ -73,13 +73,14 @@ def test_gate_decisions_and_scores_equal_pythons(recorded, node):
         calls += [{"fn": "gateScore", "args": ["lower", {**box, "drafted": c["x"]}]},
                   {"fn": "gateScore", "args": ["interval", box]},
                   {"fn": "gateScore", "args": ["entropy", {"probs": _js(c["q_used"])}]},
-                  {"fn": "gateScore", "args": ["softmax", {"probs": _js(c["q_used"])}]}]
+                  {"fn": "gateScore", "args": ["softmax", {"probs": _js(c["q_used"])}]},
+                  {"fn": "gateScore", "args": ["topk", box]}]
     out = node("maths", {"calls": calls})
     assert len(cases) >= 100
     closest = {}
     for i, c in enumerate(cases):
-        for j, g in enumerate(GATES):
-            js, py = out[4 * i + j], c["scores"][g]
+        for j, g in enumerate(GATES + ("topk",)):
+            js, py = out[5 * i + j], c["scores"][g]
             assert (js > taus[g]) == (py > taus[g]), (g, js, py, taus[g])  # the same decision, every gate
             assert js == pytest.approx(py, rel=2e-6, abs=1e-7), (g, js, py)
             closest[g] = min(closest.get(g, math.inf), abs(py - taus[g]))
@@ -174,7 +175,7 @@ def test_uniforms_are_pythons_bit_for_bit(node):
 
 
 def test_refusals_name_the_problem(node):
-    out = node("maths", {"calls": [{"fn": "gateScore", "args": ["topk", {"center": [0.0, 1.0], "radius": [0.0, 0.0]}]},
+    out = node("maths", {"calls": [{"fn": "gateScore", "args": ["nope", {"center": [0.0, 1.0], "radius": [0.0, 0.0]}]},
                                    {"fn": "gateScore", "args": ["lower", {"center": [0.0, 1.0], "radius": [0.0, 0.0]}]},
                                    {"fn": "logitsToProbs", "args": [[0.0, 1.0], {"cfg_scale": 0.5}, None]},
                                    {"fn": "sampleMany", "args": [[0.0, 0.0], 1, 1]}]})
@@ -182,3 +183,5 @@ def test_refusals_name_the_problem(node):
     assert "needs drafted" in out[1]["error"]
     assert "cfg_scale must be >= 1" in out[2]["error"]
     assert "positive, finite total" in out[3]["error"]
+    (random,) = node("maths", {"calls": [{"fn": "gateScore", "args": ["random", {}]}]})
+    assert "needs u" in random["error"]

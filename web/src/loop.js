@@ -28,24 +28,30 @@ import * as P from "./policy.js";
 
 export const PROGRESS_EVERY = 12;
 export const POLICIES = ["adaptive", "fixed"]; // ciar.collab.knobs' `policy`
+// every gate of the Python loop: those that score a position against tau, "always" (every token verified, EAGLE's)
+// and "never" (none: CoDe's)
+export const LOOP_GATES = [...M.GATES, "always", "never"];
 
 /** The loop's knobs: the given ones, else the manifest's (Error on an unsupported gate or policy, or no threshold).
  *  policy: "adaptive" (default) or "fixed"; cloudStepPriceS: the operator's price of a cloud step in seconds. */
 export function loopConfig(manifest, { tau = null, gate = null, span = null, burst = null, prefixRate = null,
-  interEnhance = true, policy = "adaptive", cloudStepPriceS = 0 } = {}) {
+  interEnhance = true, policy = "adaptive", cloudStepPriceS = 0, topk = 200 } = {}) {
   if (!POLICIES.includes(policy)) throw new Error(`policy must be one of ${POLICIES.join(", ")}, got "${policy}"`);
   if (!(cloudStepPriceS >= 0)) throw new Error(`cloudStepPriceS must be >= 0, got ${cloudStepPriceS}`);
   const d = manifest.ciar_defaults || {};
   gate = gate ?? d.gate ?? "interval";
-  if (!M.GATES.includes(gate)) throw new Error(`gate "${gate}" is not supported by the browser device; supported: ${M.GATES.join(", ")}`);
-  tau = tau ?? (d.taus || {})[gate];
-  if (tau === undefined || tau === null || Number.isNaN(tau)) throw new Error(`no threshold for the "${gate}" gate: the device model is not calibrated`);
+  if (!LOOP_GATES.includes(gate)) throw new Error(`gate "${gate}" is not supported by the browser device; supported: ${LOOP_GATES.join(", ")}`);
+  tau = tau ?? (d.taus || {})[gate] ?? null;
+  const scores = M.GATES.includes(gate);
+  if (scores && (tau === null || Number.isNaN(tau))) throw new Error(`no threshold for the "${gate}" gate: the device model is not calibrated`);
+  if (!(topk >= 1)) throw new Error(`topk must be >= 1, got ${topk}`);
   span = span ?? d.span ?? 4;
   burst = burst ?? d.burst ?? 0;
   prefixRate = prefixRate ?? manifest.prefix_rate ?? 0.06;
   if (!(span >= 1 && burst >= 0 && prefixRate >= 0 && prefixRate <= 1)) throw new Error(`need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got ${span}, ${burst}, ${prefixRate}`);
-  return { gate, tau, span, burst, burstEntropy: d.burst_entropy ?? 0, prefixRate, featureTop: manifest.feature_top ?? 8,
-    interEnhance, sampling: M.checkSampling(manifest.sampling), policy, cloudStepPriceS };
+  return { gate, tau, scores, topk, span, burst, burstEntropy: d.burst_entropy ?? 0, prefixRate,
+    featureTop: manifest.feature_top ?? 8, interEnhance, sampling: M.checkSampling(manifest.sampling), policy,
+    cloudStepPriceS };
 }
 
 const COUNTERS = ["total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens", "drafted", "accepted",
@@ -156,7 +162,7 @@ class Loop {
   async choosePoint(remaining) {
     const cfg = this.cfg, obs = this.observer, st = this.st;
     let point = P.operatingPoint(cfg.span, cfg.burst);
-    if (cfg.policy === "adaptive") {
+    if (cfg.policy === "adaptive" && cfg.scores) {
       if (!obs.primed) {
         const hint = this.client.costHint ? await this.client.costHint() : null; // connects: the handshake is timed
         const handshake = this.client.handshakeS;
@@ -186,8 +192,8 @@ class Loop {
       const t = performance.now();
       const { sent, used, x } = this.draft(this.tokens.length);
       this.box = null;
-      const escalate = !this.offline && this.score(used, x) > cfg.tau;
-      if (!this.offline) this.observer.escalation.observe(escalate ? 1 : 0);
+      const escalate = this.escalates(used, x);
+      if (cfg.scores && !this.offline) this.observer.escalation.observe(escalate ? 1 : 0);
       if (!escalate) {
         await this.acceptLocal(x);
         this.st.device_s += (performance.now() - t) / 1000;
@@ -236,10 +242,19 @@ class Loop {
     return this.box;
   }
 
+  /** Whether draft x at the current position goes to the cloud (never offline). */
+  escalates(used, x) {
+    const gate = this.cfg.gate;
+    if (this.offline || gate === "never") return false;
+    return gate === "always" || this.score(used, x) > this.cfg.tau;
+  }
+
   score(used, x) {
-    if (this.cfg.gate === "entropy" || this.cfg.gate === "softmax") return M.gateScore(this.cfg.gate, { probs: used });
+    const gate = this.cfg.gate;
+    if (gate === "random") return M.gateScore(gate, { u: M.uniform(this.seed, M.GATE_STREAM, this.tokens.length) });
+    if (gate === "entropy" || gate === "softmax") return M.gateScore(gate, { probs: used });
     const { center, radius } = this.guidedBox();
-    return M.gateScore(this.cfg.gate, { center, radius, drafted: x });
+    return M.gateScore(gate, { center, radius, drafted: x, topk: this.cfg.topk });
   }
 
   async acceptLocal(x) {

@@ -23,7 +23,7 @@
 
 const F32_TINY = 1.1754943508222875e-38; // np.finfo(np.float32).tiny
 export const FEATURE_LOGIT_FLOOR = -50.0; // ciar.collab.interval.FEATURE_LOGIT_FLOOR
-export const GATES = ["interval", "lower", "entropy", "softmax"];
+export const GATES = ["interval", "lower", "entropy", "softmax", "random", "topk"]; // gates that score a position
 const fr = Math.fround;
 
 // ------------------------------------------------------------------------------------------- float16
@@ -411,7 +411,25 @@ export function softmaxScore(p) {
 
 /** The gate's score of one position (escalate when score > tau): "interval", "lower" (center, radius, drafted) or
  *  "entropy", "softmax" (probs: the draft distribution the token was drawn from). */
-export function gateScore(kind, { center = null, radius = null, probs = null, drafted = null } = {}) {
+/** The discrete top-k gate (`ciar_device.maths.topk_score`): InterFuse over the k largest centers, then
+ *  (n_feasible - 1 + Omega / (1 + Omega)) / k in float32; a feasible winner i has p_hi_i >= max_j p_lo_j. */
+export function topkScore(center, radius, topk = 200, margin = 0) {
+  if (!(topk >= 1)) throw new Error(`topk must be >= 1, got ${topk}`);
+  const k = Math.min(Math.floor(topk), center.length);
+  const idx = topIndices(center, k);
+  const { lo, hi } = interFuse(Float32Array.from(idx, (i) => center[i]), Float32Array.from(idx, (i) => radius[i]),
+    margin);
+  let maxLo = -Infinity, s = 0;
+  for (let i = 0; i < k; i++) { maxLo = Math.max(maxLo, lo[i]); s += fr(hi[i] - lo[i]); }
+  let n = 0;
+  for (let i = 0; i < k; i++) if (hi[i] >= maxLo) n++;
+  const omega = fr(s), frac = fr(omega / fr(1 + omega));
+  return fr(fr(n - 1 + frac) / k);
+}
+
+/** The gate's score of one position (escalate when > tau), as `ciar_device.maths.gate_score`: u is the "random"
+ *  gate's uniform (`uniform(seed, GATE_STREAM, position)`), topk the "topk" gate's set size. */
+export function gateScore(kind, { center = null, radius = null, probs = null, drafted = null, u = null, topk = 200 } = {}) {
   const need = (inputs) => {
     const missing = Object.entries(inputs).filter(([, v]) => v === null).map(([k]) => k);
     if (missing.length) throw new Error(`gate "${kind}" needs ${missing.join(", ")}`);
@@ -420,5 +438,7 @@ export function gateScore(kind, { center = null, radius = null, probs = null, dr
   if (kind === "lower") { need({ center, radius, drafted }); return lowerScore(center, radius, drafted); }
   if (kind === "entropy") { need({ probs }); return entropyScore(probs); }
   if (kind === "softmax") { need({ probs }); return softmaxScore(probs); }
+  if (kind === "random") { need({ u }); return u; }
+  if (kind === "topk") { need({ center, radius }); return topkScore(center, radius, topk, 0); }
   throw new Error(`gate "${kind}" is not supported by the browser device; supported: ${GATES.join(", ")}`);
 }
