@@ -318,11 +318,11 @@ class _Image:
     def run(self, prompt: str) -> tuple[list[int], list[str], GenerationStats]:
         cfg, st, n_total = self.cfg, self.stats, self.n_total
         prefix_len = n_total if cfg.prefix_rate >= 1.0 else min(n_total, math.ceil(cfg.prefix_rate * n_total))
+        if prefix_len < n_total and self.rt is None:
+            raise ValueError("drafting needs a device runtime (only cloud-only, prefix_rate 1, runs without one)")
         if prefix_len < n_total and self.choose_point(n_total - prefix_len).cloud_only:
             prefix_len = n_total  # the whole image on the cloud: cloud-only's open
         drafting = prefix_len < n_total
-        if drafting and self.rt is None:
-            raise ValueError("drafting needs a device runtime (only cloud-only runs without one)")
         req = OpenRequest(self.sid, prompt, self.seed, cfg.sampling, prefix_len, cfg.rule, want_caption=drafting)
         try:
             reply = self.link.exchange(req, st)
