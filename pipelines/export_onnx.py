@@ -19,7 +19,7 @@ L = cls_token_num (captions left-padded, mask True on real tokens), max_seq = cl
 1 (no guidance) or 2 (classifier-free guidance: row 0 conditional, row 1 unconditional with drop=True), T is any
 1..block_size. The cache is fixed-size: a query at position p sees keys at positions <= p (and valid caption keys),
 so entries past a rolled-back position are invisible and get overwritten, exactly as `ciar.models.kv_cache.KVCache`
-(rollback is a position pointer on the runtime's side). Everything is float32, as the torch device loop runs.
+(rollback is a position pointer on the runtime's side). Everything is float32, as the torch runtime (`ciar.collab.device.TorchRuntime`) runs.
 
 How the graphs follow the torch model: the wrappers below call the model's own modules (caption projector with the
 CFG drop, token embedding, each layer's norms, `Attention._qkv` / `_out`, feed-forward, final norm, the Inter-Head

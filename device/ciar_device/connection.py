@@ -5,8 +5,8 @@
     reply = conn.verify(VerifyRequest(...))    # -> VerifyReply
     conn.close(session_id)
 
-The same four calls as every `CloudClient` (`ciar.collab.protocol`): the torch device loop (`CollabDecoder`) and the
-torch-free one (`ciar_device.loop`) both run over it. Synchronous, one request at a time (a device's loop waits for
+The same four calls as every `CloudClient` (`ciar.collab.protocol`): the device loop (`ciar_device.loop`) runs
+over it on a real device, and a simulated phone (`CollabDecoder`) can too. Synchronous, one request at a time (a device's loop waits for
 each reply), any number of sessions on one connection.
 
 Resumption. The connection remembers, per open session, its OpenRequest, its session token and the committed tokens
@@ -88,7 +88,7 @@ class DeviceConnection:
                  client_name: str = "ciar-device/0.1", retries: int = 8, backoff_s: float = 0.2,
                  timeout_s: float = 300.0, connect_timeout_s: float = 10.0):
         """`url`: ws://HOST:PORT (the endpoint's path is added when missing) or the full endpoint URL. `array`:
-        what decoded arrays become (numpy by default; `torch.from_numpy` for a torch device loop)."""
+        what decoded arrays become (numpy by default; `torch.from_numpy` where a caller wants tensors)."""
         self.url = url if url.rstrip("/").endswith(DEFAULT_PATH) else url.rstrip("/") + DEFAULT_PATH
         self.key, self.vocab_size, self.array = key, int(vocab_size), array
         self.client_name = client_name

@@ -208,7 +208,7 @@ def test_simulation_knobs_are_an_operators_not_a_clients(cluster, name, value):
 
 
 def test_a_real_device_over_the_websocket_endpoint(cluster):
-    """The torch device loop over the device endpoint of the Serve application (WebSocket through Serve's proxy to
+    """A simulated phone (`CollabDecoder`) over the device endpoint of the Serve application (WebSocket through Serve's proxy to
     the ingress, then the Verifier handle routed by session): the same tokens as in process, also when the socket is
     cut mid-image with a verify in flight; a wrong key is closed with its reason."""
     import torch

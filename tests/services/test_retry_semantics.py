@@ -1,5 +1,5 @@
 """Every message of the device protocol is safe to send again after a lost reply (docs/architecture.md §5, "Retry
-semantics"), on real sockets: the device (`ciar_device.connection.DeviceConnection` under the torch loop) talks to the
+semantics"), on real sockets: the device (`ciar_device.connection.DeviceConnection` under a simulated phone's loop) talks to the
 endpoint through `services.testing.CuttingProxy`, which cuts the connection at one frame of one type in one direction,
 either after relaying it ("deliver") or instead ("drop"). For every frame of an image the image must be bit-identical
 to an uninterrupted one, and afterwards the verifier must hold no session and the endpoint count none.

@@ -17,7 +17,7 @@
 // (numpy's are pairwise): the float64 results may differ in the last bits, which float32 rounding almost always
 // absorbs.
 //
-// Draws: the same inverse-CDF rule as the numpy loop (the first entry whose float64 running sum exceeds u * total) at
+// Draws: the same inverse-CDF rule as the Python loop (the first entry whose float64 running sum exceeds u * total) at
 // the same counter-based uniform (`uniform(seed, stream, position)`, splitmix64 on BigInts): from the same draft
 // distribution, the same token as every other device.
 
