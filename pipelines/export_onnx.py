@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -53,6 +52,7 @@ from ciar.collab.decoder import CollabConfig
 from ciar.collab.device import DeviceModel
 from ciar.models.vq import VQModel, tensor_to_images
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
+from ciar_device.fetch import sha256_file
 
 FORMAT_VERSION = 1
 OPSET = 20
@@ -185,11 +185,7 @@ def _export(module: nn.Module, args: tuple, names_in: list[str], names_out: list
 
 def file_facts(path: str) -> dict:
     """{"file": basename, "sha256", "bytes"} of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"file": os.path.basename(path), "sha256": h.hexdigest(), "bytes": os.path.getsize(path)}
+    return {"file": os.path.basename(path), "sha256": sha256_file(path), "bytes": os.path.getsize(path)}
 
 
 def _io(path: str) -> dict:

@@ -13,7 +13,6 @@ or "onnx", the exported model real phones run (`ciar_device.runtime.DeviceRuntim
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -21,6 +20,7 @@ from ciar.collab.decoder import CollabDecoder, method_config
 from ciar.collab.device import DeviceModel, TorchRuntime
 from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
+from ciar_device.fetch import sha256_file
 
 
 def make_verifier(world, max_sessions: int = 8, projector: bool = True, static: bool | None = None) -> CloudVerifier:
@@ -62,15 +62,7 @@ def exported_from(onnx_dir: str, device_file: str) -> bool:
             exported = (json.load(f).get("sources") or {}).get("device", {}).get("sha256")
     except (OSError, ValueError):
         return False
-    return exported is not None and exported == _sha256(device_file)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return exported is not None and exported == sha256_file(device_file)
 
 
 def make_decoder(world, verifier: CloudVerifier, method: str, sampling: SamplingParams | None = None,

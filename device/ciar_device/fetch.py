@@ -55,7 +55,7 @@ def fetch_model(server: str, key: str, cache_dir: str | None = None, timeout_s: 
     os.makedirs(folder, exist_ok=True)
     for graph in manifest["graphs"].values():
         path = os.path.join(folder, os.path.basename(graph["file"]))
-        if os.path.isfile(path) and _sha256(path) == graph["sha256"]:
+        if os.path.isfile(path) and sha256_file(path) == graph["sha256"]:
             continue
         data = _get(f"{base}/v1/device/model/{urllib.parse.quote(graph['file'])}", key, timeout_s)
         if hashlib.sha256(data).hexdigest() != graph["sha256"] or len(data) != graph["bytes"]:
@@ -68,7 +68,8 @@ def fetch_model(server: str, key: str, cache_dir: str | None = None, timeout_s: 
     return folder
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """The SHA-256 hex digest of a file (read in 1 MiB chunks): what an export's manifest records for its files."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
