@@ -227,12 +227,12 @@ class SimulatedLink(Link):
         """Uplink transmission of the request's bytes, the call, downlink transmission of the reply's bytes (in this
         order, so the link's seeded jitter/loss stream does not depend on `wait`)."""
         verify = isinstance(request, VerifyRequest)
-        up = request.nbytes(self.vocab_size) if verify else request.nbytes()
+        up = self.request_bytes(request)
         try:
             up_s, _ = self.network.transmit(up)
             self._spend(up_s)
             t = time.perf_counter()
-            reply = self.client.verify(request) if verify else self.client.open(request)
+            reply = self.send(request)
             wall = time.perf_counter() - t
             down = reply.nbytes()
             down_s, _ = self.network.transmit(down)

@@ -211,15 +211,22 @@ class Link:
     def vocab_size(self) -> int:
         return int(self.client.vocab_size)
 
+    def send(self, request):
+        """The client's call for one request (OPEN or VERIFY) -> its reply."""
+        return self.client.verify(request) if isinstance(request, VerifyRequest) else self.client.open(request)
+
+    def request_bytes(self, request) -> int:
+        """The request's exact frame size (a VERIFY's token ids are packed at the vocabulary's width)."""
+        return request.nbytes(self.vocab_size) if isinstance(request, VerifyRequest) else request.nbytes()
+
     def exchange(self, request, stats: GenerationStats):
         """Send one request (OPEN or VERIFY), charge its costs to `stats`; -> the reply."""
         verify = isinstance(request, VerifyRequest)
-        call = (lambda: self.client.verify(request)) if verify else (lambda: self.client.open(request))
         log = getattr(self.client, "exchanges", None)
         seen = len(log) if log is not None else 0
         t = time.perf_counter()
         try:
-            reply = call()
+            reply = self.send(request)
         except Exception:
             stats.comm_s += time.perf_counter() - t  # the device waited for a reply that did not come
             raise
@@ -227,7 +234,7 @@ class Link:
         if log is not None:
             up, down = sum(e.up_bytes for e in log[seen:]), sum(e.down_bytes for e in log[seen:])
         else:
-            up, down = request.nbytes(self.vocab_size) if verify else request.nbytes(), reply.nbytes()
+            up, down = self.request_bytes(request), reply.nbytes()
         cloud_s, queue_s = float(reply.cloud_s), float(getattr(reply, "queue_s", 0.0))
         # the link: the wall time beyond the verifier's own (its forwards and the queue): what the transport took
         self.charge(stats, reply, verify, up, down, comm_s=max(0.0, wall - cloud_s), cloud_s=cloud_s,
@@ -337,16 +344,11 @@ class _Image:
                 st.device_s += self.clock.charged_s
                 if st.device_forward_passes:
                     self.observer.device_step.update(self.clock.charged_s / st.device_forward_passes)
-        except BaseException:
-            try:  # the error in flight is the one to report
+        finally:
+            try:  # best effort: a failed close costs the verifier an idle session, not the image (nor the error)
                 self.link.close(self.sid)
             except Exception:  # noqa: BLE001
                 pass
-            raise
-        try:  # the image is complete: a close that fails costs the verifier an idle session, not the image
-            self.link.close(self.sid)
-        except Exception:  # noqa: BLE001
-            pass
         st.total_tokens = len(self.tokens)
         st.images = 1
         self.progress(self.tokens, st, final=True)
