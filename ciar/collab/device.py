@@ -29,7 +29,7 @@ from ciar.collab.interval import InterHead
 from ciar.models.checkpoint import load_strict, read_model_file, save_model
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.kv_cache import KVCache
-from ciar_device.runtime import Step
+from ciar_device.runtime import Runtime, Step
 
 DEVICE_KIND = "ciar_device"
 DEVICE_DEPTHS = (1, 2, 3, 5)  # the paper's device depths (Table 6)
@@ -161,10 +161,11 @@ class DeviceModel(nn.Module):
         return model.to(device).eval()
 
 
-class TorchRuntime:
-    """The torch device model behind the device loop's runtime interface (`ciar_device.runtime.DeviceRuntime`'s:
-    `start`, `feed`, `rollback`, `step_seconds`; numpy in and out), one image at a time: the cluster's simulated
-    phones run `ciar_device.loop` on it. A voting device's steps carry every head's box (`Step.heads`)."""
+class TorchRuntime(Runtime):
+    """The torch device model behind the device loop's runtime interface (`ciar_device.runtime.Runtime`'s checks,
+    `DeviceRuntime`'s calls: `start`, `feed`, `rollback`, `step_seconds`; numpy in and out), one image at a time:
+    the cluster's simulated phones run `ciar_device.loop` on it. A voting device's steps carry every head's box
+    (`Step.heads`)."""
 
     def __init__(self, model: DeviceModel):
         self.model = model.eval()
@@ -174,22 +175,18 @@ class TorchRuntime:
         dc = model.device_config
         self.voting = dc.num_heads > 1 and dc.combine == "voting"
         self.cache: KVCache | None = None
-        self.rows = 0
-        self.length = 0  # image tokens held in the cache
 
     @torch.inference_mode()
     def start(self, caption_emb, caption_mask, rows: int) -> Step:
         """Prefill the caption (caption_emb [L, caption_dim], caption_mask [L] bool) on `rows` rows (2: row 1
         unconditional) in a new cache; -> Step for image token 0."""
-        if rows not in (1, 2):
-            raise ValueError(f"rows must be 1 (no guidance) or 2 (classifier-free guidance), got {rows!r}")
+        emb, mask = self.checked_caption(caption_emb, caption_mask, rows)
         w = self.model.gpt.tok_embeddings.weight
-        emb = torch.from_numpy(np.ascontiguousarray(caption_emb)).to(w.device, w.dtype).unsqueeze(0)
-        mask = torch.from_numpy(np.ascontiguousarray(caption_mask, dtype=bool)).to(w.device).unsqueeze(0)
-        emb, mask = emb.expand(rows, -1, -1), mask.expand(rows, -1)
+        emb = torch.from_numpy(np.ascontiguousarray(emb)).to(w.device, w.dtype).unsqueeze(0).expand(rows, -1, -1)
+        mask = torch.from_numpy(np.ascontiguousarray(mask, dtype=bool)).to(w.device).unsqueeze(0).expand(rows, -1)
         drop = torch.tensor([False, True], device=w.device) if rows == 2 else None
         self.cache = self.model.new_cache(rows)
-        self.rows, self.length = rows, 0
+        self.rows, self.length, self.started = rows, 0, True
         out = self.model.prefill(self.cache, emb, mask, drop, torch.arange(rows, device=w.device),
                                  with_heads=self.voting)
         return self._step(out)
@@ -198,14 +195,10 @@ class TorchRuntime:
     def feed(self, tokens, start: int) -> Step:
         """Feed image tokens at image indices start .. (every row the same ids; `start` at most the tokens held)
         -> Step of the last one."""
-        toks = [int(t) for t in tokens]
-        if self.cache is None:
-            raise RuntimeError("feed before start: prefill a caption first")
-        if not toks or not 0 <= start <= self.length or start + len(toks) > self.num_tokens:
-            raise ValueError(f"cannot feed {len(toks)} tokens at image index {start}: the cache holds {self.length} "
-                             f"of {self.num_tokens}")
+        start = int(start)
+        toks = self.checked_feed(tokens, start)
         w = self.model.gpt.tok_embeddings.weight
-        t = torch.tensor(toks, dtype=torch.long, device=w.device).unsqueeze(0).expand(self.rows, -1)
+        t = torch.from_numpy(toks).to(w.device).unsqueeze(0).expand(self.rows, -1)
         pos0 = self.cls_token_num + start
         pos = torch.arange(pos0, pos0 + len(toks), device=w.device)
         out = self.model.decode(self.cache, t, pos, kv_len=pos0 + len(toks), with_heads=self.voting, last_only=True)
@@ -215,11 +208,9 @@ class TorchRuntime:
 
     def rollback(self, length: int) -> None:
         """Keep image tokens [0, length) in the cache."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} image tokens: the cache holds {self.length}")
+        super().rollback(length)
         for r in range(self.rows):
-            self.cache.rollback(r, self.cls_token_num + length)
-        self.length = length
+            self.cache.rollback(r, self.cls_token_num + self.length)
 
     def step_seconds(self, rows: int = 1) -> float:
         return self.model.step_seconds(rows)

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -53,7 +52,9 @@ def read_manifest(model_dir: str) -> dict:
     return manifest
 
 
-def _session(model_dir: str, manifest: dict, key: str, threads: int, providers) -> ort.InferenceSession:
+def _session(model_dir: str, manifest: dict, key: str, threads: int, providers):
+    import onnxruntime as ort  # here, not at import: the torch runtime shares this module's Step and checks
+
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = max(1, int(threads))
     opts.inter_op_num_threads = 1
@@ -63,7 +64,52 @@ def _session(model_dir: str, manifest: dict, key: str, threads: int, providers) 
     return ort.InferenceSession(path, sess_options=opts, providers=providers or ["CPUExecutionProvider"])
 
 
-class DeviceRuntime:
+class Runtime:
+    """What every runtime of the device loop checks the same way (this one's `DeviceRuntime`, the torch model's
+    `ciar.collab.device.TorchRuntime`): the caption, the tokens fed and the rollbacks, against the model's sizes
+    (`cls_token_num`, `caption_dim`, `num_tokens`, `vocab_size`) and the image tokens the cache holds (`length`)."""
+
+    rows = 0
+    length = 0  # image tokens held in the cache (positions cls_token_num .. cls_token_num + length - 1)
+    started = False
+
+    def checked_caption(self, caption_emb, caption_mask, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """-> (caption_emb [L, caption_dim], caption_mask [L]) as arrays; ValueError naming what does not fit."""
+        if rows not in (1, 2):
+            raise ValueError(f"rows must be 1 (no guidance) or 2 (classifier-free guidance), got {rows!r}")
+        emb = np.asarray(caption_emb)
+        mask = np.asarray(caption_mask)
+        L, D = self.cls_token_num, self.caption_dim
+        if emb.shape != (L, D) or mask.shape != (L,):
+            raise ValueError(f"expected caption_emb [{L}, {D}] and caption_mask [{L}], got {emb.shape} and "
+                             f"{mask.shape}")
+        return emb, mask
+
+    def checked_feed(self, tokens, start: int) -> np.ndarray:
+        """-> the tokens as int64 [n]; RuntimeError before `start`, ValueError naming what does not fit."""
+        if not self.started:
+            raise RuntimeError("feed before start: prefill a caption first")
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = toks.shape[0]
+        if n == 0:
+            raise ValueError("feed needs at least one token")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"cannot feed at image index {start}: the cache holds {self.length} image tokens")
+        if start + n > self.num_tokens:
+            raise ValueError(f"feeding {n} tokens at {start} runs past the image's {self.num_tokens} tokens")
+        if toks.min() < 0 or toks.max() >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        return toks
+
+    def rollback(self, length: int) -> None:
+        """Keep image tokens [0, length) in the cache (the next feed starts at most at `length`)."""
+        length = int(length)
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} image tokens: the cache holds {self.length}")
+        self.length = length
+
+
+class DeviceRuntime(Runtime):
     """One generation at a time: the device model's prefill and step graphs and the session's KV cache."""
 
     def __init__(self, model_dir: str, threads: int = 1, providers: list[str] | None = None):
@@ -74,46 +120,28 @@ class DeviceRuntime:
         self.vocab_size, self.num_tokens = int(m["vocab_size"]), int(m["num_tokens"])
         self.cls_token_num, self.caption_dim = int(m["cls_token_num"]), int(m["caption_dim"])
         self.dim = int(m["dim"])  # the hidden state's width (the projector's input)
-        self.rows = 0
-        self.length = 0  # image tokens held in the cache (positions cls_token_num .. cls_token_num + length - 1)
         self._k = self._v = self._mask = None
 
     def start(self, caption_emb: np.ndarray, caption_mask: np.ndarray, rows: int) -> Step:
         """Reset the cache and prefill the caption: caption_emb [L, caption_dim] (float16 or float32, left-padded),
         caption_mask [L] bool (True on real tokens); rows 1 (no guidance) or 2 (row 1 unconditional).
         -> Step for image token 0."""
-        if rows not in (1, 2):
-            raise ValueError(f"rows must be 1 (no guidance) or 2 (classifier-free guidance), got {rows!r}")
-        emb = np.asarray(caption_emb)
-        mask = np.asarray(caption_mask)
+        emb, mask = self.checked_caption(caption_emb, caption_mask, rows)
         L, D = self.cls_token_num, self.caption_dim
-        if emb.shape != (L, D) or mask.shape != (L,):
-            raise ValueError(f"expected caption_emb [{L}, {D}] and caption_mask [{L}], got {emb.shape} and "
-                             f"{mask.shape}")
         emb = np.ascontiguousarray(np.broadcast_to(emb.astype(np.float32), (rows, L, D)))
         mask = np.ascontiguousarray(np.broadcast_to(mask.astype(bool), (rows, L)))
         drop = np.array([False, True][:rows])
         center, radius, hidden, self._k, self._v = self._prefill.run(
             None, {"caption_emb": emb, "caption_mask": mask, "drop": drop})
-        self._mask, self.rows, self.length = mask, rows, 0
+        self._mask, self.rows, self.length, self.started = mask, rows, 0, True
         return Step(center, radius, hidden)
 
     def feed(self, tokens, start: int) -> Step:
         """Feed image tokens at image indices start .. start + len(tokens) - 1 (the same ids on every row; `start` at
         most the tokens the cache holds) -> Step of the last one (it predicts image token start + len(tokens))."""
-        if self._k is None:
-            raise RuntimeError("feed before start: prefill a caption first")
-        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        n = toks.shape[0]
-        if n == 0:
-            raise ValueError("feed needs at least one token")
         start = int(start)
-        if not 0 <= start <= self.length:
-            raise ValueError(f"cannot feed at image index {start}: the cache holds {self.length} image tokens")
-        if start + n > self.num_tokens:
-            raise ValueError(f"feeding {n} tokens at {start} runs past the image's {self.num_tokens} tokens")
-        if toks.min() < 0 or toks.max() >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        toks = self.checked_feed(tokens, start)
+        n = toks.shape[0]
         center, radius, hidden, self._k, self._v = self._step.run(None, {
             "tokens": np.ascontiguousarray(np.broadcast_to(toks, (self.rows, n))),
             "start": np.array(start, dtype=np.int64), "caption_mask": self._mask,
@@ -134,14 +162,6 @@ class DeviceRuntime:
             times.append(time.perf_counter() - t)
         self.rollback(0)
         return statistics.median(times[1:])
-
-    def rollback(self, length: int) -> None:
-        """Keep image tokens [0, length) in the cache (moves the position pointer; the next feed starts at most at
-        `length`)."""
-        length = int(length)
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} image tokens: the cache holds {self.length}")
-        self.length = length
 
 
 class ImageDecoder:
