@@ -42,6 +42,20 @@ def _run(node, server, onnx_dir, jobs, **extra):
     return node("generate", {"url": server, "key": KEY, "model_dir": onnx_dir, "jobs": jobs, **extra})
 
 
+def _client(server, onnx_dir, jobs, **knobs) -> list:
+    """The torch-free client's images of `jobs` (`ciar_device.loop.generate` over a socket to the same endpoint)."""
+    from ciar_device.connection import DeviceConnection
+    from ciar_device.loop import generate
+    from ciar_device.runtime import DeviceRuntime
+
+    rt = DeviceRuntime(onnx_dir)
+    conn = DeviceConnection(server, key=KEY, vocab_size=rt.vocab_size)
+    try:
+        return [generate(rt, conn, j["prompt"], j["seed"], **knobs) for j in jobs]
+    finally:
+        conn.disconnect()
+
+
 def test_images_complete_with_consistent_stats(node, server, onnx_dir):
     jobs = [{"prompt": p, "seed": i, "session_id": f"web-{i}"} for i, p in enumerate(_prompts(3))]
     out = _run(node, server, onnx_dir, jobs, options=FIXED)
@@ -76,19 +90,11 @@ def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node
     from ciar.collab.runtime import device_runtime
     from ciar.collab.verifier import InProcessCloud
     from ciar.world import load_world
-    from ciar_device.connection import DeviceConnection
-    from ciar_device.loop import generate
-    from ciar_device.runtime import DeviceRuntime
 
     prompts = _prompts(3, 60)
     jobs = [{"prompt": p, "seed": 70 + i, "session_id": f"web-same-{i}"} for i, p in enumerate(prompts)]
     browser = _run(node, server, onnx_dir, jobs, options=FIXED)["results"]
-    rt = DeviceRuntime(onnx_dir)
-    conn = DeviceConnection(server, key=KEY, vocab_size=rt.vocab_size)
-    try:
-        client = [generate(rt, conn, j["prompt"], j["seed"], policy="fixed") for j in jobs]
-    finally:
-        conn.disconnect()
+    client = _client(server, onnx_dir, jobs, policy="fixed")
     world = load_world(None)
     phone = CollabDecoder(world.device_model, InProcessCloud(SERVED["verifier"]),
                           method_config("ciar", network="none", policy="fixed"), world.sampling,
@@ -106,20 +112,11 @@ def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node
 def test_every_gate_of_the_python_loop_runs_in_the_page_to_the_same_image(node, server, onnx_dir, gate):
     """The baseline gates (random, top-k) and the methods' "always" (EAGLE-style, every token verified) and "never"
     (CoDe-style, none) run in the page as in `ciar_device.loop`: the same tokens, decided by the same side."""
-    from ciar_device.connection import DeviceConnection
-    from ciar_device.loop import generate
-    from ciar_device.runtime import DeviceRuntime
-
     prompt, seed = _prompts(1, 80)[0], 81
     job = {"prompt": prompt, "seed": seed, "session_id": f"web-gate-{gate}", "options": {**FIXED, "gate": gate}}
     (b,) = _run(node, server, onnx_dir, [job])["results"]
     assert "error" not in b, b
-    rt = DeviceRuntime(onnx_dir)
-    conn = DeviceConnection(server, key=KEY, vocab_size=rt.vocab_size)
-    try:
-        c = generate(rt, conn, prompt, seed, gate=gate, policy="fixed")
-    finally:
-        conn.disconnect()
+    (c,) = _client(server, onnx_dir, [job], gate=gate, policy="fixed")
     assert b["tokens"] == c.tokens.tolist() and b["who"] == c.who
     assert c.stats["verifications"] == 0 if gate == "never" else c.stats["verifications"] > 0
     assert c.stats["device_tokens"] == 0 if gate == "always" else c.stats["device_tokens"] > 0
