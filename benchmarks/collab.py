@@ -43,7 +43,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -303,10 +303,7 @@ class Run:
     ciar: dict
     report: dict
     runtimes: tuple = ("torch",)  # --device-runtime: what runs the device models
-    runtime_of: dict = None  # variant name -> its runtime (the run's only one when not named)
-
-    def __post_init__(self):
-        self.runtime_of = {} if self.runtime_of is None else self.runtime_of
+    runtime_of: dict = field(default_factory=dict)  # variant name -> its runtime (the run's only one when not named)
 
 
 def ciar_knobs(args, world, verifier, calib: list[str], report: dict) -> tuple[dict, dict]:

@@ -48,11 +48,9 @@ def verify_tensors(request: VerifyRequest) -> VerifyRequest:
     """A VerifyRequest with its arrays as torch tensors (the device loop sends numpy arrays; the socket decodes to
     either): the verifier's view of a request from any transport."""
     arrays = ("new_tokens", "draft_tokens", "draft_probs", "device_hidden", "features")
-    if not any(isinstance(getattr(request, name), np.ndarray) for name in arrays):
-        return request
     conv = {name: torch.from_numpy(np.ascontiguousarray(getattr(request, name))) for name in arrays
             if isinstance(getattr(request, name), np.ndarray)}
-    return replace(request, **conv)
+    return replace(request, **conv) if conv else request
 
 
 def quantize_draft(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
