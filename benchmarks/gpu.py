@@ -217,18 +217,21 @@ class Suite:
 
     @torch.inference_mode()
     def xl_steps(self) -> dict:
+        return self._steps(self.gpt(), TINY_POS if self.tiny else IMAGE_POS, TINY_ROWS if self.tiny else ROWS)
+
+    def _steps(self, model, image_pos: int, rows_list) -> dict:
+        """One-token decode and SPAN-position span steps of `model` at image position `image_pos`, eager and (CUDA)
+        replayed from a graph, each against its bandwidth bound."""
         if self.bandwidth is None:
             self.roofline()
-        model = self.gpt()
         c = model.config
         wbytes = self.weight_bytes(model)
         kv_row_bytes = 2 * c.n_layer * c.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8  # per key
-        image_pos = TINY_POS if self.tiny else IMAGE_POS
         out = {"config": {"n_layer": c.n_layer, "dim": c.dim, "n_head": c.n_head, "vocab_size": c.vocab_size,
                           "cls_token_num": c.cls_token_num, "block_size": c.block_size},
                "weight_bytes": wbytes, "image_position": image_pos, "steps": []}
         for kind, width in (("decode", 1), ("span", SPAN)):
-            for rows in (TINY_ROWS if self.tiny else ROWS):
+            for rows in rows_list:
                 pos0 = c.cls_token_num + image_pos
                 kv_len = pos0 + width
                 cache = model.new_cache(rows)
@@ -529,6 +532,150 @@ class Suite:
         self.release()
         return out
 
+    @torch.inference_mode()
+    def profile(self) -> dict:
+        """Where a one-token XL step's time goes: the kernels of one decode step at 1 and 8 rows, launched eagerly
+        and replayed from a CUDA graph (torch.profiler): how many, their GPU time in all, the largest by name. The
+        gap between the graph's replay time and its kernels' sum is the launches' cost; the kernels' sum against
+        the bandwidth bound is what fusing them could still win. (On the CPU: the operators' own time.)"""
+        from torch.profiler import ProfilerActivity, profile
+
+        model = self.gpt()
+        c = model.config
+        cuda = self.dev.type == "cuda"
+        pos0 = c.cls_token_num + (TINY_POS if self.tiny else IMAGE_POS)
+        out: dict = {"image_position": pos0 - c.cls_token_num, "by_rows": {}}
+        for rows in ((1,) if self.tiny else (1, 8)):
+            cache = model.new_cache(rows)
+            fn, _, _ = self._step_fn(model, cache, rows, 1, pos0, pos0 + 1)
+            ways = {"eager": fn}
+            if cuda:
+                ways["graph"] = self._graph(fn)[0]
+            row = {}
+            for way, call in ways.items():
+                call()
+                self.sync()
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
+                    t = time.perf_counter()
+                    call()
+                    self.sync()
+                    wall = time.perf_counter() - t
+                kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+                by_name: dict[str, list] = {}
+                for e in prof.events():
+                    if e.device_type == kind and (cuda or e.cpu_parent is None):
+                        n = by_name.setdefault(e.name[:90], [0, 0.0])
+                        n[0] += 1
+                        n[1] += e.time_range.elapsed_us()
+                total_us = sum(v[1] for v in by_name.values())
+                top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+                row[way] = {"wall_ms": round(1000 * wall, 3), "kernels": sum(v[0] for v in by_name.values()),
+                            "kernel_ms": round(total_us / 1000, 3),
+                            "top": [{"name": k, "calls": v[0], "ms": round(v[1] / 1000, 3)} for k, v in top]}
+            out["by_rows"][str(rows)] = row
+            del cache
+            self.release()
+        return out
+
+    def fp32(self) -> dict:
+        """`graphs` and `engine_graphs` again in float32: in bfloat16 a kernel that sums in another order (a padded
+        shape, a graph's fixed key length) moves logits by rounding, and sampled tokens with them; in float32 the
+        paths must agree to rounding (a bug in the graph path would not)."""
+        if self.dtype == torch.float32:
+            return {"skipped": "the suite already runs in float32 here"}
+        saved = self.dtype, self._gpt
+        self.dtype, self._gpt = torch.float32, None
+        self.release()
+        try:
+            return {"graphs": self.graphs(), "engine_graphs": self.engine_graphs()}
+        finally:
+            self.dtype, self._gpt = saved
+            self.release()
+
+    @torch.inference_mode()
+    def anole_shape(self) -> dict:
+        """The verifier's forward at Anole-7b's shapes (issue 39): `ciar.models.gpt` at Chameleon-7B's decoder
+        (32 layers x 4096, 32 heads, FFN 11008, 65,536-token vocabulary), random weights in the suite's dtype, a
+        64-token prompt and 1,024 image tokens; decode and span steps near the image's end at 1 / 8 / 32 rows. Not
+        Chameleon's module: its per-head q/k norms (a few small kernels a layer) are not in this model."""
+        from ciar.models.gpt import build_gpt
+
+        shape = (dict(TINY, block_size=64, vocab_size=128) if self.tiny else
+                 dict(n_layer=32, dim=4096, n_head=32, vocab_size=65536, cls_token_num=64, block_size=1024))
+        torch.manual_seed(0)
+        self.release()
+        with torch.device(self.dev):
+            model = build_gpt("GPT-XL", **shape)
+            torch.nn.init.normal_(model.output.weight, std=0.02)
+        model = model.to(self.dtype).eval()
+        try:
+            out = self._steps(model, shape["block_size"] - 8, TINY_ROWS if self.tiny else (1, 8, 32))
+            out["params"] = sum(p.numel() for p in model.parameters())
+            return out
+        finally:
+            del model
+            self.release()
+
+    @torch.inference_mode()
+    def oom(self) -> dict:
+        """A real out-of-memory error inside the verifier's forward (issue 40, item 3): sessions open and verify a
+        round; then the accelerator's memory is taken (a filler, as another process or an oversubscribed cache
+        would) and the next round's spans are sent: the step must fail those works only with a retryable
+        ForwardFault, the verifier keep its sessions, and the same spans sent again once memory is back must give
+        the replies of an undisturbed verifier. Run on the dynamic (eager) path and on the default (static, graphs)
+        path. On the CPU (tiny) the filler cannot take the memory, so the fault is raised by the allocator hook
+        only where CUDA exists: the section then checks the undisturbed replies alone."""
+        from ciar.collab.protocol import ForwardFault
+        from ciar.collab.verifier import CloudVerifier
+
+        sessions, prefix = (4, 8) if self.tiny else (16, 64)
+        cuda = self.dev.type == "cuda"
+        out: dict = {"sessions": sessions}
+
+        def rounds(static, fill: bool) -> dict:
+            v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=static)
+            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)
+            v.open_batch(reqs, caption_emb=emb)
+            first, second = spans(range(sessions)), spans(range(sessions))
+            got = [(r.num_accepted, r.next_token) for r in v.verify_batch(first)]
+            res: dict = {}
+            if fill and cuda:
+                self.sync()
+                torch.cuda.empty_cache()
+                filler = []
+                for chunk in (1 << 30, 1 << 26, 1 << 21):  # 1 GiB, then 64 MiB, then 2 MiB pieces until none fits
+                    while True:
+                        try:
+                            filler.append(torch.empty(chunk, dtype=torch.uint8, device=self.dev))
+                        except torch.OutOfMemoryError:
+                            break
+                res["free_mib_when_full"] = round(torch.cuda.mem_get_info()[0] / 2**20, 1)
+                try:
+                    v.verify_batch(second)
+                    res["raised"] = None
+                except ForwardFault as e:
+                    res["raised"] = f"ForwardFault: {e}"
+                    res["origin"] = type(e.origin).__name__
+                except Exception as e:  # noqa: BLE001 - recorded: anything else is what this section looks for
+                    res["raised"] = f"{type(e).__name__}: {e}"
+                del filler
+                torch.cuda.empty_cache()
+                res["faults"] = dict(v.engine.faults)
+                res["open_sessions_after"] = len(v.table)
+            got += [(r.num_accepted, r.next_token) for r in v.verify_batch(second)]
+            res["replies"] = got
+            del v
+            self.release()
+            return res
+
+        for name, static in (("dynamic", False), ("default", None)):
+            ref = rounds(static, fill=False)
+            hit = rounds(static, fill=True)
+            out[name] = {k: v for k, v in hit.items() if k != "replies"}
+            out[name]["replies_identical_to_undisturbed"] = hit["replies"] == ref["replies"]
+        return out
+
     def capacity(self) -> dict:
         """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
         from ciar.collab.gpu_model import GPU, ModelShapes, forward_s
@@ -580,7 +727,18 @@ def markdown(result: dict) -> str:
                          f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
                          f"{st.get('graph_over_bound', '–')} |")
         lines.append("")
-    for name in ("graphs", "capacity", "engine_graphs", "memory", "engine", "t5", "hf_llama"):
+    a = s.get("anole_shape", {})
+    if a.get("steps"):
+        lines += ["## The verifier's forward at Anole-7b's shapes (ms, median)", "",
+                  "| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for st in a["steps"]:
+            lines.append(f"| {st['kind']} ({st['width']} pos) | {st['rows']} | {st['keys']} | {st['eager_ms']} | "
+                         f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
+                         f"{st.get('graph_over_bound', '–')} |")
+        lines.append("")
+    for name in ("graphs", "fp32", "profile", "oom", "capacity", "engine_graphs", "memory", "engine", "t5",
+                 "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
@@ -597,8 +755,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the measured costs the capacity plan reads,
     # then the engine's own CUDA graphs and the GPU start-up, then the comparisons
-    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,capacity,engine_graphs,memory,engine,t5,"
-                                          "hf_llama")
+    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,fp32,profile,capacity,engine_graphs,memory,"
+                                          "oom,anole_shape,engine,t5,hf_llama")
     args = ap.parse_args(argv)
     suite = Suite(args.out, args.tiny, args.budget_s)
     if suite.dev.type != "cuda" and not args.tiny:

@@ -15,12 +15,17 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "capacity", "engine_graphs", "memory",
-                              "engine", "t5", "hf_llama"]
+    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity", "engine_graphs",
+                              "memory", "oom", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
     assert sections["memory"]["plan"]["sessions"] >= 1
-    assert not [n for n, v in sections.items() if "broke" in v or "skipped" in v], sections
+    assert sections["fp32"]["skipped"] == "the suite already runs in float32 here"
+    assert not [n for n, v in sections.items() if "broke" in v or ("skipped" in v and n != "fp32")], sections
+    assert sections["oom"]["dynamic"]["replies_identical_to_undisturbed"]  # (no CUDA: no filler, the same replies)
+    assert sections["profile"]["by_rows"]["1"]["eager"]["kernels"] > 0
+    assert {(s["kind"], s["rows"]) for s in sections["anole_shape"]["steps"]} == {
+        (k, r) for k in ("decode", "span") for r in (1, 4)}
     steps = sections["xl_steps"]["steps"]
     assert {(s["kind"], s["rows"]) for s in steps} == {(k, r) for k in ("decode", "span") for r in (1, 4)}
     assert all(s["eager_ms"] > 0 and s["bound_ms"] > 0 and s["keys"] == s["width"] + 8 + 40 for s in steps)
