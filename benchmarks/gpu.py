@@ -153,7 +153,8 @@ class Suite:
     # ------------------------------------------------------------------ sections
     def env(self) -> dict:
         out = {"device": str(self.dev), "torch": torch.__version__, "python": platform.python_version(),
-               "dtype": str(self.dtype).replace("torch.", "")}
+               "dtype": str(self.dtype).replace("torch.", ""),
+               "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled()}
         try:
             import transformers
 
@@ -588,10 +589,167 @@ class Suite:
         self.dtype, self._gpt = torch.float32, None
         self.release()
         try:
-            return {"graphs": self.graphs(), "engine_graphs": self.engine_graphs()}
+            return {"graphs": self.graphs(), "engine_graphs": self.engine_graphs(), "oom": self.oom()}
         finally:
             self.dtype, self._gpt = saved
             self.release()
+
+    @torch.inference_mode()
+    def repeat(self) -> dict:
+        """Is one forward bit-repeatable on this device? The same cached step (decode at 8 rows, a span at 32 rows,
+        a 64-position prefill chunk at 32 rows) run 3 times on the same inputs, logits compared bit for bit, under
+        torch's defaults and with each suspect switched off: bf16 GEMMs' reduced-precision reductions, the cuDNN
+        attention backend, and with torch's deterministic algorithms on."""
+        import contextlib
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        model = self.gpt()
+        c = model.config
+        pos0 = c.cls_token_num + (TINY_POS if self.tiny else 100)
+        shapes = {"decode_8x1": (8, 1), "span_32x5": (32, 5), "prefill_32x64": (32, 64)}
+        if self.tiny:
+            shapes = {"decode_2x1": (2, 1), "span_4x5": (4, 5)}
+        cuda = self.dev.type == "cuda"
+
+        @contextlib.contextmanager
+        def variant(name):
+            m = torch.backends.cuda.matmul
+            saved = m.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled()
+            try:
+                if name == "no_reduced_precision_reduction":
+                    m.allow_bf16_reduced_precision_reduction = False
+                if name == "deterministic_algorithms":
+                    torch.use_deterministic_algorithms(True, warn_only=True)
+                if name == "no_cudnn_attention" and cuda:
+                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                        yield
+                else:
+                    yield
+            finally:
+                m.allow_bf16_reduced_precision_reduction = saved[0]
+                torch.use_deterministic_algorithms(saved[1])
+
+        out: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+        for name in ("default", "no_reduced_precision_reduction", "no_cudnn_attention", "deterministic_algorithms"):
+            row = {}
+            with variant(name):
+                for label, (rows, width) in shapes.items():
+                    cache = model.new_cache(rows)
+                    g = torch.Generator(device=self.dev).manual_seed(5)
+                    for k in cache.k:
+                        k.copy_(torch.randn(k.shape, generator=g, device=self.dev).to(k.dtype))
+                    for v in cache.v:
+                        v.copy_(torch.randn(v.shape, generator=g, device=self.dev).to(v.dtype))
+                    fn, _, _ = self._step_fn(model, cache, rows, width, pos0, pos0 + width)
+                    first = fn().float().clone()
+                    diffs = [float((fn().float() - first).abs().max()) for _ in range(2)]
+                    row[label] = {"bit_identical": max(diffs) == 0.0, "max_diff": max(diffs)}
+                    del cache
+            out[name] = row
+            self.release()
+        return out
+
+    @torch.inference_mode()
+    def engine_repeat(self) -> dict:
+        """Two fresh verifiers on the same model, the same sessions and spans (`_rounds`, dynamic path): the same
+        replies? Under torch's defaults, without bf16 GEMMs' reduced-precision reductions, and with torch's
+        deterministic algorithms (CUBLAS_WORKSPACE_CONFIG must be set before the process starts: recorded)."""
+        m = torch.backends.cuda.matmul
+        sessions, prefix = (4, 8) if self.tiny else (16, 64)
+        out: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "dtype": str(self.dtype)}
+        for name in ("default", "no_reduced_precision_reduction", "deterministic_algorithms"):
+            saved = m.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled()
+            try:
+                if name == "no_reduced_precision_reduction":
+                    m.allow_bf16_reduced_precision_reduction = False
+                if name == "deterministic_algorithms":
+                    torch.use_deterministic_algorithms(True, warn_only=True)
+                a = self._rounds(sessions, prefix, False)["replies"]
+                b = self._rounds(sessions, prefix, False)["replies"]
+            finally:
+                m.allow_bf16_reduced_precision_reduction = saved[0]
+                torch.use_deterministic_algorithms(saved[1])
+            out[name] = {"replies_equal": sum(x == y for x, y in zip(a, b)), "replies": len(a)}
+        return out
+
+    @torch.inference_mode()
+    def engine_bisect(self) -> dict:
+        """Where two fresh verifiers' replies part (see `engine_repeat`): every runner step of both recorded (the
+        pieces fed: slots, positions, tokens; the logits returned), and the first step whose inputs or outputs
+        differ reported, with how much."""
+        from ciar.collab.verifier import CloudVerifier
+
+        sessions, prefix = (4, 8) if self.tiny else (16, 64)
+        logs = []
+        for _ in range(2):
+            v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=False)
+            log: list = []
+            execute = v.runner.execute
+
+            def recorded(pieces, execute=execute, log=log):
+                outs = execute(pieces)
+                ins = [(tuple(p.slots), p.start, p.n, tuple(p.tokens or ()), tuple(p.want),
+                        None if p.emb is None else float(p.emb.float().abs().sum()),
+                        tuple(float(e.float().abs().sum()) for _, e in p.extra)) for p in pieces]
+                got = [None if not isinstance(o, tuple) or o[0] is None else o[0].float().cpu() for o in outs]
+                log.append((ins, got))
+                return outs
+
+            v.runner.execute = recorded
+            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)
+            v.open_batch(reqs, caption_emb=emb)
+            v.verify_batch(spans(range(sessions)))
+            logs.append(log)
+            del v
+            self.release()
+        a, b = logs
+        out: dict = {"steps": [len(a), len(b)], "first_input_difference": None, "first_output_difference": None,
+                     "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled()}
+        for i, ((ia, oa), (ib, ob)) in enumerate(zip(a, b)):
+            if ia != ib and out["first_input_difference"] is None:
+                out["first_input_difference"] = {"step": i, "pieces": len(ia),
+                                                 "differing_pieces": sum(x != y for x, y in zip(ia, ib))}
+            if out["first_output_difference"] is None:
+                diffs = [float((x - y).abs().max()) if x is not None and y is not None and x.shape == y.shape
+                         else (0.0 if x is None and y is None else float("inf")) for x, y in zip(oa, ob)]
+                if any(d > 0 for d in diffs):
+                    out["first_output_difference"] = {"step": i, "inputs_equal": ia == ib, "pieces": len(ia),
+                                                      "differing_pieces": sum(d > 0 for d in diffs),
+                                                      "max_diff": max(diffs),
+                                                      "piece_shapes": [(len(p[0]), p[2]) for p in ia][:8]}
+        return out
+
+    @torch.inference_mode()
+    def dense_copy(self) -> dict:
+        """One-token steps of at most `ciar.models.gpt._DENSE_MAX` rows copy their keys into a dense block before
+        the attention on the devices in `_DENSE_DEVICES` (the CPU, where it was measured to help): the XL decode
+        step at 1 / 8 / 32 rows with the copy and without it on this device, eager and (CUDA) replayed from a
+        graph."""
+        import ciar.models.gpt as gpt
+
+        saved = gpt._DENSE_DEVICES
+        out: dict = {"dense_max": gpt._DENSE_MAX, "dense_devices": list(saved)}
+        model = self.gpt()
+        c = model.config
+        pos0 = c.cls_token_num + (TINY_POS if self.tiny else IMAGE_POS)
+        try:
+            for label, devices in (("copy", (self.dev.type,)), ("no_copy", ())):
+                gpt._DENSE_DEVICES = devices
+                row = {}
+                for rows in (TINY_ROWS if self.tiny else (1, 8, 32)):
+                    cache = model.new_cache(rows)
+                    fn, _, _ = self._step_fn(model, cache, rows, 1, pos0, pos0 + 1)
+                    r = {"eager_ms": round(self.time_ms(fn), 3)}
+                    if self.dev.type == "cuda":
+                        r["graph_ms"] = round(self.time_ms(self._graph(fn)[0]), 3)
+                    row[str(rows)] = r
+                    del cache
+                    self.release()
+                out[label] = row
+        finally:
+            gpt._DENSE_DEVICES = saved
+        return out
 
     @torch.inference_mode()
     def anole_shape(self) -> dict:
@@ -618,6 +776,49 @@ class Suite:
             self.release()
 
     @torch.inference_mode()
+    def _rounds(self, sessions: int, prefix: int, static, fill: bool = False) -> dict:
+        """Fresh verifier: `sessions` open, two rounds of spans (the second after taking the memory when `fill`)."""
+        from ciar.collab.protocol import ForwardFault
+        from ciar.collab.verifier import CloudVerifier
+
+        cuda = self.dev.type == "cuda"
+        v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=static)
+        reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)
+        got: list = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
+        first, second = spans(range(sessions)), spans(range(sessions))
+        got += [(r.num_accepted, r.next_token) for r in v.verify_batch(first)]
+        res: dict = {}
+        if fill and cuda:
+            self.sync()
+            torch.cuda.empty_cache()
+            filler = []
+            for chunk in (1 << 30, 1 << 26, 1 << 21):  # 1 GiB, then 64 MiB, then 2 MiB pieces until none fits
+                while True:
+                    try:
+                        filler.append(torch.empty(chunk, dtype=torch.uint8, device=self.dev))
+                    except torch.OutOfMemoryError:
+                        break
+            res["free_mib_when_full"] = round(torch.cuda.mem_get_info()[0] / 2**20, 1)
+            try:
+                v.verify_batch(second)
+                res["raised"] = None
+            except ForwardFault as e:
+                res["raised"] = f"ForwardFault: {e}"
+                res["origin"] = type(e.origin).__name__
+            except Exception as e:  # noqa: BLE001 - recorded: anything else is what this section looks for
+                res["raised"] = f"{type(e).__name__}: {e}"
+            del filler
+            torch.cuda.empty_cache()
+            res["faults"] = dict(v.engine.faults)
+            res["open_sessions_after"] = len(v.table)
+        got += [(r.num_accepted, r.next_token) for r in v.verify_batch(second)]
+        res["replies"] = got
+        del v
+        self.release()
+        return res
+
+
+    @torch.inference_mode()
     def oom(self) -> dict:
         """A real out-of-memory error inside the verifier's forward (issue 40, item 3): sessions open and verify a
         round; then the accelerator's memory is taken (a filler, as another process or an oversubscribed cache
@@ -633,47 +834,15 @@ class Suite:
         cuda = self.dev.type == "cuda"
         out: dict = {"sessions": sessions}
 
-        def rounds(static, fill: bool) -> dict:
-            v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=static)
-            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)
-            v.open_batch(reqs, caption_emb=emb)
-            first, second = spans(range(sessions)), spans(range(sessions))
-            got = [(r.num_accepted, r.next_token) for r in v.verify_batch(first)]
-            res: dict = {}
-            if fill and cuda:
-                self.sync()
-                torch.cuda.empty_cache()
-                filler = []
-                for chunk in (1 << 30, 1 << 26, 1 << 21):  # 1 GiB, then 64 MiB, then 2 MiB pieces until none fits
-                    while True:
-                        try:
-                            filler.append(torch.empty(chunk, dtype=torch.uint8, device=self.dev))
-                        except torch.OutOfMemoryError:
-                            break
-                res["free_mib_when_full"] = round(torch.cuda.mem_get_info()[0] / 2**20, 1)
-                try:
-                    v.verify_batch(second)
-                    res["raised"] = None
-                except ForwardFault as e:
-                    res["raised"] = f"ForwardFault: {e}"
-                    res["origin"] = type(e.origin).__name__
-                except Exception as e:  # noqa: BLE001 - recorded: anything else is what this section looks for
-                    res["raised"] = f"{type(e).__name__}: {e}"
-                del filler
-                torch.cuda.empty_cache()
-                res["faults"] = dict(v.engine.faults)
-                res["open_sessions_after"] = len(v.table)
-            got += [(r.num_accepted, r.next_token) for r in v.verify_batch(second)]
-            res["replies"] = got
-            del v
-            self.release()
-            return res
-
         for name, static in (("dynamic", False), ("default", None)):
-            ref = rounds(static, fill=False)
-            hit = rounds(static, fill=True)
+            ref = self._rounds(sessions, prefix, static)
+            again = self._rounds(sessions, prefix, static)  # is an undisturbed verifier itself repeatable on this device?
+            hit = self._rounds(sessions, prefix, static, fill=True)
             out[name] = {k: v for k, v in hit.items() if k != "replies"}
+            out[name]["undisturbed_repeatable"] = again["replies"] == ref["replies"]
             out[name]["replies_identical_to_undisturbed"] = hit["replies"] == ref["replies"]
+            out[name]["replies_equal"] = sum(a == b for a, b in zip(hit["replies"], ref["replies"]))
+            out[name]["replies"] = len(ref["replies"])
         return out
 
     def capacity(self) -> dict:
@@ -737,7 +906,7 @@ def markdown(result: dict) -> str:
                          f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
                          f"{st.get('graph_over_bound', '–')} |")
         lines.append("")
-    for name in ("graphs", "fp32", "profile", "oom", "capacity", "engine_graphs", "memory", "engine", "t5",
+    for name in ("graphs", "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity", "engine_graphs", "memory", "engine", "t5",
                  "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
@@ -756,8 +925,15 @@ def main(argv=None) -> int:
     # the most needed first (a run cut by --budget-s skips the rest): the measured costs the capacity plan reads,
     # then the engine's own CUDA graphs and the GPU start-up, then the comparisons
     ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,fp32,profile,capacity,engine_graphs,memory,"
-                                          "oom,anole_shape,engine,t5,hf_llama")
+                                          "oom,repeat,engine_repeat,engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "
+                         "ciar.models.gpt.repeatable_attention switches it off, as the verifier does)")
     args = ap.parse_args(argv)
+    from ciar.models.gpt import repeatable_attention
+
+    if not args.cudnn_attention:
+        repeatable_attention("cuda")  # as every verifier does (GPT.new_cache); the flag keeps the old kernels
     suite = Suite(args.out, args.tiny, args.budget_s)
     if suite.dev.type != "cuda" and not args.tiny:
         print("no CUDA device: run with --tiny for the CPU check of the code, or on a GPU", file=sys.stderr)

@@ -534,15 +534,18 @@ def plan(traces: dict[str, list], gpus: list[str], loads: list[int], slo_s: floa
 def markdown(result: dict, command: str) -> str:
     """The plan's table (every figure labelled as modelled) and its inputs."""
     sh = result["shapes"]
+    measured = any("(measured" in r["gpu"]["name"] for r in result["gpus"].values())
     lines = [
         "# GPU capacity plan for one verifier replica: a MODEL, not a measurement",
         "",
         "No GPU ran this plan" + ("; the rows named 'measured' use a GPU's measured bandwidth, matmul rate and "
                                   "per-forward overhead (benchmarks.gpu, `--gpu-costs`) instead of datasheet figures"
-                                  if any("(measured" in r["gpu"]["name"] for r in result["gpus"].values()) else "") +
+                                  if measured else "") +
         ". Each engine forward is priced by `ciar/collab/gpu_model.py`: "
         "t = max(bytes / bandwidth, flops / peak) + overhead (bf16 weights and KV cache; overhead "
-        f"{1e3 * result['engine']['overhead_s']:.1f} ms per forward, an assumption for the eager engine), and the "
+        f"{1e3 * result['engine']['overhead_s']:.1f} ms per forward, "
+        + ("the measured GPU's, applied to every row" if measured else "an assumption for the eager engine")
+        + "), and the "
         "recorded CIAR and cloud-only phones of `loadtests.capacity` are replayed against the modelled replica in "
         "simulated time (the engine's own scheduler, its memory-bound KV-cache slots, a seeded "
         f"{result['network']} link per phone, the recorded device compute).",

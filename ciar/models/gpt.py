@@ -211,6 +211,7 @@ def _consecutive(input_pos: torch.Tensor, table: int) -> int | None:
 
 
 _DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
+_DENSE_DEVICES = ("cpu",)  # ... on these devices only
 
 
 class Attention(nn.Module):
@@ -282,8 +283,10 @@ class Attention(nn.Module):
         # (CPU, batch 16, 40..184 keys: 1.39 -> 1.31 s per image, copy included). Spans of several queries (the
         # verifier) read the view: there the copy costs more than it saves (core benchmark: ~3% fewer spans/s); so do
         # steps of more than _DENSE_MAX rows (CPU, 112 keys, one forward: 4 rows 4.3 vs 4.6 ms, 32 rows 14.0 vs 15.0,
-        # 64 rows 34.7-40.3 with the copy vs 26.5 ms without)
-        dense = q.shape[1] == 1 and q.shape[0] <= _DENSE_MAX
+        # 64 rows 34.7-40.3 with the copy vs 26.5 ms without). On a GPU the copy only costs: LlamaGen-XL's decode step
+        # in bf16 on an H100, graph replays, 1 / 8 / 32 rows: 3.59 / 4.68 / 7.47 ms with it, 3.30 / 3.81 / 4.63
+        # without (benchmarks/results/2026-11-26-gpu, `dense_copy`); so only the CPU copies (_DENSE_DEVICES)
+        dense = q.shape[1] == 1 and q.shape[0] <= _DENSE_MAX and q.device.type in _DENSE_DEVICES
         outs = []
         for r, s, n in runs:
             keys, values = k_cache[s:s + n, :, :kv_len].to(q.dtype), v_cache[s:s + n, :, :kv_len].to(q.dtype)
@@ -308,6 +311,18 @@ class Attention(nn.Module):
         q, k, v = dense.split([h, hkv, hkv], dim=2)
         o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
         return _dropout(self.resid_dropout, self.wo(o.reshape(b * t, h * d)[packed]))
+
+
+def repeatable_attention(device) -> None:
+    """Make attention on `device` bit-repeatable: on CUDA, switch cuDNN's attention backend off for the process
+    (`torch.backends.cuda.enable_cudnn_sdp(False)`), so that SDPA takes the flash or memory-efficient kernels; a
+    no-op elsewhere. Measured on an H100 in bfloat16 (benchmarks/results/2026-11-26-gpu, `engine_bisect` and
+    `engine_repeat`): with cuDNN's kernels two fresh verifiers fed the same pieces returned different logits from
+    the first decode step on (3 of 16 pieces, by up to 0.094) and 24-30 of 48 replies matched, so the same request
+    and seed could give another image; with them off, 70 of 70 steps and 48 of 48 replies were equal (also with
+    torch's defaults for cuBLAS). torch's backend flags are global: the switch holds for the whole process."""
+    if torch.device(device).type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class TransformerBlock(nn.Module):
@@ -462,6 +477,7 @@ class GPT(nn.Module):
         c = self.config
         dtype = dtype or self.tok_embeddings.weight.dtype
         device = device or self.tok_embeddings.weight.device
+        repeatable_attention(device)  # every cached decoding (the verifier's runner, ciar.decoding) starts here
         # slack beyond the sequence so padded rows of a ragged batch never collide with real positions
         return KVCache(c.n_layer, slots, max_seq or c.seq_len + 16, c.kv_heads, c.head_dim, dtype, device)
 

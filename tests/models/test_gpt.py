@@ -636,3 +636,20 @@ def test_c2i_logits_equal_llamagen(llamagen, tmp_path):
     print(f"\nc2i vs LlamaGen: full forward max|diff| {full_diff:.3g}, cached "
           f"{(got_c - want_c).abs().max().item():.3g}")
     close(got_c, want_c)
+
+
+def test_cached_decoding_on_cuda_switches_cudnn_attention_off_and_elsewhere_leaves_it():
+    """cuDNN's attention kernels were not bit-repeatable on an H100 in bf16 (ciar.models.gpt.repeatable_attention):
+    every KV cache made for a CUDA model switches them off; a CPU model leaves torch's flag as it was."""
+    from ciar.models.gpt import build_gpt, repeatable_attention
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        build_gpt("scenes-cloud").new_cache(2)
+        repeatable_attention("cpu")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        repeatable_attention(torch.device("cuda", 0))  # (the flag is global; no GPU is needed to set it)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
