@@ -469,7 +469,7 @@ class DeviceEndpoint:
         or may not have been applied, so 410 (RESUME, then send it again); OPEN, RESUME and CLOSE are safe to send
         again as they are, so 503 with a retry-after."""
         from ciar.collab.protocol import (CapacityError, CloudTimeoutError, ForwardFault, SessionConflictError,
-                                          SessionError, SessionLostError)
+                                          SessionError, SessionLostError, SessionTokenError)
         from ciar.text import CaptionTooLongError
 
         cause = root_cause(e)
@@ -478,7 +478,7 @@ class DeviceEndpoint:
             if ftype == VERIFY:
                 return RequestFailed(410, f"{msg}: the session's state is unknown; resume it from its history")
             return RequestFailed(503, f"{msg}: send it again", retry_after_s=self.limits.retry_after_s)
-        if isinstance(cause, PermissionError):
+        if isinstance(cause, SessionTokenError):  # (not any PermissionError: an OS refusal is not the device's token)
             return RequestFailed(403, "invalid session token for this session", "token")
         if isinstance(cause, SessionConflictError):
             return RequestFailed(409, msg, "session_id")

@@ -17,7 +17,7 @@ history (`resume`).
 
 Ownership: the session token is HMAC(app secret, session id | device id), so any replica of the pool can check
 that a call comes from the device that opened the session, without shared state; another device (or a device
-without the token) gets a PermissionError. The calls themselves (tokens, an OPEN repeated after a lost reply answered
+without the token) gets a SessionTokenError (403 on the socket). The calls themselves (tokens, an OPEN repeated after a lost reply answered
 as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.
 
 The engine steps on its own thread (`ciar.collab.engine.EngineThread`, the one owner of the engine, the sessions

@@ -93,6 +93,13 @@ class SessionConflictError(SessionError):
     open (409 on the socket). The same OPEN repeated by its device is not a conflict: it is answered as the first."""
 
 
+class SessionTokenError(PermissionError):
+    """A VERIFY, RESUME or CLOSE whose session token the verifier did not issue for this session and device (another
+    device's session, a forged or stale token): 403 on the socket. Only this error is answered 403 "invalid session
+    token": a PermissionError raised by anything else on the way (an OS call refused) is an internal error, answered
+    500 and logged by its type, not blamed on the device's token."""
+
+
 class CapacityError(RuntimeError):
     """No free cache slot for a new session (or, `ForwardFault`, no forward to be had now): 503 + Retry-After."""
 

@@ -13,7 +13,7 @@ steps on its own thread (`ciar.collab.engine.EngineThread`), so a close, a cost 
 answered while a forward runs.
 
 Ownership. The session token is HMAC(secret, session id | device id): any replica can check that a call comes from the
-device that opened the session, without shared state. VERIFY, RESUME and CLOSE need it (PermissionError otherwise).
+device that opened the session, without shared state. VERIFY, RESUME and CLOSE need it (SessionTokenError otherwise).
 
 Retries (docs/architecture.md §5, "Retry semantics"). Each call is safe to send again after its reply was lost:
   open    answered as the first was: an OPEN of a session this verifier holds, from the device that opened it, with
@@ -35,7 +35,7 @@ import hashlib
 import hmac
 
 from ciar.collab.engine import AsyncStepper, EngineThread
-from ciar.collab.protocol import SessionError
+from ciar.collab.protocol import SessionError, SessionTokenError
 
 
 def session_token(secret: str, session_id: str, device_id: str) -> str:
@@ -80,7 +80,7 @@ class VerifierService:
 
     def check(self, session_id: str, device_id: str, token: str) -> None:
         if not hmac.compare_digest(session_token(self.secret, session_id, device_id), token or ""):
-            raise PermissionError(f"session {session_id!r} belongs to another device (bad session token)")
+            raise SessionTokenError(f"session {session_id!r} belongs to another device (bad session token)")
 
     @staticmethod
     def _same(request, session_id: str) -> None:

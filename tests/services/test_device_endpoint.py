@@ -204,3 +204,22 @@ def test_limits(server):
     with pytest.raises(Exception) as e:
         conn.ws.recv(timeout=10)
     assert e.value.rcvd.code == wire.CLOSE_PROTOCOL
+
+
+def test_only_a_bad_session_token_is_answered_403():
+    """The verifier's token check raises SessionTokenError (403 "invalid session token"); a PermissionError from
+    anything else on a call's way (an OS call refused, issue 40's RESUME 403 candidate) is an internal error (500),
+    not blamed on the device's token. Through Ray the error arrives wrapped: root_cause finds it either way."""
+    from types import SimpleNamespace
+
+    from ciar.collab.protocol import SessionTokenError
+    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+
+    ep = SimpleNamespace(limits=EndpointLimits())
+    wrapped = RuntimeError("the replica's call failed")
+    wrapped.cause = SessionTokenError("session 'dx/s' belongs to another device (bad session token)")
+    for e in (SessionTokenError("bad token"), wrapped):
+        r = DeviceEndpoint._failure(ep, e, "dx", "s", wire.RESUME)
+        assert (r.status, r.field) == (403, "token") and "invalid session token" in str(r), r
+    r = DeviceEndpoint._failure(ep, PermissionError(13, "Permission denied"), "dx", "s", wire.RESUME)
+    assert r.status == 500 and "token" not in str(r), r
