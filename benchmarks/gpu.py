@@ -723,19 +723,20 @@ class Suite:
     @torch.inference_mode()
     def dense_copy(self) -> dict:
         """One-token steps of at most `ciar.models.gpt._DENSE_MAX` rows copy their keys into a dense block before
-        the attention on the devices in `_DENSE_DEVICES` (the CPU, where it was measured to help): the XL decode
+        the attention on the devices in `_DENSE_DEVICES` (the CPU, where it was measured to help) when the block is
+        at most `_DENSE_MAX_BYTES`: the XL decode
         step at 1 / 8 / 32 rows with the copy and without it on this device, eager and (CUDA) replayed from a
         graph."""
         import ciar.models.gpt as gpt
 
-        saved = gpt._DENSE_DEVICES
-        out: dict = {"dense_max": gpt._DENSE_MAX, "dense_devices": list(saved)}
+        saved = gpt._DENSE_DEVICES, gpt._DENSE_MAX_BYTES
+        out: dict = {"dense_max": gpt._DENSE_MAX, "dense_devices": list(saved[0]), "dense_max_bytes": saved[1]}
         model = self.gpt()
         c = model.config
         pos0 = c.cls_token_num + (TINY_POS if self.tiny else IMAGE_POS)
         try:
             for label, devices in (("copy", (self.dev.type,)), ("no_copy", ())):
-                gpt._DENSE_DEVICES = devices
+                gpt._DENSE_DEVICES, gpt._DENSE_MAX_BYTES = devices, math.inf  # (the copy arm copies every block)
                 row = {}
                 for rows in (TINY_ROWS if self.tiny else (1, 8, 32)):
                     cache = model.new_cache(rows)
@@ -748,7 +749,7 @@ class Suite:
                     self.release()
                 out[label] = row
         finally:
-            gpt._DENSE_DEVICES = saved
+            gpt._DENSE_DEVICES, gpt._DENSE_MAX_BYTES = saved
         return out
 
     @torch.inference_mode()

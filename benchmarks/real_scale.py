@@ -2,21 +2,32 @@
 
     python -m benchmarks.real_scale --out DIR --results benchmarks/results/DATE/real_scale.json [--threads 1]
         [--images cloud,ciar] [--steps measure,images,serve,collab] [--gpt-dtype float32|bfloat16] [--prompt TEXT]
-        [--keep] [--sizes real|tiny]
+        [--keep] [--sizes real|real-512|tiny|tiny-1024] [--rows 1,8,32]
+
+`--sizes real` is LlamaGen-XL Stage I (`t2i_XL_stage1_256.pt`, 256 px, 16 x 16 = 256 image tokens), `real-512`
+Stage II (`t2i_XL_stage2_512.pt`, the same GPT-XL at 512 px, 32 x 32 = 1,024 image tokens; run it with
+`--steps measure`: a whole image takes hours on a CPU); `tiny` / `tiny-1024` the same steps on tiny widths at 4 x 4
+and 32 x 32 tokens (the tests).
 
 1. Write (into DIR, ~6.5 GB) RANDOM weights in the real formats and sizes, with `ciar.testing`'s writers: LlamaGen's
    t2i GPT-XL checkpoint (`{"model": state_dict}` .pt, float32 as LlamaGen releases it, 775 M parameters, 16 x 16
-   tokens at 256 px), the VQ-16 tokenizer .pt, a CIAR device model made from the GPT's first layer, and a T5 encoder
-   folder with flan-t5-xl's config in bfloat16 (`save_pretrained`; the tokenizer is a word-level stand-in with
-   T5's special tokens: flan-t5's sentencepiece file is not here, and the encoder always runs over its 120 padded
-   positions, so the timing does not depend on it); and `DIR/world.yaml`, a LlamaGen world naming them (as
-   `worlds/llamagen-xl-stage1.yaml`, text_dtype bfloat16; the GPT's `gpt_dtype` is `--gpt-dtype`).
+   tokens at 256 px, 32 x 32 at 512 px), the VQ-16 tokenizer .pt, a CIAR device model made from the GPT's first
+   layer, and a T5 encoder folder with flan-t5-xl's config in bfloat16 (`save_pretrained`; the tokenizer is a
+   word-level stand-in with T5's special tokens: flan-t5's sentencepiece file is not here, and the encoder always
+   runs over its 120 padded positions, so the timing does not depend on it); and `DIR/world.yaml`, a LlamaGen
+   world naming them (as `worlds/llamagen-xl-stage1.yaml` / `-stage2.yaml`, text_dtype bfloat16; the GPT's
+   `gpt_dtype` is `--gpt-dtype`).
 2. Measure, in a fresh process (its peak RSS is the replica's): `ciar.world.load_world` (GPT + VQ + T5 + device
    model) time and peak RSS; T5 encode time per caption; one verifier forward (`GPT.forward_cached`, the engine's
-   call) over 1 / 8 / 32 rows of a 5-position span (4 drafts + the committed token) at mid-image, logits included;
-   the device model's one-token step (`DeviceModel.decode`, 2 CFG rows, last position only); the KV cache one
-   session holds on the verifier (2 CFG rows, allocated up front for every `verifier_max_sessions` slot) and what
-   `serve_config.gpu.yaml`'s `verifier_max_sessions` allocates at that size.
+   call) over 1 / 8 / 32 rows (`--rows`) of a 5-position span (4 drafts + the committed token) at mid-image and at
+   7/8 of the image (position 344 at Stage I, 1,016 at Stage II), logits included; the cloud's sampled step (one
+   token, 2 CFG rows) at both; one VQ decode of a whole image (what each streamed preview costs too); the device
+   model's one-token step (`DeviceModel.decode`, 2 CFG rows, last position only); the KV cache one session holds on
+   the verifier (2 CFG rows, allocated up front for every `verifier_max_sessions` slot) and what
+   `serve_config.gpu.yaml`'s `verifier_max_sessions` allocates at that size. Without a model: the forwards the
+   verifier's scheduler takes to feed an open's caption and a resume of a whole image (caption + history) under
+   the default `SchedulerConfig` and the Verifier configs of serve_config.yaml / serve_config.gpu.yaml, alone and
+   beside 8 / 32 sessions verifying spans (`scheduler_plan`).
 3. One image per method (`--images`, default cloud-only and CIAR) through `python -m ciar.generate --world
    DIR/world.yaml`, each in its own process: wall time, peak RSS, its stats. CIAR's knobs are given (the random
    device model is not calibrated): gate `lower`, tau 0.5, span 4, burst 2.
@@ -61,12 +72,23 @@ CALIBRATION = ["A giraffe standing next to a tall tree.", "A laptop on a desk ne
 SPAN_WIDTH = 5  # 4 drafts + the committed-but-unfed token
 CIAR_KNOBS = ["--gate", "lower", "--tau", "0.5", "--span", "4", "--burst", "2"]
 # the files' shapes: LlamaGen-XL at 256 px with flan-t5-xl (the registry's GPT-XL and VQ-16), or tiny ones for tests
+_TINY_GPT = dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=32, vocab_size=64)
+_TINY_VQ = dict(ch=16, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=1, z_channels=16, codebook_size=64)
 SIZES = {
+    # Stage I: t2i_XL_stage1_256.pt, 16 x 16 = 256 image tokens (worlds/llamagen-xl-stage1.yaml)
     "real": {"gpt_overrides": {}, "vq_overrides": {}, "image_size": 256, "t5": "flan-t5-xl"},
-    "tiny": {"gpt_overrides": dict(n_layer=2, dim=64, n_head=4, caption_dim=32, cls_token_num=32, vocab_size=64),
-             "vq_overrides": dict(ch=16, ch_mult=(1, 1, 2, 2, 4), num_res_blocks=1, z_channels=16, codebook_size=64),
-             "image_size": 64, "t5": None},
+    # Stage II: t2i_XL_stage2_512.pt, the same GPT-XL at 512 px, 32 x 32 = 1,024 image tokens
+    # (worlds/llamagen-xl-stage2.yaml)
+    "real-512": {"gpt_overrides": {}, "vq_overrides": {}, "image_size": 512, "t5": "flan-t5-xl"},
+    "tiny": {"gpt_overrides": _TINY_GPT, "vq_overrides": _TINY_VQ, "image_size": 64, "t5": None},
+    # tiny widths at Stage II's token count (32 x 32 = 1,024 image tokens, 512 px images)
+    "tiny-1024": {"gpt_overrides": _TINY_GPT, "vq_overrides": _TINY_VQ, "image_size": 512, "t5": None},
 }
+
+
+def checkpoint_name(image_size: int) -> str:
+    """LlamaGen's name for its t2i GPT-XL checkpoint at this resolution (Stage I at 256 px, Stage II at 512)."""
+    return "t2i_XL_stage2_512.pt" if image_size >= 512 else "t2i_XL_stage1_256.pt"
 
 
 def _mb(nbytes: float) -> float:
@@ -101,7 +123,8 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     t0 = time.perf_counter()
     gpt, vq, device = write_llamagen_checkpoints(folder, "GPT-XL", grid * grid, size["gpt_overrides"],
                                                  size["image_size"], size["vq_overrides"],
-                                                 names=("t2i_XL_stage1_256.pt", "vq_ds16_t2i.pt", "device.safetensors"))
+                                                 names=(checkpoint_name(size["image_size"]), "vq_ds16_t2i.pt",
+                                                        "device.safetensors"))
     t1 = time.perf_counter()
     t5 = make_tiny_t5(os.path.join(folder, "t5-ckpt", "flan-t5-xl"),
                       config=FLAN_T5_XL if size["t5"] == "flan-t5-xl" else None, dtype=torch.bfloat16)
@@ -121,17 +144,29 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     return {"world_file": path, "file_mb": sizes, "write_s": {"gpt_vq_device": t1 - t0, "t5": t2 - t1}}
 
 
-def _median_s(fn, reps: int) -> float:
+def _timed_s(fn, reps: int) -> tuple[float, float]:
+    """-> (median, fastest) seconds of `reps` calls after a warm-up. On a box shared with other jobs the median
+    carries their load, the fastest repetition less of it."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.median(times)), float(min(times))
 
 
-def measure(world_file: str, reps: int) -> dict:
+def _median_s(fn, reps: int) -> float:
+    return _timed_s(fn, reps)[0]
+
+
+def forward_contexts(c) -> dict[str, int]:
+    """Where the verifier forwards are timed: the span's first position at mid-image (Stage I's figure: 248) and at
+    7/8 of the image (Stage II: 1,016, a span near position 1,000)."""
+    return {"mid": c.cls_token_num + c.block_size // 2, "late": c.cls_token_num + c.block_size * 7 // 8}
+
+
+def measure(world_file: str, reps: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> dict:
     """Load the world and time its parts (this process is the replica: its peak RSS is reported)."""
     import torch
 
@@ -141,29 +176,51 @@ def measure(world_file: str, reps: int) -> dict:
     world = load_world(world_file, need_device=True, need_text=True)
     out = {"load_s": time.perf_counter() - t0, "peak_rss_after_load_mb": peak_rss_mb()}
     cloud, c = world.cloud, world.cloud.config
-    out["gpt"] = {"params": sum(p.numel() for p in cloud.parameters()), "dtype": str(cloud.tok_embeddings.weight.dtype)}
+    out["gpt"] = {"params": sum(p.numel() for p in cloud.parameters()), "dtype": str(cloud.tok_embeddings.weight.dtype),
+                  "image_tokens": c.block_size, "grid": c.grid_size, "caption_positions": c.cls_token_num,
+                  "image_size": world.vq.config.image_size}
     out["t5"] = {"params": sum(p.numel() for p in world.text.model.parameters()), "dtype": str(world.text.dtype),
                  "positions": world.text.max_length}
     out["t5_encode_s_per_caption"] = float(np.median([_median_s(lambda cap=cap: world.text.encode([cap]), 1)
                                                       for cap in CAPTIONS]))
     session = cloud.new_cache(2)  # what CloudVerifier allocates per session (two rows), up front
     out["kv_cache_mb_per_session"] = _mb(sum(t.numel() * t.element_size() for t in session.k + session.v))
+    out["kv_cache_positions"] = session.max_seq
     del session
-    start = c.cls_token_num + c.block_size // 2
-    forward = {}
     with torch.inference_mode():
-        for rows in (1, 8, 32):
-            cache = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16)
+        for name, start in forward_contexts(c).items():
+            forward, fastest = {}, {}
+            for rows in rows_list:  # a span (4 drafts + the committed token) in each of `rows` sessions' rows
+                cache = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16)
+                cache.key_valid[:] = True
+                tokens = torch.randint(0, c.vocab_size, (rows, SPAN_WIDTH),
+                                       generator=torch.Generator().manual_seed(rows))
+                pos = torch.arange(start, start + SPAN_WIDTH)
+
+                def step():
+                    cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tokens), pos,
+                                                      kv_len=start + SPAN_WIDTH))
+
+                forward[str(rows)], fastest[str(rows)] = _timed_s(step, reps)
+                del cache
+            key = "verifier_forward_s" if name == "mid" else f"verifier_forward_{name}_s"
+            out[key] = {"span_width": SPAN_WIDTH, "context": start, "by_rows": forward, "fastest_by_rows": fastest}
+            # the cloud's sampled step there: one token in a session's two CFG rows (cloud-only decoding, bursts)
+            cache = cloud.new_cache(2, max_seq=start + 16)
             cache.key_valid[:] = True
-            tokens = torch.randint(0, c.vocab_size, (rows, SPAN_WIDTH), generator=torch.Generator().manual_seed(rows))
-            pos = torch.arange(start, start + SPAN_WIDTH)
+            tok = torch.zeros(2, 1, dtype=torch.long)
+            at = torch.tensor([start])
 
-            def step():
-                cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tokens), pos, kv_len=start + SPAN_WIDTH))
+            def decode():
+                cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tok), at, kv_len=start + 1))
 
-            forward[str(rows)] = _median_s(step, reps)
+            t, t_fast = _timed_s(decode, reps)
+            out.setdefault("cloud_decode_step_s", {})[str(start)] = t
+            out.setdefault("cloud_decode_step_fastest_s", {})[str(start)] = t_fast
             del cache
-        out["verifier_forward_s"] = {"span_width": SPAN_WIDTH, "context": start, "by_rows": forward}
+        code = torch.randint(0, world.vq.config.codebook_size, (1, c.block_size),
+                             generator=torch.Generator().manual_seed(0))
+        out["vq_decode_s"] = _median_s(lambda: world.vq.decode_code(code), 1)  # one image (and each stream preview)
         dm = world.device_model
         cap = world.text.encode([CAPTIONS[0]])
         cache = dm.new_cache(2)
@@ -176,9 +233,115 @@ def measure(world_file: str, reps: int) -> dict:
             dm.decode(cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([p]), last_only=True)
             state["pos"] = p + 1
 
-        out["device_step_s"] = _median_s(device_step, 10)
-        out["device"] = {"params": sum(p.numel() for p in dm.parameters()), "layers": dm.config.n_layer}
+        out["device_step_s"], out["device_step_fastest_s"] = _timed_s(device_step, 10)
+        out["device"] = {"params": sum(p.numel() for p in dm.parameters()), "layers": dm.config.n_layer,
+                         "kv_cache_mb_per_session": _mb(sum(t.numel() * t.element_size() for t in cache.k + cache.v))}
     out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+class _Feed:
+    """A work that feeds the caption's positions, then (a resume) its history, as the verifier's `OpenWork` /
+    `ResumeWork` report themselves to the scheduler (2 rows: the CFG branches)."""
+
+    rows, seq, done = 2, 0, False
+
+    def __init__(self, cls: int, history: int):
+        self.cls, self.history, self.cond, self.fed = cls, history, 0, 0
+
+    def kind(self) -> int:
+        from ciar.collab.scheduler import HISTORY, PREFILL
+
+        return PREFILL if self.cond < self.cls else HISTORY
+
+    def pending(self) -> int:
+        return self.cls - self.cond if self.cond < self.cls else max(0, self.history - 1 - self.fed)
+
+    def position(self) -> int:
+        return self.cond if self.cond < self.cls else self.cls + self.fed
+
+    def take(self, n: int) -> None:
+        if self.cond < self.cls:
+            self.cond += n
+        else:
+            self.fed += n
+        self.done = self.cond >= self.cls and self.fed >= self.history - 1
+
+
+class _Spans:
+    """A session verifying spans (SPAN_WIDTH positions each step, forever): the load a prefill shares steps with."""
+
+    rows, seq, done = 2, 0, False
+
+    def __init__(self, position: int):
+        self.at = position
+
+    def kind(self) -> int:
+        from ciar.collab.scheduler import SPAN
+
+        return SPAN
+
+    def pending(self) -> int:
+        return SPAN_WIDTH
+
+    def position(self) -> int:
+        return self.at
+
+    def take(self, n: int) -> None:
+        pass
+
+
+def prefill_steps(cls: int, tokens: int, sched, busy: int = 0) -> dict:
+    """Forwards the scheduler (`ciar.collab.scheduler.schedule`, config `sched`) takes to feed an open's caption
+    (`cls` positions) and a resume of a whole image (the caption + `tokens` - 1 history positions), alone or beside
+    `busy` sessions verifying spans (which go first). -> {what: {"steps", "widest"}}."""
+    from ciar.collab.scheduler import Scheduler
+
+    out = {}
+    for what, history in (("open", 0), ("resume", tokens)):
+        s = Scheduler(sched)
+        work = s.submit(_Feed(cls, history))
+        others = [s.submit(_Spans(cls + tokens // 2)) for _ in range(busy)]
+        s.start(s.take_waiting())
+        steps = widest = 0
+        while not work.done and steps < 10_000:
+            batch = s.schedule()
+            for p in batch:
+                p.request.take(p.n)
+                if p.request is work:
+                    widest = max(widest, p.n)
+            s.record(batch)
+            steps += 1
+        out[what] = {"steps": steps, "widest": widest, "positions": cls + max(0, history - 1)}
+        del others
+    return out
+
+
+def scheduler_plan(world_file: str) -> dict:
+    """How the verifier's scheduler feeds this world's prefills (no model loaded): the default `SchedulerConfig`
+    and the Verifier configs of serve_config.yaml (CPU) and serve_config.gpu.yaml, alone and beside 8 / 32 sessions
+    verifying spans."""
+    import yaml
+
+    from ciar.collab.scheduler import SchedulerConfig
+    from ciar.world_spec import read_world
+
+    c = read_world(world_file, check=False).gpt_cfg()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configs = {"default": SchedulerConfig()}
+    for name in ("serve_config.yaml", "serve_config.gpu.yaml"):
+        with open(os.path.join(root, name)) as f:
+            deployments = yaml.safe_load(f)["applications"][0].get("deployments", [])
+        uc = next((d.get("user_config") or {} for d in deployments if d.get("name") == "Verifier"), {})
+        configs[name] = SchedulerConfig(**{k: uc[k] for k in ("token_budget", "prefill_chunk") if k in uc},
+                                        max_works=uc.get("max_batch_size", SchedulerConfig.max_works))
+    out = {"image_tokens": c.block_size, "caption_positions": c.cls_token_num}
+    for name, sched in configs.items():
+        out[name] = {"token_budget": sched.token_budget, "prefill_chunk": sched.prefill_chunk,
+                     "max_works": sched.max_works,
+                     "alone": prefill_steps(c.cls_token_num, c.block_size, sched),
+                     "beside 8 span sessions": prefill_steps(c.cls_token_num, c.block_size, sched, busy=8),
+                     "beside 32 span sessions": prefill_steps(c.cls_token_num, c.block_size, sched, busy=32)}
     return out
 
 
@@ -289,14 +452,39 @@ def markdown(r: dict) -> str:
             f"| peak RSS of the measuring process | {m['peak_rss_mb']:.0f} MB |",
             f"| T5 encode, one caption | {m['t5_encode_s_per_caption']:.2f} s |",
         ]
-        lines += [f"| verifier forward, {rows} row(s) x {f['span_width']} positions at position {f['context']} | "
-                  f"{s:.3f} s |" for rows, s in f["by_rows"].items()]
+        for f in [m[k] for k in ("verifier_forward_s", "verifier_forward_late_s") if k in m]:
+            fast = f.get("fastest_by_rows", {})
+            lines += [f"| verifier forward, {rows} row(s) x {f['span_width']} positions at position {f['context']} | "
+                      f"{s:.3f} s{f' (fastest {fast[rows]:.3f})' if rows in fast else ''} |"
+                      for rows, s in f["by_rows"].items()]
+        fast = m.get("cloud_decode_step_fastest_s", {})
+        for at, s in (m.get("cloud_decode_step_s") or {}).items():
+            lines.append(f"| cloud sampled step (1 token, 2 CFG rows) at position {at} | {1e3 * s:.1f} ms"
+                         f"{f' (fastest {1e3 * fast[at]:.1f})' if at in fast else ''} |")
+        if "vq_decode_s" in m:
+            lines.append(f"| VQ decode, one {m['gpt'].get('image_size', '?')} px image (also each streamed preview) | "
+                         f"{m['vq_decode_s']:.2f} s |")
         lines.append(f"| device step (1 token, 2 CFG rows) | {1e3 * m['device_step_s']:.1f} ms |")
         if "kv_cache_mb_per_session" in m:
             kv, n = m["kv_cache_mb_per_session"], r["gpu_config_max_sessions"]
             held = (f"serve_config.gpu.yaml's {n} sessions: {kv * n / 1024:.1f} GiB, allocated at start" if n != "auto"
                     else "serve_config.gpu.yaml sizes the sessions from the GPU's memory at start (auto)")
-            lines.append(f"| verifier KV cache per session (2 CFG rows, {m['gpt']['dtype']}) | {kv:.0f} MB; {held} |")
+            lines.append(f"| verifier KV cache per session (2 CFG rows, {m['gpt']['dtype']}, "
+                         f"{m.get('kv_cache_positions', '?')} positions) | {kv:.0f} MB; {held} |")
+        if "kv_cache_mb_per_session" in m.get("device", {}):
+            lines.append(f"| device model's KV cache (2 CFG rows, float32) | "
+                         f"{m['device']['kv_cache_mb_per_session']:.0f} MB |")
+    if "scheduler" in r:
+        sc = r["scheduler"]
+        for name, v in sc.items():
+            if not isinstance(v, dict):
+                continue
+            cells = "; ".join(f"{load}: open {v[load]['open']['steps']}, resume {v[load]['resume']['steps']} "
+                              f"(widest piece {v[load]['resume']['widest']})"
+                              for load in ("alone", "beside 8 span sessions", "beside 32 span sessions"))
+            lines.append(f"| scheduler `{name}` (budget {v['token_budget']}, chunk {v['prefill_chunk']}): forwards "
+                         f"to feed an open ({sc['caption_positions']} positions) / a resume of the whole image "
+                         f"({sc['caption_positions'] + sc['image_tokens'] - 1}) | {cells} |")
     for method, img in r.get("images", {}).items():
         st = img.get("stats") or {}
         st = {**st, **(st.get("collab") or {}).get("stats", {})}
@@ -330,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="real", choices=sorted(SIZES), help="the files' shapes (tiny: tests)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per verifier forward")
+    ap.add_argument("--rows", default="1,8,32", help="batch rows of the timed verifier forwards")
     ap.add_argument("--images", default="cloud,ciar", help="methods to make one image with")
     ap.add_argument("--steps", default="measure,images,serve,collab", help="steps after writing the files")
     ap.add_argument("--gpt-dtype", default="float32", choices=["float32", "bfloat16"], help="the world's gpt_dtype")
@@ -341,18 +530,20 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.measure:
-        print(json.dumps(measure(args.measure, args.reps)))
+        print(json.dumps(measure(args.measure, args.reps, tuple(int(r) for r in args.rows.split(",")))))
         return 0
     command = "python -m benchmarks.real_scale " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     report = {"command": command, "threads": args.threads, "sizes": args.sizes, "gpt_dtype": args.gpt_dtype,
               "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU"}
     report["write"] = write_files(args.out, args.sizes, args.gpt_dtype)
     report["gpu_config_max_sessions"] = gpu_config_max_sessions()
+    report["scheduler"] = scheduler_plan(report["write"]["world_file"])
     world, steps, methods = report["write"]["world_file"], args.steps.split(","), args.images.split(",")
     report["broke"] = []
     if "measure" in steps:
         child = run_child([sys.executable, "-m", "benchmarks.real_scale", "--out", args.out, "--results", args.results,
-                           "--measure", world, "--threads", str(args.threads), "--reps", str(args.reps)])
+                           "--measure", world, "--threads", str(args.threads), "--reps", str(args.reps),
+                           "--rows", args.rows])
         if child["rc"]:
             report["broke"].append(f"measure: {child['output_tail'][-300:]}")
         else:

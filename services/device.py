@@ -228,7 +228,8 @@ class Device:
         sampling = dataclasses.replace(self.side.sampling, **job.sampling.given()).validate()
         decoder = CollabDecoder(self.side.device_model, self.client, cfg, sampling, num_tokens=self.side.num_tokens,
                                 wait=time.sleep if self.live.realtime else None,
-                                progress_every=self.live.preview_every, observers=self.observers,
+                                progress_every=self.live.preview_tokens(self.side.num_tokens),
+                                observers=self.observers,
                                 runtime=self.runtime)
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job.session_id

@@ -183,10 +183,23 @@ class GenerationRequest(BaseModel):
         return v  # (pydantic itself refuses strings with lone surrogates: "string_unicode")
 
 
+# streamed previews per image at most: a preview decodes the whole image (the VQ decoder), so a fixed token cadence
+# made 4x the previews at 4x the pixels on LlamaGen Stage II's 512 px, 1,024-token images (16x the decoding)
+MAX_PREVIEWS = 16
+
+
 class _DeviceLive(BaseModel):
     model_config = ConfigDict(extra="forbid")
     realtime: bool = Field(True, description="spend simulated network/device time for real (the request waits)")
-    preview_every: int = Field(24, ge=1, le=10_000, description="tokens between streamed previews")
+    preview_every: int = Field(24, ge=1, le=10_000, description="tokens between streamed previews (at most "
+                               f"{MAX_PREVIEWS} previews an image: each is a whole VQ decode, so a larger image "
+                               "spaces them further)")
+
+    def preview_tokens(self, num_tokens: int) -> int:
+        """Tokens between an image's streamed previews: `preview_every`, or more on a large image (at most
+        MAX_PREVIEWS previews an image: 144- and 256-token images keep `preview_every`, Stage II's 1,024 tokens get
+        one every 64 when it says 24)."""
+        return max(self.preview_every, -(-int(num_tokens) // MAX_PREVIEWS))
 
     def knobs(self) -> dict:
         """The fleet's collaborative knobs by name (None: the device model's calibrated value applies)."""
@@ -231,8 +244,10 @@ class DeviceEndpointConfig(BaseModel):
     """Limits of the device endpoint (`/v1/device/sessions`, services.device_endpoint)."""
 
     model_config = ConfigDict(extra="forbid")
-    max_frame_bytes: int = Field(2 << 20, ge=1024, le=64 << 20, description="largest frame a device may send; "
-                                 "beyond it the connection is closed (1009)")
+    max_frame_bytes: int = Field(8 << 20, ge=1024, le=64 << 20, description="largest frame a device may send; "
+                                 "beyond it the connection is closed (1009). A device's largest frame grows with "
+                                 "the image (ciar_device.wire.largest_frame_bytes): LlamaGen-XL's 1.6 MB at 256 "
+                                 "tokens, 3.6 MB at Stage II's 1,024")
     max_sessions_per_device: int = Field(8, ge=1, le=10_000, description="open sessions per device (429 beyond)")
     messages_per_s: float = Field(200.0, gt=0.0, description="sustained frames per second per connection (429 "
                                   "beyond, with the time to wait)")

@@ -30,6 +30,27 @@ def test_real_scale_pipeline_on_tiny_shapes(tmp_path):
     assert "| T5 encode, one caption |" in md and "Serve application, one image, ciar" in md
 
 
+@pytest.mark.timeout(600)
+def test_real_scale_at_stage2s_token_count_on_tiny_widths(tmp_path):
+    """`--sizes tiny-1024`: Stage II's 32 x 32 = 1,024 image tokens (512 px) on tiny widths: the checkpoint under
+    Stage II's name loads, the late forward sits near the end of the image, the scheduler figures are those of
+    1,024 tokens, and both images are made through ciar.generate."""
+    out, results = tmp_path / "files", tmp_path / "real_scale.json"
+    assert main(["--out", str(out), "--results", str(results), "--sizes", "tiny-1024", "--reps", "1",
+                 "--rows", "1,8", "--steps", "measure,images", "--keep"]) == 0
+    r = json.loads(results.read_text())
+    assert (out / "t2i_XL_stage2_512.pt").exists() and not r["broke"], r["broke"]
+    m = r["measure"]
+    assert (m["gpt"]["image_tokens"], m["gpt"]["grid"], m["gpt"]["image_size"]) == (1024, 32, 512)
+    assert m["verifier_forward_late_s"]["context"] == 32 + 896 and set(m["verifier_forward_s"]["by_rows"]) == {"1", "8"}
+    assert m["kv_cache_positions"] == 32 + 1024 + 16 and m["vq_decode_s"] > 0
+    sched = r["scheduler"]
+    assert sched["image_tokens"] == 1024 and sched["default"]["alone"]["resume"]["positions"] == 32 + 1023
+    assert {k: (v["rc"], v["stats"]["num_tokens"]) for k, v in r["images"].items()} == {"cloud": (0, 1024),
+                                                                                        "ciar": (0, 1024)}
+    assert "at position 928" in (tmp_path / "real_scale.md").read_text()
+
+
 def test_a_bfloat16_gpt_world_generates(tmp_path):
     """`gpt_dtype: bfloat16`: the cloud GPT and its KV cache in bfloat16 on the verifier, cloud-only and CIAR."""
     import torch

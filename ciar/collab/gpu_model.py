@@ -148,12 +148,13 @@ class ModelShapes:
                            cfg.cls_token_num if text_positions is None else text_positions)
 
     @staticmethod
-    def llamagen_xl() -> "ModelShapes":
-        """LlamaGen's t2i GPT-XL at 256 px (`ciar.models.gpt.GPT_CONFIGS["GPT-XL"]`, 16 x 16 tokens) with
-        flan-t5-xl captions (120 tokens)."""
+    def llamagen_xl(image_size: int = 256) -> "ModelShapes":
+        """LlamaGen's t2i GPT-XL (`ciar.models.gpt.GPT_CONFIGS["GPT-XL"]`) with flan-t5-xl captions (120 tokens):
+        Stage I at 256 px (16 x 16 tokens, the default), Stage II at 512 px (32 x 32 = 1,024 tokens)."""
         from ciar.models.gpt import gpt_config
 
-        return ModelShapes.from_config(gpt_config("GPT-XL", block_size=256), t5_encoder_params())
+        grid = image_size // 16
+        return ModelShapes.from_config(gpt_config("GPT-XL", block_size=grid * grid), t5_encoder_params())
 
     @property
     def weight_params(self) -> int:

@@ -212,6 +212,7 @@ def _consecutive(input_pos: torch.Tensor, table: int) -> int | None:
 
 _DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
 _DENSE_DEVICES = ("cpu",)  # ... on these devices only
+_DENSE_MAX_BYTES = 16 << 20  # ... and only when a layer's keys and values to copy are at most this many bytes
 
 
 class Attention(nn.Module):
@@ -285,8 +286,13 @@ class Attention(nn.Module):
         # steps of more than _DENSE_MAX rows (CPU, 112 keys, one forward: 4 rows 4.3 vs 4.6 ms, 32 rows 14.0 vs 15.0,
         # 64 rows 34.7-40.3 with the copy vs 26.5 ms without). On a GPU the copy only costs: LlamaGen-XL's decode step
         # in bf16 on an H100, graph replays, 1 / 8 / 32 rows: 3.59 / 4.68 / 7.47 ms with it, 3.30 / 3.81 / 4.63
-        # without (benchmarks/results/2026-11-26-gpu, `dense_copy`); so only the CPU copies (_DENSE_DEVICES)
-        dense = q.shape[1] == 1 and q.shape[0] <= _DENSE_MAX and q.device.type in _DENSE_DEVICES
+        # without (benchmarks/results/2026-11-26-gpu, `dense_copy`); so only the CPU copies (_DENSE_DEVICES). Nor does
+        # a large block pay for its copy: LlamaGen-XL on this CPU, one-token steps of 16 rows, best of 3 x 4 (keys
+        # copied / read as the view): bf16 at 249 keys 0.68 / 0.58 s, at 1,017 keys (Stage II's late positions) 3.20
+        # / 1.69 s; float32 at 185 keys 1.24 / 0.71 s (benchmarks/results/2026-11-26c/README.md); the scenes world's
+        # blocks, which the copy was tuned on, stay under _DENSE_MAX_BYTES (32 rows x 184 keys: 12 MB)
+        dense = q.shape[1] == 1 and q.shape[0] <= _DENSE_MAX and q.device.type in _DENSE_DEVICES and \
+            2 * q.shape[0] * kv_len * k_cache.shape[1] * k_cache.shape[-1] * k_cache.element_size() <= _DENSE_MAX_BYTES
         outs = []
         for r, s, n in runs:
             keys, values = k_cache[s:s + n, :, :kv_len].to(q.dtype), v_cache[s:s + n, :, :kv_len].to(q.dtype)

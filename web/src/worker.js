@@ -21,6 +21,9 @@ import { DeviceRuntime, ImageDecoder } from "./runtime.js";
 
 const ORT = "/web/ort/";
 const WARMUP_S = 4;
+// previews an image at most (services.schemas.MAX_PREVIEWS): each decodes the whole image, so a fixed cadence of
+// loop.js's PROGRESS_EVERY tokens queued 4x the decodes of 4x the pixels on a 1,024-token, 512 px image
+const MAX_PREVIEWS = 16;
 let ort = null;
 let loaded = null; // { key, digest, manifest, rt, decoder, loadS, observer }
 
@@ -95,12 +98,15 @@ async function run({ key, prompt, seed, previews = true, policy = "adaptive" }) 
   const conn = new DeviceConnection(url, key, m.manifest.vocab_size);
   const n = m.manifest.num_tokens;
   let drawing = Promise.resolve();
+  const every = Math.max(1, Math.ceil(n / MAX_PREVIEWS));
+  let shown = -every; // tokens decided at the last preview
   postMessage({ type: "status", text: "Opening the session with the cloud…" });
   try {
     const result = await generate(m.rt, conn, prompt, seed, {
       policy, observer: m.observer,
       onProgress: (tokens, who, stats) => { // previews are decoded in turn, after the step that made them
-        if (!previews || tokens.length >= n) return;
+        if (!previews || tokens.length >= n || tokens.length - shown < every) return;
+        shown = tokens.length;
         drawing = drawing.then(async () => postMessage({ type: "progress", tokens, who, stats, total: n,
           shape: m.manifest.image.shape, rgb: await partialImage(m.decoder, tokens, n) }));
       },
