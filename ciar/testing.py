@@ -230,3 +230,133 @@ def cutting_connection(url: str, key: str, vocab_size: int, cuts=(), **kw):
             return super()._exchange(ftype, body, token)
 
     return CuttingConnection()
+
+
+# ---------------------------------------------------------------------------------------------------- Anole
+# a tiny Anole world: a 2-layer, 64-wide Chameleon decoder over 64 image codes, a 32 px VQGAN of downsampling 8
+# (4 x 4 = 16 image tokens), 24 prompt positions; the BPE tokenizer knows TINY_T5_WORDS as whole words
+ANOLE_TINY = dict(n_codes=64, text_vocab=512, image_size=32, cls_token_num=24)
+ANOLE_TINY_VQ = dict(ch=32, ch_mult=[1, 1, 1, 1], num_res_blocks=1, attn_resolutions=[], z_channels=16,
+                     resolution=32, in_channels=3, out_ch=3, dropout=0.0)
+ANOLE_SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+
+
+def anole_code_name(code: int) -> str:
+    """Chameleon's name of image code `code`: "IMGIMG" + its decimal digits as letters A-J + "Z"."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(ch)) for ch in str(code)) + "Z"
+
+
+def _tiny_chameleon_vocabulary(n_codes: int, words) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A vocabulary in Chameleon's layout (specials 0-3, the image tokens from 4 in code order, then <eoss>,
+    <racm3:break>, the end-of-turn <reserved08706>, then text) with byte-free BPE text pieces: "▁" + characters, and
+    merges that make each of `words` one token. -> (vocabulary, merges)."""
+    vocab = dict(ANOLE_SPECIALS)
+    vocab.update({anole_code_name(c): 4 + c for c in range(n_codes)})
+    for name in ("<eoss>", "<racm3:break>", "<reserved08706>"):
+        vocab[name] = len(vocab)
+    for ch in "▁abcdefghijklmnopqrstuvwxyz0123456789.,'-":
+        vocab.setdefault(ch, len(vocab))
+    merges = []
+    for word in words:
+        pieces = ["▁"] + list(word)
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            joined = pair[0] + pair[1]
+            if joined not in vocab:
+                vocab[joined] = len(vocab)
+                merges.append(pair)
+            pieces = [joined] + pieces[2:]
+    return vocab, merges
+
+
+def write_chameleon_tokenizer(path: str, vocab: dict[str, int], merges: list[tuple[str, str]]) -> str:
+    """A Chameleon-style tokenizer.json built with `tokenizers` (BPE with "▁" word starts, lowercased; the special
+    and image tokens registered as special tokens, as Chameleon's file has them)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    specials = [n for n in vocab if n.startswith("<") or n.startswith("IMGIMG")]
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in specials])
+    tok.save(path)
+    return path
+
+
+def write_random_anole_files(folder: str, seed: int = 0, with_device: bool = True, n_layer: int = 2,
+                             cls_token_num: int = ANOLE_TINY["cls_token_num"]) -> dict:
+    """RANDOM-weight stand-ins for an Anole world's files, in their real layouts:
+    `anole-hf/` a transformers folder saved from a tiny `ChameleonForConditionalGeneration` (config.json with its
+    vocabulary_map of 64 IMGIMG image tokens, model.safetensors, and a tokenizer.json built with `tokenizers` over
+    the same vocabulary), `tokenizer/vqgan.ckpt` + `vqgan.yaml` (a tiny taming VQGAN as a Lightning checkpoint,
+    32 px -> 4 x 4 codes of 64) and, with `with_device`, a 1-layer CIAR `device.safetensors` made from the decoder
+    (`DeviceModel.from_cloud`, small radii). -> the world file's fields (paths relative to `folder`)."""
+    import yaml
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from ciar.models.chameleon_vq import ChameleonVQConfig, ChameleonVQModel
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    os.makedirs(folder, exist_ok=True)
+    n_codes, text_vocab = ANOLE_TINY["n_codes"], ANOLE_TINY["text_vocab"]
+    vocab, merges = _tiny_chameleon_vocabulary(n_codes, TINY_T5_WORDS)
+    if len(vocab) > text_vocab:
+        raise ValueError(f"the tiny vocabulary has {len(vocab)} tokens > {text_vocab}")
+    model_dir = os.path.join(folder, "anole-hf")
+    os.makedirs(model_dir, exist_ok=True)
+    grid = ANOLE_TINY["image_size"] // 2 ** (len(ANOLE_TINY_VQ["ch_mult"]) - 1)
+    cfg = ChameleonConfig(
+        vocab_size=text_vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layer,
+        num_attention_heads=4, num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max(64, cls_token_num + grid * grid), initializer_range=0.1, vocabulary_map=vocab,
+        vq_config=dict(base_channels=32, channel_multiplier=[1, 1], num_embeddings=n_codes, embed_dim=8,
+                       latent_channels=8, resolution=32, attn_resolutions=[]),
+        bos_token_id=vocab["<s>"], pad_token_id=vocab["<pad>"], eos_token_id=vocab["</s>"])
+    torch.manual_seed(seed)
+    hf = ChameleonForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # random norm affines (init: ones / zeros), a sharper head over the image rows
+        for name, p in hf.named_parameters():
+            if "norm" in name and "vqmodel" not in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+        hf.lm_head.weight[4:4 + n_codes] = torch.randn(n_codes, 64, generator=g) * 0.5
+    hf.save_pretrained(model_dir)
+    write_chameleon_tokenizer(os.path.join(model_dir, "tokenizer.json"), vocab, merges)
+
+    os.makedirs(os.path.join(folder, "tokenizer"), exist_ok=True)
+    vq_cfg = ChameleonVQConfig(**ANOLE_TINY_VQ, n_embed=n_codes, embed_dim=8)
+    vq = ChameleonVQModel(vq_cfg)
+    with torch.no_grad():  # O(1) activations: convs by fan-in, codebook ~N(0, 1)
+        for name, t in vq.state_dict().items():
+            r = torch.randn(t.shape, generator=g)
+            if t.dim() == 4:
+                r /= t[0].numel() ** 0.5
+            elif t.dim() == 1:
+                r = 1.0 + 0.1 * r if ("norm" in name and name.endswith("weight")) else 0.1 * r
+            t.copy_(r)
+    torch.save({"epoch": 0, "global_step": 0, "state_dict": vq.state_dict()},
+               os.path.join(folder, "tokenizer", "vqgan.ckpt"))
+    dd = {"double_z": False, **{k: v for k, v in ANOLE_TINY_VQ.items()}}
+    with open(os.path.join(folder, "tokenizer", "vqgan.yaml"), "w") as f:
+        yaml.safe_dump({"model": {"target": "taming.models.vqgan.VQModel",
+                                  "params": {"embed_dim": 8, "n_embed": n_codes, "ddconfig": dd,
+                                             "lossconfig": {"target": "taming.modules.losses.vqperceptual."
+                                                                      "VQLPIPSWithDiscriminator"}}}}, f)
+    fields = {"kind": "anole", "model": "anole-hf", "cls_token_num": cls_token_num,
+              "image_size": ANOLE_TINY["image_size"], "vq_checkpoint": "tokenizer/vqgan.ckpt",
+              "vq_yaml": "tokenizer/vqgan.yaml"}
+    if with_device:
+        from ciar.collab.device import DeviceConfig, DeviceModel
+        from ciar.models.chameleon import load_chameleon
+
+        cloud = load_chameleon(model_dir, cls_token_num=cls_token_num, block_size=grid * grid)
+        dev = DeviceModel.from_cloud(cloud, DeviceConfig(n_layer=1))
+        with torch.no_grad():
+            for head in dev.inter_head.heads:
+                head.bias[n_codes:].fill_(-4.0)
+        dev.save(os.path.join(folder, "device.safetensors"))
+        fields["device_checkpoint"] = "device.safetensors"
+    return fields

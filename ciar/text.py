@@ -10,10 +10,14 @@ and the mask marks the real tokens. Precomputed T5 embeddings go through the sam
     batch.emb   # [B, 40, 384] float32
     batch.mask  # [B, 40] bool, True = real token (right-aligned)
 
-**The caption contract** (every caption encoder that encodes new text follows it: `TextEncoder` here and
-`ciar.t5.T5CaptionEncoder`): a caption whose tokens (as the encoder counts them, special tokens included:
-`count_tokens`) do not fit the model's caption positions (`max_length`: the GPT's `cls_token_num`, 40 for the scenes
-world, 120 for LlamaGen) is refused with `CaptionTooLongError`, naming its length and the limit; it is never cut.
+An Anole (Chameleon) world conditions on the prompt's TOKEN IDS, not on embeddings: `ChameleonPromptEncoder` gives
+`emb` = the ids [B, cls] (int64, Anole's `[<s>] + text + [end-of-turn, begin-of-image]`, left-padded with <pad>)
+and `mask`, which the cloud embeds itself (`ciar.models.chameleon.ChameleonGPT.embed_condition`).
+
+**The caption contract** (every caption encoder that encodes new text follows it: `TextEncoder` here,
+`ChameleonPromptEncoder` and `ciar.t5.T5CaptionEncoder`): a caption whose tokens (as the encoder counts them, special
+tokens included: `count_tokens`) do not fit the model's caption positions (`max_length`: the GPT's `cls_token_num`,
+40 for the scenes world, 120 for LlamaGen, an Anole world's `cls_token_num`) is refused with `CaptionTooLongError`, naming its length and the limit; it is never cut.
 The API answers 422 naming `prompt`, the device socket an error frame, the CLI a usage error. Why refuse, when
 LlamaGen truncates at 120 T5 tokens: a cut caption makes an image of a caption nobody wrote and the caller cannot
 tell which words were lost, while a refusal says by how much to shorten it; and the device protocol's open reply
@@ -155,3 +159,46 @@ class TextEncoder:
             lengths = tok["attention_mask"].sum(1).tolist()
             out.append(CaptionBatch.from_precomputed([h[:n] for h, n in zip(hidden, lengths)], self.max_length))
         return CaptionBatch.cat(out)
+
+
+class ChameleonPromptEncoder:
+    """Anole's prompt encoder: Chameleon's BPE tokenizer (`tokenizer.json` of the model folder, read with the
+    `tokenizers` library; nothing downloaded) -> ids without special tokens -> `cloud.prompt_condition` (`<s>`, the
+    end-of-turn and begin-of-image markers added, left-padded to the cloud's `cls_token_num`). `encode(prompts)` ->
+    CaptionBatch with `emb` the ids [B, cls] int64 (not embeddings: the cloud embeds them) and `mask` [B, cls] bool.
+    A prompt whose tokens, the three markers included, exceed `cls_token_num` is refused (`CaptionTooLongError`,
+    the caption contract of the module docstring)."""
+
+    MARKERS = 3  # <s>, end-of-turn, begin-of-image
+
+    def __init__(self, tokenizer_file: str, cloud, device: str | torch.device = "cpu"):
+        from tokenizers import Tokenizer
+
+        if not os.path.isfile(tokenizer_file):
+            raise FileNotFoundError(f"Chameleon tokenizer not found: {tokenizer_file}")
+        self.tokenizer = Tokenizer.from_file(tokenizer_file)
+        self.cloud = cloud  # its prompt_condition and config (special ids, cls_token_num)
+        self.max_length = cloud.config.cls_token_num
+        self.device = torch.device(device)
+        self.dim = None  # no embedding width: the captions are ids
+
+    def token_ids(self, captions: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(captions), add_special_tokens=False)]
+
+    def count_tokens(self, caption: str) -> int:
+        return len(self.token_ids([caption])[0]) + self.MARKERS
+
+    def encode(self, captions: list[str]) -> CaptionBatch:
+        if isinstance(captions, str):
+            captions = [captions]
+        for i, c in enumerate(captions):
+            if not isinstance(c, str) or not c.strip():
+                raise ValueError(f"caption {i} is empty")
+            try:
+                c.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"caption {i} is not valid Unicode text (a lone surrogate code point)") from None
+        ids = self.token_ids(captions)
+        check_caption_lengths(captions, [len(t) + self.MARKERS for t in ids], self.max_length)
+        cond, mask = self.cloud.prompt_condition(ids)
+        return CaptionBatch(cond.to(self.device), mask.to(self.device))

@@ -22,8 +22,9 @@ from ciar.models.checkpoint import load_strict, read_model_file
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.vq import VQ_IGNORED_KEY_PREFIXES, VQConfig, VQModel
 from ciar.text import TextEncoder
-from ciar.world_spec import (DEFAULT_WEIGHTS_DIR, WEIGHTS_ENV, LlamaGenWorldSpec, ScenesWorldSpec,  # noqa: F401
-                             WorldSpecError, default_weights_dir, read_world)  # (re-exported: one home)
+from ciar.world_spec import (DEFAULT_WEIGHTS_DIR, WEIGHTS_ENV, AnoleWorldSpec, LlamaGenWorldSpec,  # noqa: F401
+                             ScenesWorldSpec, WorldSpecError, default_weights_dir,
+                             read_world)  # (re-exported: one home)
 
 # used when the cloud file carries no sampling defaults
 FALLBACK_SAMPLING = SamplingParams(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0)
@@ -128,6 +129,8 @@ def load_world(source=None, device: str | torch.device = "cpu", need_device: boo
         return load_default_world(spec.weights_dir(), device=device,
                                   device_file=spec.file("device.safetensors", spec.device_checkpoint),
                                   projector_file=spec.file("projector.safetensors", spec.projector_checkpoint))
+    if isinstance(spec, AnoleWorldSpec):
+        return load_anole_world(spec, device=device)
     return load_llamagen_world(spec, device=device)
 
 
@@ -141,6 +144,8 @@ def load_world_cloud(source=None, device: str | torch.device = "cpu") -> tuple[G
         cloud = GPT(GPTConfig.from_dict(config))
         load_strict(cloud, state, what="cloud model (cloud.safetensors)")
         path = os.path.join(spec.weights_dir(), "cloud.safetensors")
+    elif isinstance(spec, AnoleWorldSpec):
+        cloud, path = _anole_cloud(spec), anole_weights_file(spec)
     else:
         path = spec.path(spec.gpt_checkpoint)
         cloud = load_llamagen_gpt(path, spec.gpt_config, image_size=spec.image_size, downsample=spec.downsample,
@@ -237,6 +242,75 @@ def _llamagen_device(spec, gpt_cfg: GPTConfig, device) -> "DeviceModel":
     return dm
 
 
+# ---------------------------------------------------------------------------------------------------- Anole worlds
+def load_anole_world(spec, device: str | torch.device = "cpu", text: bool = True) -> World:
+    """An Anole (Chameleon) world: the decoder from its transformers folder (`ciar.models.chameleon.load_chameleon`,
+    in `gpt_dtype`, image-code space), Chameleon's VQGAN (`load_chameleon_vq`), the prompt encoder over the folder's
+    tokenizer.json (`ciar.text.ChameleonPromptEncoder`: captions are token ids) and the CIAR device model (a
+    `ChameleonTrunk`) and projector. `spec`: an AnoleWorldSpec or its dict. Every config and shape is checked first
+    (`AnoleWorldSpec.check`: the vocabulary map's image codes against the VQGAN's codebook, its resolution against
+    image_size, the token grid against the decoder's positions, the device file's header against the decoder);
+    then the small files load, the decoder last (each file strictly: CheckpointMismatchError names the keys).
+    `text=False` skips the prompt encoder."""
+    from ciar.text import ChameleonPromptEncoder
+
+    if not isinstance(spec, AnoleWorldSpec):
+        spec = read_world({"kind": "anole", **spec} if isinstance(spec, dict) and "kind" not in spec else spec)
+        if not isinstance(spec, AnoleWorldSpec):
+            raise WorldSpecError(f"expected an Anole world, got {spec.describe()}")
+    device = torch.device(device)
+    vq = _anole_vq(spec)
+    device_model = projector = None
+    if spec.device_checkpoint:
+        from ciar.collab.device import DeviceModel
+
+        device_model = DeviceModel.load(spec.device_file(), device=device)
+    if spec.projector_checkpoint:
+        from ciar.collab.projector import IntervalProjector
+
+        projector = IntervalProjector.load(spec.path(spec.projector_checkpoint), device=device)
+    cloud = _anole_cloud(spec).to(device).eval()
+    enc = ChameleonPromptEncoder(spec.tokenizer_file(), cloud, device=device) if text else None
+    return World(vq=vq.to(device).eval(), cloud=cloud, text=enc, weights_dir=spec.path(spec.model),
+                 sampling=anole_sampling(spec), device_model=device_model, projector=projector,
+                 cloud_file=anole_weights_file(spec), device_file=spec.device_file())
+
+
+def _anole_cloud(spec):
+    from ciar.models.chameleon import load_chameleon
+
+    cfg = spec.gpt_cfg()
+    return load_chameleon(spec.path(spec.model), cls_token_num=cfg.cls_token_num, block_size=cfg.block_size,
+                          dtype=_gpt_dtype(spec))
+
+
+def _anole_vq(spec):
+    from ciar.models.chameleon_vq import load_chameleon_vq
+
+    return load_chameleon_vq(spec.path(spec.vq_checkpoint), spec.path(spec.vq_yaml))
+
+
+def anole_weights_file(spec) -> str:
+    """The decoder's first weight file (names the caches of its samples, as a LlamaGen world's checkpoint does)."""
+    import glob
+
+    folder = spec.path(spec.model)
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or \
+        sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+    return files[0]
+
+
+def anole_sampling(spec) -> SamplingParams:
+    """Anole's sampling (cfg 3.0, temperature 0.7, top-p 0.9, no top-k: `ciar.world_spec.ANOLE_SAMPLING`) with
+    the world file's `sampling` on top (validated)."""
+    from ciar.world_spec import ANOLE_SAMPLING
+
+    try:
+        return SamplingParams(**{**ANOLE_SAMPLING, **spec.sampling.given()})
+    except ValueError as e:
+        raise WorldSpecError(f"sampling: {e}") from None
+
+
 @dataclass
 class DeviceSide:
     """What a device needs (no cloud model, no caption encoder): the CIAR device model, the tokenizer's decoder
@@ -266,6 +340,10 @@ def load_device_side(world=None, device: str | torch.device = "cpu") -> DeviceSi
         device_model = DeviceModel.load(spec.device_file(), device=device)
         _, _, extra = read_model_metadata(os.path.join(weights_dir, "cloud.safetensors"))
         sampling = sampling_from_extra(extra)
+    elif isinstance(spec, AnoleWorldSpec):
+        vq = _anole_vq(spec)
+        device_model = DeviceModel.load(spec.device_file(), device=device)
+        sampling, weights_dir = anole_sampling(spec), os.path.dirname(spec.device_file())
     else:
         gpt_cfg = spec.gpt_cfg()
         vq = _llamagen_vq(spec, gpt_cfg)

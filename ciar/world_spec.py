@@ -5,7 +5,7 @@
     side = load_device_side(spec)                          # what a phone loads: device model + VQ decoder
 
 A world file is small and validated (pydantic, unknown keys refused, every named file checked before anything loads,
-the missing one named with its field). Relative paths are taken relative to the file. Two kinds:
+the missing one named with its field). Relative paths are taken relative to the file. Three kinds:
 
     kind: scenes                      # the default: nothing to configure
     weights: weights/scenes-v2        # optional: another folder in the shipped layout ($CIAR_WEIGHTS otherwise)
@@ -22,6 +22,16 @@ the missing one named with its field). Relative paths are taken relative to the 
     device_checkpoint: /models/ciar/device.safetensors        # trained for this GPT (pipelines.train_device)
     projector_checkpoint: /models/ciar/projector.safetensors  # optional
     sampling: {cfg_scale: 7.5, temperature: 1.0, top_k: 1000, top_p: 1.0}
+
+    kind: anole                       # Anole-7b: Chameleon's decoder + VQGAN, prompts as Chameleon token ids
+    model: /models/Anole-7b-v0.1-hf   # transformers folder: config.json, *.safetensors, tokenizer.json
+    cls_token_num: 128                # prompt positions (<s> + text + end-of-turn + begin-of-image)
+    image_size: 512                   # the VQGAN's resolution: 32 x 32 tokens of 8192 codes
+    vq_checkpoint: /models/Anole-7b-v0.1/tokenizer/vqgan.ckpt
+    vq_yaml: /models/Anole-7b-v0.1/tokenizer/vqgan.yaml
+    gpt_dtype: bfloat16
+    device_checkpoint: /models/ciar/anole/device.safetensors  # a Chameleon trunk (pipelines.train_device)
+    sampling: {}                      # default: Anole's cfg 3.0, temperature 0.7, top-p 0.9 (ANOLE_SAMPLING)
 
 The evaluation's metric files (`t5_embeddings`, `inception_weights`, `clip_model`, `reference_images`) may sit in a
 LlamaGen world too; the flat `--model-config` JSON of `pipelines.evaluate` (no `kind`, sampling keys at the top level)
@@ -194,7 +204,132 @@ class LlamaGenWorldSpec(_Spec):
         return f"LlamaGen world {self.gpt_config} {os.path.basename(self.gpt_checkpoint)} @ {self.image_size}px"
 
 
-WorldSpec = Annotated[Union[ScenesWorldSpec, LlamaGenWorldSpec], Field(discriminator="kind")]
+# Anole's sampling (GAIR-NLP/anole text2image.py over Meta's chameleon inference, ciar.models.chameleon): in-batch
+# CFG with guidance_scale_text 3.0 (a text-only prompt's image row is the unconditional one, so the two-row rule),
+# temperature 0.7, top-p 0.9, no top-k
+ANOLE_SAMPLING = {"cfg_scale": 3.0, "temperature": 0.7, "top_k": 0, "top_p": 0.9}
+
+
+class AnoleWorldSpec(_Spec):
+    """Anole-7b (Chameleon's decoder fine-tuned to draw): a transformers `ChameleonForConditionalGeneration` folder
+    (config.json with its vocabulary_map, *.safetensors shards, tokenizer.json), Chameleon's VQGAN (the taming
+    checkpoint and its yaml), prompts as Chameleon token ids (`ciar.text.ChameleonPromptEncoder`) and the CIAR device
+    model trained for it (`ciar.models.chameleon.ChameleonTrunk`). `check` reads the small files (config.json, the
+    yaml, the device file's header) and checks every shape against the others before anything loads."""
+
+    kind: Literal["anole"] = "anole"
+    model: str = Field(description="transformers Chameleon / Anole folder: config.json, *.safetensors, tokenizer.json")
+    tokenizer: str | None = Field(None, description="Chameleon's tokenizer.json (default: the model folder's)")
+    cls_token_num: int = Field(128, ge=4, description="prompt positions: <s> + BPE tokens + end-of-turn + "
+                                                      "begin-of-image, left-padded; a longer prompt is refused")
+    image_size: int = Field(512, ge=16, description="pixels (the VQGAN's resolution; 512 -> 32 x 32 tokens)")
+    gpt_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the cloud decoder's weights and KV cache (Anole's weights are bfloat16)")
+    vq_checkpoint: str = Field(description="Chameleon's tokenizer/vqgan.ckpt (taming VQModel, Lightning format)")
+    vq_yaml: str = Field(description="Chameleon's tokenizer/vqgan.yaml")
+    device_checkpoint: str | None = None
+    projector_checkpoint: str | None = None
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+
+    FILES: ClassVar[tuple] = ("tokenizer", "vq_checkpoint", "vq_yaml", "device_checkpoint", "projector_checkpoint")
+    FOLDERS: ClassVar[tuple] = ("model",)
+
+    def tokenizer_file(self) -> str:
+        return self.path(self.tokenizer) if self.tokenizer else os.path.join(self.path(self.model), "tokenizer.json")
+
+    def device_file(self) -> str | None:
+        return self.path(self.device_checkpoint)
+
+    def hf_config(self) -> dict:
+        """The model folder's config.json (transformers' ChameleonConfig as a dict)."""
+        path = os.path.join(self.path(self.model), "config.json")
+        if not os.path.isfile(path):
+            raise WorldSpecError(f"model: {self.path(self.model)} has no config.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except ValueError as e:
+            raise WorldSpecError(f"model: {path}: not valid JSON: {e}") from None
+
+    def vq_cfg(self):
+        """The VQGAN's config from `vq_yaml` (ciar.models.chameleon_vq.ChameleonVQConfig)."""
+        from ciar.models.chameleon_vq import ChameleonVQConfigError, read_vqgan_yaml
+
+        try:
+            return read_vqgan_yaml(self.path(self.vq_yaml))
+        except (ChameleonVQConfigError, OSError) as e:
+            raise WorldSpecError(f"vq_yaml: {e}") from None
+
+    def gpt_cfg(self):
+        """The cloud decoder's config (ciar.models.chameleon.ChameleonConfig: image codes from the vocabulary map,
+        `cls_token_num`, image_size / the VQGAN's downsampling squared tokens); no weight is read."""
+        from ciar.models.chameleon import chameleon_config_from_hf
+
+        hf = self.hf_config()
+        if not hf.get("vocabulary_map"):
+            raise WorldSpecError("model: config.json has no vocabulary_map (the image tokens' ids)")
+        grid = self.image_size // self.vq_cfg().downsample
+        try:
+            return chameleon_config_from_hf(hf, cls_token_num=self.cls_token_num, block_size=grid * grid)
+        except (KeyError, TypeError, ValueError) as e:
+            raise WorldSpecError(f"model: config.json: {type(e).__name__}: {e} (cls_token_num {self.cls_token_num}, "
+                                 f"{grid} x {grid} image tokens)") from None
+
+    def check(self, need_device: bool = False, need_text: bool = False) -> None:
+        import glob
+
+        folder = self.path(self.model)
+        if not os.path.isdir(folder):
+            raise WorldSpecError(f"model: folder not found: {folder}")
+        if not (glob.glob(os.path.join(folder, "*.safetensors")) or
+                glob.glob(os.path.join(folder, "pytorch_model*.bin"))):
+            raise WorldSpecError(f"model: {folder} has no *.safetensors (or pytorch_model*.bin) weights")
+        if not os.path.isfile(self.tokenizer_file()):
+            raise WorldSpecError(f"tokenizer: file not found: {self.tokenizer_file()} (Chameleon's tokenizer.json)")
+        for field in self.FILES[1:]:
+            value = getattr(self, field)
+            if value is not None and not os.path.isfile(self.path(value)):
+                raise WorldSpecError(f"{field}: file not found: {self.path(value)}")
+        vq = self.vq_cfg()
+        if vq.resolution != self.image_size:
+            raise WorldSpecError(f"image_size: {self.image_size} px, but the VQGAN ({self.vq_yaml}) is built for "
+                                 f"resolution {vq.resolution}")
+        cfg = self.gpt_cfg()
+        if vq.n_embed != cfg.vocab_size:
+            raise WorldSpecError(f"vq_yaml: the VQGAN has {vq.n_embed} codes but the model's vocabulary map has "
+                                 f"{cfg.vocab_size} image tokens")
+        if self.device_checkpoint is not None:
+            check_anole_device(self.device_file(), cfg, "device_checkpoint")
+        elif need_device:
+            raise WorldSpecError("device_checkpoint: this needs a device model, the CIAR device model trained for "
+                                 "the decoder (python -m pipelines.train_device --world FILE)")
+
+    def describe(self) -> str:
+        return f"Anole world {os.path.basename(os.path.normpath(self.model))} @ {self.image_size}px"
+
+
+def check_anole_device(path: str, cfg, field: str = "device_checkpoint") -> None:
+    """A device file's header against the Anole decoder's config `cfg`: a Chameleon trunk over the same image codes,
+    image tokens, prompt positions and width (the caption it receives is the decoder's prompt embeddings)."""
+    from ciar.models.checkpoint import read_model_metadata
+
+    try:
+        kind, config, _ = read_model_metadata(path)
+    except (OSError, ValueError) as e:
+        raise WorldSpecError(f"{field}: {e}") from None
+    g = config.get("gpt", {}) if isinstance(config, dict) else {}
+    if kind != "ciar_device" or g.get("arch") != "chameleon":
+        raise WorldSpecError(f"{field}: {path} is not a CIAR device model for a Chameleon decoder (kind {kind!r}, "
+                             f"arch {g.get('arch', 'llamagen')!r}; train one with pipelines.train_device --world)")
+    have = tuple(g.get(k) for k in ("vocab_size", "block_size", "cls_token_num", "dim"))
+    want = (cfg.vocab_size, cfg.block_size, cfg.cls_token_num, cfg.dim)
+    if have != want:
+        raise WorldSpecError(f"{field}: {path}: the device model (codes {have[0]}, {have[1]} image tokens, "
+                             f"{have[2]} prompt positions, width {have[3]}) does not fit the decoder (codes {want[0]}, "
+                             f"{want[1]} image tokens, {want[2]} prompt positions, width {want[3]})")
+
+
+WorldSpec = Annotated[Union[ScenesWorldSpec, LlamaGenWorldSpec, AnoleWorldSpec], Field(discriminator="kind")]
 _ADAPTER = TypeAdapter(WorldSpec)
 
 
@@ -215,7 +350,7 @@ def read_world(source: "str | dict | BaseModel | None" = None, check: bool = Tru
     """A world description from a YAML / JSON file path, a weights folder (a scenes world), a dict (builder args) or
     None (the shipped scenes world);
     `check` verifies every named file exists. Raises WorldSpecError naming the file and the field."""
-    if isinstance(source, (ScenesWorldSpec, LlamaGenWorldSpec)):
+    if isinstance(source, (ScenesWorldSpec, LlamaGenWorldSpec, AnoleWorldSpec)):
         spec, where = source, "world"
     else:
         where = "world"
@@ -241,7 +376,7 @@ def read_world(source: "str | dict | BaseModel | None" = None, check: bool = Tru
                 for err in e.errors())) from None
     if check:
         try:
-            if isinstance(spec, LlamaGenWorldSpec):
+            if isinstance(spec, (LlamaGenWorldSpec, AnoleWorldSpec)):
                 spec.check(need_device=need_device, need_text=need_text)
             else:
                 spec.check(need_device=need_device)

@@ -4,7 +4,9 @@
     tokens, emb, mask = get_batch(data, idx, device)
 
 The scenes splits are rendered and tokenised here (the cloud's data); `pipelines.onpolicy.load_captions` fills the
-"text" stage from a COCO captions file for a LlamaGen world.
+"text" stage from a COCO captions file for a LlamaGen or an Anole world. An Anole (Chameleon) cloud conditions on
+the prompt's token ids: its captions are stored as int32 ids [N, L] (`caption_layout`), not float16 embeddings, and
+read back as int64 (`caption_tensor`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,25 @@ from ciar.models.gpt import GPTConfig
 from ciar.models.vq import images_to_tensor
 
 
-class TokenisedScenes:
-    """Memory-mapped tokens [N, n_tok] int16, caption embeddings [N, L, D] float16 and masks [N, L] bool."""
+def caption_layout(cfg: GPTConfig) -> tuple[tuple[int, ...], type]:
+    """How a cloud's captions are stored: (shape of one, dtype): float16 embeddings [L, D], or int32 token ids [L]
+    for a Chameleon cloud (its condition is the prompt's ids; float16 would round ids above 2048)."""
+    if getattr(cfg, "arch", None) == "chameleon":
+        return (cfg.cls_token_num,), np.int32
+    return (cfg.cls_token_num, cfg.caption_dim), np.float16
 
-    def __init__(self, root: str, split: str, n: int, n_tok: int, cap_len: int, cap_dim: int, mode: str = "r"):
+
+def caption_tensor(a: np.ndarray) -> torch.Tensor:
+    """Stored captions -> a tensor: embeddings as float32, token ids as int64."""
+    return torch.from_numpy(a.astype(np.int64 if np.issubdtype(a.dtype, np.integer) else np.float32))
+
+
+class TokenisedScenes:
+    """Memory-mapped tokens [N, n_tok] int16, caption embeddings [N, L, D] float16 (or a Chameleon cloud's prompt
+    ids [N, L] int32: `cfg` given) and masks [N, L] bool."""
+
+    def __init__(self, root: str, split: str, n: int, n_tok: int, cap_len: int, cap_dim: int, mode: str = "r",
+                 cfg: GPTConfig | None = None):
         os.makedirs(root, exist_ok=True)
         self.root, self.split, self.n = root, split, n
         if mode == "w+" and os.path.exists(os.path.join(root, f"{split}_{n}_tokens.npy")):
@@ -34,7 +51,8 @@ class TokenisedScenes:
                                              shape=shape if mode == "w+" else None)
 
         self.tokens = mm("tokens", np.int16, (n, n_tok))
-        self.emb = mm("emb", np.float16, (n, cap_len, cap_dim))
+        shape, dtype = caption_layout(cfg) if cfg is not None else ((cap_len, cap_dim), np.float16)
+        self.emb = mm("emb", dtype, (n, *shape))
         self.mask = mm("mask", np.bool_, (n, cap_len))
 
     def _done_path(self, stage: str) -> str:
@@ -55,7 +73,7 @@ class TokenisedScenes:
 def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=512) -> TokenisedScenes:
     """Fill the arrays of one split: caption embeddings ("text" stage, needs only the text encoder) and image
     tokens ("tokens" stage, needs the tokenizer); either may be None to skip its stage."""
-    data = TokenisedScenes(root, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+")
+    data = TokenisedScenes(root, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+", cfg=cfg)
     for stage, model in (("text", text), ("tokens", vq)):
         start = data.progress(stage)
         if model is None or start >= n:
@@ -69,7 +87,7 @@ def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=51
                 data.tokens[s:s + k] = codes.flatten(1).cpu().numpy().astype(np.int16)
             else:
                 cap = text.encode([scenes.scene_at(split, i, seed).caption for i in range(s, s + k)])
-                data.emb[s:s + k] = cap.emb.numpy().astype(np.float16)
+                data.emb[s:s + k] = cap.emb.numpy().astype(data.emb.dtype)
                 data.mask[s:s + k] = cap.mask.numpy()
             data.mark(stage, s + k)
             bar.update(k)
@@ -80,6 +98,6 @@ def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=51
 def get_batch(data: TokenisedScenes, idx: np.ndarray, device):
     idx = np.sort(idx)
     tokens = torch.from_numpy(data.tokens[idx].astype(np.int64)).to(device)
-    emb = torch.from_numpy(data.emb[idx].astype(np.float32)).to(device)
+    emb = caption_tensor(data.emb[idx]).to(device)
     mask = torch.from_numpy(data.mask[idx]).to(device)
     return tokens, emb, mask

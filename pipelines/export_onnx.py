@@ -30,6 +30,13 @@ are in-place slice assignments at a Python-int position and its fast paths read 
 `apply_rotary_emb` multiplies complex numbers, which the ONNX exporter cannot translate: during export it is
 swapped for `rotary_real`, the same four real products (bit-identical in torch; a test checks it).
 
+A Chameleon / Anole device (`ciar.models.chameleon.ChameleonTrunk`) exports through the same wrappers (its blocks
+keep GPT's `_qkv` / `_out` interface; its 1-D RoPE table is indexed by the same positions): `caption_emb` is the
+prompt's embeddings [rows, L, dim] (caption_dim = dim) and its unconditional row reads only its own
+`[<s>, <racm3:break>]` keys, whatever caption_mask says: the prefill takes it from `drop`, the step from the row
+(row 1 of 2 is the unconditional one, the runtime's contract), so the runtime passes the same caption mask as for any
+world (the manifest's `unconditional_mask` says "own").
+
 Deterministic: re-running writes the same bytes (node metadata with source paths is stripped; the manifest
 carries no paths or times). Exporter: `torch.onnx.export(dynamo=True)`, opset 20; about 10 s on 2 CPU cores.
 """
@@ -81,6 +88,12 @@ def exportable_rotary():
         gpt_module.apply_rotary_emb = saved
 
 
+def _caption_mask(g, caption_mask, drop):
+    """The keys each row may read: the caption mask, or for a trunk with its own unconditional prompt
+    (`condition_mask`: a Chameleon trunk) the `drop` rows' own."""
+    return g.condition_mask(caption_mask, drop) if hasattr(g, "condition_mask") else caption_mask
+
+
 def _run_layers(dev: DeviceModel, h, pos, caption_mask, k_cache, v_cache):
     """Embeddings h [rows, T, dim] at sequence positions pos [T] through the trunk over the fixed-size caches
     [n_layer, rows, n_head, max_seq, head_dim] -> (center, radius, hidden) of the last position, new caches."""
@@ -124,7 +137,7 @@ class DevicePrefill(nn.Module):
         shape = (c.n_layer, h.shape[0], c.kv_heads, self.max_seq, c.head_dim)
         zeros = h.new_zeros(shape)
         pos = torch.arange(c.cls_token_num, device=h.device)
-        return _run_layers(self.dev, h, pos, caption_mask, zeros, zeros)
+        return _run_layers(self.dev, h, pos, _caption_mask(g, caption_mask, drop), zeros, zeros)
 
 
 class DeviceStep(nn.Module):
@@ -137,6 +150,8 @@ class DeviceStep(nn.Module):
     def forward(self, tokens, start, caption_mask, k_cache, v_cache):
         g = self.dev.gpt
         pos = start + g.config.cls_token_num + torch.arange(tokens.shape[1], device=tokens.device)
+        if hasattr(g, "condition_mask"):  # rows 2: row 1 is the unconditional one (the runtime's contract)
+            caption_mask = g.condition_mask(caption_mask, torch.arange(tokens.shape[0], device=tokens.device) == 1)
         return _run_layers(self.dev, g.tok_embeddings(tokens), pos, caption_mask, k_cache, v_cache)
 
 
@@ -260,6 +275,7 @@ def export_onnx(world=None, out_dir: str | None = None, log=None) -> dict:
         path = os.path.join(out_dir, name)
         graphs[key] = {**file_facts(path), **_io(path)}
     collab = CollabConfig()
+    own_uncond = hasattr(dev.gpt, "condition_mask")  # a Chameleon trunk: caption = the prompt's embeddings
     manifest = {
         "format_version": FORMAT_VERSION,
         "opset": OPSET,
@@ -278,7 +294,8 @@ def export_onnx(world=None, out_dir: str | None = None, log=None) -> dict:
         "max_seq": max_seq,
         "cache_shape": [c.n_layer, "rows", c.kv_heads, max_seq, c.head_dim],
         "rows": {"1": "no guidance", "2": "classifier-free guidance: row 0 conditional, row 1 unconditional "
-                                          "(drop=True, caption mask kept)"},
+                                          + ("(drop=True; it reads its own [<s>, <racm3:break>] keys, whatever the "
+                                             "caption mask)" if own_uncond else "(drop=True, caption mask kept)")},
         "inter_head": {"num_heads": dc.num_heads, "combine": dc.combine, "max_radius": dc.max_radius},
         "sampling": {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
         "ciar_defaults": dev.ciar_defaults.to_dict() if dev.ciar_defaults is not None else None,
@@ -287,6 +304,9 @@ def export_onnx(world=None, out_dir: str | None = None, log=None) -> dict:
         "graphs": graphs,
         "sources": {role: file_facts(path) for role, path in source_files(world).items()},
     }
+    if own_uncond:
+        manifest["caption"] = "the prompt's embeddings (the verifier's OPEN_REPLY caption of a Chameleon world)"
+        manifest["unconditional_mask"] = "own"
     path = os.path.join(out_dir, MANIFEST_FILE)
     with open(path + ".tmp", "w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)

@@ -85,14 +85,16 @@ def sample_chunk(cloud: GPT, emb: np.ndarray, mask: np.ndarray, params: Sampling
                  cache=None):
     """One chunk of on-policy sequences: captions emb [k, L, D] / mask [k, L] -> tokens [k, N] int16, from the
     chunk's own generator (`seed * 1_000_003 + index`), so any worker produces the same bytes. -> (tokens, cache)."""
+    from pipelines.data import caption_tensor
+
     dev = cloud.tok_embeddings.weight.device
     k = emb.shape[0]
     rows = 2 * k if params.uses_cfg else k
     if cache is None or cache.slots < rows:
         cache = cloud.new_cache(rows)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    toks = generate_cloud(cloud, torch.from_numpy(emb.astype(np.float32)).to(dev), torch.from_numpy(mask).to(dev),
-                          params, gen, cache=cache)
+    toks = generate_cloud(cloud, caption_tensor(emb).to(dev), torch.from_numpy(mask).to(dev), params, gen,
+                          cache=cache)
     return toks.cpu().numpy().astype(np.int16), cache
 
 
@@ -183,12 +185,13 @@ def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, capt
     if len(texts) < n:
         raise ValueError(f"{captions}: {len(texts)} captions, {n} asked for the {split} split")
     cfg = world.cloud.config
-    data = TokenisedScenes(data_dir, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+")
+    data = TokenisedScenes(data_dir, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+",
+                           cfg=cfg)
     start, chunk = data.progress("text"), 64
     bar = tqdm(total=n, initial=start, desc=f"captions {split}", dynamic_ncols=True, disable=start >= n)
     for s in range(start, n, chunk):
         cap = world.text.encode(texts[s:s + chunk])
-        data.emb[s:s + len(cap)] = cap.emb.cpu().numpy().astype(np.float16)
+        data.emb[s:s + len(cap)] = cap.emb.cpu().numpy().astype(data.emb.dtype)
         data.mask[s:s + len(cap)] = cap.mask.cpu().numpy()
         data.mark("text", s + len(cap))
         bar.update(len(cap))

@@ -35,7 +35,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from ciar.collab.device import DeviceConfig, DeviceModel
+from ciar.collab.device import DeviceConfig, DeviceModel, device_caption
 from ciar.collab.gating import gate_scores
 from ciar.collab.interval import guided_interval, interval_uncertainty
 from ciar.collab.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterDROConfig, distill_loss, guided_logp,
@@ -69,12 +69,13 @@ def distill_config(objective: str, ablate: list[str], dro_eta: float = 1.0, kl_w
 
 def rows(tokens: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor, params: SamplingParams):
     """A batch as the decoder runs it: [cond..., uncond...] rows with CFG, else the conditional rows alone.
-    -> (idx [R, N-1], emb [R, L, D], mask [R, L], drop [R] or None, number of row groups 2 or 1)."""
+    -> (idx [R, N-1], emb [R, L, D] (an Anole world: ids [R, L]), mask [R, L], drop [R] or None, number of row
+    groups 2 or 1)."""
     if not params.uses_cfg:
         return tokens[:, :-1], emb, mask, None, 1
     b = tokens.shape[0]
     drop = torch.cat([torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.bool)]).to(tokens.device)
-    return tokens[:, :-1].repeat(2, 1), emb.repeat(2, 1, 1), mask.repeat(2, 1), drop, 2
+    return tokens[:, :-1].repeat(2, 1), torch.cat([emb, emb]), mask.repeat(2, 1), drop, 2  # (emb: [B, L, D] or ids)
 
 
 def split_rows(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -107,8 +108,10 @@ class SequenceSet:
 
     def batch(self, idx: np.ndarray):
         idx = np.sort(idx)
+        from pipelines.data import caption_tensor
+
         t = torch.from_numpy(self.tokens[idx].astype(np.int64)).to(self.dev)
-        emb = torch.from_numpy(self.captions.emb[idx].astype(np.float32)).to(self.dev)
+        emb = caption_tensor(self.captions.emb[idx]).to(self.dev)  # embeddings, or an Anole prompt's ids
         mask = torch.from_numpy(self.captions.mask[idx]).to(self.dev)
         return t, emb, mask
 
@@ -162,7 +165,7 @@ def evaluate(device_model: DeviceModel, cloud, data: SequenceSet, params: Sampli
         tokens, emb, mask = data.batch(np.arange(s, min(s + batch_size, n, data.n)))
         idx, e, m, drop, g = rows(tokens, emb, mask, params)
         p = truncate(data.teacher(cloud, np.arange(s, s + len(tokens)), params), params)  # [M, V]
-        out = device_model(idx, e, m, drop=drop)
+        out = device_model(idx, device_caption(cloud, e), m, drop=drop)
         dc, dr = split_rows(out.center, g), split_rows(out.radius, g)
         q = logits_to_probs(dc[0], params, uncond_logits=dc[1] if g == 2 else None)
         temp = params.temperature or 1.0
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
         with amp:
             logp = train.teacher(cloud, pick, params).float()  # [B*N, V]
             idx, e, m, drop, g = rows(tokens, emb, mask, params)
-            out = model(idx, e, m, drop=drop, with_heads=args.num_heads > 1)
+            out = model(idx, device_caption(cloud, e), m, drop=drop, with_heads=args.num_heads > 1)
         heads = out.heads if out.heads is not None else (out.center[None], out.radius[None])
         loss, parts = 0.0, {}
         for c_h, r_h in zip(*heads):

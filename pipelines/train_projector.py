@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ciar.collab.device import DeviceModel
+from ciar.collab.device import DeviceModel, device_caption
 from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
 from ciar.collab.losses import guided_logp
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
@@ -97,9 +97,9 @@ def main(argv=None) -> int:
         spec = read_world(world_from_args(args) or args.out, need_device=args.device_file is None, need_text=True)
     except WorldSpecError as e:
         p.error(str(e))
-    llamagen = not isinstance(spec, ScenesWorldSpec)
+    llamagen = not isinstance(spec, ScenesWorldSpec)  # (or an Anole world: captions files too)
     if llamagen and not (args.captions and args.val_captions):
-        p.error("a LlamaGen world trains on --captions and --val-captions (COCO-format files)")
+        p.error("a LlamaGen or Anole world trains on --captions and --val-captions (COCO-format files)")
     world = load_world(spec, device=dev)
     cloud = world.cloud.eval().requires_grad_(False)
     device_model = (world.device_model if args.device_file is None else
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
         with torch.no_grad():
             for s in range(0, n, 32):
                 tokens, emb, mask = val.batch(np.arange(s, min(s + 32, n)))
-                mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, params, args.local_rate, gen,
-                                                      args.feature_top)
+                mixed, local, hidden, feats = corrupt(device_model, tokens, device_caption(cloud, emb), mask, params,
+                                                      args.local_rate, gen, args.feature_top)
                 with_p.append(float(cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask,
                                              params)))
                 without.append(float(cloud_ce(cloud, None, mixed, local, hidden, feats, tokens, emb, mask, params)))
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
         rng = np.random.default_rng([args.seed, step])
         tokens, emb, mask = train.batch(rng.choice(train.n, args.batch_size, replace=False))
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        mixed, local, hidden, feats = corrupt(device_model, tokens, emb, mask, params, args.local_rate, gen,
-                                              args.feature_top)
+        mixed, local, hidden, feats = corrupt(device_model, tokens, device_caption(cloud, emb), mask, params,
+                                              args.local_rate, gen, args.feature_top)
         loss = cloud_ce(cloud, projector, mixed, local, hidden, feats, tokens, emb, mask, params)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,7 +11,12 @@ box `[c - r, c + r]` that InterFuse turns into a probability interval. The trunk
 with `lm_head=False` (same keys as the cloud under `gpt.`), so every cached-decoding facility of the cloud —
 per-row positions, slots, rollback by position — is the device's too.
 
-Files: `device.safetensors` (kind "ciar_device"), config = {"gpt": GPTConfig dict, "device": DeviceConfig dict}.
+A Chameleon / Anole cloud (`ciar.models.chameleon.ChameleonGPT`) gets a `ChameleonTrunk`: its first layers and
+norm, its image rows as the token table and the Inter-Head over the image codes (8192 for Anole), conditioned on the
+prompt's embeddings [cls, dim] (`device_caption`: what the verifier sends a device as its caption for such a world).
+
+Files: `device.safetensors` (kind "ciar_device"), config = {"gpt": GPTConfig dict (a ChameleonConfig dict, `arch`
+"chameleon", for a Chameleon trunk), "device": DeviceConfig dict}.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn as nn
 
 from ciar.collab.defaults import CIARDefaults
 from ciar.collab.interval import InterHead
+from ciar.models.chameleon import ChameleonConfig, ChameleonGPT, ChameleonTrunk
 from ciar.models.checkpoint import load_strict, read_model_file, save_model
 from ciar.models.gpt import GPT, GPTConfig
 from ciar.models.kv_cache import KVCache
@@ -62,12 +68,34 @@ class DeviceOutput:
     heads: tuple[torch.Tensor, torch.Tensor] | None = None  # per-head (centers, radii) [H, ..., V] if asked
 
 
+def trunk_config(d: dict) -> GPTConfig:
+    """A device file's trunk config dict -> GPTConfig, or ChameleonConfig when its `arch` is "chameleon"."""
+    return ChameleonConfig.from_dict(d) if d.get("arch") == "chameleon" else GPTConfig.from_dict(d)
+
+
+@torch.no_grad()
+def device_caption(cloud: GPT, cond: torch.Tensor) -> torch.Tensor:
+    """The caption a device model conditions on, for the cloud's condition `cond` [..., L(, D)]: a float caption
+    (T5 / MiniLM embeddings) is itself; token ids (a Chameleon / Anole world's prompt) become the cloud's embeddings
+    of them [..., L, dim] float32 (`ChameleonGPT.prompt_embeddings`), what a `ChameleonTrunk` takes. The verifier
+    sends this (as float16) when an OPEN asks for the caption; the trainers give it to the device model."""
+    if cond.is_floating_point():
+        return cond
+    if not isinstance(cloud, ChameleonGPT):
+        raise TypeError(f"integer captions need a Chameleon cloud, got {type(cloud).__name__}")
+    return cloud.prompt_embeddings(cond).float()
+
+
 class DeviceModel(nn.Module):
     def __init__(self, gpt_config: GPTConfig, config: DeviceConfig | None = None):
         super().__init__()
         self.device_config = config or DeviceConfig()
         dc = self.device_config
-        self.gpt = GPT(replace(gpt_config, n_layer=dc.n_layer, lm_head=False))
+        if isinstance(gpt_config, ChameleonConfig):
+            self.gpt = ChameleonTrunk(replace(gpt_config, n_layer=dc.n_layer, lm_head=False,
+                                              caption_dim=gpt_config.dim))
+        else:
+            self.gpt = GPT(replace(gpt_config, n_layer=dc.n_layer, lm_head=False))
         self.inter_head = InterHead(gpt_config.dim, gpt_config.vocab_size, num_heads=dc.num_heads,
                                     combine=dc.combine, max_radius=dc.max_radius)
         self.ciar_defaults: CIARDefaults | None = None  # calibrated gate / tau / burst (`load` reads the file's)
@@ -84,6 +112,11 @@ class DeviceModel(nn.Module):
         config = config or DeviceConfig()
         if config.n_layer > cloud.config.n_layer:
             raise ValueError(f"device n_layer {config.n_layer} > cloud n_layer {cloud.config.n_layer}")
+        if isinstance(cloud, ChameleonGPT):  # its blocks, image rows and unconditional prompt (ChameleonTrunk)
+            dev = cls(cloud.config, config)
+            dev.gpt.copy_from(cloud)
+            dev.inter_head.init_center_from(cloud.image_head_weight.detach().float())
+            return dev.to(cloud.tok_embeddings.weight.device)
         dev = cls(replace(cloud.config, lm_head=True), config)
         own = dev.gpt.state_dict()
         src = {k: v for k, v in cloud.state_dict().items() if k in own}
@@ -153,7 +186,7 @@ class DeviceModel(nn.Module):
         state, kind, cfg, extra = read_model_file(path)
         if kind != DEVICE_KIND:
             raise ValueError(f"{path}: expected a {DEVICE_KIND!r} file, found kind {kind!r}")
-        model = cls(GPTConfig.from_dict(cfg["gpt"]), DeviceConfig.from_dict(cfg["device"]))
+        model = cls(trunk_config(cfg["gpt"]), DeviceConfig.from_dict(cfg["device"]))
         load_strict(model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()},
                     what=f"device model ({path})")
         model.ciar_defaults = CIARDefaults.from_extra(extra, source=path)

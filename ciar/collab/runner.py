@@ -107,14 +107,22 @@ class ModelRunner:
         return self.cloud.tok_embeddings.weight.dtype
 
     def condition(self, caption_emb: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-        """Caption embeddings [N, L, D] (a row per slot), `drop` [N] bool (the CFG branch without the caption) ->
-        the condition rows [N, cls, dim] a prefill feeds."""
-        return self.cloud.embed_condition(caption_emb.to(self.device, self.dtype), drop.to(self.device))
+        """Caption embeddings [N, L, D] (a row per slot), or prompt token ids [N, L] (a Chameleon cloud: moved, never
+        cast to the model's dtype), `drop` [N] bool (the CFG branch without the caption) -> the condition rows
+        [N, cls, dim] a prefill feeds."""
+        cond = caption_emb.to(self.device, self.dtype) if caption_emb.is_floating_point() else \
+            caption_emb.to(self.device)
+        return self.cloud.embed_condition(cond, drop.to(self.device))
 
-    def mark_caption(self, slot: int, mask: torch.Tensor | None) -> None:
+    def mark_caption(self, slot: int, mask: torch.Tensor | None, uncond: bool = False) -> None:
         """Keys a new session's slot may read: its caption's real positions (`mask` [L], t2i) and every image
-        position; everything when `mask` is None."""
+        position; everything when `mask` is None. `uncond`: the slot is the CFG branch without the caption, whose
+        keys a cloud with its own unconditional prompt says (`condition_mask`: Chameleon's `[<s>, <racm3:break>]`);
+        a LlamaGen GPT keeps the caption's mask."""
         c, kv = self.cloud.config, self.cache.key_valid
+        if uncond and hasattr(self.cloud, "condition_mask"):
+            drop = torch.ones(1, dtype=torch.bool, device=self.device)
+            mask = self.cloud.condition_mask(None if mask is None else mask.to(self.device)[None], drop)[0]
         if mask is not None and c.model_type == "t2i":
             kv[slot, :c.cls_token_num] = mask.to(self.device)
             kv[slot, c.cls_token_num:] = True

@@ -55,6 +55,7 @@ from dataclasses import astuple, replace
 import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
+from ciar.collab.device import device_caption
 from ciar.collab.engine import StepEngine, Work
 from ciar.collab.runner import ModelRunner, Piece, plan_sessions
 from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
@@ -151,7 +152,8 @@ class Judge:
             kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
         elif rule.rule == "cascade":
             kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
-            kwargs["token_embeddings"] = self.cloud.output.weight
+            kwargs["token_embeddings"] = (self.cloud.output.weight if self.cloud.output is not None
+                                          else self.cloud.image_head_weight)  # a Chameleon cloud's image rows
             if all(w.target_hidden() is not None for w in works):
                 hidden = torch.zeros(b, kmax + 1, self.dim, device=dev)
                 for i, w in enumerate(works):
@@ -358,9 +360,10 @@ class CloudVerifier:
             for j, slot in enumerate(w.slots):
                 embs.append(w.caption_emb)
                 drops.append(j == 1)
-                self.runner.mark_caption(slot, w.caption_mask)
-        cond = self.runner.condition(torch.stack([e.to(self.device, self.runner.dtype) for e in embs]),
-                                     torch.tensor(drops))
+                self.runner.mark_caption(slot, w.caption_mask, uncond=j == 1)
+        # float captions in the model's dtype; token ids (a Chameleon prompt) as they are
+        cond = self.runner.condition(torch.stack([e.to(self.device, self.runner.dtype) if e.is_floating_point()
+                                                  else e.to(self.device) for e in embs]), torch.tensor(drops))
         row = 0
         for w in works:
             w.cond = cond[row:row + w.rows]
@@ -569,7 +572,9 @@ class OpenWork(Work):
         queue_s = max(0.0, started - self.created - self.encode_s)
         self.finish(OpenReply(
             r.session_id, torch.tensor(tokens, dtype=torch.long),
-            emb.detach().to("cpu", torch.float16) if r.want_caption else None,
+            # what the device conditions on: the caption embeddings, or a Chameleon prompt's embeddings (never its
+            # ids as float16, which would round ids above 2048)
+            device_caption(self.v.cloud, emb).detach().to("cpu", torch.float16) if r.want_caption else None,
             (mask.detach().cpu() if mask is not None else torch.ones(emb.shape[0], dtype=torch.bool))
             if r.want_caption else None, self.seconds, self.passes, self.v.vocab_size, queue_s))
         if self.REPEATABLE:

@@ -39,6 +39,11 @@ CFG over three rows (full prompt; image-only prompt = the prompt's <s>, image an
 so its image-only row IS the unconditional one and the rule reduces to two-row CFG, uncond + 3.0 (cond - uncond):
 `cfg_condition` builds exactly those rows (uncond = `[<s>, <racm3:break>]` right-aligned, the rest masked), which is
 the engine's two-slot CFG with cfg_scale 3.0 (Anole's sampling: temperature 0.7, top-p 0.9).
+
+The CIAR device for such a cloud is a `ChameleonTrunk` (`ciar.collab.device.DeviceModel.from_cloud`): the first
+layer(s) and the final norm, a real [n_codes, dim] image-code table (no 65,536-token table) and the Inter-Head over
+the codes, conditioned on the prompt's EMBEDDINGS [cls, dim] (`prompt_embeddings`), which is what the verifier sends
+a device as its caption (float16, the wire's caption field, like a LlamaGen world's T5 features).
 """
 
 from __future__ import annotations
@@ -300,6 +305,17 @@ class ChameleonGPT(GPT):
         """Final hidden states [..., dim] -> float32 logits [..., n_codes] of the image tokens, in code order."""
         return F.linear(h, self._image_rows(self.lm_head.weight)).float()
 
+    @property
+    def image_head_weight(self) -> torch.Tensor:
+        """[n_codes, dim]: the rows of `lm_head` that give the image codes' logits, in code order (what a LlamaGen
+        GPT's `output.weight` is: the Inter-Head's initial centers, CASCADE's token vectors)."""
+        return self._image_rows(self.lm_head.weight)
+
+    def prompt_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """Prompt ids [..., cls] -> their embeddings [..., cls, dim] (`embed_tokens`, no CFG substitution): what a
+        device model conditions on (`ChameleonTrunk`; `ciar.collab.device.device_caption`)."""
+        return self.model.embed_tokens(ids.to(self.model.embed_tokens.weight.device))
+
     # ------------------------------------------------------------------ conditioning
     def prompt_condition(self, text_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokenized prompts (Chameleon BPE ids, no special tokens) -> Anole's conditions `[<s>] + text +
@@ -367,6 +383,96 @@ class ChameleonGPT(GPT):
     def prefill(self, cache, cond, cond_mask=None, drop=None, slots=None, return_hidden=False):
         """GPT.prefill with the unconditional rows' own key mask."""
         return super().prefill(cache, cond, self.condition_mask(cond_mask, drop), drop, slots, return_hidden)
+
+
+def unconditional_mask(rows: int, cls_token_num: int, device=None) -> torch.Tensor:
+    """[rows, cls] bool: the keys of Anole's unconditional row `[<s>, <racm3:break>]`, right-aligned."""
+    mask = torch.zeros(rows, cls_token_num, dtype=torch.bool, device=device)
+    mask[:, -2:] = True
+    return mask
+
+
+class PromptEmbedding(nn.Module):
+    """A device trunk's condition: the cloud's embeddings of the prompt ids ([B, cls, dim], `ChameleonGPT.
+    prompt_embeddings`, what the verifier sends a device as its caption), with the unconditional prompt's embeddings
+    (`uncond_embedding` [cls, dim], a buffer saved with the device; `[<s>, <racm3:break>]` right-aligned, pad rows
+    elsewhere, which its mask hides) standing in for a dropped row. No parameters: the trunk's first layer is the
+    cloud's, so its input is the cloud's embedding space."""
+
+    def __init__(self, cls_token_num: int, dim: int):
+        super().__init__()
+        self.register_buffer("uncond_embedding", torch.zeros(cls_token_num, dim))
+
+    def forward(self, caption: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        if drop is not None:
+            caption = torch.where(drop[:, None, None], self.uncond_embedding.to(caption.dtype), caption)
+        return caption
+
+
+class ChameleonTrunk(GPT):
+    """The CIAR device's trunk for a Chameleon / Anole cloud: the cloud's first `n_layer` blocks (qk-norm, 1-D
+    rotate-half RoPE over the whole sequence: `ChameleonBlock`, the same keys under `layers.N`), its final norm, and
+    image-code space only: `tok_embeddings` is a real [n_codes, dim] table (the cloud's image rows, in code order;
+    8192 x 4096 for Anole, not the 65,536-token table), no text vocabulary. The condition is FLOAT: the prompt's
+    embeddings [B, cls, dim] (`PromptEmbedding`), so a device needs no text table and the device wire carries the
+    caption as float16 embeddings like a LlamaGen world's; the unconditional row reads only its own two keys
+    (`condition_mask`, as `ChameleonGPT`). `config.caption_dim` is `dim`. GPT's cached machinery (prefill, decode,
+    slots, rollback) runs unchanged; the Inter-Head (`ciar.collab.device.DeviceModel`) is its output."""
+
+    def __init__(self, cfg: ChameleonConfig):
+        nn.Module.__init__(self)
+        if cfg.caption_dim != cfg.dim:
+            raise ValueError(f"a Chameleon device trunk conditions on the prompt's embeddings: caption_dim must be "
+                             f"dim ({cfg.dim}), got {cfg.caption_dim}")
+        self.config = cfg
+        self.cls_embedding = PromptEmbedding(cfg.cls_token_num, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_dropout = nn.Dropout(cfg.token_dropout_p)
+        self.layers = nn.ModuleList(ChameleonBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if cfg.lm_head else None
+        self.register_buffer("freqs_cis", precompute_freqs_cis_1d(cfg.seq_len, cfg.head_dim, cfg.rope_base),
+                             persistent=False)
+        self.apply(self._init_weights)
+
+    def condition_mask(self, cond_mask: torch.Tensor | None, drop: torch.Tensor | None) -> torch.Tensor | None:
+        """`ChameleonGPT.condition_mask` without a decision on the values, in boolean algebra (it exports to ONNX,
+        whose runtime has no boolean Where): the rows `drop` marks read only their `[<s>, <racm3:break>]`."""
+        if drop is None:
+            return cond_mask
+        uncond = unconditional_mask(drop.shape[0], self.config.cls_token_num, drop.device)
+        mask = torch.ones_like(uncond) if cond_mask is None else cond_mask.to(drop.device, torch.bool)
+        d = drop[:, None].to(torch.bool)
+        return (d & uncond) | (~d & mask)
+
+    def embed_condition(self, cond: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        """cond: the prompt's embeddings [B, cls, dim] (float); `drop` [B]: rows given the unconditional prompt."""
+        if not cond.is_floating_point():
+            raise TypeError("a Chameleon device trunk takes the prompt's embeddings [B, cls, dim], not token ids "
+                            "(ChameleonGPT.prompt_embeddings; ciar.collab.device.device_caption)")
+        return self.cls_embedding(cond, drop)
+
+    def forward(self, idx, cond, cond_mask=None, drop=None, targets=None, return_hidden=False, extra_emb=None):
+        return super().forward(idx, cond, self.condition_mask(cond_mask, drop), drop, targets, return_hidden,
+                               extra_emb)
+
+    def prefill(self, cache, cond, cond_mask=None, drop=None, slots=None, return_hidden=False):
+        return super().prefill(cache, cond, self.condition_mask(cond_mask, drop), drop, slots, return_hidden)
+
+    @torch.no_grad()
+    def copy_from(self, cloud: ChameleonGPT) -> "ChameleonTrunk":
+        """Layer-dropped initialisation: the cloud's first `n_layer` blocks and final norm, its image rows of
+        `embed_tokens` (code order) and its embeddings of the unconditional prompt."""
+        if not isinstance(cloud, ChameleonGPT):
+            raise TypeError(f"expected a ChameleonGPT, got {type(cloud).__name__}")
+        for mine, theirs in zip(self.layers, cloud.model.layers):
+            mine.load_state_dict(theirs.state_dict())
+        self.norm.load_state_dict(cloud.model.norm.state_dict())
+        codes = torch.arange(self.config.vocab_size, device=cloud.model.embed_tokens.weight.device)
+        self.tok_embeddings.weight.copy_(cloud.tok_embeddings(codes))
+        ids, _ = cloud.unconditional_prompt(1, codes.device)
+        self.cls_embedding.uncond_embedding.copy_(cloud.prompt_embeddings(ids)[0])
+        return self
 
 
 def _stored(state: dict) -> dict:

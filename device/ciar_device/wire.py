@@ -337,6 +337,38 @@ class Frame:
         return TYPE_NAMES.get(self.type, str(self.type))
 
 
+MAX_SPAN = 32  # the longest span a device drafts (the span knob's range, ciar.collab.knobs; ciar_device.policy.SPANS)
+
+
+def largest_frame_bytes(num_tokens: int, vocab_size: int, hidden_dim: int = 0, feature_dim: int = 0,
+                        max_span: int = MAX_SPAN, session_id_bytes: int = MAX_SESSION_ID,
+                        prompt_bytes: int = 1600) -> int:
+    """The largest frame a device sends while making an image of `num_tokens` tokens: a VERIFY carrying every token
+    accepted locally since its last exchange (m of them, each with its interval features: `hidden_dim` +
+    `feature_dim` float16 values, 0 and 0 without Inter-Enhance) and a span of k <= `max_span` drafts with their
+    [k, V] float16 distributions (m + k <= num_tokens), or a RESUME of the whole history with every injected
+    feature (a RESUME carries the OPEN's prompt: `prompt_bytes`, the API's 400 characters at 4 UTF-8 bytes each).
+    What the device endpoint's `max_frame_bytes` must allow for that world (services.schemas.DeviceEndpointConfig):
+    LlamaGen-XL's device (1,280-d hidden, 16,384 codes) at Stage I's 256 tokens needs 1.6 MB, at Stage II's
+    1,024 tokens 3.6 MB."""
+    n = int(num_tokens)
+    sid, prompt = "s" * int(session_id_bytes), "p" * int(prompt_bytes)
+    per_token = (hidden_dim, feature_dim)
+
+    def verify(m: int, k: int) -> int:
+        feats = [np.empty((m, d), np.float16) if hidden_dim else None for d in per_token]
+        return VerifyRequest(sid, np.empty(m), np.empty(k), np.empty((k, vocab_size), np.float16),
+                             *feats).nbytes(vocab_size)
+
+    # the size is linear in (m, k) with m + k <= n: the largest is at a corner (the longest span, or one draft)
+    k_max = max(1, min(int(max_span), n))
+    largest = max(verify(n - k_max, k_max), verify(n - 1, 1))
+    injected = (InjectedFeatures(np.empty(n - 1), np.empty((n - 1, hidden_dim), np.float16),
+                                 np.empty((n - 1, feature_dim), np.float16)) if hidden_dim and n > 1 else None)
+    resume = ResumeRequest(OpenRequest(sid, prompt, 0, Sampling(), 0), np.empty(n), injected, vocab_size)
+    return max(largest, resume.nbytes())
+
+
 # ---------------------------------------------------------------------- encoding
 def _np(a, dtype) -> np.ndarray:
     if hasattr(a, "detach"):  # a torch tensor (read without importing torch)
@@ -414,6 +446,12 @@ def encode_frame(frame: Frame) -> bytes:
         w.tokens(b.prefix_tokens, b.vocab_size, "prefix_tokens")
         w.pack("ddIB", float(b.cloud_s), float(b.queue_s), int(b.forward_passes), int(b.caption_emb is not None))
         if b.caption_emb is not None:
+            emb = b.caption_emb
+            if not (emb.is_floating_point() if hasattr(emb, "is_floating_point") else
+                    np.issubdtype(np.asarray(emb).dtype, np.floating)):
+                # token ids as float16 would be rounded above 2048: a token-id world sends its prompt's embeddings
+                raise WireError("caption_emb must be float embeddings [L, D], got integer values (token ids)",
+                                field="caption_emb")
             n_pos, dim = b.caption_emb.shape
             w.pack("HH", n_pos, dim)
             w.f16(b.caption_emb)
