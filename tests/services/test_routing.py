@@ -24,7 +24,7 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 from services.routing import ROUTER_CLASS  # noqa: E402
 
 PLAIN = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
-WAIT_S = 20.0  # how long the second call may take before it counts as never routed
+WAIT_S = 10.0  # how long the second call may take before it counts as never routed
 
 
 class Target:
