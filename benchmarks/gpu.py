@@ -45,6 +45,7 @@ from CUDA graphs on CUDA (not run on a GPU before this suite's first lent run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -67,6 +68,29 @@ ROWS = (1, 8, 32, 64)
 TINY = dict(n_layer=2, dim=64, n_head=4, vocab_size=64, caption_dim=32, cls_token_num=8, block_size=64)
 TINY_ROWS = (1, 4)
 TINY_POS = 40
+
+
+@contextlib.contextmanager
+def _variant(name: str, cuda: bool):
+    """torch's defaults ("default"), or one suspect of non-repeatability switched: bf16 GEMMs' reduced-precision
+    reductions off, cuDNN's attention backend off (CUDA), torch's deterministic algorithms on; restored after."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = torch.backends.cuda.matmul
+    saved = m.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled()
+    try:
+        if name == "no_reduced_precision_reduction":
+            m.allow_bf16_reduced_precision_reduction = False
+        if name == "deterministic_algorithms":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        if name == "no_cudnn_attention" and cuda:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                yield
+        else:
+            yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction = saved[0]
+        torch.use_deterministic_algorithms(saved[1])
 
 
 class Suite:
@@ -600,40 +624,17 @@ class Suite:
         a 64-position prefill chunk at 32 rows) run 3 times on the same inputs, logits compared bit for bit, under
         torch's defaults and with each suspect switched off: bf16 GEMMs' reduced-precision reductions, the cuDNN
         attention backend, and with torch's deterministic algorithms on."""
-        import contextlib
-
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         model = self.gpt()
         c = model.config
         pos0 = c.cls_token_num + (TINY_POS if self.tiny else 100)
         shapes = {"decode_8x1": (8, 1), "span_32x5": (32, 5), "prefill_32x64": (32, 64)}
         if self.tiny:
             shapes = {"decode_2x1": (2, 1), "span_4x5": (4, 5)}
-        cuda = self.dev.type == "cuda"
-
-        @contextlib.contextmanager
-        def variant(name):
-            m = torch.backends.cuda.matmul
-            saved = m.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled()
-            try:
-                if name == "no_reduced_precision_reduction":
-                    m.allow_bf16_reduced_precision_reduction = False
-                if name == "deterministic_algorithms":
-                    torch.use_deterministic_algorithms(True, warn_only=True)
-                if name == "no_cudnn_attention" and cuda:
-                    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                        yield
-                else:
-                    yield
-            finally:
-                m.allow_bf16_reduced_precision_reduction = saved[0]
-                torch.use_deterministic_algorithms(saved[1])
 
         out: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
         for name in ("default", "no_reduced_precision_reduction", "no_cudnn_attention", "deterministic_algorithms"):
             row = {}
-            with variant(name):
+            with _variant(name, self.dev.type == "cuda"):
                 for label, (rows, width) in shapes.items():
                     cache = model.new_cache(rows)
                     g = torch.Generator(device=self.dev).manual_seed(5)
@@ -655,21 +656,12 @@ class Suite:
         """Two fresh verifiers on the same model, the same sessions and spans (`_rounds`, dynamic path): the same
         replies? Under torch's defaults, without bf16 GEMMs' reduced-precision reductions, and with torch's
         deterministic algorithms (CUBLAS_WORKSPACE_CONFIG must be set before the process starts: recorded)."""
-        m = torch.backends.cuda.matmul
         sessions, prefix = (4, 8) if self.tiny else (16, 64)
         out: dict = {"cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "dtype": str(self.dtype)}
         for name in ("default", "no_reduced_precision_reduction", "deterministic_algorithms"):
-            saved = m.allow_bf16_reduced_precision_reduction, torch.are_deterministic_algorithms_enabled()
-            try:
-                if name == "no_reduced_precision_reduction":
-                    m.allow_bf16_reduced_precision_reduction = False
-                if name == "deterministic_algorithms":
-                    torch.use_deterministic_algorithms(True, warn_only=True)
+            with _variant(name, self.dev.type == "cuda"):
                 a = self._rounds(sessions, prefix, False)["replies"]
                 b = self._rounds(sessions, prefix, False)["replies"]
-            finally:
-                m.allow_bf16_reduced_precision_reduction = saved[0]
-                torch.use_deterministic_algorithms(saved[1])
             out[name] = {"replies_equal": sum(x == y for x, y in zip(a, b)), "replies": len(a)}
         return out
 
@@ -871,6 +863,16 @@ class Suite:
         return out
 
 
+def _steps_table(steps: list[dict]) -> list[str]:
+    rows = ["| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
+            "|---|---|---|---|---|---|---|---|"]
+    for st in steps:
+        rows.append(f"| {st['kind']} ({st['width']} pos) | {st['rows']} | {st['keys']} | {st['eager_ms']} | "
+                    f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
+                    f"{st.get('graph_over_bound', '–')} |")
+    return rows
+
+
 def markdown(result: dict) -> str:
     s = result["sections"]
     env = s.get("env", {})
@@ -887,27 +889,12 @@ def markdown(result: dict) -> str:
                   f"{r['matmul_tflops']} TFLOP/s "
                   f"(the H100 datasheet: {r['datasheet_h100']['bandwidth_gb_s']:.0f} GB/s, "
                   f"{r['datasheet_h100']['tflops']:.0f} TFLOP/s).", ""]
-    x = s.get("xl_steps", {})
-    if x.get("steps"):
-        lines += ["## The verifier's forward at LlamaGen-XL shapes (ms, median)", "",
-                  "| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for st in x["steps"]:
-            lines.append(f"| {st['kind']} ({st['width']} pos) | {st['rows']} | {st['keys']} | {st['eager_ms']} | "
-                         f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
-                         f"{st.get('graph_over_bound', '–')} |")
-        lines.append("")
-    a = s.get("anole_shape", {})
-    if a.get("steps"):
-        lines += ["## The verifier's forward at Anole-7b's shapes (ms, median)", "",
-                  "| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for st in a["steps"]:
-            lines.append(f"| {st['kind']} ({st['width']} pos) | {st['rows']} | {st['keys']} | {st['eager_ms']} | "
-                         f"{st.get('graph_ms', '–')} | {st['bound_ms']} | {st['eager_over_bound']} | "
-                         f"{st.get('graph_over_bound', '–')} |")
-        lines.append("")
-    for name in ("graphs", "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity", "engine_graphs", "memory", "engine", "t5",
+    for key, title in (("xl_steps", "LlamaGen-XL shapes"), ("anole_shape", "Anole-7b's shapes")):
+        steps = s.get(key, {}).get("steps")
+        if steps:
+            lines += [f"## The verifier's forward at {title} (ms, median)", ""] + _steps_table(steps) + [""]
+    for name in ("graphs", "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
+                 "capacity", "engine_graphs", "memory", "engine", "t5",
                  "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}

@@ -30,7 +30,7 @@ import urllib.parse
 
 import torch
 
-from ciar.text import CaptionBatch, check_caption_lengths
+from ciar.text import CaptionBatch, check_caption_lengths, checked_captions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -126,11 +126,7 @@ class T5CaptionEncoder:
 
     @torch.inference_mode()
     def encode(self, captions: list[str], batch_size: int = 64) -> CaptionBatch:
-        if isinstance(captions, str):
-            captions = [captions]
-        for i, c in enumerate(captions):
-            if not isinstance(c, str) or not c.strip():
-                raise ValueError(f"caption {i} is empty")
+        captions = checked_captions(captions)
         embs, masks = [], []
         for s in range(0, len(captions), batch_size):
             chunk = captions[s:s + batch_size]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -284,6 +285,29 @@ def write_chameleon_tokenizer(path: str, vocab: dict[str, int], merges: list[tup
     return path
 
 
+def randomize_vq_(model: torch.nn.Module, generator: torch.Generator) -> torch.nn.Module:
+    """Random weights with O(1) activations for a VQ model, in place: convs scaled by fan-in, norms near identity,
+    codebook rows ~N(0, 1), drawn from `generator` in state-dict order."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            r = torch.randn(t.shape, generator=generator)
+            if t.dim() == 4:
+                r /= t[0].numel() ** 0.5
+            elif t.dim() == 1:
+                r = 1.0 + 0.1 * r if ("norm" in name and name.endswith("weight")) else 0.1 * r
+            t.copy_(r)
+    return model
+
+
+def write_coco_captions(path, captions: list[str], first_id: int = 1) -> str:
+    """A COCO captions file (`images` + `annotations`) for `captions`, image ids from `first_id`. -> its path."""
+    images = [{"id": first_id + i, "file_name": f"{first_id + i}.jpg"} for i in range(len(captions))]
+    anns = [{"id": 100 + i, "image_id": first_id + i, "caption": c} for i, c in enumerate(captions)]
+    with open(path, "w") as f:
+        json.dump({"images": images, "annotations": anns}, f)
+    return str(path)
+
+
 def write_random_anole_files(folder: str, seed: int = 0, with_device: bool = True, n_layer: int = 2,
                              cls_token_num: int = ANOLE_TINY["cls_token_num"]) -> dict:
     """RANDOM-weight stand-ins for an Anole world's files, in their real layouts:
@@ -328,15 +352,7 @@ def write_random_anole_files(folder: str, seed: int = 0, with_device: bool = Tru
 
     os.makedirs(os.path.join(folder, "tokenizer"), exist_ok=True)
     vq_cfg = ChameleonVQConfig(**ANOLE_TINY_VQ, n_embed=n_codes, embed_dim=8)
-    vq = ChameleonVQModel(vq_cfg)
-    with torch.no_grad():  # O(1) activations: convs by fan-in, codebook ~N(0, 1)
-        for name, t in vq.state_dict().items():
-            r = torch.randn(t.shape, generator=g)
-            if t.dim() == 4:
-                r /= t[0].numel() ** 0.5
-            elif t.dim() == 1:
-                r = 1.0 + 0.1 * r if ("norm" in name and name.endswith("weight")) else 0.1 * r
-            t.copy_(r)
+    vq = randomize_vq_(ChameleonVQModel(vq_cfg), g)
     torch.save({"epoch": 0, "global_step": 0, "state_dict": vq.state_dict()},
                os.path.join(folder, "tokenizer", "vqgan.ckpt"))
     dd = {"double_z": False, **{k: v for k, v in ANOLE_TINY_VQ.items()}}

@@ -88,6 +88,21 @@ def check_caption_lengths(captions: list[str], lengths: list[int], max_length: i
                                   f"{captions[j][:80]!r}")
 
 
+def checked_captions(captions: list[str] | str) -> list[str]:
+    """A caption or a list of them -> the list; an empty caption or one that is not valid Unicode text (a lone
+    surrogate code point) is refused, naming its index."""
+    if isinstance(captions, str):
+        captions = [captions]
+    for i, c in enumerate(captions):
+        if not isinstance(c, str) or not c.strip():
+            raise ValueError(f"caption {i} is empty")
+        try:
+            c.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"caption {i} is not valid Unicode text (a lone surrogate code point)") from None
+    return captions
+
+
 class PrecomputedCaptions:
     """A caption encoder that answers from embeddings computed elsewhere (LlamaGen's T5 features, or an earlier
     pipeline stage): `add(caption, emb [n, D] or [1, n, D])`, then `encode([caption, ...])` as `TextEncoder` does.
@@ -141,15 +156,7 @@ class TextEncoder:
 
     @torch.no_grad()
     def encode(self, captions: list[str], batch_size: int = 256) -> CaptionBatch:
-        if isinstance(captions, str):
-            captions = [captions]
-        for i, c in enumerate(captions):
-            if not isinstance(c, str) or not c.strip():
-                raise ValueError(f"caption {i} is empty")
-            try:
-                c.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"caption {i} is not valid Unicode text (a lone surrogate code point)") from None
+        captions = checked_captions(captions)
         out = []
         for s in range(0, len(captions), batch_size):
             chunk = captions[s:s + batch_size]
@@ -189,15 +196,7 @@ class ChameleonPromptEncoder:
         return len(self.token_ids([caption])[0]) + self.MARKERS
 
     def encode(self, captions: list[str]) -> CaptionBatch:
-        if isinstance(captions, str):
-            captions = [captions]
-        for i, c in enumerate(captions):
-            if not isinstance(c, str) or not c.strip():
-                raise ValueError(f"caption {i} is empty")
-            try:
-                c.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError(f"caption {i} is not valid Unicode text (a lone surrogate code point)") from None
+        captions = checked_captions(captions)
         ids = self.token_ids(captions)
         check_caption_lengths(captions, [len(t) + self.MARKERS for t in ids], self.max_length)
         cond, mask = self.cloud.prompt_condition(ids)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ciar.testing import ANOLE_TINY, write_random_anole_files
+from ciar.testing import ANOLE_TINY, write_coco_captions, write_random_anole_files
 from ciar.text import CaptionTooLongError
 from ciar.world import load_world
 from ciar.world_spec import AnoleWorldSpec, WorldSpecError, read_world
@@ -28,20 +28,14 @@ CAPTIONS = ["A red bus parked on a city street.", "Two dogs play with a frisbee 
 N_TOKENS = 16  # 32 px / 8 -> 4 x 4
 
 
-def coco(path, captions, first_id=1):
-    images = [{"id": first_id + i, "file_name": f"{first_id + i}.jpg"} for i in range(len(captions))]
-    anns = [{"id": 100 + i, "image_id": first_id + i, "caption": c} for i, c in enumerate(captions)]
-    path.write_text(json.dumps({"images": images, "annotations": anns}))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("anole")
     fields = write_random_anole_files(str(root))
     (root / "tiny-anole.yaml").write_text(yaml.safe_dump(fields))
     return {"root": root, "fields": fields, "world": str(root / "tiny-anole.yaml"),
-            "train": coco(root / "train.json", CAPTIONS), "val": coco(root / "val.json", CAPTIONS[:2], 50)}
+            "train": write_coco_captions(root / "train.json", CAPTIONS),
+            "val": write_coco_captions(root / "val.json", CAPTIONS[:2], 50)}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files
+from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_coco_captions, write_random_llamagen_files
 from ciar.world import load_world
 from ciar.world_spec import WorldSpecError
 
@@ -18,13 +18,6 @@ CAPTIONS = ["A red bus parked on a city street.", "Two dogs play with a frisbee 
             "A plate of pasta next to a glass of wine.", "A man rides a surfboard on a large wave.",
             "A small kitchen with a white refrigerator.", "A giraffe standing next to a tall tree.",
             "A laptop on a wooden desk by the window.", "Children flying kites on a sunny beach."]
-
-
-def coco(path, captions, first_id=1):
-    images = [{"id": first_id + i, "file_name": f"{first_id + i}.jpg"} for i in range(len(captions))]
-    anns = [{"id": 100 + i, "image_id": first_id + i, "caption": c} for i, c in enumerate(captions)]
-    path.write_text(json.dumps({"images": images, "annotations": anns}))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +30,9 @@ def files(tmp_path_factory):
                 for k in ("gpt_checkpoint", "gpt_config", "gpt_overrides", "image_size", "vq_checkpoint",
                           "vq_overrides", "device_checkpoint")}}
     (root / "world.json").write_text(json.dumps(world))
-    return {"root": root, "world": str(root / "world.json"), "train": coco(root / "train.json", CAPTIONS),
-            "val": coco(root / "val.json", CAPTIONS[:4], first_id=50)}
+    return {"root": root, "world": str(root / "world.json"),
+            "train": write_coco_captions(root / "train.json", CAPTIONS),
+            "val": write_coco_captions(root / "val.json", CAPTIONS[:4], first_id=50)}
 
 
 def test_the_world_encodes_captions_with_t5_at_runtime(files):

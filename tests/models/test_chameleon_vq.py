@@ -29,16 +29,9 @@ TINY = dict(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=32, resolution=3
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Random weights with O(1) activations: convs scaled by fan-in, norms near identity, codebook rows ~N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            r = torch.randn(t.shape, generator=g)
-            if t.dim() == 4:
-                r /= t[0].numel() ** 0.5
-            elif t.dim() == 1:
-                r = 1.0 + 0.1 * r if ("norm" in name and name.endswith("weight")) else 0.1 * r
-            t.copy_(r)
-    return model
+    from ciar.testing import randomize_vq_
+
+    return randomize_vq_(model, torch.Generator().manual_seed(seed))
 
 
 def pixels(b: int, size: int, seed: int = 1) -> torch.Tensor:
