@@ -78,7 +78,7 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     script), and the metric files inception_weights (pt_inception-2015-12-05-6726825d.pth or torch-fidelity's
     copy: FID, checked key by key here), clip_model (a local CLIP folder) and reference_images (the captions'
     images by file_name). Raises FileNotFoundError / ValueError naming the field."""
-    from ciar.world_spec import LlamaGenWorldSpec, WorldSpecError, read_world, spec_dict
+    from ciar.world_spec import LlamaGenWorldSpec, ScenesWorldSpec, WorldSpecError, read_world, spec_dict
 
     if not path:
         return {}
@@ -89,8 +89,11 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
         spec = read_world(path, need_device=need_device)
     except WorldSpecError as e:
         raise (FileNotFoundError if "not found" in str(e) else ValueError)(str(e)) from None
-    if not isinstance(spec, LlamaGenWorldSpec):
+    if isinstance(spec, ScenesWorldSpec):
         return {}
+    if not isinstance(spec, LlamaGenWorldSpec):  # never evaluate the scenes world in its place
+        raise ValueError(f"{path}: pipelines.evaluate takes scenes and LlamaGen worlds; a kind: {spec.kind} world is "
+                         "not supported by the evaluation yet (ciar.generate and benchmarks.collab take it)")
     if not (spec.t5_embeddings or spec.text_encoder):
         raise ValueError(f"{path}: the captions need text_encoder (a local T5 folder) or t5_embeddings")
     cfg = spec_dict(spec)

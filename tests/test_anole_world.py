@@ -301,3 +301,18 @@ def test_the_wire_refuses_ids_as_a_caption(world):
         reply = OpenReply("s", torch.zeros(0, dtype=torch.long), ids, cap.mask[0], 0.0, 1, 64)
         with pytest.raises(wire.WireError, match="caption_emb must be float embeddings"):
             wire.encode_frame(wire.Frame(wire.OPEN_REPLY, 1, reply, b"t" * 32))
+
+
+def test_the_collab_benchmark_runs_on_the_world_and_the_evaluation_refuses_it_by_name(files, tmp_path):
+    """benchmarks.collab takes an Anole world (COCO captions); pipelines.evaluate does not yet, and says so instead of
+    evaluating the scenes world in its place (it used to: a world that was not LlamaGen's read as 'no world')."""
+    from benchmarks.collab import main as collab
+    from pipelines.evaluate import read_model_config
+
+    out = tmp_path / "collab.md"  # (the benchmark takes its prompts after the first two of the file)
+    assert collab(["--world", files["world"], "--captions", files["train"], "--num-prompts", "2",
+                   "--methods", "cloud,ciar", "--tau", "0.05", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "| cloud |" in table and "| ciar |" in table, table[:2000]
+    with pytest.raises(ValueError, match="kind: anole world is not supported by the evaluation"):
+        read_model_config(files["world"], ["cloud", "ciar"])
