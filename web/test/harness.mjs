@@ -7,6 +7,7 @@
 //        # run through a script of updates and decisions, its state after each; see policyCall)
 //   node web/test/harness.mjs encode   < frames.json   # {"frames": [{type, requestId, token, body}]} -> hex frames
 //   node web/test/harness.mjs decode   < frames.json   # {"frames": ["hex", ...]} -> decoded frames (or their errors)
+//   node --experimental-websocket web/test/harness.mjs serve   # many calls, one JSON line each way (below)
 //   node --experimental-websocket web/test/harness.mjs generate < job.json
 //        # {"url", "key", "model_dir", "jobs": [{"prompt", "seed", "session_id"?, "options"?}], "options"?, "cuts"?,
 //        #  "vanish_after"?} -> one result per job, the connection's exchanges, reconnects, resumes and handshake
@@ -185,6 +186,8 @@ function decode(input) {
   });
 }
 
+const RUNTIMES = new Map();
+
 async function generate(input) {
   const ort = await import(join(ORT_DIST, "ort.wasm.min.mjs"));
   ort.env.wasm.numThreads = 1;
@@ -193,10 +196,15 @@ async function generate(input) {
   const { DeviceRuntime } = await import("../src/runtime.js");
   const { DeviceConnection } = await import("../src/connection.js");
   const { generate: run, newObserver } = await import("../src/loop.js");
-  const manifest = JSON.parse(readFileSync(join(input.model_dir, "manifest.json"), "utf-8"));
-  const graphs = {};
-  for (const key of ["device_prefill", "device_step"]) graphs[key] = readFileSync(join(input.model_dir, manifest.graphs[key].file));
-  const rt = await DeviceRuntime.create(ort, manifest, graphs);
+  const manifestText = readFileSync(join(input.model_dir, "manifest.json"), "utf-8");
+  const manifest = JSON.parse(manifestText);
+  const runtimeKey = `${input.model_dir}\n${manifestText}`; // one runtime per export, kept across `serve` calls
+  if (!RUNTIMES.has(runtimeKey)) {
+    const graphs = {};
+    for (const key of ["device_prefill", "device_step"]) graphs[key] = readFileSync(join(input.model_dir, manifest.graphs[key].file));
+    RUNTIMES.set(runtimeKey, await DeviceRuntime.create(ort, manifest, graphs));
+  }
+  const rt = RUNTIMES.get(runtimeKey);
   const conn = new DeviceConnection(input.url, input.key, manifest.vocab_size, { backoffMs: 50, retries: 3 });
   const cuts = new Set(input.cuts || []), vanishAfter = input.vanish_after ?? Infinity;
   let verifies = 0;
@@ -229,11 +237,29 @@ async function generate(input) {
 
 const commands = { maths, policy, encode, decode, generate };
 const cmd = process.argv[2];
+const SPECIAL = { Infinity, "-Infinity": -Infinity, NaN };
+const parse = (text) => JSON.parse(text, (_, v) => (typeof v === "string" && v in SPECIAL ? SPECIAL[v] : v));
+if (cmd === "serve") {
+  // one process for many calls (the tests' node fixture): a line {"command", "input"} in, a line {"output"} or
+  // {"error"} out, in order; node's start-up and onnxruntime-web's import are paid once
+  const { createInterface } = await import("node:readline");
+  for await (const line of createInterface({ input: process.stdin, crlfDelay: Infinity })) {
+    if (!line.trim()) continue;
+    let answer;
+    try {
+      const { command, input } = parse(line);
+      if (!(command in commands)) throw new Error(`unknown command ${command}`);
+      answer = { output: await commands[command](input) };
+    } catch (err) {
+      answer = { error: `${err.name}: ${err.message}\n${err.stack || ""}` };
+    }
+    await new Promise((done) => process.stdout.write(JSON.stringify(answer, plain) + "\n", done));
+  }
+  process.exit(0);
+}
 if (!(cmd in commands)) {
-  process.stderr.write(`usage: node web/test/harness.mjs {${Object.keys(commands).join("|")}} < input.json\n`);
+  process.stderr.write(`usage: node web/test/harness.mjs {${Object.keys(commands).join("|")}|serve} < input.json\n`);
   process.exit(2);
 }
-const SPECIAL = { Infinity, "-Infinity": -Infinity, NaN };
-const input = JSON.parse(readFileSync(0, "utf-8"), (_, v) => (typeof v === "string" && v in SPECIAL ? SPECIAL[v] : v));
-const output = await commands[cmd](input);
+const output = await commands[cmd](parse(readFileSync(0, "utf-8")));
 process.stdout.write(JSON.stringify(output, plain), () => process.exit(0)); // exit once the pipe took it all
