@@ -21,8 +21,11 @@ class _NodeHarness:
         self.exe, self.proc = exe, None
 
     def _start(self):
+        import tempfile
+
+        self.err = tempfile.TemporaryFile(mode="w+")  # (a file, not a pipe nobody reads: a full pipe would block node)
         self.proc = subprocess.Popen([self.exe, "--experimental-websocket", "--no-warnings", HARNESS, "serve"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      text=True, bufsize=1)
 
     def stop(self):
@@ -47,9 +50,9 @@ class _NodeHarness:
             self.stop()
             raise TimeoutError(f"node harness: no answer to {command} in {timeout_s:g} s") from None
         if not line:
-            err = proc.stderr.read()[-3000:]
             self.stop()
-            raise AssertionError(f"node harness exited: {err}")
+            self.err.seek(0)
+            raise AssertionError(f"node harness exited: {self.err.read()[-3000:]}")
         answer = json.loads(line)
         assert "error" not in answer, answer["error"][-3000:]
         return answer["output"]
