@@ -292,12 +292,7 @@ def _anole_vq(spec):
 
 def anole_weights_file(spec) -> str:
     """The decoder's first weight file (names the caches of its samples, as a LlamaGen world's checkpoint does)."""
-    import glob
-
-    folder = spec.path(spec.model)
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or \
-        sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
-    return files[0]
+    return spec.weight_files()[0]
 
 
 def anole_sampling(spec) -> SamplingParams:

@@ -240,6 +240,14 @@ class AnoleWorldSpec(_Spec):
     def device_file(self) -> str | None:
         return self.path(self.device_checkpoint)
 
+    def weight_files(self) -> list[str]:
+        """The model folder's weight files, sorted: *.safetensors, else pytorch_model*.bin ([] when neither)."""
+        import glob
+
+        folder = self.path(self.model)
+        return sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or \
+            sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+
     def hf_config(self) -> dict:
         """The model folder's config.json (transformers' ChameleonConfig as a dict)."""
         path = os.path.join(self.path(self.model), "config.json")
@@ -276,13 +284,10 @@ class AnoleWorldSpec(_Spec):
                                  f"{grid} x {grid} image tokens)") from None
 
     def check(self, need_device: bool = False, need_text: bool = False) -> None:
-        import glob
-
         folder = self.path(self.model)
         if not os.path.isdir(folder):
             raise WorldSpecError(f"model: folder not found: {folder}")
-        if not (glob.glob(os.path.join(folder, "*.safetensors")) or
-                glob.glob(os.path.join(folder, "pytorch_model*.bin"))):
+        if not self.weight_files():
             raise WorldSpecError(f"model: {folder} has no *.safetensors (or pytorch_model*.bin) weights")
         if not os.path.isfile(self.tokenizer_file()):
             raise WorldSpecError(f"tokenizer: file not found: {self.tokenizer_file()} (Chameleon's tokenizer.json)")

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
-from services.deploy import deploy_config, patient_serve_env  # noqa: E402
+from services.deploy import deploy_config, local_serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +39,14 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(world):
-    patient_serve_env()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
-                   "device_key_sha256": [hashlib.sha256(DEVICE_KEY.encode()).hexdigest()], "devices": 2,
-                   "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 8,
-                   "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
-                  user_configs={"Device": {**KNOBS, "realtime": False, "policy": "fixed"},
-                                "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
-    yield world
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(PORT, num_cpus=3):
+        deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
+                       "device_key_sha256": [hashlib.sha256(DEVICE_KEY.encode()).hexdigest()], "devices": 2,
+                       "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 8,
+                       "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
+                      user_configs={"Device": {**KNOBS, "realtime": False, "policy": "fixed"},
+                                    "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
+        yield world
 
 
 def post(body):

@@ -14,7 +14,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files  # noqa: E402
-from services.deploy import deploy_config, patient_serve_env  # noqa: E402
+from services.deploy import deploy_config, local_serve  # noqa: E402
 
 PORT = 8133
 URL = f"http://127.0.0.1:{PORT}"
@@ -37,18 +37,13 @@ def world(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(world):
-    patient_serve_env()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 2,
-                   "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": "auto",
-                   "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
-                  user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.1, "realtime": False},
-                                "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
-    yield world
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(PORT, num_cpus=3):
+        deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 2,
+                       "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": "auto",
+                       "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
+                      user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.1, "realtime": False},
+                                    "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
+        yield world
 
 
 def post(body):
