@@ -34,8 +34,9 @@ the missing one named with its field). Relative paths are taken relative to the 
     sampling: {}                      # default: Anole's cfg 3.0, temperature 0.7, top-p 0.9 (ANOLE_SAMPLING)
 
 The evaluation's metric files (`t5_embeddings`, `inception_weights`, `clip_model`, `reference_images`) may sit in a
-LlamaGen world too; the flat `--model-config` JSON of `pipelines.evaluate` (no `kind`, sampling keys at the top level)
-is read as a LlamaGen world. The calibrated CIAR defaults (gate, tau, burst, span) travel in the device file's metadata.
+LlamaGen world too (an Anole world: the last three); the flat `--model-config` JSON of `pipelines.evaluate` (no
+`kind`, sampling keys at the top level) is read as a LlamaGen world. The calibrated CIAR defaults (gate, tau, burst,
+span) travel in the device file's metadata.
 No Ray imports here: the Serve deployments pass the parsed dict through their builder args.
 """
 
@@ -230,9 +231,15 @@ class AnoleWorldSpec(_Spec):
     device_checkpoint: str | None = None
     projector_checkpoint: str | None = None
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    # evaluation-only files (pipelines.evaluate), as in a LlamaGen world: FID Inception-v3 weights, a local CLIP
+    # folder, the captions' reference images (no t5_embeddings: Anole's prompts are always tokenized at runtime)
+    inception_weights: str | None = None
+    clip_model: str | None = None
+    reference_images: str | None = None
 
-    FILES: ClassVar[tuple] = ("tokenizer", "vq_checkpoint", "vq_yaml", "device_checkpoint", "projector_checkpoint")
-    FOLDERS: ClassVar[tuple] = ("model",)
+    FILES: ClassVar[tuple] = ("tokenizer", "vq_checkpoint", "vq_yaml", "device_checkpoint", "projector_checkpoint",
+                              "inception_weights")
+    FOLDERS: ClassVar[tuple] = ("model", "clip_model", "reference_images")
 
     def tokenizer_file(self) -> str:
         return self.path(self.tokenizer) if self.tokenizer else os.path.join(self.path(self.model), "tokenizer.json")
@@ -295,6 +302,10 @@ class AnoleWorldSpec(_Spec):
             value = getattr(self, field)
             if value is not None and not os.path.isfile(self.path(value)):
                 raise WorldSpecError(f"{field}: file not found: {self.path(value)}")
+        for field in self.FOLDERS[1:]:
+            value = getattr(self, field)
+            if value is not None and not os.path.isdir(self.path(value)):
+                raise WorldSpecError(f"{field}: folder not found: {self.path(value)}")
         vq = self.vq_cfg()
         if vq.resolution != self.image_size:
             raise WorldSpecError(f"image_size: {self.image_size} px, but the VQGAN ({self.vq_yaml}) is built for "

@@ -24,12 +24,20 @@ Aggregation (driver): OUT/summary.json `{"methods": {NAME: {...}}}` with the fie
 latency split, bytes) and OUT/report.md with PNG plots: quality-vs-speedup frontier, latency split per method,
 an image grid (same captions across methods), and the wall time of each stage.
 
-Real-model path (`--world FILE`, a LlamaGen world of `ciar.world_spec`; the older flat `--model-config` JSON is
-read the same way): a LlamaGen t2i GPT and VQ tokenizer from local checkpoints (`ciar.world.load_llamagen_world`),
-a CIAR device model trained for that GPT, captions encoded by the world's T5 folder (`text_encoder`) or read from
-LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID Inception-v3
-(`ciar.metrics.inception`) from a local weights file against `reference_images`, and the CLIP score from a local
-CLIP folder; a missing file is named before anything starts.
+Real-model path (`--world FILE`, a LlamaGen or Anole world of `ciar.world_spec`; the older flat `--model-config`
+JSON is read as a LlamaGen world): a LlamaGen t2i GPT and VQ tokenizer from local checkpoints
+(`ciar.world.load_llamagen_world`), a CIAR device model trained for that GPT, captions encoded by the world's T5
+folder (`text_encoder`) or read from LlamaGen's T5 script (`t5_embeddings/IMAGE_ID.npy`), FID with the standard FID
+Inception-v3 (`ciar.metrics.inception`) from a local weights file against `reference_images`, and the CLIP score from
+a local CLIP folder; a missing file is named before anything starts.
+
+Anole world (`kind: anole`): the same stages and metric files (`inception_weights`, `clip_model`,
+`reference_images` in the world file). Stage 1 tokenizes each caption into Anole's prompt ids
+(`ciar.text.ChameleonPromptEncoder`, from the folder's tokenizer.json and config.json only: no decoder weights) and
+carries the ids [cls_token_num] int64 + mask, not embeddings (see `EncodeCaptions`); Generate runs the Chameleon
+decoder as the cloud and the `ChameleonTrunk` device model (its caption, the prompt's embeddings, made by the
+verifier from those ids as everywhere else), and decodes with Chameleon's VQGAN; the metrics read the decoded
+images as for LlamaGen. A caption over the prompt positions is named before anything starts.
 
 Seeds: caption i is generated with seed `seed * 1000003 + i` by every method (as `benchmarks.collab`, so its
 rows agree on the same prompts).
@@ -77,8 +85,10 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     but cloud), captions from `text_encoder` (runtime T5) or `t5_embeddings` (IMAGE_ID.npy features from LlamaGen's
     script), and the metric files inception_weights (pt_inception-2015-12-05-6726825d.pth or torch-fidelity's
     copy: FID, checked key by key here), clip_model (a local CLIP folder) and reference_images (the captions'
-    images by file_name). Raises FileNotFoundError / ValueError naming the field."""
-    from ciar.world_spec import LlamaGenWorldSpec, ScenesWorldSpec, WorldSpecError, read_world, spec_dict
+    images by file_name). An Anole world: its dict (`kind` "anole"; prompts from the model folder's tokenizer.json)
+    with the same metric files. Raises FileNotFoundError / ValueError naming the field."""
+    from ciar.world_spec import AnoleWorldSpec, LlamaGenWorldSpec, ScenesWorldSpec, WorldSpecError, read_world, \
+        spec_dict
 
     if not path:
         return {}
@@ -91,10 +101,9 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
         raise (FileNotFoundError if "not found" in str(e) else ValueError)(str(e)) from None
     if isinstance(spec, ScenesWorldSpec):
         return {}
-    if not isinstance(spec, LlamaGenWorldSpec):  # never evaluate the scenes world in its place
-        raise ValueError(f"{path}: pipelines.evaluate takes scenes and LlamaGen worlds; a kind: {spec.kind} world is "
-                         "not supported by the evaluation yet (ciar.generate and benchmarks.collab take it)")
-    if not (spec.t5_embeddings or spec.text_encoder):
+    if not isinstance(spec, (LlamaGenWorldSpec, AnoleWorldSpec)):  # never evaluate the scenes world in its place
+        raise ValueError(f"{path}: pipelines.evaluate takes scenes, LlamaGen and Anole worlds, not kind: {spec.kind}")
+    if isinstance(spec, LlamaGenWorldSpec) and not (spec.t5_embeddings or spec.text_encoder):
         raise ValueError(f"{path}: the captions need text_encoder (a local T5 folder) or t5_embeddings")
     cfg = spec_dict(spec)
     if "inception_weights" in cfg:  # a wrong file fails now, naming its keys, not after generation
@@ -129,15 +138,53 @@ def _threads():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def is_anole(model_config: dict | None) -> bool:
+    return bool(model_config) and model_config.get("kind") == "anole"
+
+
+class _PromptLayout:
+    """What `ciar.text.ChameleonPromptEncoder` uses of its cloud, without the decoder's weights (7B for Anole): the
+    config (special token ids, cls_token_num) and `prompt_condition`, which reads nothing else."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def prompt_condition(self, text_ids):
+        from ciar.models.chameleon import prompt_condition
+
+        return prompt_condition(self.config, text_ids)
+
+
+def anole_prompt_encoder(model_config: dict):
+    """An Anole world's prompt encoder over its tokenizer.json and config.json (no weight file is read)."""
+    from ciar.text import ChameleonPromptEncoder
+    from ciar.world_spec import read_world
+
+    spec = read_world(model_config, check=False)
+    return ChameleonPromptEncoder(spec.tokenizer_file(), _PromptLayout(spec.gpt_cfg()))
+
+
 class EncodeCaptions:
     """Stage 1: caption -> embedding [L, D] float16 + mask [L] (the world's encoder, or T5 files by image id), left
-    padded to the cloud model's caption positions."""
+    padded to the cloud model's caption positions.
+
+    An Anole world: caption -> `caption_ids` [L] int64 + mask [L], Anole's prompt `[<s>] + BPE + [end-of-turn,
+    begin-of-image]` left-padded with <pad> (what `ChameleonPromptEncoder` gives the verifier everywhere else).
+    Ids, not embeddings, because (1) they are what the Chameleon cloud takes: it embeds its condition itself
+    (`ChameleonGPT.embed_condition`), and the device's caption (the prompt's embeddings, `device_caption`) is made
+    from them by the verifier in Generate exactly as in `ciar.generate` and Serve; (2) they are exact, where the
+    float16 `caption_emb` column would not hold ids above 2048 (Chameleon's vocabulary is 65,536); (3) they are
+    1 KiB per caption in Ray's object store where the prompt embeddings are [L, 4096] float16, 1 MiB; (4) this
+    stage then needs only tokenizer.json and config.json, not the 7B decoder."""
 
     def __init__(self, weights_dir: str | None, model_config: dict):
         device = _threads()
         self.t5 = model_config.get("t5_embeddings")
         self.length = caption_length(model_config, weights_dir)
-        if not self.t5 and model_config.get("text_encoder"):  # runtime T5 (flan-t5-xl) on the stage's GPU when there is one
+        self.anole = is_anole(model_config)
+        if self.anole:
+            self.text = anole_prompt_encoder(model_config)
+        elif not self.t5 and model_config.get("text_encoder"):  # runtime T5 (flan-t5-xl), on the stage's GPU if any
             from ciar.t5 import T5CaptionEncoder
 
             self.text = T5CaptionEncoder(model_config["text_encoder"], max_length=self.length, device=device,
@@ -150,6 +197,11 @@ class EncodeCaptions:
     def __call__(self, batch: dict) -> dict:
         from ciar.text import CaptionBatch
 
+        if self.anole:
+            cap = self.text.encode([str(c) for c in batch["caption"]])
+            batch["caption_ids"] = cap.emb.cpu().numpy().astype(np.int64)
+            batch["caption_mask"] = cap.mask.cpu().numpy()
+            return batch
         if self.t5:
             # (main checked that every file exists before the pipeline started)
             embs = [np.load(os.path.join(self.t5, f"{int(i)}.npy")) for i in batch["image_id"]]
@@ -159,6 +211,39 @@ class EncodeCaptions:
         batch["caption_emb"] = cap.emb.cpu().numpy().astype(np.float16)
         batch["caption_mask"] = cap.mask.cpu().numpy()
         return batch
+
+
+class PrecomputedPromptIds:
+    """The verifier's caption encoder in Generate for an Anole world: answers `encode` from stage 1's prompt ids
+    (`add(caption, ids [cls] or [1, cls], mask)`), as `ciar.text.PrecomputedCaptions` does for embeddings; a caption
+    it was not given is an error naming it."""
+
+    def __init__(self):
+        self.table: dict[str, tuple] = {}
+
+    def add(self, caption: str, ids, mask) -> None:
+        import torch
+
+        ids, mask = torch.as_tensor(ids), torch.as_tensor(mask)
+        if ids.is_floating_point():
+            raise TypeError(f"prompt ids of {caption[:60]!r} are {ids.dtype}, not integers")
+        self.table[caption] = (ids.reshape(-1).long(), mask.reshape(-1).bool())
+
+    def clear(self) -> None:
+        self.table.clear()
+
+    def encode(self, captions: list[str]):
+        import torch
+
+        from ciar.text import CaptionBatch
+
+        if isinstance(captions, str):
+            captions = [captions]
+        missing = [c for c in captions if c not in self.table]
+        if missing:
+            raise KeyError(f"no prompt ids for caption {missing[0][:80]!r} (stage 1 gives them)")
+        return CaptionBatch(torch.stack([self.table[c][0] for c in captions]),
+                            torch.stack([self.table[c][1] for c in captions]))
 
 
 class Generate:
@@ -174,18 +259,26 @@ class Generate:
         from ciar.world import load_default_world
 
         from ciar.text import PrecomputedCaptions
-        from ciar.world import load_llamagen_world
+        from ciar.world import load_anole_world, load_llamagen_world
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        # captions arrive as stage 1's embeddings: no caption encoder here (text=False)
-        self.world = load_llamagen_world(model_config, device=device, text=False) if model_config else \
-            load_default_world(weights_dir, device=device)
+        # captions arrive as stage 1's embeddings (Anole: prompt ids): no caption encoder here (text=False)
+        self.anole = is_anole(model_config)
+        if self.anole:
+            self.world = load_anole_world(model_config, device=device, text=False)
+            self.world.text = PrecomputedPromptIds()  # stage 1's ids, by caption (the verifier embeds them)
+        elif model_config:
+            self.world = load_llamagen_world(model_config, device=device, text=False)
+        else:
+            self.world = load_default_world(weights_dir, device=device)
         self.verifier = make_verifier(self.world, max_sessions=2)
         c = self.world.cloud.config
         # stage 1's embeddings, by caption: the real world's own (the verifier already reads them; a one-token
         # stand-in for the warm-up), else a table swapped in for the text encoder after the warm-up
         self.captions = self.world.text if model_config else PrecomputedCaptions(c.cls_token_num, c.caption_dim)
-        if model_config:
+        if self.anole:  # the warm-up's prompt: no text, only Anole's markers
+            self.captions.add("warm-up", *self.world.cloud.prompt_condition([[]]))
+        elif model_config:
             self.captions.add("warm-up", torch.zeros(1, c.caption_dim))
         self.decoders = {m: make_decoder(self.world, self.verifier, m, network=network,
                                          **shared_knobs(m, overrides)) for m in methods}
@@ -202,8 +295,12 @@ class Generate:
         from ciar.models.vq import tensor_to_images
 
         self.captions.clear()
-        for c, e, m in zip(batch["caption"], batch["caption_emb"], batch["caption_mask"]):
-            self.captions.add(str(c), torch.from_numpy(e[m].astype(np.float32)))
+        if self.anole:
+            for c, ids, m in zip(batch["caption"], batch["caption_ids"], batch["caption_mask"]):
+                self.captions.add(str(c), torch.from_numpy(ids), torch.from_numpy(m))
+        else:
+            for c, e, m in zip(batch["caption"], batch["caption_emb"], batch["caption_mask"]):
+                self.captions.add(str(c), torch.from_numpy(e[m].astype(np.float32)))
         cols: dict[str, list] = {k: [] for k in ("index", "image_id", "caption", "seed", "method", "image_path",
                                                  "image", "file_name", "wall_s", *STATS_FIELDS)}
         for i in range(len(batch["caption"])):
@@ -477,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N captions (by image id)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", default=None, help="world file (ciar.world_spec): a LlamaGen world with its T5 folder "
-                                                  "or features and metric files (default: the shipped scenes world)")
+                                                  "or features, or an Anole world, and metric files (default: the "
+                                                  "shipped scenes world)")
     ap.add_argument("--model-config", default=None, help="the older flat JSON of the real-model path (read as a "
                                                          "LlamaGen world; use --world)")
     ap.add_argument("--param", action="append", default=[], help="CollabConfig override key=value (repeatable)")
@@ -507,6 +605,13 @@ def main(argv: list[str] | None = None) -> int:
             if missing:
                 raise FileNotFoundError(f"t5_embeddings: no embedding file for {len(missing)} of the captions' "
                                         f"images, e.g. {os.path.join(model_config['t5_embeddings'], str(missing[0]))}.npy")
+        if is_anole(model_config):  # a caption over the prompt positions would stop stage 1 midway: name it now
+            enc = anole_prompt_encoder(model_config)
+            long = [(r, n) for r in rows if (n := enc.count_tokens(r["caption"])) > enc.max_length]
+            if long:
+                (r, n), more = long[0], f" (and {len(long) - 1} more)" if len(long) > 1 else ""
+                raise ValueError(f"caption of image {r['image_id']} is {n} prompt tokens with Anole's markers; the "
+                                 f"world's cls_token_num is {enc.max_length}{more}: {r['caption'][:80]!r}")
     except (CaptionsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -554,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
             n = len(batch["method"])
             for i in range(n):
                 row = {k: (v[i].item() if hasattr(v[i], "item") and np.ndim(v[i]) == 0 else v[i])
-                       for k, v in batch.items() if k not in ("caption_emb", "caption_mask")}
+                       for k, v in batch.items() if k not in ("caption_emb", "caption_ids", "caption_mask")}
                 s = int(row["shard"]) if "shard" in row else int(row["index"]) // args.shard_size
                 row.pop("shard", None)
                 per_shard[s].append(row)

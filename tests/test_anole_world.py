@@ -303,9 +303,10 @@ def test_the_wire_refuses_ids_as_a_caption(world):
             wire.encode_frame(wire.Frame(wire.OPEN_REPLY, 1, reply, b"t" * 32))
 
 
-def test_the_collab_benchmark_runs_on_the_world_and_the_evaluation_refuses_it_by_name(files, tmp_path):
-    """benchmarks.collab takes an Anole world (COCO captions); pipelines.evaluate does not yet, and says so instead of
-    evaluating the scenes world in its place (it used to: a world that was not LlamaGen's read as 'no world')."""
+def test_the_collab_benchmark_runs_on_the_world_and_the_evaluation_reads_it(files, tmp_path):
+    """benchmarks.collab takes an Anole world (COCO captions); pipelines.evaluate reads it as an Anole world, never the
+    scenes world in its place (it used to: a world that was not LlamaGen's read as 'no world'; the evaluation itself:
+    tests/pipelines/test_evaluate_anole.py)."""
     from benchmarks.collab import main as collab
     from pipelines.evaluate import read_model_config
 
@@ -314,5 +315,5 @@ def test_the_collab_benchmark_runs_on_the_world_and_the_evaluation_refuses_it_by
                    "--methods", "cloud,ciar", "--tau", "0.05", "--out", str(out)]) == 0
     table = out.read_text()
     assert "| cloud |" in table and "| ciar |" in table, table[:2000]
-    with pytest.raises(ValueError, match="kind: anole world is not supported by the evaluation"):
-        read_model_config(files["world"], ["cloud", "ciar"])
+    cfg = read_model_config(files["world"], ["cloud", "ciar"])
+    assert cfg["kind"] == "anole" and os.path.isabs(cfg["model"])

@@ -263,6 +263,26 @@ class CodeEmbedding:
         return F.embedding(self.ids[codes], self.weight)
 
 
+def prompt_condition(c, text_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenized prompts (Chameleon BPE ids, no special tokens) -> Anole's conditions `[<s>] + text + [end-of-turn,
+    begin-of-image]`, left-padded to cls_token_num: (ids [B, cls] long, mask [B, cls] bool). Reads only the config
+    `c` (so a caption stage can run it without the decoder's weights). A prompt that does not fit is refused
+    (`CaptionTooLongError`, the caption contract of `ciar.text`)."""
+    from ciar.text import CaptionTooLongError
+
+    rows = [[c.bos_token_id, *map(int, t), c.eot_token_id, c.boi_token_id] for t in text_ids]
+    longest = max(len(r) for r in rows)
+    if longest > c.cls_token_num:
+        raise CaptionTooLongError(f"prompt is {longest} tokens long with <s>, end-of-turn and begin-of-image; "
+                                  f"the model accepts at most {c.cls_token_num}")
+    ids = torch.full((len(rows), c.cls_token_num), c.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), c.cls_token_num, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, c.cls_token_num - len(r):] = torch.tensor(r)
+        mask[i, c.cls_token_num - len(r):] = True
+    return ids, mask
+
+
 class ChameleonGPT(GPT):
     """Chameleon's decoder with GPT's interface in image-code space (module docstring)."""
 
@@ -318,23 +338,8 @@ class ChameleonGPT(GPT):
 
     # ------------------------------------------------------------------ conditioning
     def prompt_condition(self, text_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokenized prompts (Chameleon BPE ids, no special tokens) -> Anole's conditions `[<s>] + text +
-        [end-of-turn, begin-of-image]`, left-padded to cls_token_num: (ids [B, cls] long, mask [B, cls] bool).
-        A prompt that does not fit is refused (`CaptionTooLongError`, the caption contract of `ciar.text`)."""
-        from ciar.text import CaptionTooLongError
-
-        c = self.config
-        rows = [[c.bos_token_id, *map(int, t), c.eot_token_id, c.boi_token_id] for t in text_ids]
-        longest = max(len(r) for r in rows)
-        if longest > c.cls_token_num:
-            raise CaptionTooLongError(f"prompt is {longest} tokens long with <s>, end-of-turn and begin-of-image; "
-                                      f"the model accepts at most {c.cls_token_num}")
-        ids = torch.full((len(rows), c.cls_token_num), c.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(rows), c.cls_token_num, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, c.cls_token_num - len(r):] = torch.tensor(r)
-            mask[i, c.cls_token_num - len(r):] = True
-        return ids, mask
+        """`prompt_condition` (below) with this model's config."""
+        return prompt_condition(self.config, text_ids)
 
     def unconditional_prompt(self, rows: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Anole's unconditional CFG row `[<s>, <racm3:break>]`, right-aligned in cls_token_num positions: (ids
