@@ -22,6 +22,10 @@ leak      devices reconfigured live to skip simulated waits; K verifier sessions
           are read before, between the halves, right after, and after the verifier's idle timeout: nothing may be
           left, and the memory growth of each half is reported.
 
+nodeloss  on a cluster of its own (five Ray nodes on this machine): the node holding a verifier replica, then the
+          node holding simulated phones, removed without warning under HTTP, streamed and real-socket load, and a
+          replacement node added: `loadtests.nodeloss` (its options: --http, --streams, --sockets, ...).
+
 `OUT/reliability.json` holds every figure; the exit code is 0 only when no request was lost, every overload answer
 was a 200 or a 503 with Retry-After, and the leak check found nothing left.
 """
@@ -299,22 +303,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leak-requests", type=int, default=1000)
     p.add_argument("--abandoned", type=int, default=8, help="verifier sessions opened and never closed")
     p.add_argument("--seed", type=int, default=0)
+    from loadtests import nodeloss
+
+    nodeloss.add_arguments(p.add_argument_group("nodeloss"))
     args = p.parse_args(argv)
 
+    known = ("kill", "linkdrop", "overload", "leak", "nodeloss")
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = set(scenarios) - {"kill", "linkdrop", "overload", "leak"}
+    unknown = set(scenarios) - set(known)
     if unknown:
-        p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: kill, linkdrop, overload, leak")
-    app = apply_overrides(load_app_config(args.config), list(DEFAULT_SETS) + args.sets)
-    app["args"]["devices"] = args.devices
+        p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    config = apply_overrides(load_app_config(args.config), list(DEFAULT_SETS) + args.sets)
     if args.weights:
-        use_weights(app, args.weights)
+        use_weights(config, args.weights)
+    app = json.loads(json.dumps(config))
+    app["args"]["devices"] = args.devices
     key = client_key(app)
     os.makedirs(args.out, exist_ok=True)
     report: dict = {"devices": args.devices, "user_configs": app["user_configs"], "scenarios": {}}
-    cluster = Cluster(app, free_port(), free_port())
     t0 = time.monotonic()
+    if "nodeloss" in scenarios:  # a multi-node cluster of its own, before the others' cluster starts
+        scenarios.remove("nodeloss")
+        losses = tuple(x.strip() for x in args.lose.split(",") if x.strip())
+        os.makedirs(os.path.join(args.out, "nodeloss"), exist_ok=True)
+        report["scenarios"]["nodeloss"] = nodeloss.run(
+            config, os.path.join(args.out, "nodeloss"), args.http, args.streams, args.sockets, args.socket_images,
+            args.concurrency, args.devices_per_node, losses, args.at, args.replace_after, args.seed)
+    cluster = Cluster(app, free_port(), free_port())
     try:
+        if not scenarios:
+            return _finish(report, args.out, t0)
         print(f"starting the cluster ({args.devices} devices) ...", flush=True)
         cluster.start()
         report["cluster_start_s"] = round(time.monotonic() - t0, 1)
@@ -337,11 +355,15 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(report, f, indent=2, default=str)
     finally:
         cluster.stop()
+    return _finish(report, args.out, t0)
+
+
+def _finish(report: dict, out: str, t0: float) -> int:
     report["ok"] = all(r.get("ok") for r in report["scenarios"].values())
     report["total_wall_s"] = round(time.monotonic() - t0, 1)
-    with open(os.path.join(args.out, "reliability.json"), "w") as f:
+    with open(os.path.join(out, "reliability.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
-    print(f"{'PASS' if report['ok'] else 'FAIL'}: {os.path.join(args.out, 'reliability.json')}")
+    print(f"{'PASS' if report['ok'] else 'FAIL'}: {os.path.join(out, 'reliability.json')}")
     return 0 if report["ok"] else 1
 
 

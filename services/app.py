@@ -114,6 +114,30 @@ GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/js
 BEARER = [{"bearerAuth": []}]
 
 
+# tries of one image when its simulated phone is lost under it (Ingress._on_device), waiting 0.5, 1, 2, 4 s between
+# (Serve's routers learn of the dead replicas meanwhile; with none left, the call waits for a new one): a lost node
+# may take several phones at once, and a retry may be routed to another of them before Serve has noticed
+DEVICE_ATTEMPTS = 5
+DEVICE_RETRY_BACKOFF_S = 0.5
+
+
+def device_backoff_s(attempt: int) -> float:
+    return DEVICE_RETRY_BACKOFF_S * 2 ** min(attempt, 3)
+
+
+def device_lost(e: BaseException) -> bool:
+    """The Device replica itself is gone (its worker process or its node died: the actor errors a handle raises),
+    as opposed to an error raised by the device's method, which Ray wraps in RayTaskError (a subclass of both)."""
+    from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
+
+    return isinstance(e, (RayActorError, NodeDiedError, WorkerCrashedError)) and not isinstance(e, RayTaskError)
+
+
+def retried(job: GenerationJob, attempt: int) -> GenerationJob:
+    """The job again under a session id of its own (the lost attempt's verifier session may still be open)."""
+    return job.model_copy(update={"session_id": f"{job.session_id}-r{attempt}"})
+
+
 def openapi_schema(world: dict | None = None, max_images: int | None = None,
                    allow_simulation_params: bool = False) -> dict:
     """The OpenAPI document: FastAPI's, plus the request body schema (the handler reads the raw body, to answer
@@ -497,12 +521,37 @@ class Ingress:
             return StreamingResponse(self._events(req, jobs[0]), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:  # n images on n devices at once (a device makes one image at a time)
-            outs = await asyncio.wait_for(asyncio.gather(*(self.device.generate.remote(j) for j in jobs)),
+            outs = await asyncio.wait_for(asyncio.gather(*(self._on_device(j) for j in jobs)),
                                           timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP status below
             return self._failure(req, e)
         self._observe(req, [o.stats for o in outs], 200)
         return self._render(req, jobs, outs)
+
+    async def _on_device(self, job: GenerationJob) -> GenerationOutput:
+        """One image on a simulated phone. A phone that dies under the job (its process, or the node it ran on)
+        does not lose it: the job runs again, from its start, on a live one (Serve routes around the dead replica
+        and starts a new one), up to DEVICE_ATTEMPTS times within the request's deadline. The image is a function
+        of the request and seed, not of the phone, so the retried job makes the very image the lost one would
+        have; its session id is new (the lost phone's verifier session, if any, is left to the idle timeout)."""
+        for attempt in range(DEVICE_ATTEMPTS):
+            try:
+                out = await self.device.generate.remote(job if attempt == 0 else retried(job, attempt))
+            except Exception as e:  # noqa: BLE001 - only a lost phone is retried
+                if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
+                    raise
+                self._device_lost(job, attempt, e)
+                await asyncio.sleep(device_backoff_s(attempt))
+                continue
+            if attempt:
+                out.stats["device_retries"] = attempt
+            return out
+        raise AssertionError("unreachable")
+
+    def _device_lost(self, job: GenerationJob, attempt: int, e: BaseException) -> None:
+        logger.warning("job %s: its simulated device was lost (%s); running it again on another (attempt %d of %d)",
+                       job.session_id, type(e).__name__, attempt + 2, DEVICE_ATTEMPTS)
+        self.m_errors.inc(tags={"kind": "device_lost"})
 
     async def _resolve(self, req: GenerationRequest) -> tuple[GenerationRequest, JSONResponse | None]:
         """The OpenAI fields checked against this deployment: -> (the request with `model` applied, None) or
@@ -636,19 +685,35 @@ class Ingress:
 
         gen = None
         try:
-            gen = self.device.options(stream=True).generate_stream.remote(job)
             deadline = time.monotonic() + self.timeout_s  # the request's deadline holds for the stream too
+            sent = -1  # tokens_done of the last progress event sent
+            attempt = 0
+            gen = self.device.options(stream=True).generate_stream.remote(job)
             while True:
                 try:
                     ev = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
+                except Exception as e:  # noqa: BLE001 - a lost phone: as _on_device, the job runs again elsewhere
+                    if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
+                        raise
+                    self._device_lost(job, attempt, e)
+                    await asyncio.sleep(device_backoff_s(attempt))
+                    attempt += 1
+                    # the same image again from its start: the progress already sent is not repeated
+                    gen = self.device.options(stream=True).generate_stream.remote(retried(job, attempt))
+                    continue
                 if isinstance(ev, ProgressEvent):
+                    if ev.tokens_done <= sent:
+                        continue
+                    sent = ev.tokens_done
                     data = ev.model_dump(exclude={"preview_png"})
                     if ev.preview_png is not None:
                         data["preview_b64"] = base64.b64encode(ev.preview_png).decode()
                     yield sse("progress", data)
                 else:
+                    if attempt:
+                        ev.stats["device_retries"] = attempt
                     self._observe(req, [ev.stats], 200)
                     yield sse("result", self._images(req, [job], [ev], who=True))
         except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)
@@ -713,7 +778,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, verifier, call_timeout_s=cfg.verifier_call_timeout_s, runtime=cfg.device_runtime)
     return Ingress.options(
-        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": cfg.ingress_resources},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
         # the proxy's own overload answer, shaped like ours (503 + Retry-After); the device fleet's queue is reached
         # through a handle, where Serve raises BackPressureError and the ingress answers it (`_overloaded`)

@@ -326,6 +326,10 @@ class AppConfig(BaseModel):
                                          "hex digest")
     device_endpoint: DeviceEndpointConfig = Field(default_factory=DeviceEndpointConfig)
     ingress_num_cpus: float = Field(0.1, gt=0.0)
+    ingress_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per "
+                                                "Ingress replica, e.g. {\"ciar_ingress\": 1}: keeps the ingress, "
+                                                "which holds every HTTP request and device socket, off the nodes "
+                                                "a cluster may lose with the phones or verifiers")
     ingress_max_ongoing_requests: int = Field(256, ge=1, description="requests an ingress replica runs at once; "
                                               "each open device connection is one, so this must exceed "
                                               "device_endpoint.max_connections (the rest is HTTP's headroom)")
@@ -341,7 +345,7 @@ class AppConfig(BaseModel):
                                            "is cancelled and the cloud counts as unreachable (before the open: 503 "
                                            "with Retry-After; mid-image: the device finishes alone, degraded)")
 
-    @field_validator("device_resources", "verifier_resources")
+    @field_validator("device_resources", "verifier_resources", "ingress_resources")
     @classmethod
     def _resources(cls, v: dict[str, float]) -> dict[str, float]:
         for name, amount in v.items():

@@ -1,8 +1,10 @@
-"""The Serve application on a multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head and two worker nodes,
+"""The Serve application on a multi-node Ray cluster (`loadtests.nodeloss.NodeCluster`: a head and four worker nodes,
 each a raylet of its own on this machine), placed by custom resources as the KubeRay manifests place it: the verifier
-replicas only on the node that declares `ciar_verifier`, the simulated phones (Device replicas) only on the node that
-declares `ciar_device`, the ingress and the controller on the head. An image crosses all three nodes, and a CIAR
-image made there equals the one made in-process.
+replicas only on the nodes that declare `ciar_verifier`, the simulated phones (Device replicas) only on the nodes
+that declare `ciar_device`, the ingress on the head. An image crosses the nodes, and a CIAR image made there equals
+the one made in-process. Then the fast version of `loadtests.nodeloss` (issue 40): a verifier node, then a device
+node, lost without warning under plain and streamed HTTP load, a replacement node added: no image lost, every one
+equal to the undisturbed run's, the pool whole again.
 """
 
 import hashlib
@@ -14,48 +16,45 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
-from services.deploy import deploy_config, patient_serve_env  # noqa: E402
 
 PORT = 8131
 KEY = "multinode-key-0123456789"
 PROMPT = "a small red circle at the top on a gray background"
 TAU = 0.05
+DEVICES_PER_NODE = 2
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    from ray.cluster_utils import Cluster
+    from loadtests.nodeloss import NodeCluster
 
     weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
                                  with_device=True)
-    patient_serve_env()
-    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    verifier_node = cluster.add_node(num_cpus=1, resources={"ciar_verifier": 1})
-    device_node = cluster.add_node(num_cpus=1, resources={"ciar_device": 4})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, runtime_env=env)
-    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    args = {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 2,
-            "device_num_cpus": 0.25, "device_resources": {"ciar_device": 1}, "verifier_num_cpus": 0.5,
-            "verifier_resources": {"ciar_verifier": 1}, "verifier_max_sessions": 8, "ingress_num_cpus": 0.1,
-            "graceful_shutdown_timeout_s": 0.5}
-    deploy_config(args, user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": False}})
-    yield {"weights": weights, "head": cluster.head_node.node_id, "verifier": verifier_node.node_id,
-           "device": device_node.node_id}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    args = {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
+            "devices": 2 * DEVICES_PER_NODE, "device_num_cpus": 0.25, "device_resources": {"ciar_device": 1},
+            "verifier_replicas": 2, "verifier_num_cpus": 1.0, "verifier_resources": {"ciar_verifier": 1},
+            "verifier_max_sessions": 8, "ingress_num_cpus": 0.1, "ingress_resources": {"ciar_ingress": 1},
+            "graceful_shutdown_timeout_s": 0.5, "allow_simulation_params": True}
+    # realtime: the simulated links' waits are spent, so an image is in flight for seconds when a node goes
+    app = {"args": args, "runtime_env": {}, "import_path": "services.app:build_app",
+           "user_configs": {"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True},
+                            "Verifier": {"idle_timeout_s": 10}}}
+    cl = NodeCluster(app, DEVICES_PER_NODE, PORT)
+    try:
+        cl.start()
+        yield {"weights": weights, "cluster": cl, "head": cl.cluster.head_node.node_id,
+               "verifier": {n.node_id for n in cl.nodes["verifier"]}, "device": {n.node_id for n in cl.nodes["device"]}}
+    finally:
+        cl.stop()
 
 
 def test_replicas_land_on_the_nodes_that_declare_their_resources(nodes):
-    from loadtests.run import each_replica
+    from loadtests.nodeloss import placement
 
-    device = serve.get_deployment_handle("Device", app_name="ciar")
-    phones = each_replica(lambda: device.info.remote().result(timeout_s=60), "device_id", replicas=2)
-    verifier = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result(timeout_s=60)
-    assert len(phones) == 2 and {p["node_id"] for p in phones.values()} == {nodes["device"]}, phones
-    assert verifier["node_id"] == nodes["verifier"], verifier
+    where = placement()
+    assert set(where["Verifier"]) == nodes["verifier"] and len(where["Verifier"]) == 2, where
+    assert set(where["Device"]) == nodes["device"] and len(where["Device"]) == 2 * DEVICES_PER_NODE, where
+    assert where["Ingress"] == [nodes["head"]], where
 
 
 def test_an_image_crosses_the_nodes_and_equals_the_in_process_one(nodes):
@@ -64,7 +63,7 @@ def test_an_image_crosses_the_nodes_and_equals_the_in_process_one(nodes):
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
     assert r.status_code == 200, r.text
     got = r.json()
-    assert got["stats"]["verifications"] > 0  # the phone on one node asked the verifier on another
+    assert got["stats"]["verifications"] > 0  # the phone on one node asked a verifier on another
 
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.world import load_default_world
@@ -73,3 +72,24 @@ def test_an_image_crosses_the_nodes_and_equals_the_in_process_one(nodes):
     dec = make_decoder(world, make_verifier(world, max_sessions=1), "ciar", tau=TAU, span=4, prefix_rate=0.06,
                        network="5g")
     assert got["data"][0]["tokens"] == dec.generate(PROMPT, seed=4).tokens.tolist()
+
+
+def test_losing_a_verifier_node_then_a_device_node_under_load_loses_no_image(nodes):
+    from loadtests.nodeloss import compare, lose_under_load, workload
+    from loadtests.reliability import Client, _jobs
+
+    cl, client = nodes["cluster"], Client(f"http://127.0.0.1:{PORT}", KEY)
+    bodies = _jobs(6, seed=11)
+    streams = [{**b, "method": "ciar"} for b in _jobs(2, seed=12)]
+    base, wall = workload(client, bodies, streams, 4, None)
+    assert compare(base, base)["lost"] == 0, compare(base, base)
+    target = {"Verifier": 2, "Device": 2 * DEVICES_PER_NODE, "Ingress": 1}
+    disturbed = 0
+    for kind, dep in (("verifier", "Verifier"), ("device", "Device")):
+        r = lose_under_load(cl, kind, client, bodies, streams, 4, None, 0.3 * wall, 1.0, target, base)
+        report = {k: v for k, v in r.items() if k != "pool_samples"}
+        assert r["replicas_on_lost_node"].get(dep, 0) >= 1, report  # the node held the kind's replicas
+        assert r["lost"] == 0 and r["identical"] == r["attempted"] == len(bodies) + len(streams), report
+        assert r["pool_whole_after_s"] is not None and r["replicas_on_replacement"].get(dep, 0) >= 1, report
+        disturbed += sum(c["resumes"] + c["device_retries"] for c in r["channels"].values())
+    assert disturbed > 0  # images were in flight on the lost nodes: resumed on a survivor, or run again

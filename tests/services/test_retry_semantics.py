@@ -114,6 +114,7 @@ def test_a_repeated_open_is_answered_as_the_first_and_a_conflicting_one_is_refus
         (a, tok_a), (b, tok_b) = await asyncio.gather(backend.open(req, session_id="dup", device_id="d1"),
                                                       backend.open(req, session_id="dup", device_id="d1"))
         assert a is b and tok_a == tok_b and backend.v.num_sessions == 1
+        await backend.stepper.settled()  # nothing else of the engine's (an earlier test's close) still to step
         passes = backend.v.engine.steps
         c, _ = await backend.open(req, session_id="dup", device_id="d1")  # after it completed: replayed, no forward
         assert c is a and backend.v.engine.steps == passes
