@@ -79,7 +79,8 @@ class Client:
         if r.status_code == 200:
             st = j["stats"]
             out.update(tokens=j["data"][0].get("tokens"), degraded=bool(st.get("degraded")),
-                       resumes=st.get("resumes", 0), total_tokens=st.get("total_tokens"))
+                       resumes=st.get("resumes", 0), total_tokens=st.get("total_tokens"),
+                       device_retries=st.get("device_retries", 0))
         else:
             out["error"] = j.get("error", {}).get("message")
         return out

@@ -19,12 +19,61 @@ WEIGHTS = os.path.join(REPO, "weights", "scenes-v1")
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_shared_ray_modules(items)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One local Ray instance for the test modules that need a plain one (Ray Data pipelines, Serve applications on one
+# node): starting and stopping Ray costs 5-10 s a module on 2 cores. Those modules run one after another (moved, in
+# their order, to where the first of them was) and share it; it is shut down after the last, so a module that starts
+# a cluster of its own (several nodes, its own ray.init) never meets it.
+
+SHARED_RAY_METRICS_PORT = 8124  # Ray's Prometheus endpoint of the shared instance (tests/services/test_app.py)
+_SHARED = {"last_module": None}
+
+
+def _module_of(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+def _group_shared_ray_modules(items) -> None:
+    uses = {_module_of(i) for i in items if "shared_ray" in getattr(i, "fixturenames", ())}
+    if not uses:
+        return
+    first = next(k for k, i in enumerate(items) if _module_of(i) in uses)
+    shared = [i for i in items if _module_of(i) in uses]
+    rest = [i for i in items if _module_of(i) not in uses]
+    items[:] = rest[:first] + shared + rest[first:]
+
+
+def pytest_collection_finish(session):
+    mods = [_module_of(i) for i in session.items if "shared_ray" in getattr(i, "fixturenames", ())]
+    _SHARED["last_module"] = mods[-1] if mods else None
+
+
+@pytest.fixture(scope="module")
+def shared_ray(request):
+    """The shared local Ray instance (4 CPUs, no dashboard, offline Hugging Face and one OpenMP thread in every
+    worker, Ray's metrics on SHARED_RAY_METRICS_PORT every second), started by the first module that asks. A module
+    that starts Serve shuts Serve down itself; Ray is shut down after the last module that asks."""
+    ray = pytest.importorskip("ray")
+    from services.deploy import OFFLINE_ONE_THREAD_ENV, patient_serve_env
+
+    if not ray.is_initialized():
+        patient_serve_env()  # Serve's controller inherits the driver's environment
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=OFFLINE_ONE_THREAD_ENV,
+                 _metrics_export_port=SHARED_RAY_METRICS_PORT, _system_config={"metrics_report_interval_ms": 1000})
+    try:
+        yield ray
+    finally:
+        if _SHARED["last_module"] in (None, _module_of(request.node)):
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")

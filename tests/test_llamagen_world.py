@@ -138,10 +138,9 @@ def test_decode_benchmark_takes_the_worlds_gpt(files):
     assert res["meta"]["model"]["vocab_size"] == 64 and res["batch_1"]["ours_tok_s"] > 0
 
 
-def test_onpolicy_sequences_through_ray_data_equal_the_local_ones(files, tmp_path):
+def test_onpolicy_sequences_through_ray_data_equal_the_local_ones(files, tmp_path, shared_ray):
     """pipelines.onpolicy with --workers: the chunks sampled on a Ray Data actor pool give the same bytes as in
     process (each chunk has its own seeded generator), written in order, resumable."""
-    ray = pytest.importorskip("ray")
     from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
 
     w = load_world(files["world"])
@@ -149,13 +148,8 @@ def test_onpolicy_sequences_through_ray_data_equal_the_local_ones(files, tmp_pat
     tag = onpolicy_tag(w.cloud_file, w.sampling)
     local = build_onpolicy(str(tmp_path / "local"), "train", caps, w.cloud, w.sampling, 7, tag, chunk=3,
                            progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
-    try:
-        remote = build_onpolicy(str(tmp_path / "ray"), "train", caps, w.cloud, w.sampling, 7, tag, chunk=3,
-                                progress=False, workers=2, world=files["world"])
-    finally:
-        ray.shutdown()
+    remote = build_onpolicy(str(tmp_path / "ray"), "train", caps, w.cloud, w.sampling, 7, tag, chunk=3,
+                            progress=False, workers=2, world=files["world"])
     assert remote.done == local.done == 8
     assert np.array_equal(np.asarray(remote.tokens), np.asarray(local.tokens))
     assert len(np.unique(np.asarray(local.tokens), axis=0)) == 8  # not one sequence repeated

@@ -19,7 +19,7 @@ requests = pytest.importorskip("requests")
 
 from ciar.collab.names import METHODS, NETWORKS  # noqa: E402
 from ciar.testing import write_random_world  # noqa: E402
-from services.deploy import deploy_config, patient_serve_env  # noqa: E402
+from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8133
 URL = f"http://127.0.0.1:{PORT}"
@@ -31,14 +31,11 @@ SIZE = "48x48"  # the random world: 12 x 12 tokens, downsampling 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, shared_ray):
     # the device file carries its gate's threshold as a calibrated one does (the browser device reads it)
     weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
                                  with_device=True, ciar_defaults={"gate": "interval", "taus": {"interval": TAU},
                                                                   "span": 4})
-    patient_serve_env()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = {"weights_dir": weights, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 4,
             "max_images": 3, "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 32,
@@ -50,7 +47,6 @@ def cluster(tmp_path_factory):
                                                  "preview_every": 16, "policy": "fixed"}})
     yield {"weights": weights, "alias": os.path.basename(weights)}
     serve.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture

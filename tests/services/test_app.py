@@ -20,10 +20,10 @@ requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
 from loadtests.run import each_replica  # noqa: E402
-from services.deploy import deploy_config, patient_serve_env  # noqa: E402
+from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8123
-METRICS_PORT = 8124
+METRICS_PORT = 8124  # the shared Ray instance's (tests/conftest.py: SHARED_RAY_METRICS_PORT)
 URL = f"http://127.0.0.1:{PORT}"
 GEN = f"{URL}/v1/images/generations"
 KEY = "test-key-0123456789"
@@ -52,18 +52,13 @@ def deploy(weights: str, **device_live) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, shared_ray):
     weights = write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0},
                                  with_device=True)
-    patient_serve_env()  # the controller inherits the driver's environment
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=METRICS_PORT,
-             _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     deploy(weights)  # the `serve deploy serve_config.yaml` path: import path + args + user_configs
     yield weights
     serve.shutdown()
-    ray.shutdown()
 
 
 def post(body, headers=AUTH, timeout=180, **kw):

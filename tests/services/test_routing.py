@@ -75,12 +75,11 @@ def _target(router: str, name: str, go: str):
 
 
 @pytest.fixture(scope="module")
-def caller(tmp_path_factory):
+def caller(tmp_path_factory, shared_ray):
     import ray.cloudpickle
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
     folder = str(tmp_path_factory.mktemp("routing"))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     app = serve.deployment(Caller).options(ray_actor_options={"num_cpus": 0.1}).bind(
         _target(PLAIN, "PlainTarget", os.path.join(folder, "go-plain")),
         _target(ROUTER_CLASS, "FixedTarget", os.path.join(folder, "go-fixed")), folder)
@@ -89,7 +88,6 @@ def caller(tmp_path_factory):
     handle = serve._run(app, _blocking=False)
     yield handle
     serve.shutdown()
-    ray.shutdown()
 
 
 def test_a_timed_out_call_does_not_strand_the_next_session_call(caller):
