@@ -26,7 +26,7 @@ PYTEST_ARGS ?=
 SHIPPED := weights/scenes-v2
 ONNX := $(SHIPPED)/onnx/manifest.json
 
-.PHONY: setup lock test test-slow serve load clean-venv browser onnx web
+.PHONY: setup lock test test-slow serve load clean-venv browser onnx web redis
 
 $(STAMP): pyproject.toml device/pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,20 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null \
 	  || { echo "could not install chromium (the playground's browser test needs it): apt-get install chromium, or set CIAR_CHROMIUM" >&2; exit 1; }; \
 	else echo "no chromium and no apt-get: install chromium and set CIAR_CHROMIUM to its binary" >&2; exit 1; fi
+
+# the head-node failure run (python -m loadtests.headloss) backs Ray's GCS with a real Redis, as KubeRay's GCS fault
+# tolerance does: Debian's redis-server, installed here when missing (as root, or with password-less sudo). The run
+# starts and stops its own redis-server on a free loopback port; the system service is not used
+REDIS_SERVER ?= $(shell command -v redis-server)
+
+redis:
+	@if [ -n "$(REDIS_SERVER)" ]; then echo "redis: $(REDIS_SERVER) ($$($(REDIS_SERVER) --version | cut -d' ' -f3))"; \
+	elif command -v apt-get >/dev/null; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null \
+	  || { echo "could not install redis-server (the head-node failure run needs it): apt-get install redis-server" >&2; exit 1; }; \
+	  echo "redis: $$(command -v redis-server)"; \
+	else echo "no redis-server and no apt-get: install Redis so that redis-server is on PATH" >&2; exit 1; fi
 
 # the playground's browser device: onnxruntime-web, pinned by web/package-lock.json and served by the ingress at
 # /web/ort/ (services/web.py); installed again when the lockfile is newer than the install. Without npm the

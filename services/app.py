@@ -778,6 +778,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, verifier, call_timeout_s=cfg.verifier_call_timeout_s, runtime=cfg.device_runtime)
     return Ingress.options(
+        num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": cfg.ingress_resources},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
         # the proxy's own overload answer, shaped like ours (503 + Retry-After); the device fleet's queue is reached

@@ -325,6 +325,9 @@ class AppConfig(BaseModel):
     device_key_sha256: list[str] = Field(default_factory=list, description="accepted device keys by their SHA-256 "
                                          "hex digest")
     device_endpoint: DeviceEndpointConfig = Field(default_factory=DeviceEndpointConfig)
+    ingress_replicas: int = Field(1, ge=1, le=64, description="Ingress replicas (HTTP and the device endpoint); "
+                                  "more than one, on different nodes, so that a lost node takes only the requests "
+                                  "and device sockets its replica held (clients retry; devices reconnect and resume)")
     ingress_num_cpus: float = Field(0.1, gt=0.0)
     ingress_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per "
                                                 "Ingress replica, e.g. {\"ciar_ingress\": 1}: keeps the ingress, "
