@@ -318,7 +318,7 @@ def run(app: dict, out_dir: str, http: int, streams: int, sockets: int, socket_i
                 ingress_resources={"ciar_ingress": 1}, device_num_cpus=args.get("device_num_cpus", 0.25))
     key = client_key(app)
     bodies = _jobs(http, seed)
-    stream_bodies = [{**b, "method": "ciar"} for b in _jobs(streams, seed + 1)]
+    stream_bodies = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in _jobs(streams, seed + 1)]
     report: dict = {"layout": {"head": "controller, proxy, Ingress (ciar_ingress)", "verifier_nodes": 2,
                                "device_nodes": 2, "devices_per_node": devices_per_node},
                     "workload": {"http": http, "streams": streams, "sockets": sockets,

@@ -482,6 +482,11 @@ class DeviceEndpoint:
             return RequestFailed(403, "invalid session token for this session", "token")
         if isinstance(cause, SessionConflictError):
             return RequestFailed(409, msg, "session_id")
+        if _replica_lost(e) and ftype != VERIFY:  # the call never reached a live replica: safe to send again as it
+            # is (OPEN, RESUME, CLOSE; the router sends it to the session's new owner), never a 410: a 410 to a
+            # RESUME would tell the device to resume, which is what it was doing
+            return RequestFailed(503, "the verifier replica holding this session was lost: send it again",
+                                 retry_after_s=self.limits.retry_after_s)
         if isinstance(cause, SessionLostError) or _replica_lost(e):
             return RequestFailed(410, f"session {sid!r} is not held by the verifier: resume it from its history")
         if isinstance(cause, CaptionTooLongError):

@@ -206,6 +206,10 @@ class DeviceConnection:
                         on_drop()
                     except _Dropped:
                         continue
+                    except ServerError as e:  # a busy or lost replica: the next attempt finds the session's state
+                        if e.status not in (429, 503) or attempt == self.retries:
+                            raise
+                        time.sleep(max(e.retry_after_s, self.backoff_s))
             except ServerError as e:
                 if e.status not in (429, 503) or attempt == self.retries:
                     raise

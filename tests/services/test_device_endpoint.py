@@ -223,3 +223,22 @@ def test_only_a_bad_session_token_is_answered_403():
         assert (r.status, r.field) == (403, "token") and "invalid session token" in str(r), r
     r = DeviceEndpoint._failure(ep, PermissionError(13, "Permission denied"), "dx", "s", wire.RESUME)
     assert r.status == 500 and "token" not in str(r), r
+
+
+def test_a_lost_verifier_replica_is_a_410_for_a_verify_and_a_503_for_the_rest():
+    """Seen in loadtests.nodeloss: a RESUME routed to the replica a node took with it was answered 410 ('resume it
+    from its history'), which the device, already resuming, took as the end of the image. A call that never reached
+    a live replica is safe to send again as it is for OPEN, RESUME and CLOSE (503 + retry-after: the router then
+    sends it to the session's new owner); only a VERIFY, which may have been applied, asks for a RESUME (410)."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+
+    ep = SimpleNamespace(limits=EndpointLimits())
+    for lost in (ActorDiedError(), ActorUnavailableError("node gone", b"\x00" * 16)):
+        assert DeviceEndpoint._failure(ep, lost, "dx", "s", wire.VERIFY).status == 410
+        for ftype in (wire.OPEN, wire.RESUME, wire.CLOSE):
+            r = DeviceEndpoint._failure(ep, lost, "dx", "s", ftype)
+            assert r.status == 503 and r.retry_after_s == ep.limits.retry_after_s, (ftype, r)

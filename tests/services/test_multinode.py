@@ -80,7 +80,7 @@ def test_losing_a_verifier_node_then_a_device_node_under_load_loses_no_image(nod
 
     cl, client = nodes["cluster"], Client(f"http://127.0.0.1:{PORT}", KEY)
     bodies = _jobs(6, seed=11)
-    streams = [{**b, "method": "ciar"} for b in _jobs(2, seed=12)]
+    streams = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in _jobs(2, seed=12)]
     base, wall = workload(client, bodies, streams, 4, None)
     assert compare(base, base)["lost"] == 0, compare(base, base)
     target = {"Verifier": 2, "Device": 2 * DEVICES_PER_NODE, "Ingress": 1}

@@ -203,7 +203,10 @@ export class DeviceConnection {
               await this.connect();
               await onDrop();
             } catch (e) {
-              if (!(e instanceof Dropped)) throw e;
+              // a busy or lost replica: the next attempt finds the session's state
+              const busy = e instanceof ServerError && (e.status === 429 || e.status === 503) && attempt < this.retries;
+              if (!(e instanceof Dropped) && !busy) throw e;
+              if (busy) await sleep(Math.max(1000 * e.retryAfterS, this.backoffMs));
             }
           }
         } else if (err instanceof ServerError && (err.status === 429 || err.status === 503) && attempt < this.retries) {
