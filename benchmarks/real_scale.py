@@ -2,7 +2,7 @@
 
     python -m benchmarks.real_scale --out DIR --results benchmarks/results/DATE/real_scale.json [--threads 1]
         [--images cloud,ciar] [--steps measure,images,serve,collab] [--gpt-dtype float32|bfloat16] [--prompt TEXT]
-        [--keep] [--sizes real|real-512|tiny|tiny-1024] [--rows 1,8,32]
+        [--keep] [--sizes real|real-512|tiny|tiny-1024|anole-7b|anole-tiny] [--rows 1,8,32]
 
 `--sizes real` is LlamaGen-XL Stage I (`t2i_XL_stage1_256.pt`, 256 px, 16 x 16 = 256 image tokens), `real-512`
 Stage II (`t2i_XL_stage2_512.pt`, the same GPT-XL at 512 px, 32 x 32 = 1,024 image tokens; run it with
@@ -40,6 +40,20 @@ and 32 x 32 tokens (the tests).
    process.
 
 A step that fails is recorded with its error (`broke`) and the others still run.
+
+`--sizes anole-7b` is an Anole world (worlds/anole-7b.yaml) at Anole-7b's shapes, `anole-tiny` the same at tiny ones
+(the test); only `--steps measure` (the default there: a whole image is 1,024 steps of a 7B decoder, hours on this
+CPU; other steps are refused), rows 1 and 8, the decoder in bfloat16 unless `--gpt-dtype` says otherwise.
+Step 1 writes (`ciar.testing.write_sharded_random_anole_files`, ~14 GB, tensor by tensor: memory of one tensor, not
+the model) the transformers folder as `save_pretrained` shards Chameleon-7B (config.json with the 7B defaults and a
+vocabulary map of 8,192 IMGIMG image tokens, three bfloat16 `model-0000K-of-00003.safetensors` with
+`model.safetensors.index.json`, every key of `ChameleonForConditionalGeneration` including the VQ encoder the world
+ignores, a BPE stand-in tokenizer.json), the taming VQGAN (ckpt + yaml, Chameleon's config) and a 1-layer device
+model from the decoder's first layer. Step 2 measures as above, except: the prompt is tokenized (no text encoder);
+the VQ decode and the device step come first, then the device model and the VQGAN are dropped (room for the 8-row
+KV caches on this shared box) before the forwards, at positions 640 and 1,024 (128 prompt positions + 512 / 896);
+a forward whose KV cache would leave the machine less than 1 GiB is not run (reported); the measuring process
+waits for the memory its files need before it loads them, and sets its `oom_score_adj` to 1000.
 
 Writes `--results` (JSON) and its Markdown beside it. The weights are random: the images are noise and the CIAR
 acceptance rates mean nothing; the shapes, memory and times are those of the real models on this CPU, in the
@@ -83,7 +97,13 @@ SIZES = {
     "tiny": {"gpt_overrides": _TINY_GPT, "vq_overrides": _TINY_VQ, "image_size": 64, "t5": None},
     # tiny widths at Stage II's token count (32 x 32 = 1,024 image tokens, 512 px images)
     "tiny-1024": {"gpt_overrides": _TINY_GPT, "vq_overrides": _TINY_VQ, "image_size": 512, "t5": None},
+    # Anole-7b (worlds/anole-7b.yaml): Chameleon-7B's decoder in bfloat16 shards, its VQGAN (512 px, 32 x 32 = 1,024
+    # image tokens of 8,192 codes), 128 prompt positions (ciar.testing.ANOLE_7B_SHAPES); measure only
+    "anole-7b": {"kind": "anole", "shapes": "ANOLE_7B_SHAPES", "rows": "1,8"},
+    # the same files at tiny shapes (ciar.testing.ANOLE_TINY_SHAPES: 4 x 4 image tokens at 32 px; the tests)
+    "anole-tiny": {"kind": "anole", "shapes": "ANOLE_TINY_SHAPES", "rows": "1,8"},
 }
+ANOLE_STEPS = ("measure",)  # a whole Anole image is 1,024 steps of a 7B decoder: hours on this CPU
 
 
 def checkpoint_name(image_size: int) -> str:
@@ -118,6 +138,8 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     from ciar.testing import make_tiny_t5, write_llamagen_checkpoints
 
     size = SIZES[sizes]
+    if size.get("kind") == "anole":
+        return write_anole_files(folder, size, gpt_dtype)
     grid = size["image_size"] // 16
     os.makedirs(folder, exist_ok=True)
     t0 = time.perf_counter()
@@ -144,6 +166,49 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     return {"world_file": path, "file_mb": sizes, "write_s": {"gpt_vq_device": t1 - t0, "t5": t2 - t1}}
 
 
+def write_anole_files(folder: str, size: dict, gpt_dtype: str) -> dict:
+    """An Anole world's random files (`ciar.testing.write_sharded_random_anole_files` at `size["shapes"]`: the
+    transformers folder's bfloat16 shards written tensor by tensor, the VQGAN, a 1-layer device model from the
+    decoder's first layer) and `DIR/world.yaml` naming them (as worlds/anole-7b.yaml, `gpt_dtype` given)."""
+    import yaml
+
+    import ciar.testing as testing
+
+    os.makedirs(folder, exist_ok=True)
+    t0 = time.perf_counter()
+    fields = testing.write_sharded_random_anole_files(folder, getattr(testing, size["shapes"]))
+    t1 = time.perf_counter()
+    world = {**fields, "gpt_dtype": gpt_dtype, "sampling": {"cfg_scale": 3.0, "temperature": 0.7, "top_k": 0,
+                                                            "top_p": 0.9}}
+    path = os.path.join(folder, "world.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(world, f, sort_keys=False)
+    model = os.path.join(folder, fields["model"])
+    shards = sorted(n for n in os.listdir(model) if n.endswith(".safetensors"))
+    sizes = {"decoder": _mb(sum(os.path.getsize(os.path.join(model, n)) for n in shards)),
+             "vq": _mb(os.path.getsize(os.path.join(folder, fields["vq_checkpoint"]))),
+             "device": _mb(os.path.getsize(os.path.join(folder, fields["device_checkpoint"])))}
+    return {"world_file": path, "file_mb": sizes, "decoder_shards": shards, "write_s": {"all": t1 - t0}}
+
+
+def reused_files(folder: str, sizes: str, gpt_dtype: str) -> dict:
+    """`--reuse`: the files already in `folder` (its world.yaml, whose `gpt_dtype` must be `gpt_dtype`) -> what
+    write_files reports, with no write time and `reused` true."""
+    import yaml
+
+    path = os.path.join(folder, "world.yaml")
+    with open(path) as f:
+        world = yaml.safe_load(f)
+    if world.get("gpt_dtype", "float32") != gpt_dtype:
+        raise SystemExit(f"--reuse: {path} has gpt_dtype {world.get('gpt_dtype')}, not {gpt_dtype}")
+    files = {}
+    for root, _, names in os.walk(folder):
+        for n in names:
+            if n.endswith((".safetensors", ".pt", ".ckpt")):
+                files[os.path.relpath(os.path.join(root, n), folder)] = _mb(os.path.getsize(os.path.join(root, n)))
+    return {"world_file": path, "file_mb": files, "write_s": {}, "reused": True, "sizes": sizes}
+
+
 def _timed_s(fn, reps: int) -> tuple[float, float]:
     """-> (median, fastest) seconds of `reps` calls after a warm-up. On a box shared with other jobs the median
     carries their load, the fastest repetition less of it."""
@@ -167,77 +232,208 @@ def forward_contexts(c) -> dict[str, int]:
 
 
 def measure(world_file: str, reps: int, rows_list: tuple[int, ...] = (1, 8, 32)) -> dict:
-    """Load the world and time its parts (this process is the replica: its peak RSS is reported)."""
+    """Load the world and time its parts (this process is the replica: its peak RSS is reported).
+
+    An Anole world (a 7B decoder) is measured in another order, for its memory on a shared box: the VQ decode and
+    the device step first, then the device model and the VQGAN are dropped (the freed heap handed back to the
+    system, `malloc_trim`) before the verifier forwards, whose 8-row KV caches at 7/8 of the image are 4 GiB beside
+    the 13 GiB decoder. A Verifier replica (`services.verifier`) loads the whole world, so its resident set is the
+    after-load figure plus its sessions' KV caches. This process also offers itself first to the OOM killer
+    (`oom_score_adj` 1000): if the box runs out, it is the one to go, not another job's."""
+    import gc
+
     import torch
 
+    from ciar.models.chameleon import ChameleonGPT
     from ciar.world import load_world
 
+    waited = _wait_for_memory(world_file)
+    if waited is not None:  # an Anole world on this box: this process, not a neighbour, is the OOM killer's pick
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
     t0 = time.perf_counter()
     world = load_world(world_file, need_device=True, need_text=True)
     out = {"load_s": time.perf_counter() - t0, "peak_rss_after_load_mb": peak_rss_mb()}
+    if waited is not None:
+        out["waited_for_memory_s"] = waited
     cloud, c = world.cloud, world.cloud.config
+    anole = isinstance(cloud, ChameleonGPT)
+    vq_cfg = world.vq.config
     out["gpt"] = {"params": sum(p.numel() for p in cloud.parameters()), "dtype": str(cloud.tok_embeddings.weight.dtype),
                   "image_tokens": c.block_size, "grid": c.grid_size, "caption_positions": c.cls_token_num,
-                  "image_size": world.vq.config.image_size}
-    out["t5"] = {"params": sum(p.numel() for p in world.text.model.parameters()), "dtype": str(world.text.dtype),
-                 "positions": world.text.max_length}
-    out["t5_encode_s_per_caption"] = float(np.median([_median_s(lambda cap=cap: world.text.encode([cap]), 1)
-                                                      for cap in CAPTIONS]))
-    session = cloud.new_cache(2)  # what CloudVerifier allocates per session (two rows), up front
+                  "image_size": getattr(vq_cfg, "image_size", None) or vq_cfg.resolution}
+    if anole:
+        out["gpt"].update(arch="chameleon", layers=c.n_layer, dim=c.dim, heads=c.n_head, kv_heads=c.kv_heads,
+                          text_vocab=c.text_vocab_size, image_codes=c.vocab_size)
+        out["prompt"] = {"encoder": "Chameleon BPE (the folder's tokenizer.json: token ids, no model)",
+                         "positions": world.text.max_length}
+        out["prompt_encode_s_per_caption"] = float(np.median([_median_s(lambda cap=cap: world.text.encode([cap]), 1)
+                                                              for cap in CAPTIONS]))
+    else:
+        out["t5"] = {"params": sum(p.numel() for p in world.text.model.parameters()), "dtype": str(world.text.dtype),
+                     "positions": world.text.max_length}
+        out["t5_encode_s_per_caption"] = float(np.median([_median_s(lambda cap=cap: world.text.encode([cap]), 1)
+                                                          for cap in CAPTIONS]))
+    # what CloudVerifier allocates per session (two rows), up front (its shapes: on the meta device, nothing held)
+    session = cloud.new_cache(2, device=torch.device("meta"))
     out["kv_cache_mb_per_session"] = _mb(sum(t.numel() * t.element_size() for t in session.k + session.v))
     out["kv_cache_positions"] = session.max_seq
     del session
     with torch.inference_mode():
-        for name, start in forward_contexts(c).items():
-            forward, fastest = {}, {}
-            for rows in rows_list:  # a span (4 drafts + the committed token) in each of `rows` sessions' rows
-                cache = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16)
-                cache.key_valid[:] = True
-                tokens = torch.randint(0, c.vocab_size, (rows, SPAN_WIDTH),
-                                       generator=torch.Generator().manual_seed(rows))
-                pos = torch.arange(start, start + SPAN_WIDTH)
-
-                def step():
-                    cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tokens), pos,
-                                                      kv_len=start + SPAN_WIDTH))
-
-                forward[str(rows)], fastest[str(rows)] = _timed_s(step, reps)
-                del cache
-            key = "verifier_forward_s" if name == "mid" else f"verifier_forward_{name}_s"
-            out[key] = {"span_width": SPAN_WIDTH, "context": start, "by_rows": forward, "fastest_by_rows": fastest}
-            # the cloud's sampled step there: one token in a session's two CFG rows (cloud-only decoding, bursts)
-            cache = cloud.new_cache(2, max_seq=start + 16)
-            cache.key_valid[:] = True
-            tok = torch.zeros(2, 1, dtype=torch.long)
-            at = torch.tensor([start])
-
-            def decode():
-                cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tok), at, kv_len=start + 1))
-
-            t, t_fast = _timed_s(decode, reps)
-            out.setdefault("cloud_decode_step_s", {})[str(start)] = t
-            out.setdefault("cloud_decode_step_fastest_s", {})[str(start)] = t_fast
-            del cache
-        code = torch.randint(0, world.vq.config.codebook_size, (1, c.block_size),
-                             generator=torch.Generator().manual_seed(0))
-        out["vq_decode_s"] = _median_s(lambda: world.vq.decode_code(code), 1)  # one image (and each stream preview)
-        dm = world.device_model
-        cap = world.text.encode([CAPTIONS[0]])
-        cache = dm.new_cache(2)
-        cond, mask, drop = dm.gpt.cfg_condition(cap.emb, cap.mask)
-        dm.prefill(cache, cond, mask, drop)
-        state = {"pos": c.cls_token_num}
-
-        def device_step():
-            p = state["pos"]
-            dm.decode(cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([p]), last_only=True)
-            state["pos"] = p + 1
-
-        out["device_step_s"], out["device_step_fastest_s"] = _timed_s(device_step, 10)
-        out["device"] = {"params": sum(p.numel() for p in dm.parameters()), "layers": dm.config.n_layer,
-                         "kv_cache_mb_per_session": _mb(sum(t.numel() * t.element_size() for t in cache.k + cache.v))}
+        if anole:
+            _measure_vq(world, c, out)
+            _measure_device(world, c, out)
+            world.device_model = world.vq = None  # room for the 8-row KV caches on this box (docstring)
+            out["dropped_before_forwards"] = ["device_model", "vq"]
+            gc.collect()
+            _malloc_trim()
+            out["peak_rss_before_forwards_mb"] = peak_rss_mb()
+            out["rss_before_forwards_mb"] = rss_now_mb()
+        _measure_forwards(cloud, c, reps, rows_list, out, guard=anole)
+        if not anole:
+            _measure_vq(world, c, out)
+            _measure_device(world, c, out)
     out["peak_rss_mb"] = peak_rss_mb()
     return out
+
+
+def rss_now_mb() -> float | None:
+    """This process's resident set now (Linux's VmRSS), None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _malloc_trim() -> None:
+    """Hand glibc's free heap back to the system (a 7B load leaves ~1 GB of freed transients in it)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def mem_available_bytes() -> int | None:
+    """Linux's MemAvailable (what can be allocated without swapping or the OOM killer), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+MEMORY_MARGIN = 2**30  # bytes left to the machine's other processes beside a guarded KV cache
+
+
+def _wait_for_memory(world_file: str, timeout_s: float = 900.0, poll_s: float = 10.0) -> float | None:
+    """Before an Anole world loads on a shared box: wait (up to `timeout_s`) until the machine's available memory
+    holds its weight files (as they load: bfloat16 stays bfloat16) and MEMORY_MARGIN; MemoryError after that.
+    -> seconds waited (None: not an Anole world, or no MemAvailable to read)."""
+    from ciar.world_spec import AnoleWorldSpec, read_world
+
+    spec = read_world(world_file, check=False)
+    if not isinstance(spec, AnoleWorldSpec) or mem_available_bytes() is None:
+        return None
+    need = sum(os.path.getsize(p) for p in spec.weight_files() + [spec.path(spec.vq_checkpoint), spec.device_file()]
+               if p) + MEMORY_MARGIN
+    t0 = time.perf_counter()
+    while mem_available_bytes() < need:
+        if time.perf_counter() - t0 > timeout_s:
+            raise MemoryError(f"{need / 2**30:.1f} GiB needed to load the world, "
+                              f"{mem_available_bytes() / 2**30:.1f} GiB available after waiting {timeout_s:.0f} s")
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
+
+
+def _measure_forwards(cloud, c, reps: int, rows_list: tuple[int, ...], out: dict, guard: bool = False) -> None:
+    """The verifier forward over `rows_list` rows of a span, and the cloud's sampled step, at mid-image and 7/8.
+    `guard` (a 7B decoder on a shared box): a forward whose KV cache would leave less than MEMORY_MARGIN of the
+    machine's available memory is not run; `skipped` says which and why."""
+    import torch
+
+    for name, start in forward_contexts(c).items():
+        forward, fastest = {}, {}
+        for rows in rows_list:  # a span (4 drafts + the committed token) in each of `rows` sessions' rows
+            if guard:
+                probe = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16, device=torch.device("meta"))
+                need, free = sum(t.numel() * t.element_size() for t in probe.k + probe.v), mem_available_bytes()
+                if free is not None and need + MEMORY_MARGIN > free:
+                    out.setdefault("skipped", []).append(
+                        f"verifier forward, {rows} rows at {start}: its KV cache is {need / 2**30:.2f} GiB, "
+                        f"{free / 2**30:.2f} GiB available (margin {MEMORY_MARGIN / 2**30:.0f} GiB)")
+                    continue
+            cache = cloud.new_cache(rows, max_seq=start + SPAN_WIDTH + 16)
+            cache.key_valid[:] = True
+            tokens = torch.randint(0, c.vocab_size, (rows, SPAN_WIDTH),
+                                   generator=torch.Generator().manual_seed(rows))
+            pos = torch.arange(start, start + SPAN_WIDTH)
+
+            def step():
+                cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tokens), pos,
+                                                  kv_len=start + SPAN_WIDTH))
+
+            forward[str(rows)], fastest[str(rows)] = _timed_s(step, reps)
+            del cache
+        key = "verifier_forward_s" if name == "mid" else f"verifier_forward_{name}_s"
+        out[key] = {"span_width": SPAN_WIDTH, "context": start, "by_rows": forward, "fastest_by_rows": fastest}
+        # the cloud's sampled step there: one token in a session's two CFG rows (cloud-only decoding, bursts)
+        cache = cloud.new_cache(2, max_seq=start + 16)
+        cache.key_valid[:] = True
+        tok = torch.zeros(2, 1, dtype=torch.long)
+        at = torch.tensor([start])
+
+        def decode():
+            cloud.logits(cloud.forward_cached(cache, cloud.tok_embeddings(tok), at, kv_len=start + 1))
+
+        t, t_fast = _timed_s(decode, reps)
+        out.setdefault("cloud_decode_step_s", {})[str(start)] = t
+        out.setdefault("cloud_decode_step_fastest_s", {})[str(start)] = t_fast
+        del cache
+
+
+def _measure_vq(world, c, out: dict) -> None:
+    """One VQ decode of a whole image (what each streamed preview costs too)."""
+    import torch
+
+    codes = getattr(world.vq.config, "codebook_size", None) or world.vq.config.n_embed
+    code = torch.randint(0, codes, (1, c.block_size), generator=torch.Generator().manual_seed(0))
+    out["vq_decode_s"] = _median_s(lambda: world.vq.decode_code(code), 1)
+
+
+def _measure_device(world, c, out: dict) -> None:
+    """The device model's one-token step (2 CFG rows, last position only) and its KV cache."""
+    import torch
+
+    from ciar.collab.device import device_caption
+
+    dm = world.device_model
+    cap = world.text.encode([CAPTIONS[0]])
+    cache = dm.new_cache(2)
+    # a Chameleon trunk conditions on the prompt's embeddings (what the verifier sends a device), LlamaGen's on T5's
+    cond, mask, drop = dm.gpt.cfg_condition(device_caption(world.cloud, cap.emb), cap.mask)
+    dm.prefill(cache, cond, mask, drop)
+    state = {"pos": c.cls_token_num}
+
+    def device_step():
+        p = state["pos"]
+        dm.decode(cache, torch.zeros(2, 1, dtype=torch.long), torch.tensor([p]), last_only=True)
+        state["pos"] = p + 1
+
+    out["device_step_s"], out["device_step_fastest_s"] = _timed_s(device_step, 10)
+    out["device"] = {"params": sum(p.numel() for p in dm.parameters()), "layers": dm.config.n_layer,
+                     "kv_cache_mb_per_session": _mb(sum(t.numel() * t.element_size() for t in cache.k + cache.v))}
 
 
 class _Feed:
@@ -362,8 +558,9 @@ def run_child(cmd: list[str]) -> dict:
     output = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
+    lines = output.strip().splitlines()
     return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "output_tail": output[-1500:]}
+            "output_tail": output[-1500:], "last_line": lines[-1] if lines else ""}
 
 
 def serve_run(world_file: str, methods: list[str], prompt: str, threads: int, port: int = 8135) -> dict:
@@ -436,22 +633,40 @@ def serve_run(world_file: str, methods: list[str], prompt: str, threads: int, po
 
 def markdown(r: dict) -> str:
     """The results as a table (only the steps that ran)."""
-    lines = ["# LlamaGen-XL at real sizes on this CPU (random weights, real layouts)", "",
+    anole = SIZES.get(r["sizes"], {}).get("kind") == "anole"
+    title = ("Anole-7b (Chameleon-7B's decoder) at real sizes" if r["sizes"] == "anole-7b" else
+             f"Anole ({r['sizes']})" if anole else "LlamaGen-XL at real sizes")
+    lines = [f"# {title} on this CPU (random weights, real layouts)", "",
              f"Machine: {r['machine']}; torch threads {r['threads']}; sizes {r['sizes']}. Files (MB): "
-             f"{r['write']['file_mb']}; written in {sum(r['write']['write_s'].values()):.0f} s.", "",
+             f"{r['write']['file_mb']}; "
+             + ("reused from an earlier run (--reuse)." if r["write"].get("reused") else
+                f"written in {sum(r['write']['write_s'].values()):.0f} s."), "",
              "| figure | value |", "|---|---|"]
     if "measure" in r:
         m = r["measure"]
-        f = m["verifier_forward_s"]
+        if "t5" in m:
+            text, what = (f"T5 encoder {m['t5']['params'] / 1e6:.0f} M ({m['t5']['dtype']}, {m['t5']['positions']} "
+                          f"positions)"), "GPT + VQ + T5 + device model"
+            encode = f"| T5 encode, one caption | {m['t5_encode_s_per_caption']:.2f} s |"
+        else:
+            g = m["gpt"]
+            text, what = (f"{g.get('layers')} layers x {g.get('dim')}, {g.get('heads')} heads, vocabulary "
+                          f"{g.get('text_vocab')} of which {g.get('image_codes')} image codes; prompt: "
+                          f"{m['prompt']['encoder']}, {m['prompt']['positions']} positions"), \
+                "decoder + VQGAN + prompt tokenizer + device model"
+            encode = f"| prompt tokenized, one caption | {1e3 * m['prompt_encode_s_per_caption']:.2f} ms |"
         lines += [
-            f"| models | GPT {m['gpt']['params'] / 1e6:.0f} M parameters ({m['gpt']['dtype']}), T5 encoder "
-            f"{m['t5']['params'] / 1e6:.0f} M ({m['t5']['dtype']}, {m['t5']['positions']} positions), device model "
-            f"{m['device']['params'] / 1e6:.0f} M ({m['device']['layers']} layer) |",
-            f"| load_world (GPT + VQ + T5 + device model) | {m['load_s']:.1f} s |",
+            f"| models | {'decoder' if anole else 'GPT'} {m['gpt']['params'] / 1e6:.0f} M parameters "
+            f"({m['gpt']['dtype']}), {text}, device model {m['device']['params'] / 1e6:.0f} M "
+            f"({m['device']['layers']} layer) |",
+            f"| load_world ({what}) | {m['load_s']:.1f} s |",
             f"| peak RSS after loading | {m['peak_rss_after_load_mb']:.0f} MB |",
-            f"| peak RSS of the measuring process | {m['peak_rss_mb']:.0f} MB |",
-            f"| T5 encode, one caption | {m['t5_encode_s_per_caption']:.2f} s |",
         ]
+        if "peak_rss_before_forwards_mb" in m:
+            lines.append(f"| peak RSS after the VQ decode and the device step; RSS once "
+                         f"{' and '.join(m['dropped_before_forwards'])} were dropped, before the verifier forwards | "
+                         f"{m['peak_rss_before_forwards_mb']:.0f} MB; {m.get('rss_before_forwards_mb') or 0:.0f} MB |")
+        lines += [f"| peak RSS of the measuring process | {m['peak_rss_mb']:.0f} MB |", encode]
         for f in [m[k] for k in ("verifier_forward_s", "verifier_forward_late_s") if k in m]:
             fast = f.get("fastest_by_rows", {})
             lines += [f"| verifier forward, {rows} row(s) x {f['span_width']} positions at position {f['context']} | "
@@ -464,7 +679,8 @@ def markdown(r: dict) -> str:
         if "vq_decode_s" in m:
             lines.append(f"| VQ decode, one {m['gpt'].get('image_size', '?')} px image (also each streamed preview) | "
                          f"{m['vq_decode_s']:.2f} s |")
-        lines.append(f"| device step (1 token, 2 CFG rows) | {1e3 * m['device_step_s']:.1f} ms |")
+        lines.append(f"| device step (1 token, 2 CFG rows) | {1e3 * m['device_step_s']:.1f} ms "
+                     f"(fastest {1e3 * m['device_step_fastest_s']:.1f}) |")
         if "kv_cache_mb_per_session" in m:
             kv, n = m["kv_cache_mb_per_session"], r["gpu_config_max_sessions"]
             held = (f"serve_config.gpu.yaml's {n} sessions: {kv * n / 1024:.1f} GiB, allocated at start" if n != "auto"
@@ -506,6 +722,8 @@ def markdown(r: dict) -> str:
         c = r["collab"]
         lines.append(f"| benchmarks.collab, 4 prompts, cloud + ciar (own process) | rc {c['rc']}, wall "
                      f"{c['wall_s']:.0f} s, peak RSS {c['peak_rss_mb']:.0f} MB; results {c.get('results')} |")
+    if r.get("measure", {}).get("skipped"):
+        lines += ["", "Not run (memory): " + "; ".join(r["measure"]["skipped"])]
     lines += ["", "Broke at these sizes: " + ("; ".join(r["broke"]) or "nothing"), "", "Command:", "",
               "    " + r["command"], ""]
     return "\n".join(lines)
@@ -518,14 +736,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="real", choices=sorted(SIZES), help="the files' shapes (tiny: tests)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per verifier forward")
-    ap.add_argument("--rows", default="1,8,32", help="batch rows of the timed verifier forwards")
+    ap.add_argument("--rows", default=None, help="batch rows of the timed verifier forwards (default 1,8,32; "
+                                                 "Anole sizes 1,8)")
     ap.add_argument("--images", default="cloud,ciar", help="methods to make one image with")
-    ap.add_argument("--steps", default="measure,images,serve,collab", help="steps after writing the files")
-    ap.add_argument("--gpt-dtype", default="float32", choices=["float32", "bfloat16"], help="the world's gpt_dtype")
+    ap.add_argument("--steps", default=None, help="steps after writing the files (default measure,images,serve,"
+                                                  "collab; Anole sizes: measure only)")
+    ap.add_argument("--gpt-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the world's gpt_dtype (default float32; Anole sizes bfloat16, as released)")
     ap.add_argument("--prompt", default=CAPTIONS[0])
     ap.add_argument("--keep", action="store_true", help="keep OUT's files")
+    ap.add_argument("--reuse", action="store_true",
+                    help="measure the files an earlier run left in OUT (--keep, or a run that broke) instead of "
+                         "writing them again; the report says so")
     ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: measure this world file
     args = ap.parse_args(argv)
+    anole = SIZES[args.sizes].get("kind") == "anole"
+    args.rows = args.rows or SIZES[args.sizes].get("rows", "1,8,32")
+    args.gpt_dtype = args.gpt_dtype or ("bfloat16" if anole else "float32")
+    args.steps = args.steps or (",".join(ANOLE_STEPS) if anole else "measure,images,serve,collab")
+    if anole and set(args.steps.split(",")) - set(ANOLE_STEPS):
+        ap.error(f"--sizes {args.sizes}: only --steps {','.join(ANOLE_STEPS)} (asked: {args.steps}); a whole Anole "
+                 f"image is 1,024 steps of the 7B decoder, hours on this CPU, and the Serve application and "
+                 f"benchmarks.collab do not take Anole worlds here")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -535,7 +767,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m benchmarks.real_scale " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     report = {"command": command, "threads": args.threads, "sizes": args.sizes, "gpt_dtype": args.gpt_dtype,
               "machine": f"{os.cpu_count()} CPU cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU"}
-    report["write"] = write_files(args.out, args.sizes, args.gpt_dtype)
+    if args.reuse:
+        report["write"] = reused_files(args.out, args.sizes, args.gpt_dtype)
+    else:
+        report["write"] = write_files(args.out, args.sizes, args.gpt_dtype)
     report["gpu_config_max_sessions"] = gpu_config_max_sessions()
     report["scheduler"] = scheduler_plan(report["write"]["world_file"])
     world, steps, methods = report["write"]["world_file"], args.steps.split(","), args.images.split(",")
@@ -547,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         if child["rc"]:
             report["broke"].append(f"measure: {child['output_tail'][-300:]}")
         else:
-            report["measure"] = json.loads(child["output_tail"].strip().splitlines()[-1])
+            report["measure"] = json.loads(child["last_line"])  # whole: a long report outgrows the tail
     if "images" in steps:
         report["images"] = {}
         for method in methods:

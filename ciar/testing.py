@@ -376,3 +376,181 @@ def write_random_anole_files(folder: str, seed: int = 0, with_device: bool = Tru
         dev.save(os.path.join(folder, "device.safetensors"))
         fields["device_checkpoint"] = "device.safetensors"
     return fields
+
+
+# ---------------------------------------------------------------------------------------------------- Anole, sharded
+# Anole-7b's shapes: transformers' `ChameleonConfig` defaults are Chameleon-7B's (32 layers x 4096, FFN 11008, 32 heads,
+# 32 KV heads, a 65,536-token vocabulary, 4,096 positions; its VQ encoder's config too), the VQGAN is
+# `ChameleonVQConfig`'s defaults (ch 128, ch_mult [1, 1, 2, 2, 4], 2 res blocks, z / embed 256, 8,192 codes, 512 px),
+# 128 prompt positions as worlds/anole-7b.yaml, three bfloat16 shards as leloy/Anole-7b-v0.1-hf
+ANOLE_7B_SHAPES = dict(n_codes=8192, text_config={}, vq_config={}, cls_token_num=128, shards=3)
+# the same files at tiny sizes (ANOLE_TINY's decoder and VQGAN: 4 x 4 image tokens at 32 px), two shards; 40 prompt
+# positions: benchmarks.real_scale's captions fit the stand-in tokenizer
+ANOLE_TINY_SHAPES = dict(
+    n_codes=ANOLE_TINY["n_codes"], cls_token_num=40, shards=2,
+    text_config=dict(vocab_size=ANOLE_TINY["text_vocab"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     vq_config=dict(base_channels=32, channel_multiplier=[1, 1], num_embeddings=ANOLE_TINY["n_codes"],
+                                    embed_dim=8, latent_channels=8, resolution=32, attn_resolutions=[])),
+    vq_config=dict(ANOLE_TINY_VQ, n_embed=ANOLE_TINY["n_codes"], embed_dim=8))
+_SAFETENSORS_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+
+
+def write_safetensors_streamed(path: str, entries: list[tuple[str, tuple, torch.dtype]], produce,
+                               metadata: dict | None = None) -> int:
+    """Write a safetensors file one tensor at a time (memory: one tensor, not the file): `entries` (name, shape,
+    dtype) in file order, `produce(name)` -> that tensor's values as an iterable of contiguous tensors of its dtype
+    whose bytes, one after the other, are the tensor's (row-major). The format: an 8-byte little-endian header
+    length, the JSON header (each tensor's dtype, shape and data offsets, `__metadata__`) padded with spaces to 8
+    bytes, then the data. -> bytes of tensor data written."""
+    import struct
+
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
+    for name, shape, dtype in entries:
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in entries:
+            want, wrote = header[name]["data_offsets"][1] - header[name]["data_offsets"][0], 0
+            for piece in produce(name):
+                if piece.dtype != dtype:
+                    raise TypeError(f"{name}: produced {piece.dtype}, declared {dtype}")
+                data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(data)
+                wrote += data.nbytes
+            if wrote != want:
+                raise ValueError(f"{name}: produced {wrote} bytes, declared {want}")
+    return offset
+
+
+class _RandomWeights:
+    """Deterministic random values for a decoder's tensors, made on demand, tensor by tensor: a norm's weight
+    1 + 0.1 N(0, 1) and any bias 0.1 N(0, 1) (each its own seeded generator), every other tensor a slice of one
+    seeded pool of N(0, 0.02^2) bfloat16 samples (the config's initializer_range) at a random offset, wrapping round
+    the pool: 14 GB of Anole weights are then written at disk speed, not at the speed of a normal sampler."""
+
+    def __init__(self, shapes: dict[str, tuple], seed: int, dtype: torch.dtype, pool: int = 2 ** 25):
+        self.shapes, self.seed, self.dtype = shapes, seed, dtype
+        self.index = {name: i for i, name in enumerate(shapes)}
+        largest = max(torch.Size(s).numel() for s in shapes.values())
+        g = torch.Generator().manual_seed(seed)
+        self.pool = (torch.randn(min(pool, largest), generator=g) * 0.02).to(dtype)
+
+    def _generator(self, name: str) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + self.index[name] + 1)
+
+    def pieces(self, name: str):
+        shape, g = self.shapes[name], self._generator(name)
+        n = torch.Size(shape).numel()
+        if name.endswith("bias") or ("norm" in name and name.endswith("weight")):
+            r = torch.randn(n, generator=g)
+            yield ((1.0 + 0.1 * r) if name.endswith("weight") else 0.1 * r).to(self.dtype)
+            return
+        at = int(torch.randint(0, self.pool.numel(), (1,), generator=g))
+        while n > 0:
+            piece = self.pool[at:at + n]
+            yield piece
+            n -= piece.numel()
+            at = 0
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return torch.cat(list(self.pieces(name))).view(self.shapes[name])
+
+
+def write_sharded_random_anole_files(folder: str, shapes: dict | None = None, seed: int = 0, with_device: bool = True,
+                                     dtype: torch.dtype = torch.bfloat16) -> dict:
+    """RANDOM-weight stand-ins for an Anole world's files in their real layouts, at any size (`shapes`:
+    ANOLE_7B_SHAPES, the default, or ANOLE_TINY_SHAPES), written without holding the model: `anole-hf/` a
+    transformers folder as `save_pretrained` shards it (config.json from transformers' `ChameleonConfig` with the
+    shapes' `text_config` over its Chameleon-7B defaults and a vocabulary_map naming `n_codes` IMGIMG image tokens
+    from id 4; `model-0000K-of-0000N.safetensors` in `dtype` split at tensor boundaries into `shards` files of about
+    equal size, with `model.safetensors.index.json`; every key and shape of `ChameleonForConditionalGeneration`,
+    built on the meta device, the VQ encoder `model.vqmodel.*` included; tokenizer.json, a Chameleon-style BPE
+    stand-in over the same vocabulary that knows TINY_T5_WORDS), `tokenizer/vqgan.ckpt` + `vqgan.yaml` (the VQGAN at
+    `vq_config` over `ChameleonVQConfig`'s Chameleon defaults, built whole: tens of MB) and, with `with_device`, a
+    1-layer CIAR `device.safetensors` made from the decoder's first layer (the same values: `DeviceModel.from_cloud`
+    on a 1-layer decoder loaded from those tensors). The values: `_RandomWeights`. -> the world file's fields
+    (paths relative to `folder`; no `gpt_dtype`)."""
+    import yaml
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from ciar.models.chameleon_vq import ChameleonVQConfig, ChameleonVQModel
+
+    shapes = shapes or ANOLE_7B_SHAPES
+    hf_logging.set_verbosity_error()
+    os.makedirs(folder, exist_ok=True)
+    n_codes = shapes["n_codes"]
+    vocab, merges = _tiny_chameleon_vocabulary(n_codes, TINY_T5_WORDS)
+    vq_cfg = ChameleonVQConfig(**shapes.get("vq_config", {}))
+    if vq_cfg.n_embed != n_codes:
+        raise ValueError(f"the VQGAN has {vq_cfg.n_embed} codes, the vocabulary {n_codes} image tokens")
+    grid = vq_cfg.resolution // vq_cfg.downsample
+    cfg = ChameleonConfig(**{**shapes.get("text_config", {}), "vocabulary_map": vocab, "bos_token_id": vocab["<s>"],
+                             "pad_token_id": vocab["<pad>"], "eos_token_id": vocab["</s>"]})
+    if len(vocab) > cfg.vocab_size:
+        raise ValueError(f"the stand-in vocabulary has {len(vocab)} tokens > {cfg.vocab_size}")
+    cfg.architectures = ["ChameleonForConditionalGeneration"]
+    with torch.device("meta"):  # transformers' own keys and shapes, nothing allocated
+        layout = {k: tuple(v.shape) for k, v in ChameleonForConditionalGeneration(cfg).state_dict().items()}
+    model_dir = os.path.join(folder, "anole-hf")
+    os.makedirs(model_dir, exist_ok=True)
+    cfg.save_pretrained(model_dir)
+    write_chameleon_tokenizer(os.path.join(model_dir, "tokenizer.json"), vocab, merges)
+
+    values = _RandomWeights(layout, seed, dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = {k: torch.Size(s).numel() * size for k, s in layout.items()}
+    n_shards, total = max(1, int(shapes.get("shards", 1))), sum(nbytes.values())
+    groups, running = [[] for _ in range(n_shards)], 0
+    for k in layout:  # in transformers' key order, cut where the running size passes each k / n_shards of the total
+        groups[min(n_shards - 1, running * n_shards // total)].append(k)
+        running += nbytes[k]
+    weight_map = {}
+    for i, keys in enumerate(g for g in groups if g):
+        name = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        write_safetensors_streamed(os.path.join(model_dir, name), [(k, layout[k], dtype) for k in keys],
+                                   values.pieces)
+        weight_map.update({k: name for k in keys})
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+    os.makedirs(os.path.join(folder, "tokenizer"), exist_ok=True)
+    vq = randomize_vq_(ChameleonVQModel(vq_cfg), torch.Generator().manual_seed(seed + 1))
+    torch.save({"epoch": 0, "global_step": 0, "state_dict": vq.state_dict()},
+               os.path.join(folder, "tokenizer", "vqgan.ckpt"))
+    del vq
+    dd = {"double_z": False, "z_channels": vq_cfg.z_channels, "resolution": vq_cfg.resolution,
+          "in_channels": vq_cfg.in_channels, "out_ch": vq_cfg.out_ch, "ch": vq_cfg.ch, "ch_mult": list(vq_cfg.ch_mult),
+          "num_res_blocks": vq_cfg.num_res_blocks, "attn_resolutions": list(vq_cfg.attn_resolutions),
+          "dropout": vq_cfg.dropout}
+    with open(os.path.join(folder, "tokenizer", "vqgan.yaml"), "w") as f:
+        yaml.safe_dump({"model": {"target": "taming.models.vqgan.VQModel",
+                                  "params": {"embed_dim": vq_cfg.embed_dim, "n_embed": vq_cfg.n_embed, "ddconfig": dd,
+                                             "lossconfig": {"target": "taming.modules.losses.vqperceptual."
+                                                                      "VQLPIPSWithDiscriminator"}}}}, f)
+    fields = {"kind": "anole", "model": "anole-hf", "cls_token_num": shapes["cls_token_num"],
+              "image_size": vq_cfg.resolution, "vq_checkpoint": "tokenizer/vqgan.ckpt",
+              "vq_yaml": "tokenizer/vqgan.yaml"}
+    if with_device:
+        from ciar.collab.device import DeviceConfig, DeviceModel
+        from ciar.models.chameleon import load_chameleon
+
+        first = ("model.embed_tokens.", "model.layers.0.", "model.norm.", "lm_head.")
+        state = {k: values.tensor(k) for k in layout if k.startswith(first)}
+        cloud = load_chameleon(state, config={**cfg.to_dict(), "num_hidden_layers": 1}, dtype=dtype,
+                               cls_token_num=shapes["cls_token_num"], block_size=grid * grid)
+        del state
+        dev = DeviceModel.from_cloud(cloud, DeviceConfig(n_layer=1))
+        del cloud
+        with torch.no_grad():
+            for head in dev.inter_head.heads:
+                head.bias[n_codes:].fill_(-4.0)
+        dev.save(os.path.join(folder, "device.safetensors"))
+        fields["device_checkpoint"] = "device.safetensors"
+    return fields

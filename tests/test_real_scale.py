@@ -74,3 +74,36 @@ def test_a_bfloat16_gpt_world_generates(tmp_path):
     for method, knobs in (("cloud", {}), ("ciar", {"tau": 0.05, "span": 4})):
         r = make_decoder(world, verifier, method, network="none", **knobs).generate("A red bus on a street.", seed=1)
         assert r.tokens.shape == (16,) and int(r.tokens.max()) < 64
+
+
+@pytest.mark.timeout(300)
+def test_real_scale_measures_an_anole_world_on_tiny_shapes(tmp_path):
+    """`--sizes anole-tiny`: an Anole world's files written shard by shard in the transformers layout (as `anole-7b`
+    writes Anole-7b's 14 GB) load as a world, and the measure step times it: load, the forwards at 1 / 8 rows at
+    mid-image and 7/8, the sampled step, the VQ decode, the device step, KV bytes. Other steps are refused."""
+    out, results = tmp_path / "files", tmp_path / "real_scale.json"
+    with pytest.raises(SystemExit):
+        main(["--out", str(out), "--results", str(results), "--sizes", "anole-tiny", "--steps", "measure,images"])
+    assert main(["--out", str(out), "--results", str(results), "--sizes", "anole-tiny", "--reps", "1", "--keep"]) == 0
+    r = json.loads(results.read_text())
+    assert not r["broke"], r["broke"]
+    assert r["gpt_dtype"] == "bfloat16" and r["threads"] == 1
+    hf = out / "anole-hf"
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    assert r["write"]["decoder_shards"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert set(index["weight_map"].values()) == set(r["write"]["decoder_shards"])
+    assert any(k.startswith("model.vqmodel.") for k in index["weight_map"])  # as transformers saves it
+    m = r["measure"]
+    assert m["gpt"]["arch"] == "chameleon" and m["gpt"]["dtype"] == "torch.bfloat16"
+    assert (m["gpt"]["image_tokens"], m["gpt"]["caption_positions"], m["gpt"]["image_size"]) == (16, 40, 32)
+    assert m["load_s"] > 0 and m["peak_rss_mb"] >= m["peak_rss_after_load_mb"] > 0
+    assert set(m["verifier_forward_s"]["by_rows"]) == {"1", "8"} == set(m["verifier_forward_late_s"]["by_rows"])
+    assert (m["verifier_forward_s"]["context"], m["verifier_forward_late_s"]["context"]) == (40 + 8, 40 + 14)
+    assert set(m["cloud_decode_step_s"]) == {"48", "54"} and m["vq_decode_s"] > 0 and m["device_step_s"] > 0
+    assert m["dropped_before_forwards"] == ["device_model", "vq"] and m["device"]["layers"] == 1
+    # 2 rows x 2 layers x (keys + values) x (40 + 16 + 16 positions) x 2 KV heads x 16 wide, bfloat16
+    assert m["kv_cache_positions"] == 72
+    assert m["kv_cache_mb_per_session"] == round(2 * 2 * 2 * 72 * 2 * 16 * 2 / 2**20, 1)
+    assert r["scheduler"]["image_tokens"] == 16 and r["scheduler"]["caption_positions"] == 40
+    md = (tmp_path / "real_scale.md").read_text()
+    assert "# Anole (anole-tiny)" in md and "| prompt tokenized, one caption |" in md and "at position 54" in md
