@@ -279,6 +279,9 @@ def compare(base: dict, hit: dict) -> dict:
 
 def lose_under_load(cl: NodeCluster, kind: str, client: Client, bodies, streams, concurrency, sock,
                     at_s: float, replace_after_s: float, target: dict[str, int], base: dict) -> dict:
+    """The workload with `kind`'s node lost at `at_s` ("verifier", "device", or both at once: "verifier+device")
+    and a replacement for each after `replace_after_s` more; compared with the undisturbed results `base`."""
+    kinds = kind.split("+")
     events: dict = {}
     watch = PoolWatch(target)
     # the load runs beside; the cluster is changed from the main thread (Ray's node processes are started with
@@ -288,21 +291,21 @@ def lose_under_load(cl: NodeCluster, kind: str, client: Client, bodies, streams,
         load = bg.submit(workload, client, bodies, streams, concurrency, sock)
         time.sleep(at_s)
         before = placement()
-        events["lost_node"] = cl.lose(kind)
+        lost = [cl.lose(k) for k in kinds]
+        events["lost_node"] = ",".join(lost)
         events["lost_at_s"] = round(time.perf_counter() - t0, 2)
-        events["replicas_on_lost_node"] = {d: sum(1 for n in ns if n == events["lost_node"])
-                                           for d, ns in before.items()}
+        events["replicas_on_lost_node"] = {d: sum(1 for n in ns if n in lost) for d, ns in before.items()}
         watch.start()
         time.sleep(replace_after_s)
-        events["replacement_node"] = cl.replace(kind)
+        new = [cl.replace(k) for k in kinds]
+        events["replacement_node"] = ",".join(new)
         events["replacement_joined_at_s"] = round(time.perf_counter() - t0, 2)
         hit, wall = load.result()
     watch.join()
     after = placement()
     out = {**compare(base, hit), "wall_s": round(wall, 1), **events,
            "pool_short_noticed_after_s": watch.noticed_s, "pool_whole_after_s": watch.whole_s,
-           "replicas_on_replacement": {d: sum(1 for n in ns if n == events.get("replacement_node"))
-                                       for d, ns in after.items()},
+           "replicas_on_replacement": {d: sum(1 for n in ns if n in new) for d, ns in after.items()},
            "pool_samples": watch.samples[:: max(1, len(watch.samples) // 40)]}
     out["ok"] = out["lost"] == 0 and out["identical"] == out["succeeded"] == out["attempted"] and \
         watch.whole_s is not None
@@ -374,7 +377,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sockets", type=int, default=2, help="real devices over the WebSocket (0: none)")
     p.add_argument("--socket-images", type=int, default=3, help="images per real device per run")
     p.add_argument("--devices-per-node", type=int, default=4)
-    p.add_argument("--lose", default=",".join(LOSSES), help="nodes lost, one run each: verifier,device")
+    p.add_argument("--lose", default=",".join(LOSSES), help="nodes lost, one run each: verifier,device; "
+                   "verifier+device loses both at once")
     p.add_argument("--at", type=float, default=0.3, help="the loss, as a share of the undisturbed wall time")
     p.add_argument("--replace-after", type=float, default=5.0, help="seconds until a replacement node joins")
 
@@ -390,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     a = p.parse_args(argv)
     losses = tuple(x.strip() for x in a.lose.split(",") if x.strip())
-    if not losses or set(losses) - set(LOSSES):
-        p.error(f"--lose: one or more of {', '.join(LOSSES)}")
+    if not losses or any(set(x.split("+")) - set(LOSSES) for x in losses):
+        p.error(f"--lose: one or more of {', '.join(LOSSES)} (a+b: both nodes at once)")
     app = apply_overrides(load_app_config(a.config), list(DEFAULT_SETS) + a.sets)
     if a.weights:
         use_weights(app, a.weights)
