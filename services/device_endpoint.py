@@ -15,7 +15,7 @@ HTTP/2 streams would add a second server and a protobuf toolchain to every clien
 
 Isolation. Device keys are checked like the API keys (SHA-256 digests in the config or `$CIAR_DEVICE_KEYS`; never
 logged). The session ids a device chooses are scoped by its device id on the verifier (`<device>/<session>`), so no
-device can name another's session; the verifier's session token (HMAC of session and device, issued at OPEN) must
+device can name another's session; the verifier's session token (`ciar.collab.service.session_token`, issued at OPEN) must
 come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open sessions (429), frame size (close
 1009), message rate (429 with the time to wait; a device that keeps going past it is closed, 1008), connections
 (close 1008); an idle connection is closed (1001); an ingress at its connection limit closes new ones with 1013 and

@@ -15,7 +15,7 @@ the `session_id=` keyword is checked against the request and the session token. 
 (restart, idle eviction, re-routing after a replica died) answers `SessionLostError`, and the device re-sends its
 history (`resume`).
 
-Ownership: the session token is HMAC(app secret, session id | device id), so any replica of the pool can check
+Ownership: the session token (`ciar.collab.service.session_token`: key id, binding, HMAC) lets any replica of the pool check
 that a call comes from the device that opened the session, without shared state; another device (or a device
 without the token) gets a SessionTokenError (403 on the socket). The calls themselves (tokens, an OPEN repeated after a lost reply answered
 as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.

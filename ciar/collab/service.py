@@ -12,8 +12,9 @@ fuzz runs), so both run this code. Every call queues a work on the verifier's st
 steps on its own thread (`ciar.collab.engine.EngineThread`), so a close, a cost hint or a readiness probe is
 answered while a forward runs.
 
-Ownership. The session token is HMAC(secret, session id | device id): any replica can check that a call comes from the
-device that opened the session, without shared state. VERIFY, RESUME and CLOSE need it (SessionTokenError otherwise).
+Ownership. The session token binds a session to the device that opened it: any replica holding the application's
+secret checks it without shared state. VERIFY, RESUME and CLOSE need it (SessionTokenError otherwise). It carries
+the id of the secret that made it, so that a secret's rotation does not fail the devices' images: `session_token`.
 
 Retries (docs/architecture.md §5, "Retry semantics"). Each call is safe to send again after its reply was lost:
   open    answered as the first was: an OPEN of a session this verifier holds, from the device that opened it, with
@@ -35,12 +36,47 @@ import hashlib
 import hmac
 
 from ciar.collab.engine import AsyncStepper, EngineThread
-from ciar.collab.protocol import SessionError, SessionTokenError
+from ciar.collab.protocol import SessionError, SessionLostError, SessionTokenError
+
+TOKEN_BYTES = 32  # the wire's token32 (`ciar_device.wire.TOKEN_BYTES`): devices keep a token as opaque bytes
+
+
+def key_id(secret: str) -> bytes:
+    """The 4-byte id of a session secret (the first bytes of every token it makes). Public: it says which secret made
+    a token, nothing that helps forge one (a token's MAC already lets a weak secret be guessed offline)."""
+    return hashlib.sha256(b"ciar-session-key|" + secret.encode()).digest()[:4]
+
+
+def _binding(kid: bytes, session_id: str, device_id: str) -> bytes:
+    return hashlib.sha256(b"ciar-session-bind|" + kid + f"{session_id}|{device_id}".encode()).digest()[:4]
 
 
 def session_token(secret: str, session_id: str, device_id: str) -> str:
-    """The token the verifier issues at OPEN and checks on every later call: binds a session to its device."""
-    return hmac.new(secret.encode(), f"{session_id}|{device_id}".encode(), hashlib.sha256).hexdigest()
+    """The token the verifier issues at OPEN and checks on every later call (hex, 32 bytes on the wire):
+
+        key id (4 bytes)   which secret made it: `key_id(secret)`
+        binding (4 bytes)  SHA-256(key id | session | device)[:4]: no secret; says the token was made for this
+                           session and device (a random, zeroed or another session's token fails it)
+        MAC (24 bytes)     HMAC-SHA256(secret, key id | session | device)[:24]: the proof; 192 bits
+
+    Why a key id (issue 40, item 5, "the RESUME 403"): the secret can change under a device. Without
+    $CIAR_SESSION_SECRET, `services.app` derives it from the API keys and the world, so a redeploy that changes the
+    keys changes it (an operator rotating $CIAR_SESSION_SECRET does too); Serve replaces the Verifier replicas (new
+    init args), their sessions are gone, and a device resumes on a new replica with the token the old secret made.
+    An HMAC alone cannot tell that token from a forgery, and the 403 failed the device's image. With the key id a
+    replica tells "made by my secret" (checked: a wrong MAC is a forgery, 403) from "made by another secret for
+    this very session and device" (not checkable here; `VerifierService.check` says what happens then)."""
+    kid = key_id(secret)
+    mac = hmac.new(secret.encode(), kid + f"{session_id}|{device_id}".encode(), hashlib.sha256).digest()
+    return (kid + _binding(kid, session_id, device_id) + mac[:TOKEN_BYTES - 8]).hex()
+
+
+def _token_bytes(token: str) -> bytes | None:
+    try:
+        raw = bytes.fromhex(token or "")
+    except ValueError:
+        return None
+    return raw if len(raw) == TOKEN_BYTES else None
 
 
 class EngineStalledError(RuntimeError):
@@ -56,6 +92,8 @@ class VerifierService:
         (`AsyncStepper`, the engine before issue 37: every call waits for the forward in progress)."""
         self.core = core
         self.secret = secret
+        self.key_id = key_id(secret)
+        self._adopted: dict[str, tuple[str, object]] = {}  # session id -> (another secret's token, its Session)
         self.stepper = EngineThread(core.engine, batch_wait_s, on_step) if engine_thread else \
             AsyncStepper(core.engine, batch_wait_s, on_step)
         self.opened = self.resumed = 0
@@ -78,9 +116,58 @@ class VerifierService:
         """The CloudVerifier (tests read its sessions)."""
         return self.core
 
+    def _mine(self, session_id: str, device_id: str, token: str) -> bool:
+        """True: a valid token of this secret. False: a token another secret made for this session and device (its
+        key id is not ours, its binding is right). SessionTokenError otherwise: a forged token with our key id, a
+        random or malformed one, another session's or another device's."""
+        raw = _token_bytes(token)
+        if raw is not None and raw[:4] == self.key_id:
+            if hmac.compare_digest(bytes.fromhex(session_token(self.secret, session_id, device_id)), raw):
+                return True
+        elif raw is not None and hmac.compare_digest(_binding(raw[:4], session_id, device_id), raw[4:8]):
+            return False
+        raise SessionTokenError(f"session {session_id!r} belongs to another device (bad session token)")
+
+    def _held_by(self, session_id: str, token: str) -> bool:
+        """Whether this verifier holds the session that a RESUME with `token` (another secret's) re-created."""
+        entry = self._adopted.get(session_id)
+        if entry is None:
+            return False
+        if self.core.table.sessions.get(session_id) is not entry[1]:  # closed, evicted or replaced since
+            self._adopted.pop(session_id, None)
+            return False
+        return hmac.compare_digest(entry[0], token)
+
+    def _adopt(self, session_id: str, token: str) -> None:
+        s = self.core.table.sessions.get(session_id)
+        if s is not None:
+            self._adopted[session_id] = (token, s)
+        if len(self._adopted) > 2 * self.core.table.max_sessions:  # forget the sessions gone since
+            for sid, (_, held) in list(self._adopted.items()):
+                if self.core.table.sessions.get(sid) is not held:
+                    del self._adopted[sid]
+
     def check(self, session_id: str, device_id: str, token: str) -> None:
-        if not hmac.compare_digest(session_token(self.secret, session_id, device_id), token or ""):
-            raise SessionTokenError(f"session {session_id!r} belongs to another device (bad session token)")
+        """A VERIFY's or CLOSE's token. This secret's: checked (SessionTokenError, 403 on the socket, when wrong).
+        Another secret's, made for this session and device (a rotated secret: the device opened the session before
+        a redeploy): this verifier cannot check it, so it acts as if it did not hold the session
+        (SessionLostError, 410: the device resumes), unless a RESUME with that very token re-created the session
+        here (`resume`), which then goes on under it.
+
+        Why a RESUME with a token this verifier cannot check is accepted (and a VERIFY is not, before it): a RESUME
+        re-creates the session from the caller's own committed history, replacing whatever copy was held, so
+        accepting it gives the caller nothing but its own session back; what keeps one device off another's
+        sessions is the device endpoint, which scopes every session id by the authenticated device id
+        (`<device>/<session>`), so a device can only name its own sessions whatever token it sends; the other
+        callers (the simulated phones, `services.device`, through the Verifier's handle) are the application's own
+        code. The binding still refuses a random, zeroed or another session's token (403), as before. The other
+        design, a fresh token in the RESUME's reply, needs every client (Python, browser, phones, load tests) to
+        store it; with adoption no client changes and the wire stays as it is: a device keeps the token it has, and
+        each new verifier it resumes on adopts it (one RESUME per move, which a new replica costs anyway: it does
+        not hold the session)."""
+        if not self._mine(session_id, device_id, token) and not self._held_by(session_id, token):
+            raise SessionLostError(f"session {session_id!r} is not held under this session token (it was issued "
+                                   "under another session secret): resume it from its history", session_id)
 
     @staticmethod
     def _same(request, session_id: str) -> None:
@@ -100,15 +187,24 @@ class VerifierService:
         return await self.stepper.run(self.core.verify_work(request))
 
     async def resume(self, request, history, injected=None, *, session_id: str, device_id: str, token: str):
-        self.check(session_id, device_id, token)
+        """A token of another secret (for this session and device) is accepted and adopted: `check` says why."""
+        mine = self._mine(session_id, device_id, token)
         self._same(request, session_id)
         reply = await self.stepper.run(self.core.resume_work(request, history, injected, owner=device_id))
+        if not mine:
+            self._adopt(session_id, token)
         self.resumed += 1
         return reply
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None:
-        """Answered at once: the session is closed before the engine's next step, after anything sent before it."""
-        self.check(session_id, device_id, token)
+        """Answered at once: the session is closed before the engine's next step, after anything sent before it.
+        With another secret's token for a session this verifier did not re-create under it: nothing held under
+        that token, nothing to close (a copy this verifier holds otherwise is left to its idle timeout)."""
+        try:
+            self.check(session_id, device_id, token)
+        except SessionLostError:
+            return
+        self._adopted.pop(session_id, None)
         self.stepper.call(self.core.close, session_id)
 
     def evict_idle(self, max_idle_s: float) -> None:

@@ -17,7 +17,7 @@ Frame = 8-byte header + body, little-endian:
     str8     u8 length + UTF-8;  str16: u16 length + UTF-8
     tokens   token ids bit-packed at ceil(log2 V) bits each, little-endian bit order, padded to a byte
     f16[..]  IEEE half floats (draft distributions, caption embeddings, interval features)
-    token32  the 32-byte session token (HMAC-SHA256 of session and device, issued by the verifier at open)
+    token32  the 32-byte session token (opaque to the device; issued by the verifier at open)
 
 | type          | body                                                                                           |
 |---------------|------------------------------------------------------------------------------------------------|
