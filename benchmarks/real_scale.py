@@ -119,14 +119,20 @@ def peak_rss_mb() -> float:
     """This process's peak resident set: Linux's VmHWM (the high-water mark of this process's own memory map, new at
     exec), else ru_maxrss. Not ru_maxrss on Linux: a child's ru_maxrss starts at its parent's peak at the fork (it is
     kept across exec), so a measuring child of a parent that peaked higher reported the parent's figure."""
+    peak = _status_mb("VmHWM")
+    return peak if peak is not None else round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def _status_mb(field: str) -> float | None:
+    """A kB field of /proc/self/status (VmRSS, VmHWM) in MB; None where there is none (not Linux)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return round(int(line.split()[1]) / 1024, 1)
     except OSError:
         pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return None
 
 
 def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") -> dict:
@@ -302,14 +308,7 @@ def measure(world_file: str, reps: int, rows_list: tuple[int, ...] = (1, 8, 32))
 
 def rss_now_mb() -> float | None:
     """This process's resident set now (Linux's VmRSS), None elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
+    return _status_mb("VmRSS")
 
 
 def _malloc_trim() -> None:

@@ -365,17 +365,24 @@ def write_random_anole_files(folder: str, seed: int = 0, with_device: bool = Tru
               "image_size": ANOLE_TINY["image_size"], "vq_checkpoint": "tokenizer/vqgan.ckpt",
               "vq_yaml": "tokenizer/vqgan.yaml"}
     if with_device:
-        from ciar.collab.device import DeviceConfig, DeviceModel
         from ciar.models.chameleon import load_chameleon
 
         cloud = load_chameleon(model_dir, cls_token_num=cls_token_num, block_size=grid * grid)
-        dev = DeviceModel.from_cloud(cloud, DeviceConfig(n_layer=1))
-        with torch.no_grad():
-            for head in dev.inter_head.heads:
-                head.bias[n_codes:].fill_(-4.0)
-        dev.save(os.path.join(folder, "device.safetensors"))
-        fields["device_checkpoint"] = "device.safetensors"
+        fields["device_checkpoint"] = _write_anole_device(folder, cloud, n_codes)
     return fields
+
+
+def _write_anole_device(folder: str, cloud, n_codes: int) -> str:
+    """A 1-layer CIAR device model made from the Chameleon decoder `cloud` (small radii on the image codes) ->
+    its file name in `folder`."""
+    from ciar.collab.device import DeviceConfig, DeviceModel
+
+    dev = DeviceModel.from_cloud(cloud, DeviceConfig(n_layer=1))
+    with torch.no_grad():
+        for head in dev.inter_head.heads:
+            head.bias[n_codes:].fill_(-4.0)
+    dev.save(os.path.join(folder, "device.safetensors"))
+    return "device.safetensors"
 
 
 # ---------------------------------------------------------------------------------------------------- Anole, sharded
@@ -538,7 +545,6 @@ def write_sharded_random_anole_files(folder: str, shapes: dict | None = None, se
               "image_size": vq_cfg.resolution, "vq_checkpoint": "tokenizer/vqgan.ckpt",
               "vq_yaml": "tokenizer/vqgan.yaml"}
     if with_device:
-        from ciar.collab.device import DeviceConfig, DeviceModel
         from ciar.models.chameleon import load_chameleon
 
         first = ("model.embed_tokens.", "model.layers.0.", "model.norm.", "lm_head.")
@@ -546,11 +552,5 @@ def write_sharded_random_anole_files(folder: str, shapes: dict | None = None, se
         cloud = load_chameleon(state, config={**cfg.to_dict(), "num_hidden_layers": 1}, dtype=dtype,
                                cls_token_num=shapes["cls_token_num"], block_size=grid * grid)
         del state
-        dev = DeviceModel.from_cloud(cloud, DeviceConfig(n_layer=1))
-        del cloud
-        with torch.no_grad():
-            for head in dev.inter_head.heads:
-                head.bias[n_codes:].fill_(-4.0)
-        dev.save(os.path.join(folder, "device.safetensors"))
-        fields["device_checkpoint"] = "device.safetensors"
+        fields["device_checkpoint"] = _write_anole_device(folder, cloud, n_codes)
     return fields

@@ -578,39 +578,6 @@ class Observer:
 
 
 # ------------------------------------------------------------------------------------------------ the load
-def stream(client, body: dict, timeout: float = 600.0) -> dict:
-    """A streamed generation read to its end: `result` (code 200, its tokens) or `error` (its status)."""
-    requests = client.requests
-    out: dict = {"progress_events": 0}
-    try:
-        with requests.post(client.gen, json={**body, "stream": True}, headers=client.headers, stream=True,
-                           timeout=timeout) as r:
-            if r.status_code != 200:
-                try:
-                    msg = r.json().get("error", {}).get("message")
-                except ValueError:
-                    msg = r.text[:200]
-                return {**out, "code": r.status_code, "error": msg}
-            event = None
-            for line in r.iter_lines(decode_unicode=True):
-                if line.startswith("event: "):
-                    event = line[7:].strip()
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if event == "progress":
-                        out["progress_events"] += 1
-                    elif event == "result":
-                        st = data.get("stats") or {}
-                        return {**out, "code": 200, "tokens": data["data"][0].get("tokens"),
-                                "degraded": bool(st.get("degraded")), "resumes": st.get("resumes", 0)}
-                    elif event == "error":
-                        return {**out, "code": data.get("status") or 500,
-                                "error": (data.get("error") or {}).get("message")}
-            return {**out, "code": None, "error": "stream ended without a result"}
-    except requests.RequestException as e:
-        return {**out, "code": None, "error": f"{type(e).__name__}: {str(e)[:120]}"}
-
-
 class Load:
     """`concurrency` clients, each sending job after job (job i: `jobs[i]`, streamed when i is odd) until stopped;
     after a failed request a client waits `pause_s` (a client that retries, not one that hammers)."""
@@ -629,7 +596,7 @@ class Load:
         kind = "stream" if i % 2 else "plain"
         start = time.time()
         if kind == "stream":
-            r = stream(self.client, body, timeout=self.timeout_s)
+            r = self.client.stream(body, timeout=self.timeout_s)
         else:
             r = self.client.post(body, timeout=self.timeout_s)
         rec = {"job": i, "kind": kind, "method": body["method"], "network": body["network"], "start": start,

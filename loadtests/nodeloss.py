@@ -40,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loadtests.plan import percentile
 from loadtests.reliability import DEFAULT_SETS, Client, _jobs
-from loadtests.run import (REPO, apply_overrides, client_key, free_port, load_app_config, use_weights,
-                           wait_healthy)
+from loadtests.run import (REPO, apply_overrides, client_key, free_port, load_app_config, serve_actors,
+                           use_weights, wait_healthy)
 
 APP = "ciar"
 LOSSES = ("verifier", "device")
@@ -117,15 +117,10 @@ class NodeCluster:
 
 
 def placement() -> dict[str, list[str]]:
-    """deployment -> the node ids of its live replicas (the GCS's actor table: no dashboard needed)."""
-    from ray._private.state import actors
-
+    """deployment -> the node ids of its live replicas."""
     out: dict[str, list[str]] = {}
-    for a in actors().values():
-        name = a.get("ActorClassName") or ""
-        if a.get("State") != "ALIVE" or not name.startswith("ServeReplica:"):
-            continue
-        dep = name.rsplit(":", 1)[-1]
+    for a in serve_actors():
+        dep = a["ActorClassName"].rsplit(":", 1)[-1]
         out.setdefault(dep, []).append((a.get("Address") or {}).get("NodeID"))
     return out
 
@@ -182,37 +177,6 @@ class PoolWatch:
 
 
 # ------------------------------------------------------------------------------------------------------ the workload
-def stream_to_end(client: Client, body: dict) -> dict:
-    """A streamed generation read to its `result` (or `error`) event."""
-    t0 = time.perf_counter()
-    out: dict = {"code": None, "streamed": True}
-    try:
-        with client.requests.post(client.gen, json={**body, "stream": True}, headers=client.headers, stream=True,
-                                  timeout=600) as r:
-            out["code"] = r.status_code
-            event, progress = None, 0
-            for line in r.iter_lines(decode_unicode=True):
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    data = json.loads(line[6:])
-                    if event == "progress":
-                        progress += 1
-                    elif event == "result":
-                        st = data.get("stats") or {}
-                        out.update(tokens=data["data"][0].get("tokens"), resumes=st.get("resumes", 0),
-                                   device_retries=st.get("device_retries", 0))
-                    elif event == "error":
-                        out.update(code=data.get("status"), error=(data.get("error") or {}).get("message"))
-            out["progress_events"] = progress
-            if out["code"] == 200 and "tokens" not in out:
-                out.update(code=None, error=out.get("error") or "stream ended without a result")
-    except client.requests.RequestException as e:
-        out.update(code=None, error=type(e).__name__)
-    out["latency_s"] = time.perf_counter() - t0
-    return out
-
-
 def socket_images(url: str, key: str, model_dir: str, clients: int, images: int, seed: int) -> list[dict]:
     """`clients` real devices (threads), each `images` images one after another over one WebSocket."""
     from ciar_device.connection import DeviceConnection
@@ -251,7 +215,7 @@ def workload(client: Client, bodies: list[dict], streams: list[dict], concurrenc
     with ThreadPoolExecutor(3) as outer:
         f_sock = outer.submit(socket_images, **sock) if sock else None
         f_stream = outer.submit(lambda: list(ThreadPoolExecutor(max(1, len(streams))).map(
-            lambda b: stream_to_end(client, b), streams)) if streams else [])
+            client.stream, streams)) if streams else [])
         with ThreadPoolExecutor(concurrency) as pool:
             http = list(pool.map(client.post, bodies))
         res = {"http": http, "stream": f_stream.result(), "socket": f_sock.result() if f_sock else []}

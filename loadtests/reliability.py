@@ -85,6 +85,27 @@ class Client:
             out["error"] = j.get("error", {}).get("message")
         return out
 
+    def stream(self, body: dict, timeout: float = 600.0) -> dict:
+        """A streamed generation read to its end: `result` (code 200, its tokens and stats) or `error` (its status);
+        with the progress events counted and the latency."""
+        t0 = time.perf_counter()
+        out: dict = {"code": None, "streamed": True, "progress_events": 0}
+        try:
+            with self.requests.post(self.gen, json={**body, "stream": True}, headers=self.headers, stream=True,
+                                    timeout=timeout) as r:
+                if r.status_code != 200:
+                    try:
+                        msg = r.json().get("error", {}).get("message")
+                    except ValueError:
+                        msg = r.text[:200]
+                    out.update(code=r.status_code, error=msg)
+                else:
+                    out.update(_read_events(r.iter_lines(decode_unicode=True), out))
+        except self.requests.RequestException as e:
+            out.update(code=None, error=f"{type(e).__name__}: {str(e)[:120]}")
+        out["latency_s"] = time.perf_counter() - t0
+        return out
+
     def stream_and_disconnect(self, body: dict) -> dict:
         """Start a streamed generation, read its first event, and hang up."""
         try:
@@ -97,6 +118,25 @@ class Client:
         except self.requests.RequestException as e:
             return {"code": None, "error": type(e).__name__, "disconnected": True}
         return {"code": code, "disconnected": True}
+
+
+def _read_events(lines, out: dict) -> dict:
+    """Server-sent events up to `result` or `error` -> the fields they give (`out`'s progress count updated)."""
+    event = None
+    for line in lines:
+        if line.startswith("event: "):
+            event = line[7:].strip()
+        elif line.startswith("data: "):
+            data = json.loads(line[6:])
+            if event == "progress":
+                out["progress_events"] += 1
+            elif event == "result":
+                st = data.get("stats") or {}
+                return {"code": 200, "tokens": data["data"][0].get("tokens"), "degraded": bool(st.get("degraded")),
+                        "resumes": st.get("resumes", 0), "device_retries": st.get("device_retries", 0)}
+            elif event == "error":
+                return {"code": data.get("status") or 500, "error": (data.get("error") or {}).get("message")}
+    return {"code": None, "error": "stream ended without a result"}
 
 
 def _jobs(n: int, seed: int, methods=("ciar", "eagle", "lantern", "cloud")) -> list[dict]:

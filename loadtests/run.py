@@ -147,6 +147,16 @@ def wait_healthy(url: str, timeout_s: float = 90.0) -> None:
     raise TimeoutError(f"{url}/healthz not answering after {timeout_s} s: {last}")
 
 
+def serve_actors(system: bool = False) -> list[dict]:
+    """The ALIVE Serve replicas (and with `system`, the proxies and the controller) from the GCS's actor table, as it
+    gives them (ActorClassName "ServeReplica:<app>:<deployment>", Pid, Address.NodeID, Name): no dashboard needed."""
+    from ray._private.state import actors
+
+    return [a for a in actors().values() if a.get("State") == "ALIVE" and (
+        (a.get("ActorClassName") or "").startswith("ServeReplica:")
+        or (system and a.get("ActorClassName") in ("ProxyActor", "ServeController")))]
+
+
 def each_replica(call, id_key: str, replicas: int, tries_per_replica: int = 4) -> dict:
     """Calls without a session id reach any replica: `call()` until `replicas` distinct ones have answered (or the
     tries run out). -> {replica id (the answer's `id_key`): its answer}."""

@@ -67,7 +67,8 @@ import threading
 import time
 from collections import Counter
 
-from loadtests.run import REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, use_weights
+from loadtests.run import (REPO, Cluster, apply_overrides, client_key, free_port, load_app_config, serve_actors,
+                           use_weights)
 
 PROMPTS = ("a small red circle at the top on a gray background",
            "a large blue square at the center on a black background",
@@ -168,17 +169,9 @@ def analyse(samples: list[dict], warmup_min: float, z: float = 3.0) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- sampling
 def serve_processes() -> dict[str, dict]:
-    """ALIVE Serve actors from the GCS actor table: {actor name: {class, pid}} (no dashboard needed)."""
-    from ray._private import state
-
-    out = {}
-    for info in state.actors().values():
-        if info.get("State") != "ALIVE":
-            continue
-        cls = info.get("ActorClassName") or ""
-        if cls.startswith("ServeReplica:") or cls in ("ProxyActor", "ServeController"):
-            out[info.get("Name") or info["ActorID"]] = {"class": cls, "pid": int(info.get("Pid") or 0)}
-    return out
+    """ALIVE Serve actors (replicas, proxies, the controller): {actor name: {class, pid}}."""
+    return {a.get("Name") or a["ActorID"]: {"class": a["ActorClassName"], "pid": int(a.get("Pid") or 0)}
+            for a in serve_actors(system=True)}
 
 
 class Labels:

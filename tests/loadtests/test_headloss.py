@@ -173,13 +173,6 @@ def test_marked_pids_finds_only_the_marked_processes():
 
 
 # ------------------------------------------------------------------------------------------------ the real run
-@pytest.fixture(scope="module")
-def random_world(tmp_path_factory):
-    from ciar.testing import write_random_world
-
-    return write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0}, with_device=True)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gcs_killed_and_restarted_under_load_with_redis_loses_nothing(tmp_path, random_world):

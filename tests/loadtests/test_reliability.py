@@ -61,13 +61,6 @@ def test_request_mix_and_tally():
     assert reliability.percentile([3.0, 1.0, 2.0], 50) == 2.0 and reliability.percentile([], 50) is None
 
 
-@pytest.fixture(scope="module")
-def random_world(tmp_path_factory):
-    from ciar.testing import write_random_world
-
-    return write_random_world(str(tmp_path_factory.mktemp("world")), sampling={"cfg_scale": 2.0}, with_device=True)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_reliability_run_against_a_random_world(tmp_path, random_world):
