@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
-from typing import Iterator
 
 from ray import serve
 
@@ -34,24 +32,6 @@ def patient_serve_env() -> None:
 
 
 OFFLINE_ONE_THREAD_ENV = {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
-
-
-@contextmanager
-def local_serve(port: int, num_cpus: int, **ray_init) -> Iterator[None]:
-    """A local Ray cluster with Serve's HTTP proxy on 127.0.0.1:`port` for the duration (tests): patient Serve
-    settings, offline Hugging Face and one OpenMP thread in every worker, no dashboard; `ray_init` goes to ray.init.
-    Serve and Ray are shut down after."""
-    import ray
-
-    patient_serve_env()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             **{"runtime_env": OFFLINE_ONE_THREAD_ENV, **ray_init})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def deploy_config(args: dict, import_path: str = "services.app:build_app", name: str = "ciar",

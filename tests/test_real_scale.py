@@ -9,6 +9,7 @@ import pytest
 from benchmarks.real_scale import main
 
 
+@pytest.mark.cluster  # its Serve step starts a Ray instance (tests/conftest.py)
 @pytest.mark.timeout(600)
 def test_real_scale_pipeline_on_tiny_shapes(tmp_path):
     out, results = tmp_path / "files", tmp_path / "real_scale.json"

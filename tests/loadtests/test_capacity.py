@@ -19,6 +19,7 @@ def test_summary_picks_the_largest_load_within_the_slo():
     assert r["cloud_positions_per_image"]["ciar"] == 110.0
 
 
+@pytest.mark.cluster  # its own Ray instance and Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_capacity_run_writes_the_report(tmp_path):
     out = tmp_path / "cap"

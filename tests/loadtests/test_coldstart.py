@@ -6,6 +6,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 def test_a_request_at_once_after_make_serve_gets_the_image_or_a_503(tmp_path):
     from loadtests.coldstart import one_run
 

@@ -174,6 +174,7 @@ def test_marked_pids_finds_only_the_marked_processes():
 
 # ------------------------------------------------------------------------------------------------ the real run
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_gcs_killed_and_restarted_under_load_with_redis_loses_nothing(tmp_path, random_world):
     """The ft run, short: the GCS backed by a real redis-server is SIGKILLed under load and started again; every

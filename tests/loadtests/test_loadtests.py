@@ -223,6 +223,7 @@ def test_locustfile_as_locust_loads_it(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- real run
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(600)
 def test_short_run_against_a_random_world(tmp_path):
     """4 users for 15 s against 4 simulated devices: every request succeeds and the summary has its figures."""

@@ -62,6 +62,7 @@ def test_request_mix_and_tally():
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_reliability_run_against_a_random_world(tmp_path, random_world):
     """A replica kill, link drops and the leak check, small: nothing lost, every drop degraded, nothing left."""
@@ -83,6 +84,7 @@ def test_reliability_run_against_a_random_world(tmp_path, random_world):
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_fuzz_cli_against_a_random_world(tmp_path, random_world):
     out = tmp_path / "fuzz"

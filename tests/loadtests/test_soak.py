@@ -127,6 +127,7 @@ def test_cut_socket_without_a_socket_does_nothing():
 
 
 @pytest.mark.slow
+@pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(1200)
 def test_short_soak_end_to_end(tmp_path):
     """Two minutes of the mix against 2 phones of the shipped world: nothing lost, the cut images resumed, the

@@ -4,7 +4,7 @@ the decoder: `ciar.testing.write_random_anole_files`), named by a world dict in 
 (the same image again, and the in-process image of the same world), and a phone over the device endpoint (a
 simulated phone on a real WebSocket through Serve's proxy, with a cut socket): the same tokens.
 
-Slow (its own Ray instance and a Chameleon world's start-up): `make test-slow`."""
+Slow (a Chameleon world's start-up): `make test-slow`. On the test session's shared Ray instance."""
 
 import hashlib
 import io
@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
-from services.deploy import deploy_config, local_serve  # noqa: E402
+from services.deploy import deploy_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,9 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(world):
-    with local_serve(PORT, num_cpus=3):
+def cluster(world, shared_ray):
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    try:
         deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()],
                        "device_key_sha256": [hashlib.sha256(DEVICE_KEY.encode()).hexdigest()], "devices": 2,
                        "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": 8,
@@ -47,6 +48,8 @@ def cluster(world):
                       user_configs={"Device": {**KNOBS, "realtime": False, "policy": "fixed"},
                                     "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
         yield world
+    finally:
+        serve.shutdown()
 
 
 def post(body):

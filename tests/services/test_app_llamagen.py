@@ -2,7 +2,7 @@
 VQ-16 `.pt`), a tiny random T5 encoder + tokenizer saved with `save_pretrained` (encoded on the verifier at
 runtime), and a device model for that GPT, named by a world dict in the builder args as serve_config.gpu.yaml does.
 
-One Ray instance for the module (1 verifier, 2 devices, fractional CPUs)."""
+On the test session's shared Ray instance (1 verifier, 2 devices, fractional CPUs)."""
 
 import hashlib
 import io
@@ -14,7 +14,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files  # noqa: E402
-from services.deploy import deploy_config, local_serve  # noqa: E402
+from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8133
 URL = f"http://127.0.0.1:{PORT}"
@@ -36,14 +36,17 @@ def world(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster(world):
-    with local_serve(PORT, num_cpus=3):
+def cluster(world, shared_ray):
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    try:
         deploy_config({"world": world, "api_key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "devices": 2,
                        "device_num_cpus": 0.1, "verifier_num_cpus": 0.5, "verifier_max_sessions": "auto",
                        "ingress_num_cpus": 0.1, "graceful_shutdown_timeout_s": 0.5},
                       user_configs={"Device": {"tau": TAU, "span": 4, "prefix_rate": 0.1, "realtime": False},
                                     "Verifier": {"max_batch_size": 8, "batch_wait_timeout_s": 0.005}})
         yield world
+    finally:
+        serve.shutdown()
 
 
 def post(body):

@@ -17,6 +17,8 @@ requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
 
+pytestmark = pytest.mark.cluster  # a Ray cluster of its own (tests/conftest.py)
+
 PORT = 8131
 KEY = "multinode-key-0123456789"
 PROMPT = "a small red circle at the top on a gray background"
