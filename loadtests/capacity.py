@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -368,8 +369,13 @@ def plot(result: dict, path: str) -> None:
         axes[1].plot(x, [p["images_per_s"] for p in pts], style, label=m)
         axes[2].plot(x, [p["mean_batch_size"] for p in pts], style, label=m)
     axes[0].axhline(result["slo_p99_s"], color="k", lw=0.8, ls=":", label="SLO")
+    measured = any(p["images"] for p in result["points"] if p["method"] in METHODS)
     for ax, title in zip(axes, ("image latency (s)", "images / s", "works per forward")):
-        ax.set_xscale("log", base=2)
+        if measured:
+            ax.set_xscale("log", base=2)
+        else:  # a log axis without data cannot be drawn: say why the panel is empty
+            ax.text(0.5, 0.5, "no image finished inside a measuring window", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=8)
         ax.set_xlabel("concurrent phones")
         ax.set_title(title)
         ax.legend(fontsize=8)
@@ -441,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     traces = record(args)
     if gpus:
-        import sys
-
         return gpu_capacity(traces, gpus, loads, args, sys.argv[1:] if argv is None else argv)
     from ciar.world import load_world
     from ciar.world_spec import world_from_args as _source
@@ -485,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "latency_s": p["latency_s"], "mean_batch_size": p["mean_batch_size"],
                                   "mismatches": p["mismatches"], "errors": p["errors"], "resumes": p["resumes"],
                                   "replicas": p["replicas"], "overloaded_share": p["overloaded_share"]}))
+                if not p["images"] and not p["errors"]:
+                    print(f"{m} at {load} phones: no image finished inside the {args.warmup:g} + {args.duration:g} s "
+                          f"window (an image takes longer here): a longer --warmup / --duration measures it",
+                          file=sys.stderr)
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * args.slo_p99_s:
                     live_method[m] = False
     finally:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from loadtests.capacity import main, summarize
+from loadtests.capacity import main, plot, summarize
 
 
 def test_summary_picks_the_largest_load_within_the_slo():
@@ -17,6 +17,16 @@ def test_summary_picks_the_largest_load_within_the_slo():
                    "cloud": [pt(1, 1.0), pt(2, 3.0)]}, 2.0, "cpu", {})
     assert r["phones_at_slo"] == {"ciar": 2, "cloud": 1} and r["ratio"] == 2.0
     assert r["cloud_positions_per_image"]["ciar"] == 110.0
+
+
+def test_plot_of_a_run_where_no_image_finished_inside_a_window(tmp_path):
+    """A box too slow for the window (every point 0 images, as a loaded 2-core box gave with 3 s windows): the
+    figure is still written, its panels saying why they are empty (a log axis without data raised before)."""
+    empty = {"phones": 1, "images": 0, "latency_s": {"p50": None, "p95": None, "p99": None}, "images_per_s": 0.0,
+             "mean_batch_size": 1.0}
+    result = summarize({"ciar": [empty], "cloud": [empty]}, 30.0, "cpu", {})
+    plot(result, str(tmp_path / "capacity.png"))
+    assert (tmp_path / "capacity.png").stat().st_size > 10_000
 
 
 @pytest.mark.cluster  # its own Ray instance and Serve (tests/conftest.py)
