@@ -24,6 +24,7 @@ WEIGHTS = os.path.join(REPO, "weights", "scenes-v1")
 
 
 def pytest_collection_modifyitems(config, items):
+    _SHARED["modules"] = {_module_of(i) for i in items if "shared_ray" in getattr(i, "fixturenames", ())}
     _group_shared_ray_modules(items)
     _cluster_unit_first(config, items)
     if torch.cuda.is_available():
@@ -49,7 +50,7 @@ def _module_of(item) -> str:
 
 
 def _group_shared_ray_modules(items) -> None:
-    uses = {_module_of(i) for i in items if "shared_ray" in getattr(i, "fixturenames", ())}
+    uses = _SHARED["modules"]
     if not uses:
         return
     first = next(k for k, i in enumerate(items) if _module_of(i) in uses)
@@ -81,14 +82,14 @@ def _is_cluster(item) -> bool:
 
 
 def _cluster_unit_first(config, items) -> None:
-    _SHARED["modules"] = {_module_of(i) for i in items if "shared_ray" in getattr(i, "fixturenames", ())}
     path = getattr(config, "workerinput", {}).get(_CLUSTER_IDS)
     if path is None:  # not an xdist worker of `--dist loadgroup`
         return
-    items[:] = [i for i in items if _is_cluster(i)] + [i for i in items if not _is_cluster(i)]
+    cluster = [i for i in items if _is_cluster(i)]
+    items[:] = cluster + [i for i in items if not _is_cluster(i)]
     tmp = f"{path}.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump([i.nodeid for i in items if _is_cluster(i)], f)
+        json.dump([i.nodeid for i in cluster], f)
     os.replace(tmp, path)  # every worker writes the same list
 
 
@@ -138,12 +139,12 @@ def _ray_only_in_cluster_modules(request):
     it would run beside the cluster modules' instance (mark its module `pytestmark = pytest.mark.cluster`)."""
     yield
     ray = sys.modules.get("ray")
-    if ray is not None and not _is_cluster(request.node) and getattr(ray, "is_initialized", lambda: False)():
+    if ray is not None and not _is_cluster(request.node) and ray.is_initialized():
         pytest.fail(f"{_module_of(request.node)} leaves Ray running: mark the module `pytest.mark.cluster`")
 
 
 def pytest_collection_finish(session):
-    mods = [_module_of(i) for i in session.items if "shared_ray" in getattr(i, "fixturenames", ())]
+    mods = [_module_of(i) for i in session.items if _module_of(i) in _SHARED["modules"]]
     _SHARED["last_module"] = mods[-1] if mods else None
 
 
