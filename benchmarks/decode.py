@@ -88,8 +88,7 @@ def hf_llama_like(model: GPT):
 @torch.inference_mode()
 def run_ours(model: GPT, cond: torch.Tensor, cond_mask: torch.Tensor, tokens: int, params: SamplingParams,
              seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=cond.device).manual_seed(seed)
-    return generate_cloud(model, cond, cond_mask, params, gen, num_tokens=tokens)  # [B, tokens]
+    return generate_cloud(model, cond, cond_mask, params, seed, num_tokens=tokens)  # [B, tokens]
 
 
 @torch.inference_mode()

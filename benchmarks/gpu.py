@@ -677,18 +677,19 @@ class Suite:
         for _ in range(2):
             v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=False)
             log: list = []
-            execute = v.runner.execute
+            execute = v.runner.execute_step
 
             def recorded(pieces, execute=execute, log=log):
-                outs = execute(pieces)
+                step = execute(pieces)
+                outs = step.views
                 ins = [(tuple(p.slots), p.start, p.n, tuple(p.tokens or ()), tuple(p.want),
                         None if p.emb is None else float(p.emb.float().abs().sum()),
                         tuple(float(e.float().abs().sum()) for _, e in p.extra)) for p in pieces]
                 got = [None if not isinstance(o, tuple) or o[0] is None else o[0].float().cpu() for o in outs]
                 log.append((ins, got))
-                return outs
+                return step
 
-            v.runner.execute = recorded
+            v.runner.execute_step = recorded
             reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)
             v.open_batch(reqs, caption_emb=emb)
             v.verify_batch(spans(range(sessions)))

@@ -111,8 +111,7 @@ def run(args: argparse.Namespace) -> dict:
     _sync(args.device)
     t_gen = time.perf_counter()
     if args.method == "cloud":
-        generator = torch.Generator(device=args.device).manual_seed(args.seed)
-        tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, generator)  # [1, N]
+        tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, args.seed)  # [1, N]
     else:
         from ciar.collab.runtime import make_decoder, make_verifier
 

@@ -38,14 +38,13 @@ from ciar.world import load_default_world
 def generate_images(world, captions: list[str], seeds: list[int], params: SamplingParams, batch_size: int = 16):
     """Cloud-only images uint8 [n, H, W, 3] and tokens [n, N]; caption i is generated with seed seeds[i].
 
-    Each batch uses one generator seeded by its first caption's seed, so results depend only on (captions, seeds,
-    batch_size) — fixed by the command line.
+    Each caption draws with its own seed (`generate_cloud`'s position-keyed draws), so an image depends only on
+    its caption and seed, whatever the batch size.
     """
     images, tokens = [], []
     for s in tqdm(range(0, len(captions), batch_size), desc="generate", dynamic_ncols=True):
         cap = world.text.encode(captions[s:s + batch_size])
-        g = torch.Generator().manual_seed(seeds[s])
-        toks = generate_cloud(world.cloud, cap.emb, cap.mask, params, g)
+        toks = generate_cloud(world.cloud, cap.emb, cap.mask, params, seeds[s:s + batch_size])
         tokens.append(toks)
         images.append(tensor_to_images(world.vq.decode_code(toks)))
     return torch.cat(images).numpy(), torch.cat(tokens)

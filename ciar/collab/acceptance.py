@@ -11,18 +11,18 @@ distributions p_0..p_K (one more than drafted: the bonus position). Both are pos
            with the drawn replacement (cosine of output-embedding rows), or when consecutive target hidden states
            converge (cosine of h_j and h_{j+1}).
 
-Randomness (reproducible and independent of the other rows' contents): first `u = torch.rand(B, K)` from the
-generator, then row by row (b = 0..B-1) the row's `sample` calls: exactly one for exact and lantern; none for
-greedy (its uniforms are still drawn); for cascade, one per position that the exact test rejects (in position
-order, until the span ends) plus one bonus draw if the whole span is kept. With one generator PER ROW (a list, as
-the verifier judges many sessions at once) row b draws `span_len[b]` uniforms and then its `sample` calls from its
-own generator: exactly the draws of the same row judged alone, whatever shares its batch.
+Randomness: every draw is a uniform the caller passes (`SpanDraws`): `accept[b, j]` for the test of draft j and
+`next[b, j]` for the token drawn at span index j (the recovered token at the first rejection, the bonus after a
+fully kept span, CASCADE's replacement of a rejected draft), by inverse CDF (`ciar.decoding.sampling.sample_at`).
+The verifier keys them by (seed, image position, stream) (`SpanDraws.counter`), so a row's verdict depends on its
+own inputs alone, whatever shares its batch, and the whole batch is judged in one pass of tensor operations.
 
-    out = verify_span("exact", drafts, q, p, generator)      # drafts [B, K], q [B, K, V], p [B, K+1, V]
+    draws = SpanDraws.counter(seeds, positions, k)            # or SpanDraws.from_generator(g, B, K)
+    out = verify_span("exact", drafts, q, p, draws)          # drafts [B, K], q [B, K, V], p [B, K+1, V]
     n, z = out.num_accepted, out.next_token                   # keep drafts[b, :n[b]], then append z[b]
 
     table = NeighborTable.from_codebook(codebook, k=1000).to(p.device)
-    out = verify_span("lantern", drafts, q, p, generator, neighbors=table, lantern=LanternConfig(delta=0.15))
+    out = verify_span("lantern", drafts, q, p, draws, neighbors=table, lantern=LanternConfig(delta=0.15))
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ciar.decoding.sampling import sample
+from ciar.decoding.sampling import counter_uniform, sample_at
+from ciar_device.maths import ACCEPT_STREAM, NEXT_STREAM
 
 RULES = ("exact", "lantern", "greedy", "cascade")
 
@@ -169,7 +170,7 @@ def _lantern_target(p_x: torch.Tensor, p: torch.Tensor, drafts: torch.Tensor, ne
     return p_x + moved
 
 
-def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, neighbors, lantern, cascade,
+def _check(rule, draft_tokens, draft_probs, target_probs, draws, span_len, neighbors, lantern, cascade,
            target_hidden, token_embeddings) -> tuple[int, int, int]:
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -178,11 +179,12 @@ def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, n
         raise ValueError(f"draft_tokens must be an integer tensor [B, K], got {tuple(draft_tokens.shape)} "
                          f"{draft_tokens.dtype}")
     b, k = draft_tokens.shape
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != b or not all(isinstance(g, torch.Generator) for g in generator):
-            raise ValueError(f"generator must be a torch.Generator or a list of B = {b} of them")
-    elif not isinstance(generator, torch.Generator):
-        raise ValueError("generator must be a torch.Generator")
+    if not isinstance(draws, SpanDraws):
+        raise ValueError("draws must be a SpanDraws (SpanDraws.counter for position-keyed draws, "
+                         "SpanDraws.from_generator in tests)")
+    if tuple(draws.accept.shape) != (b, k) or tuple(draws.next.shape) != (b, k + 1):
+        raise ValueError(f"draws must hold accept [B, K] = [{b}, {k}] and next [B, K+1] uniforms, got "
+                         f"{tuple(draws.accept.shape)} and {tuple(draws.next.shape)}")
     if target_probs.dim() != 3 or target_probs.shape[0] != b or target_probs.shape[1] != k + 1:
         raise ValueError(f"target_probs must be [B, K+1, V] = [{b}, {k + 1}, V], got {tuple(target_probs.shape)}")
     v = target_probs.shape[2]
@@ -214,22 +216,50 @@ def _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, n
     return b, k, v
 
 
+@dataclass
+class SpanDraws:
+    """The uniforms a batch of spans is judged with: `accept` [B, K] (the test of draft j) and `next` [B, K+1] (the
+    next token drawn at span index j: recovered at a rejection, bonus after the whole span, CASCADE's replacement at
+    a rejected draft). Each is read at most once and never depends on another row."""
+
+    accept: torch.Tensor  # [B, K] float64 in [0, 1)
+    next: torch.Tensor  # [B, K+1] float64 in [0, 1)
+
+    @classmethod
+    def counter(cls, seeds: torch.Tensor, positions: torch.Tensor, k: int) -> "SpanDraws":
+        """Position-keyed draws (the verifier's): row b's draft j sits at image position positions[b] + j; its test
+        is `counter_uniform(seed, ACCEPT_STREAM, position)`, the next token at position positions[b] + n is drawn
+        with `counter_uniform(seed, NEXT_STREAM, position)`. seeds, positions [B] int64 on the data's device."""
+        at = positions[:, None] + torch.arange(k + 1, device=positions.device)[None, :]  # [B, K+1]
+        s = seeds[:, None]
+        return cls(counter_uniform(s, ACCEPT_STREAM, at[:, :k]), counter_uniform(s, NEXT_STREAM, at))
+
+    @classmethod
+    def from_generator(cls, generator: torch.Generator, b: int, k: int) -> "SpanDraws":
+        """Uniforms from a torch generator (unit tests and simulations): accept first, then next."""
+        return cls(torch.rand(b, k, generator=generator, dtype=torch.float64, device=generator.device),
+                   torch.rand(b, k + 1, generator=generator, dtype=torch.float64, device=generator.device))
+
+
 def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                generator: torch.Generator | list[torch.Generator], span_len: torch.Tensor | None = None, *,
+                draws: SpanDraws, span_len: torch.Tensor | None = None, *,
                 neighbors: NeighborTable | None = None, lantern: LanternConfig | None = None,
                 cascade: CascadeConfig | None = None, target_hidden: torch.Tensor | None = None,
-                token_embeddings: torch.Tensor | None = None) -> VerifyOutput:
-    """Judge a batch of drafted spans.
+                token_embeddings: torch.Tensor | None = None, check: bool = True) -> VerifyOutput:
+    """Judge a batch of drafted spans, every row at once (no loop over rows, nothing read on the host).
 
     draft_tokens [B, K] int64, draft_probs q [B, K, V], target_probs p [B, K+1, V], span_len [B] in [0, K]
-    (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K). `generator`: one
-    for the batch, or one per row (see the module docstring for both draw orders). `neighbors` and
-    `lantern` are needed by "lantern"; `cascade` and `token_embeddings` [V, D] (and optionally `target_hidden`
-    [B, K+1, D]) by "cascade". Returns `VerifyOutput` with [B] tensors on the data's device. See the module
-    docstring for the rules and the order of random draws.
+    (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K), `draws` the
+    uniforms (`SpanDraws`). `neighbors` and `lantern` are needed by "lantern"; `cascade` and `token_embeddings`
+    [V, D] (and optionally `target_hidden` [B, K+1, D]) by "cascade". `check=False` skips the input checks (which
+    read values on the host; the verifier checked them when the requests arrived). Returns `VerifyOutput` with [B]
+    tensors on the data's device. See the module docstring for the rules.
     """
-    b, k, v = _check(rule, draft_tokens, draft_probs, target_probs, generator, span_len, neighbors, lantern,
-                     cascade, target_hidden, token_embeddings)
+    if check:
+        b, k, v = _check(rule, draft_tokens, draft_probs, target_probs, draws, span_len, neighbors, lantern,
+                         cascade, target_hidden, token_embeddings)
+    else:
+        b, k = draft_tokens.shape
     device = target_probs.device
     p = target_probs.float()
     q = draft_probs.to(device).float()
@@ -237,14 +267,8 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
     lengths = (torch.full((b,), k, dtype=torch.long, device=device) if span_len is None
                else span_len.to(device).long())
     in_span = torch.arange(k, device=device)[None, :] < lengths[:, None]  # [B, K]
-
-    gens = generator if isinstance(generator, (list, tuple)) else [generator] * b  # row i draws from gens[i]
-    if isinstance(generator, (list, tuple)):  # each row: its own span's uniforms, from its own generator
-        u = torch.ones(b, k, device=device)
-        for i, n_i in enumerate(lengths.tolist()):
-            u[i, :n_i] = torch.rand(n_i, generator=gens[i], device=gens[i].device).to(device)
-    else:
-        u = torch.rand(b, k, generator=generator, device=generator.device).to(device)  # always drawn first
+    rows = torch.arange(b, device=device)
+    u_next = draws.next.to(device)
 
     p_x = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
     if rule == "greedy":
@@ -253,56 +277,31 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
         if rule == "lantern":
             p_x = _lantern_target(p_x, p[:, :k], drafts, neighbors, lantern)
-        accept = _ratio_accept(u, p_x, q_x) & in_span
+        accept = _ratio_accept(draws.accept.to(device), p_x, q_x) & in_span
 
-    if rule == "cascade":
-        return _cascade(accept, drafts, p, q, lengths, gens, cascade, target_hidden, token_embeddings)
+    if rule == "cascade" and k:
+        # every draft's replacement y_j ~ residual(p_j, q_j) at its own uniform; a rejected draft is kept when y_j is
+        # interchangeable with it (or the target's hidden states converge there)
+        y = sample_at(_residual(p[:, :k], q).reshape(b * k, -1), u_next[:, :k].reshape(-1)).view(b, k)
+        emb = token_embeddings.detach().to(device).float()
+        keep = F.cosine_similarity(emb[drafts], emb[y], dim=-1) >= cascade.threshold  # [B, K]
+        if cascade.seq_threshold is not None and target_hidden is not None:
+            h = target_hidden.detach().to(device).float()
+            keep = keep | (F.cosine_similarity(h[:, :-1], h[:, 1:], dim=-1) >= cascade.seq_threshold)
+        accept = (accept | keep) & in_span
+        n = accept.long().cumprod(-1).sum(-1)
+        recovered = n < lengths
+        bonus = sample_at(p[rows, n], u_next[rows, n])
+        return VerifyOutput(n, torch.where(recovered, y[rows, n.clamp(max=k - 1)], bonus), recovered)
 
     n = accept.long().cumprod(-1).sum(-1) if k else torch.zeros(b, dtype=torch.long, device=device)  # [B]
     recovered = n < lengths
-    p_next = p[torch.arange(b, device=device), n]  # [B, V]: p at the first rejection, or the bonus p_L
+    p_next = p[rows, n]  # [B, V]: p at the first rejection, or the bonus p_L
     if rule == "greedy":
         return VerifyOutput(n, p_next.argmax(-1), recovered)
     if k:
-        q_next = q[torch.arange(b, device=device), n.clamp(max=k - 1)]  # [B, V]
+        q_next = q[rows, n.clamp(max=k - 1)]  # [B, V]
         dist = torch.where(recovered[:, None], _residual(p_next, q_next), p_next)
     else:
         dist = p_next
-    nxt = torch.cat([sample(dist[i:i + 1], gens[i]) for i in range(b)]) if b else \
-        torch.zeros(0, dtype=torch.long, device=device)
-    return VerifyOutput(n, nxt.to(device), recovered)
-
-
-def _cascade(accept: torch.Tensor, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, lengths: torch.Tensor,
-             gens: list[torch.Generator], cfg: CascadeConfig, target_hidden: torch.Tensor | None,
-             token_embeddings: torch.Tensor) -> VerifyOutput:
-    """Cascade rule given the exact test `accept` [B, K] (already masked to the span); row by row, position order."""
-    b = drafts.shape[0]
-    device = p.device
-    emb = token_embeddings.detach().to(device).float()  # [V, D]
-    seq_ok = None
-    if cfg.seq_threshold is not None and target_hidden is not None and drafts.shape[1]:
-        h = target_hidden.detach().to(device).float()  # [B, K+1, D]
-        seq_ok = (F.cosine_similarity(h[:, :-1], h[:, 1:], dim=-1) >= cfg.seq_threshold).tolist()  # [B][K]
-    acc, lens = accept.tolist(), lengths.tolist()
-    nums, nexts, recs = [], [], []
-    for i in range(b):
-        n, z = lens[i], None
-        for j in range(lens[i]):
-            if acc[i][j]:
-                continue
-            y = sample(_residual(p[i, j], q[i, j])[None], gens[i]).to(device)  # [1]
-            x = drafts[i, j]
-            cos = F.cosine_similarity(emb[x], emb[y[0]], dim=0)
-            if float(cos) >= cfg.threshold or (seq_ok is not None and seq_ok[i][j]):
-                continue  # interchangeable (or converged): keep the draft
-            n, z = j, y
-            break
-        if z is None:
-            z = sample(p[i, n][None], gens[i]).to(device)
-        nums.append(n)
-        nexts.append(z)
-        recs.append(n < lens[i])
-    nxt = torch.cat(nexts) if b else torch.zeros(0, dtype=torch.long, device=device)
-    return VerifyOutput(torch.tensor(nums, dtype=torch.long, device=device), nxt,
-                        torch.tensor(recs, dtype=torch.bool, device=device))
+    return VerifyOutput(n, sample_at(dist, u_next[rows, n]), recovered)

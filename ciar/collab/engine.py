@@ -30,9 +30,8 @@ per session and CFG branch) would pass `token_budget`; a chunkable piece shrinks
 behind at most one step of bounded size, and a cloud-only image advances one token per step next to everything
 else instead of holding the replica for its whole image (static batching did that).
 
-Determinism: a session's draws come from its own generator (prefix tokens from the stream seeded at open,
-verifications re-seeded by position, `ciar.collab.verifier.position_seed`), and the batched judge draws each row
-from its own generator, so which works share a step changes no draw; only the logits' floating-point summation
+Determinism: every cloud draw is keyed by (seed, stream, image position) and computed for all rows of a step at
+once (`ciar.engine.judge`), so which works share a step changes no draw; only the logits' floating-point summation
 order depends on the batch shape, as with any batching.
 """
 
@@ -47,7 +46,7 @@ import time
 import torch
 
 from ciar.collab.protocol import ForwardFault
-from ciar.collab.runner import NonFiniteLogits, Piece
+from ciar.collab.runner import NonFiniteLogits, Piece, PieceOutput
 from ciar.collab.scheduler import (DECODE, HISTORY, KINDS, PREFILL, SPAN, Request, Scheduled, Scheduler,
                                    SchedulerConfig)
 
@@ -78,6 +77,8 @@ class Work(Request):
         # refused (CapacityError: 503 + Retry-After); None: refused at once (`CloudVerifier.slot_wait_s`)
         self.deadline: float | None = None
         self.parked = False  # set by the admission: no slot yet, park it (the engine clears it)
+        self.draw_from: PieceOutput | None = None  # this step's outputs to draw a token from (the decision pass)
+        self.deciding = False  # in this step's decision pass (a pass that raises fails these works)
 
     # --- subclass interface
     def admit(self) -> None:
@@ -87,9 +88,10 @@ class Work(Request):
         """Its next `n` positions (n <= pending()) as the model runner's input."""
         raise NotImplementedError
 
-    def take(self, piece: Piece, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> None:
-        """Logits [rows, len(want), V] and first-row hidden states [len(want), dim] of the piece's wanted
-        positions; may finish the work or leave it waiting for the step's judge."""
+    def take(self, piece: Piece, out: PieceOutput | None) -> None:
+        """The piece's outputs (`ciar.collab.runner.PieceOutput`: its rows of the step's logits and hidden states,
+        None when it wanted none): record where they are and advance; may finish the work, or leave a decision
+        (a token to draw, a span to judge) for the step's decision pass."""
         raise NotImplementedError
 
     @property
@@ -117,18 +119,19 @@ class StepEngine:
     """The engine core: one `step` = admit what arrived, let the scheduler pick the forward's pieces, run them on the
     model runner, hand the outputs to their works, judge the spans that completed, retire the finished works.
 
-    The three parts meet only here and nothing calls back up: the scheduler (`ciar.collab.scheduler`, pure Python)
-    decides from request state and budgets; the runner (`ciar.collab.runner.ModelRunner`) turns pieces into tensors
-    and returns logits and hidden states; the works (request state, owned by the verifier's session table) read
-    those. `admit(works)` (each admitted, or finished with its error) and `judge(running)` (the step's batched
-    acceptance) are given by the owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
+    The three parts meet only here: the scheduler (`ciar.collab.scheduler`, pure Python) decides from request state
+    and budgets; the runner (`ciar.collab.runner.ModelRunner`) turns pieces into tensors and returns the step's
+    logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
+    (each admitted, or finished with its error) and `decide(running, step logits, on_bad)` (the step's batched judge
+    and sampler, its one host read) are given by the owner of the request state
+    (`ciar.collab.verifier.CloudVerifier`)."""
 
-    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, judge=None):
+    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None):
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
         self.scheduler = Scheduler(config)
         self.runner = runner
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
-        self._judge = judge or (lambda works: None)
+        self._decide = decide or (lambda works, logits, on_bad: None)
 
     # the scheduler's state, as the engine's callers read it (the config is set live: `Verifier.reconfigure`)
     config = property(lambda self: self.scheduler.config, lambda self, c: setattr(self.scheduler, "config", c))
@@ -193,10 +196,35 @@ class StepEngine:
         self._admit()
         batch = self.scheduler.schedule()
         if batch:
-            self._execute(batch, t0)
+            step = self._execute(batch, t0)
             self.scheduler.record(batch)
-        self._judge(self.scheduler.running)  # every span whose feed is complete (some need no forward at all)
+        else:
+            step = None
+        self._decide_step(batch, step)
         return self.scheduler.retire()
+
+    def _decide_step(self, batch: list[Scheduled], step) -> None:
+        """The step's decisions in one batched pass (`decide(running works, the step's logits, on_bad)`: the
+        verifier's judge and sampler, one copy to the device and one back): the tokens its decodes draw, the verdicts
+        on the spans whose feed is complete (some need no forward at all). `on_bad(rows)` names the rows of the
+        step's logits that were not finite, before anything is applied: their pieces' works fail (`Work.fault`)
+        and take no decision. A decision pass that raises (out of memory) fails the works it was deciding for."""
+        def on_bad(bad_rows: list[bool]) -> None:
+            if step is None or not any(bad_rows):
+                return
+            for p, (a, n) in zip(batch, step.ranges):
+                w = p.request
+                if n and any(bad_rows[a:a + n]) and not w.done:
+                    self.faults["NonFiniteLogits"] = self.faults.get("NonFiniteLogits", 0) + 1
+                    logger.warning("session %s: the forward gave non-finite logits", w.session_id)
+                    w.fault(ForwardFault("the cloud forward gave non-finite logits: send the request again",
+                                         origin=NonFiniteLogits(f"non-finite logits for session {w.session_id}")))
+
+        running = [w for w in self.scheduler.running if not w.done]
+        try:
+            self._decide(running, None if step is None else step.logits, on_bad)
+        except Exception as e:  # noqa: BLE001 - the decisions' model work failed (out of memory): these works only
+            self._fault([w for w in running if not w.done and getattr(w, "deciding", False)], e, "the judge of")
 
     def _admit(self) -> None:
         new = self.scheduler.take_waiting()
@@ -244,18 +272,18 @@ class StepEngine:
         now = time.perf_counter()
         self.scheduler.unpark(lambda w: w.deadline <= now)
 
-    def _execute(self, batch: list[Scheduled], t0: float) -> None:
-        """Run the batch on the runner and hand each work its outputs. A forward that raises (out of memory, a
-        broken kernel) fails the step's works with a `ForwardFault` (retryable; `Work.fault` decides what the
-        session keeps) and frees the accelerator's cached blocks; a piece whose logits are not finite fails only
-        its own work. The engine and every other work go on."""
+    def _execute(self, batch: list[Scheduled], t0: float):
+        """Run the batch on the runner and hand each work its outputs (views of the step's logits: nothing is read on
+        the host here). A forward that raises (out of memory, a broken kernel) fails the step's works with a
+        `ForwardFault` (retryable; `Work.fault` decides what the session keeps) and frees the accelerator's cached
+        blocks; the engine and every other work go on. -> the runner's `StepOutput`, or None when it failed."""
         works = [p.request for p in batch]
         try:
             pieces = [w.piece(p.n) for w, p in zip(works, batch)]
-            outs = self.runner.execute(pieces)
+            out = self.runner.execute_step(pieces)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
             self._fault(works, e, "the forward of")
-            return
+            return None
         dt = time.perf_counter() - t0
         for w in works:  # before `take`: a work that finishes now reports this step in its reply
             if w.started is None:
@@ -263,17 +291,12 @@ class StepEngine:
             w.passes += 1
             w.seconds += dt
             w.batch_size = len(works)
-        for w, piece, out in zip(works, pieces, outs):
+        for w, piece, o in zip(works, pieces, out.outputs):
             try:
-                if isinstance(out, NonFiniteLogits):
-                    self.faults["NonFiniteLogits"] = self.faults.get("NonFiniteLogits", 0) + 1
-                    logger.warning("session %s: %s", w.session_id, out)
-                    fault = ForwardFault("the cloud forward gave non-finite logits: send the request again", origin=out)
-                    w.fault(fault)
-                else:
-                    w.take(piece, *out)
+                w.take(piece, o)
             except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
                 w.finish(error=e)
+        return out
 
 
 class _Driver:

@@ -17,9 +17,8 @@ drops the session (`SessionLostError`), which is then resumed as above.
 
 Why the result is exact (equal to an uninterrupted session's): the cloud's state for a session is (a) the KV cache,
 a deterministic function of the caption, the committed tokens and the features injected with them, which `resume`
-recomputes from exactly those inputs, and (b) the acceptance generator, which the verifier re-seeds before every
-verification from (seed, committed-token count) (`ciar.collab.verifier.position_seed`), so it carries no history
-either. The prefix tokens were drawn from the sequential stream at open and are part of the history, not redrawn.
+recomputes from exactly those inputs, and (b) its draws, each keyed by (seed, stream, image position)
+(`ciar.engine.judge`), so they carry no history either. The prefix tokens are part of the history, not redrawn.
 The retried verify therefore sees the same target distributions (up to floating-point summation order of the
 rebuilt cache) and the same draws, and returns the same (num_accepted, next_token).
 

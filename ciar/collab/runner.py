@@ -131,8 +131,19 @@ class ModelRunner:
 
     def execute(self, pieces: list[Piece]) -> list:
         """ONE cached forward over `pieces`. -> per piece (logits [rows, len(want), V], hidden [len(want), dim]),
-        (None, None) where it wants nothing, or a `NonFiniteLogits` where its logits are not finite. Raises what the
-        forward raises (out of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
+        (None, None) where it wants nothing, or a `NonFiniteLogits` where its logits are not finite (a host read;
+        the engine instead reads `execute_step`'s logits once with its judge). Raises what the forward raises (out
+        of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
+        out = self.execute_step(pieces)
+        if out.logits is None:
+            return out.views
+        finite = torch.isfinite(out.logits).all(dim=-1).tolist()
+        return [NonFiniteLogits(f"the forward gave non-finite logits for slots {p.slots}")
+                if n and not all(finite[a:a + n]) else view
+                for p, view, (a, n) in zip(pieces, out.views, out.ranges)]
+
+    def execute_step(self, pieces: list[Piece]) -> "StepOutput":
+        """ONE cached forward over `pieces`, nothing read on the host: the step's logits and each piece's views."""
         bucket = self.bucket(pieces) if self.static else None
         if bucket is not None:
             rows, width, kv_len = bucket
@@ -258,31 +269,63 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return len(self._graphs)
 
-    def _outputs(self, pieces: list[Piece], row0: list[int], hid: torch.Tensor):
-        """Logits at the wanted positions only (one head matmul for the whole batch), split per piece."""
-        sel_rows, sel_cols, spans = [], [], []
+    def _outputs(self, pieces: list[Piece], row0: list[int], hid: torch.Tensor) -> "StepOutput":
+        """Logits at the wanted positions only (one head matmul for the whole batch), viewed per piece."""
+        sel_rows, sel_cols, ranges = [], [], []
         for i, p in enumerate(pieces):
-            spans.append((len(sel_rows), len(p.want)))
+            ranges.append((len(sel_rows), p.rows * len(p.want)))
             for j in range(p.rows):
                 sel_rows.extend([row0[i] + j] * len(p.want))
                 sel_cols.extend(p.want)
-        outs: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         if not sel_rows:
-            return [(None, None)] * len(pieces)
+            return StepOutput(None, None, ranges)
         dev = hid.device
-        picked = hid[torch.tensor(sel_rows, device=dev), torch.tensor(sel_cols, device=dev)]  # [S, dim]
+        sel = torch.tensor([sel_rows, sel_cols], dtype=torch.long)
+        sel = sel.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else sel
+        picked = hid[sel[0], sel[1]]  # [S, dim]
         logits = self.cloud.logits(picked)
-        finite = torch.isfinite(logits).all(dim=-1)  # [S]: one host read for the step (its judge reads it anyway)
-        bad = None if bool(finite.all()) else finite.logical_not().tolist()
-        for (start, n_want), p in zip(spans, pieces):
-            if not n_want:
-                outs.append((None, None))
-            elif bad is not None and any(bad[start:start + p.rows * n_want]):
-                outs.append(NonFiniteLogits(f"the forward gave non-finite logits for slots {p.slots}"))
-            else:
-                outs.append((logits[start:start + p.rows * n_want].view(p.rows, n_want, -1),
-                             picked[start:start + n_want]))
-        return outs
+        return StepOutput(logits, picked, ranges, [len(p.want) for p in pieces])
+
+
+class StepOutput:
+    """One forward's results: `logits` [S, V] at every wanted position (None when no piece wants any), `hidden`
+    [S, dim] (the same rows' final hidden states), and per piece `ranges` (first row in `logits`, rows: its CFG
+    branches x its wanted positions, branch-major). `outputs[i]` is piece i's `PieceOutput` (None when it wants
+    nothing); `views` the same as (logits [rows, len(want), V], hidden [len(want), dim]) tensors."""
+
+    def __init__(self, logits: torch.Tensor | None, hidden: torch.Tensor | None, ranges: list[tuple[int, int]],
+                 wanted: list[int] | None = None):
+        self.logits, self.hidden, self.ranges = logits, hidden, ranges
+        wanted = wanted or [0] * len(ranges)
+        self.outputs = [PieceOutput(self, a, n // w, w) if n else None for (a, n), w in zip(ranges, wanted)]
+
+    @property
+    def views(self) -> list:
+        return [(o.logits, o.hidden) if o is not None else (None, None) for o in self.outputs]
+
+
+class PieceOutput:
+    """A piece's rows of a `StepOutput`, by position: nothing is sliced until a tensor is asked for (`logits`,
+    `hidden`), so a step whose works only need row indices (`row`, the judge's one gather) makes no per-piece views."""
+
+    __slots__ = ("step", "start", "rows", "wanted")
+
+    def __init__(self, step: StepOutput, start: int, rows: int, wanted: int):
+        self.step, self.start, self.rows, self.wanted = step, start, rows, wanted
+
+    def row(self, branch: int, j: int) -> int:
+        """The row of `step.logits` holding CFG branch `branch`'s logits at wanted position j."""
+        return self.start + branch * self.wanted + j
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[rows, wanted, V]"""
+        return self.step.logits[self.start:self.start + self.rows * self.wanted].view(self.rows, self.wanted, -1)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """[wanted, dim]: the first branch's hidden states"""
+        return self.step.hidden[self.start:self.start + self.wanted]
 
 
 # ---------------------------------------------------------------------------------------------------- memory

@@ -1,14 +1,14 @@
 """The verifier's sessions and their KV-cache slots: which sessions are open, which slots each holds, idle expiry.
 
     table = SessionTable(cache, max_sessions=64, idle_timeout_s=60.0)
-    s = table.open(request)        # slots taken (idle sessions evicted first when too few are free), generator seeded
+    s = table.open(request)        # slots taken (idle sessions evicted first when too few are free)
     s = table.get("session-id")    # SessionLostError when this verifier does not hold it
     table.close("session-id")      # its slots reset and freed
     table.evict_idle(300.0)        # close the sessions idle for 5 minutes -> their ids
 
 A session is one image being generated (`ciar.collab.protocol`'s vocabulary). It holds 2 cache slots with CFG (cond,
 uncond), 1 without, out of the cache's 2 * `max_sessions`; its committed image tokens, the sampling and acceptance
-rule of its OpenRequest, its own generator (the cloud's randomness: `ciar.collab.verifier`), and the work in flight
+rule of its OpenRequest, its seed (the cloud's draws are keyed by it: `ciar.engine.judge`), and the work in flight
 for it (one at a time: `ciar.collab.engine`). Every open / resume / verify stamps `last_used` (time.monotonic);
 `evict_idle(s)` closes the sessions idle for at least s seconds, and with `idle_timeout_s` set, an open that finds too
 few free slots first evicts such idle sessions (least recently used first) before raising `CapacityError`. A session
@@ -32,9 +32,8 @@ class Session:
     tokens: list[int]  # committed image tokens
     sampling: SamplingParams
     rule: RuleConfig
-    generator: torch.Generator
     first_logits: torch.Tensor | None  # [rows, V] prefill logits, kept while no token is committed
-    seed: int = 0  # the OpenRequest's seed (prefix stream; position-keyed acceptance seeds)
+    seed: int = 0  # the OpenRequest's seed: every cloud draw is keyed by (seed, stream, position) (ciar.engine.judge)
     last_used: float = 0.0  # time.monotonic() of the last open/resume/verify
     work: object = None  # the request in flight for this session (one at a time), or None
     owner: str = ""  # the device that opened (or resumed) it
@@ -91,14 +90,12 @@ class SessionTable:
                                 f"slots, this batch needs {need}")
 
     def open(self, request: OpenRequest) -> Session:
-        """A new session for `request`: its slots (reserved first), no tokens yet, its generator seeded with the
-        request's seed. SessionError when the id is open already, CapacityError when no slots can be had."""
+        """A new session for `request`: its slots (reserved first), no tokens yet. SessionError when the id is open already, CapacityError when no slots can be had."""
         self.check_new(request.session_id)
         need = slots_needed(request)
         self.reserve(need)
         slots = [self.free_slots.pop(0) for _ in range(need)]
-        s = Session(slots, [], request.sampling, request.rule,
-                    torch.Generator(device="cpu").manual_seed(int(request.seed)), None, seed=int(request.seed),
+        s = Session(slots, [], request.sampling, request.rule, None, seed=int(request.seed),
                     last_used=time.monotonic())
         self.sessions[request.session_id] = s
         return s

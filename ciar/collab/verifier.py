@@ -14,24 +14,25 @@
 Every call runs on the step-level engine (`ciar.collab.engine`): a request is a *work* (OpenWork, VerifyWork,
 ResumeWork below) that feeds one piece per forward (a prefill chunk, a span, one prefix or burst token, a chunk of
 a resumed history), and each forward carries the pieces of every session that has one ready, under a token
-budget; the `*_batch` calls submit their requests and step until they are done. All spans completed in a step are
-judged by one `verify_span` call per acceptance rule, each row drawing from its own session's generator.
+budget; the `*_batch` calls submit their requests and step until they are done. A work's state is data: after the
+forward it records where its outputs are (`take`) and, when it needs a decision, says what (`draw`: a token to
+sample; `span`: drafts to judge); the step's decisions are made together by the judge (`ciar.engine.judge`: every
+row's sampling, every span, every draw in one batched pass, one copy each way) and each work takes its own
+(`drawn`, `commit`).
 
 Cache invariant per session (CFG: a cond slot and an uncond slot with the same tokens): the session's committed
 image tokens t_0..t_{c-1} are in `tokens`; the cache holds the condition and t_0..t_{c-2} ("fed" = c - 1); the
 last committed token is fed by the next forward. A verification with m new tokens and k drafts feeds
 t_{fed}..t_{c+m-1}, x_1..x_k in one ragged batch (per-row positions), reads the target distributions p_1..p_{k+1}
-at the positions of t_{c+m-1}, x_1..x_k, judges the span with the session's acceptance rule and its own
-generator, commits the accepted drafts plus the next token, and rolls the cache back to the accepted prefix
+at the positions of t_{c+m-1}, x_1..x_k, judges the span with the session's acceptance rule, commits the accepted drafts plus the next token, and rolls the cache back to the accepted prefix
 (pointer move; stale entries are invisible and overwritten). Padding of the ragged batch writes only past each
 row's committed content (clamped to a scratch position inside the cache's slack).
 
-Randomness: each session owns a `torch.Generator`. Its prefix tokens (open) are drawn from the sequential stream
-seeded with the OpenRequest's `seed`, exactly as `ciar.decoding.generate.generate_cloud` draws them. Before each
-verification the generator is re-seeded with `position_seed(seed, c)`, c = the session's committed-token count
-before that verification (a splitmix64 mix, see `position_seed`), and the acceptance rule then draws in its fixed
-order. So a verification's draws depend only on (seed, position, inputs): a session's tokens do not depend on which
-sessions share its batches, nor on whether its cache was rebuilt in between.
+Randomness: every cloud draw is keyed by (the OpenRequest's `seed`, a stream, an image position) (`ciar.engine.judge`:
+a token the cloud samples itself at position i, a prefix or burst token, as `ciar.decoding.generate.generate_cloud`
+draws it; the acceptance test of the draft at position i; the next token at its position). So a verification's
+draws depend only on (seed, position, inputs): a session's tokens do not depend on which sessions share its
+batches, nor on whether its cache was rebuilt in between.
 
 Recovery: a verify that names an unknown session (never opened, closed, evicted, or lost with its replica) raises
 `SessionLostError`; the client then calls `resume_batch` with the session's OpenRequest, the device's committed
@@ -54,126 +55,18 @@ from dataclasses import astuple, replace
 
 import torch
 
-from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, verify_span
 from ciar.collab.device import device_caption
 from ciar.collab.engine import StepEngine, Work
 from ciar.collab.runner import ModelRunner, Piece, plan_sessions
 from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
-from ciar.collab.gating import entropy_score
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionConflictError,
-                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, draft_distribution,
-                                  verify_tensors)
+                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, verify_tensors)
 from ciar.collab.sessions import Session, SessionTable, slots_needed
-from ciar.decoding.sampling import logits_to_probs, sample
+from ciar.engine.judge import Draw, Judge, Span
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
 from ciar_device.policy import CloudStepEstimator, CostHint, Ewma
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One splitmix64 step (Steele et al. 2014): x -> a well-mixed 64-bit integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def position_seed(seed: int, position: int) -> int:
-    """The acceptance generator's seed for the verification of a session (`seed`) at committed-token count
-    `position`: splitmix64(splitmix64(seed mod 2**64) XOR position) >> 1, in [0, 2**63). Fixed forever: changing
-    it changes every CIAR/speculative output for a given seed."""
-    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ (int(position) & _MASK64)) >> 1
-
-
-class Judge:
-    """The acceptance rules and the sampler, reading the runner's logits: every span whose feed is complete is
-    judged in one `verify_span` call per rule (`judge_ready`, once per engine step), each row drawing from its own
-    session's generator; single tokens (prefix and burst tokens) are drawn by `sample`."""
-
-    def __init__(self, cloud: GPT, codebook: torch.Tensor | None = None):
-        self.cloud = cloud
-        self.vocab_size, self.dim = cloud.config.vocab_size, cloud.config.dim
-        self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
-        self._neighbors: dict[int, NeighborTable] = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self.cloud.tok_embeddings.weight.device
-
-    def neighbor_table(self, k: int) -> NeighborTable:
-        if self.codebook is None:
-            raise SessionError("the LANTERN rule needs the tokenizer's codebook; this verifier was built without it")
-        k = min(k, self.vocab_size)
-        if k not in self._neighbors:
-            self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
-        return self._neighbors[k]
-
-    def judge_ready(self, works: list) -> None:
-        """Judge every verification in `works` whose feed is complete, one `verify_span` call per acceptance rule
-        for all of them, and commit each verdict (`VerifyWork.commit`)."""
-        ready = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
-        groups: dict[tuple, list[VerifyWork]] = {}
-        for w in ready:
-            groups.setdefault(astuple(w.s.rule), []).append(w)
-        for group in groups.values():
-            try:
-                outs = self.judge(group)
-            except Exception as e:  # noqa: BLE001 - fails these spans only
-                for w in group:
-                    w.finish(error=e)
-                continue
-            for w, (n, z, rec) in zip(group, outs):
-                w.commit(n, z, rec, len(ready))
-
-    def judge(self, works: list["VerifyWork"]) -> list[tuple[int, int, bool]]:
-        """-> per work (drafts accepted, next token, whether the next token was resampled)."""
-        v_size, dev = self.vocab_size, self.device
-        kmax = max(w.k for w in works)
-        b = len(works)
-        p = torch.zeros(b, kmax + 1, v_size, device=dev)
-        q = torch.full((b, kmax, v_size), 1.0 / v_size, device=dev)
-        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
-        hidden = None
-        rule = works[0].s.rule
-        for i, w in enumerate(works):
-            p_i = self.probs(w.s, w.target_logits())  # [k+1, V]
-            p[i, :w.k + 1] = p_i
-            p[i, w.k + 1:] = p_i[-1]  # padding: any valid distribution (outside the span)
-            if w.k:
-                q[i, :w.k] = draft_distribution(w.request.draft_probs.to(dev))
-                drafts[i, :w.k] = w.request.draft_tokens.to(dev)
-            w.s.generator.manual_seed(position_seed(w.s.seed, len(w.s.tokens)))  # draws keyed by (seed, position)
-        kwargs = {}
-        if rule.rule == "lantern":
-            kwargs["neighbors"] = self.neighbor_table(rule.lantern_k)
-            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
-        elif rule.rule == "cascade":
-            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
-            kwargs["token_embeddings"] = (self.cloud.output.weight if self.cloud.output is not None
-                                          else self.cloud.image_head_weight)  # a Chameleon cloud's image rows
-            if all(w.target_hidden() is not None for w in works):
-                hidden = torch.zeros(b, kmax + 1, self.dim, device=dev)
-                for i, w in enumerate(works):
-                    hidden[i, :w.k + 1] = w.target_hidden().float()
-                kwargs["target_hidden"] = hidden
-        out = verify_span(rule.rule, drafts, q, p, [w.s.generator for w in works],
-                          span_len=torch.tensor([w.k for w in works], device=dev), **kwargs)
-        return list(zip(out.num_accepted.tolist(), out.next_token.tolist(), out.recovered.tolist()))
-
-    @staticmethod
-    def probs(s: Session, logits: torch.Tensor) -> torch.Tensor:
-        """logits [rows(1|2), ..., V] of one session -> post-guidance probs [..., V]."""
-        if len(s.slots) == 2:
-            return logits_to_probs(logits[0], s.sampling, uncond_logits=logits[1])
-        return logits_to_probs(logits[0], s.sampling)
-
-    def sample(self, s: Session, logits: torch.Tensor) -> int:
-        """One token from the session's generator."""
-        return int(sample(self.probs(s, logits).unsqueeze(0), s.generator)[0])
-
 
 class CloudVerifier:
     def __init__(self, cloud: GPT, text: TextEncoder | None, max_sessions: int | str = 16,
@@ -207,7 +100,7 @@ class CloudVerifier:
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
         self.judge = Judge(cloud, codebook)
-        self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, judge=self.judge.judge_ready)
+        self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide)
         # what its replies told the devices, over all of them: the hint a device's first image starts from
         self.reply_costs = CloudStepEstimator()
         self.reply_queue = Ewma(0.2)
@@ -294,6 +187,41 @@ class CloudVerifier:
                     caption_emb: torch.Tensor | None = None, caption_mask: torch.Tensor | None = None,
                     owner: str = "") -> "ResumeWork":
         return self._waits_for_a_slot(ResumeWork(self, request, history, injected, caption_emb, caption_mask, owner))
+
+    def decide(self, works: list, step_logits: torch.Tensor | None, on_bad) -> None:
+        """Engine hook, once per step: the tokens the works' decodes draw and the verdicts on the spans whose feed is
+        complete, all in one `Judge.decide` (one copy to the accelerator, one back); `on_bad` first fails the works
+        whose logits in this step were not finite; then each work takes its decision."""
+        draws = [w for w in works if not w.done and w.draw_from is not None]
+        spans = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
+        if not draws and not spans and step_logits is None:
+            return
+        for w in draws + spans:
+            w.deciding = True
+        try:
+            decided = self.judge.decide([w.draw() for w in draws], [w.span() for w in spans], step_logits)
+        finally:
+            for w in draws + spans:
+                w.deciding = False
+        on_bad(decided.bad)
+        for w, token, stop in zip(draws, decided.tokens, decided.stops):
+            if not w.done:
+                self._apply(w, w.drawn, token, stop)
+        for i, w in enumerate(spans):
+            if w.done:
+                continue
+            if i in decided.errors:
+                w.finish(error=decided.errors[i])
+                continue
+            n, z, rec = decided.verdicts[i]
+            self._apply(w, w.commit, n, z, rec, len(spans))
+
+    @staticmethod
+    def _apply(w: Work, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
+            w.finish(error=e)
 
     def _run(self, works: list) -> list:
         """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""
@@ -535,25 +463,28 @@ class OpenWork(Work):
                          want=[n - 1] if self.cond_pos + n == cls else [])
         return Piece(self.slots, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
 
-    def take(self, piece: Piece, logits, hidden) -> None:
+    def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
             self.cond_pos += piece.n
             self.v.cache.set_length(self.s.slots, self.cond_pos)
             if self.cond_pos < self.v.config.cls_token_num:
                 return
             self.cond = None
-            self.prefilled(logits[:, 0])
-        else:
-            self.s.tokens.append(self.v.judge.sample(self.s, logits[:, 0]))
+            if self.request.prefix_len == 0:  # the first image token's logits are kept for the first verification
+                self.s.first_logits = out.logits[:, 0].clone()
+                self.complete()
+                return
+        self.draw_from = out  # the step's decisions draw the next prefix token from it (`drawn`)
+
+    def draw(self) -> Draw:
+        """The prefix token to draw at image position len(tokens), from the cloud's stream."""
+        return Draw(self.draw_from, self.s.sampling, self.s.seed, len(self.s.tokens))
+
+    def drawn(self, token: int, stop: bool) -> None:
+        self.draw_from = None
+        self.s.tokens.append(token)
         if len(self.s.tokens) >= self.request.prefix_len:
             self.complete()
-
-    def prefilled(self, logits: torch.Tensor) -> None:
-        """The first image token's logits [rows, V] are known."""
-        if self.request.prefix_len == 0:
-            self.s.first_logits = logits.clone()
-        else:
-            self.s.tokens.append(self.v.judge.sample(self.s, logits))
 
     def reply_tokens(self) -> list[int]:
         return self.s.tokens
@@ -641,7 +572,7 @@ class ResumeWork(OpenWork):
         return Piece(self.slots, self.v.config.cls_token_num + a, n, tokens=self.history[a:a + n],
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras])
 
-    def take(self, piece: Piece, logits, hidden) -> None:
+    def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
             self.cond_pos += piece.n
             self.v.cache.set_length(self.s.slots, self.cond_pos)
@@ -649,7 +580,7 @@ class ResumeWork(OpenWork):
                 return
             self.cond = None
             if not self.history:
-                self.s.first_logits = logits[:, 0].clone()
+                self.s.first_logits = out.logits[:, 0].clone()
         else:
             self.fed += piece.n
         if self.fed >= len(self.history) - 1:
@@ -699,7 +630,8 @@ class VerifyWork(Work):
         self.k, self.m = k, m
         self.s: Session | None = None
         self.phase = "feed"  # feed -> judge -> (burst) -> done
-        self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # targets fed in earlier pieces, by index
+        self.targets: tuple[torch.Tensor, torch.Tensor] | None = None  # all targets from one piece: its views
         self.burst_tokens: list[int] = []
         self.outcome: tuple[int, int, bool, int] | None = None
 
@@ -760,12 +692,16 @@ class VerifyWork(Work):
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras],
                      want=[i - a for i in self.want if a <= i < a + n])
 
-    def take(self, piece: Piece, logits, hidden) -> None:
+    def take(self, piece: Piece, out) -> None:
         if self.phase == "burst":
-            self.burst_step(logits[:, 0])
+            self.draw_from = out  # the step's decisions draw the burst token from it (`drawn`)
             return
-        for j, i in enumerate(piece.want):
-            self.got[piece.start - self.v.config.cls_token_num - self.start + i] = (logits[:, j], hidden[j])
+        if len(piece.want) == len(self.want):  # every target in this piece (the usual case): where they are
+            self.targets = out
+        elif piece.want:
+            logits, hidden = out.logits, out.hidden
+            for j, i in enumerate(piece.want):
+                self.got[piece.start - self.v.config.cls_token_num - self.start + i] = (logits[:, j], hidden[j])
         self.fed += piece.n
         if self.fed >= len(self.feed):
             self.phase = "judge"
@@ -784,21 +720,38 @@ class VerifyWork(Work):
         lost.origin = error  # (not chained as __cause__: the transports unwrap causes and must find this one)
         self.finish(error=lost)
 
-    def target_logits(self) -> torch.Tensor:
-        """[rows, k+1, V]: the distributions the drafts and the next token are judged by."""
+    def target_logits(self):
+        """The distributions the drafts and the next token are judged by: the piece's outputs when one piece held
+        them all (`PieceOutput`), else [rows, k+1, V] gathered from the pieces that fed them."""
+        if self.targets is not None:
+            return self.targets
         return torch.stack([self.s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
 
     def target_hidden(self) -> torch.Tensor | None:
+        if self.targets is not None:
+            return self.targets.hidden
         if any(i < 0 for i in self.want):
             return None
         return torch.stack([self.got[i][1] for i in self.want])
+
+    def span(self) -> Span:
+        """What the step's judge needs: the targets, the drafts as sent, the session's sampling and rule, and the
+        first draft's image position (the committed count after the catch-up)."""
+        s, r = self.s, self.request
+        return Span(self.target_logits(), r.draft_tokens, r.draft_probs, s.sampling, s.rule, s.seed, self.c_new,
+                    self.target_hidden() if s.rule.rule == "cascade" else None)
+
+    def draw(self) -> Draw:
+        """The burst token to draw at image position len(tokens), with the request's entropy stop."""
+        return Draw(self.draw_from, self.s.sampling, self.s.seed, len(self.s.tokens),
+                    float(self.request.burst_entropy))
 
     def commit(self, n: int, z: int, recovered: bool, judged: int) -> None:
         """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection, else reply."""
         s, r, c = self.s, self.request, self.v.config
         s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
         s.first_logits = None
-        self.got = {}
+        self.got, self.targets = {}, None
         self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
         self.outcome = (n, z, recovered, judged)
         if recovered and r.burst > 0 and len(s.tokens) < c.block_size:
@@ -806,18 +759,18 @@ class VerifyWork(Work):
         else:
             self.complete()
 
-    def burst_step(self, logits: torch.Tensor) -> None:
+    def drawn(self, token: int, stop: bool) -> None:
         """Cloud burst: after a rejection the session's cloud samples up to `burst` more tokens itself, stopping
-        early when its next distribution's normalised entropy falls to `burst_entropy` or below (the device can
-        take over there; that step's forward is spent) or at the last image token. Draws continue the session's
-        generator after the acceptance rule's, so they depend only on (seed, position, inputs)."""
+        early when its next distribution's normalised entropy falls to `burst_entropy` or below (`stop`: the device
+        can take over there; that step's forward is spent) or at the last image token. Each token is drawn at its
+        image position from the cloud's stream (`ciar.engine.judge`), as a prefix token there would be."""
         s, r, c = self.s, self.request, self.v.config
-        p = self.v.judge.probs(s, logits)  # [V]
-        if r.burst_entropy > 0 and float(entropy_score(p.unsqueeze(0))[0]) <= r.burst_entropy:
+        self.draw_from = None
+        if stop:
             self.complete()
             return
-        s.tokens.append(int(sample(p.unsqueeze(0), s.generator)[0]))
-        self.burst_tokens.append(s.tokens[-1])
+        s.tokens.append(token)
+        self.burst_tokens.append(token)
         self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
         if len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
             self.complete()

@@ -2,7 +2,7 @@
 
     model = world.cloud
     cap = world.text.encode(["a small red circle at the top on a gray background"])
-    tokens = generate_cloud(model, cap.emb, cap.mask, world.sampling, torch.Generator().manual_seed(0))  # [1, N]
+    tokens = generate_cloud(model, cap.emb, cap.mask, world.sampling, seed=0)                             # [1, N]
     images = world.vq.decode_code(tokens)                                                                 # [-1, 1]
 
 Loop (gpt-fast style): one prefill of the `cls_token_num` condition positions gives the first image token's
@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import torch
 
-from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
+from ciar.decoding.sampling import SamplingParams, counter_uniform, logits_to_probs, sample_at, seed_tensor
+from ciar_device.maths import CLOUD_STREAM
 from ciar.models.gpt import GPT
 from ciar.models.kv_cache import KVCache
 
 
 @torch.no_grad()
 def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor | None, params: SamplingParams,
-                   generator: torch.Generator, num_tokens: int | None = None, cache: KVCache | None = None,
+                   seed, num_tokens: int | None = None, cache: KVCache | None = None,
                    return_probs: bool = False):
     """Sample `num_tokens` (default: `block_size`) image tokens per caption with the cloud model alone.
 
     cond_emb: [B, L, caption_dim] caption embeddings (t2i) or [B] labels (c2i); cond_mask: [B, L] bool or None.
-    generator: the only source of randomness; one draw per row per token, so a seed replays exactly (on the
-    same device). cache: optional preallocated cache with at least B (2B with CFG) slots; rows use slots
+    seed: an integer (row b draws with seed + b, as image b of a request does) or one seed per row. The only source
+    of randomness: token i of row b is drawn at `counter_uniform(seed_b, CLOUD_STREAM, i)` (inverse CDF,
+    `sample_at`), the draw the verifier makes for a prefix or cloud-only token at that position, so the cloud-only
+    method through the cluster gives these tokens, and a row's tokens do not depend on the rest of the batch. cache: optional preallocated cache with at least B (2B with CFG) slots; rows use slots
     0..B-1 (cond) and B..2B-1 (uncond). Afterwards it holds the condition and the first N-1 tokens and its
     `lengths` say so (the last token is sampled, never fed).
 
@@ -45,6 +48,12 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
     weight = model.tok_embeddings.weight
     device = weight.device
     b = cond_emb.shape[0]
+    if isinstance(seed, torch.Generator) or isinstance(seed, bool):
+        raise TypeError("generate_cloud takes a seed (an int, or one per row), not a torch.Generator")
+    seeds = [int(seed) + i for i in range(b)] if isinstance(seed, int) else [int(x) for x in seed]
+    if len(seeds) != b:
+        raise ValueError(f"{len(seeds)} seeds for {b} rows")
+    seeds = seed_tensor(seeds, device)
 
     cond = cond_emb.to(device=device, dtype=weight.dtype) if cond_emb.is_floating_point() else cond_emb.to(device)
     mask = None if cond_mask is None else cond_mask.to(device=device, dtype=torch.bool)
@@ -73,7 +82,7 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
                 probs = logits_to_probs(logits[:b], params, uncond_logits=logits[b:])  # [B, V]
             else:
                 probs = logits_to_probs(logits, params)
-            tok = sample(probs, generator)  # [B]
+            tok = sample_at(probs, counter_uniform(seeds, CLOUD_STREAM, torch.full_like(seeds, i)))  # [B]
             tokens[:, i] = tok
             if probs_out is not None:
                 probs_out[:, i] = probs

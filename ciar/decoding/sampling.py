@@ -131,3 +131,140 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     else:
         out = torch.multinomial(flat, 1, generator=generator)
     return out.view(lead)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-row sampling: every row's guidance, temperature, top-k and top-p in one call (the verifier's batched sampler)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings per row, as tensors on the rows' device (`rows_to_probs`), plus host-side summaries that
+    let a batch skip the stages no row uses (known when the batch is built: no host read of the tensors)."""
+
+    cfg_scale: torch.Tensor  # [R] float32; applied where the row has an unconditional row and the scale is not 1
+    temperature: torch.Tensor  # [R] float32; 0: greedy
+    top_k: torch.Tensor  # [R] int64; 0 (or >= V): off
+    top_p: torch.Tensor  # [R] float32; 1: off
+    max_top_k: int = 0  # the largest top_k of a row (0: no row filters by top-k)
+    any_top_p: bool = False
+    any_greedy: bool = False
+    any_temperature: bool = False  # a row with temperature not in (0, 1)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampling":
+        """One row per entry of `params` (already validated SamplingParams)."""
+        return cls(torch.tensor([p.cfg_scale for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   max_top_k=max((p.top_k for p in params), default=0),
+                   any_top_p=any(p.top_p < 1.0 for p in params),
+                   any_greedy=any(p.temperature == 0.0 for p in params),
+                   any_temperature=any(p.temperature not in (0.0, 1.0) for p in params))
+
+    @classmethod
+    def from_tensors(cls, cfg_scale: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, summary: tuple[int, bool, bool, bool]) -> "RowSampling":
+        """Rows whose tensors were built elsewhere (one packed host-to-device copy) and whose host-side summary
+        (max_top_k, any_top_p, any_greedy, any_temperature) the builder knows."""
+        return cls(cfg_scale, temperature, top_k, top_p, *summary)
+
+
+def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.Tensor | None = None,
+                  has_uncond: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] (conditional rows), per-row settings `rows`, uncond_logits [R, V] (rows without CFG: any values,
+    `has_uncond` [R] bool says which rows have one; None: all do) -> probs [R, V] float32.
+
+    Row r equals `logits_to_probs(logits[r], SamplingParams(row r's settings), uncond_logits[r] if it has one)` to the
+    bit: the same operations in the same order (CFG -> temperature -> top-k -> top-p), computed for every row at
+    once and kept where the row's settings ask for them. Nothing reads the tensors on the host."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    cfg = rows.cfg_scale[:, None]
+    if uncond_logits is not None:
+        use = cfg != 1.0
+        if has_uncond is not None:
+            use = use & has_uncond[:, None]
+        logits = torch.where(use, guide(logits, uncond_logits.float(), cfg), logits)
+    guided = logits
+    t = rows.temperature[:, None]
+    if rows.any_temperature:
+        shifted = (logits - logits.amax(dim=-1, keepdim=True)) / t.clamp_min(torch.finfo(logits.dtype).tiny)
+        logits = torch.where((t != 1.0) & (t != 0.0), shifted, logits)
+    k = rows.top_k[:, None]
+    if 0 < min(rows.max_top_k, vocab - 1):
+        kmax = min(rows.max_top_k, vocab)
+        top = torch.topk(logits, kmax, dim=-1).values  # [R, kmax]: the first k of them are row r's top k
+        kth = top.gather(-1, (k.clamp(1, kmax) - 1))  # [R, 1]
+        on = (k > 0) & (k < vocab)
+        logits = logits.masked_fill(on & (logits < kth), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if rows.any_top_p:
+        top_p = rows.top_p[:, None]
+        sorted_p = torch.sort(probs, dim=-1, descending=True, stable=True).values
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
+        threshold = sorted_p.gather(-1, n_keep - 1)
+        cut = probs.masked_fill(probs < threshold, 0.0)
+        probs = torch.where(top_p < 1.0, cut / cut.sum(dim=-1, keepdim=True), probs)
+    if rows.any_greedy:
+        onehot = torch.zeros_like(probs).scatter_(-1, guided.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(t == 0.0, onehot, probs)
+    return probs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counter-based draws: a uniform per (seed, stream, position), for any number of rows at once, on any device
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_SM_ADD = _signed64(0x9E3779B97F4A7C15)
+_SM_MUL1 = _signed64(0xBF58476D1CE4E5B9)
+_SM_MUL2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors read as unsigned 64-bit integers (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """`ciar_device.maths.splitmix64` on int64 tensors (the unsigned 64-bit value's two's complement; additions and
+    products wrap), element by element."""
+    x = x + _SM_ADD
+    x = (x ^ _shr(x, 30)) * _SM_MUL1
+    x = (x ^ _shr(x, 27)) * _SM_MUL2
+    return x ^ _shr(x, 31)
+
+
+def seed_tensor(seeds, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Python integers (any sign and size: taken mod 2**64) -> an int64 tensor of their two's complement."""
+    return torch.tensor([_signed64(int(s)) for s in seeds], dtype=torch.long, device=device)
+
+
+def counter_uniform(seed: torch.Tensor, stream: int, position: torch.Tensor) -> torch.Tensor:
+    """Uniform doubles in [0, 1), one per element of the broadcast of `seed` (int64, `seed_tensor`) and `position`
+    (int64): splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ position), its top 53 bits / 2**53. The device's
+    `ciar_device.maths.uniform` bit for bit: a draw depends on (seed, stream, position) alone, never on what was
+    drawn before or on what else the batch holds. Streams: `ciar_device.maths` (CLOUD_STREAM, ACCEPT_STREAM,
+    NEXT_STREAM on the cloud; DRAFT_STREAM, GATE_STREAM on the device)."""
+    z = splitmix64(splitmix64(splitmix64(seed) ^ _signed64(stream)) ^ position)
+    return _shr(z, 11).double() * (1.0 / 9007199254740992.0)
+
+
+def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (need not sum to 1), u [R] uniforms in [0, 1) -> tokens [R] int64 by inverse CDF: the first
+    index whose float64 running sum exceeds u * total (`ciar_device.maths.sample`, batched). Zero-probability
+    entries are never drawn; a row without mass gives its last index (callers never read it)."""
+    p = probs.double()
+    cdf = p.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # the last index with mass
+    return torch.minimum(idx, last)

@@ -272,10 +272,16 @@ def draft_distribution(q_sent) -> np.ndarray:
 
 
 _MASK64 = (1 << 64) - 1
-# the device's draw streams (`uniform`): the draft token's and the random gate's, apart from each other and from the
-# verifier's acceptance draws (`ciar.collab.verifier.position_seed`, which mixes the seed and position alone)
+# Every draw of an image, device or cloud, is `uniform(seed, stream, position)` in one of these streams (each its
+# own, so no two uses of a draw meet). On the device (this module): the draft token's and the random gate's. On the
+# cloud (`ciar.decoding.sampling.counter_uniform`, the same bits computed in torch for every row of a step at once):
+# a token the cloud samples itself (a prefix, cloud-only or burst token) at its image position, the acceptance test
+# of the draft at an image position, and the next token (recovered or bonus; CASCADE's replacements) at its position.
 DRAFT_STREAM = 0x6369617264726166  # "ciardraf"
 GATE_STREAM = 0x6369617267617465  # "ciargate"
+CLOUD_STREAM = 0x63696172636C6F64  # "ciarclod"
+ACCEPT_STREAM = 0x6369617261637074  # "ciaracpt"
+NEXT_STREAM = 0x636961726E657874  # "ciarnext"
 
 
 def splitmix64(x: int) -> int:

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from ciar.collab.acceptance import CascadeConfig, verify_span
 from ciar.collab.engine import SchedulerConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionLostError, VerifyRequest
 from ciar.collab.verifier import CloudVerifier
@@ -135,30 +134,6 @@ def test_max_works_one_is_unbatched(tiny_cloud, stub_text):
         SchedulerConfig(token_budget=0)
 
 
-def test_per_row_generators_draw_as_rows_judged_alone():
-    """verify_span with one generator per row: each row's verdict equals that row judged alone with its generator
-    (whatever the other rows' span lengths), for every rule that draws."""
-    torch.manual_seed(0)
-    b, k, v = 4, 5, 12
-    p = torch.softmax(torch.randn(b, k + 1, v), -1)
-    q = torch.softmax(torch.randn(b, k, v), -1)
-    drafts = torch.multinomial(q.view(-1, v), 1).view(b, k)
-    lens = torch.tensor([5, 0, 3, 1])
-    emb = torch.randn(v, 6)
-    for rule, kw in (("exact", {}), ("greedy", {}),
-                     ("cascade", {"cascade": CascadeConfig(threshold=0.5), "token_embeddings": emb})):
-        gens = [torch.Generator().manual_seed(100 + i) for i in range(b)]
-        out = verify_span(rule, drafts, q, p, gens, span_len=lens, **kw)
-        for i in range(b):
-            n_i = int(lens[i])
-            one = verify_span(rule, drafts[i:i + 1, :n_i], q[i:i + 1, :n_i], p[i:i + 1, :n_i + 1],
-                              torch.Generator().manual_seed(100 + i), **kw)
-            assert (int(out.num_accepted[i]), int(out.next_token[i])) == \
-                (int(one.num_accepted[0]), int(one.next_token[0])), (rule, i)
-    with pytest.raises(ValueError, match="list of B"):
-        verify_span("exact", drafts, q, p, gens[:2])
-
-
 @torch.no_grad()
 def test_a_failed_forward_fails_its_works_and_frees_their_sessions(tiny_cloud, stub_text, monkeypatch):
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
@@ -168,7 +143,7 @@ def test_a_failed_forward_fails_its_works_and_frees_their_sessions(tiny_cloud, s
     def broken(*args, **kwargs):
         raise RuntimeError("accelerator lost")
 
-    monkeypatch.setattr(v.runner, "execute", broken)  # FAULT INJECTION at the model runner
+    monkeypatch.setattr(v.runner, "execute_step", broken)  # FAULT INJECTION at the model runner
     v.engine.run([span, opening])
     assert isinstance(span.error, RuntimeError) and isinstance(opening.error, RuntimeError)
     assert "b" not in v.sessions and v.sessions["a"].work is None  # the half-opened session is gone, "a" is free
@@ -263,14 +238,14 @@ def test_the_engine_thread_answers_control_calls_while_a_forward_runs(tiny_cloud
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     service = VerifierService(v, "s")
     entered, release = threading.Event(), threading.Event()
-    forward = v.runner.execute
+    forward = v.runner.execute_step
 
     def held_forward(pieces):  # FAULT INJECTION: the forward waits for the test
         entered.set()
         assert release.wait(30), "the test never released the forward"
         return forward(pieces)
 
-    v.runner.execute = held_forward
+    v.runner.execute_step = held_forward
 
     async def run():
         opening = asyncio.ensure_future(service.open(_open_req("a", 3), session_id="a", device_id="d"))

@@ -36,11 +36,11 @@ def _reply(r):
 
 
 class FailingRunner:
-    """FAULT INJECTION: wraps a runner's `execute`; the calls listed in `fail_at` (1-based) raise `error`."""
+    """FAULT INJECTION: wraps a runner's `execute_step`; the calls listed in `fail_at` (1-based) raise `error`."""
 
     def __init__(self, runner, fail_at, error=lambda: torch.OutOfMemoryError("CUDA out of memory (injected)")):
-        self.execute_real, self.fail_at, self.error, self.calls = runner.execute, set(fail_at), error, 0
-        runner.execute = self
+        self.execute_real, self.fail_at, self.error, self.calls = runner.execute_step, set(fail_at), error, 0
+        runner.execute_step = self
 
     def __call__(self, pieces):
         self.calls += 1
@@ -154,14 +154,14 @@ def test_a_hung_forward_makes_the_replica_unhealthy(tiny_cloud, stub_text):
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     service = VerifierService(v, "s")
     entered, release = threading.Event(), threading.Event()
-    real = v.runner.execute
+    real = v.runner.execute_step
 
     def hung(pieces):  # FAULT INJECTION: a forward that hangs until the test lets it go
         entered.set()
         assert release.wait(60), "the test never released the forward"
         return real(pieces)
 
-    v.runner.execute = hung
+    v.runner.execute_step = hung
     replica = SimpleNamespace(service=service, live=VerifierLiveConfig(forward_timeout_s=0.05))
 
     async def run():
@@ -222,7 +222,7 @@ for where in ("admission", "forward"):
     for r in reqs[:2]:
         v.close(r.session_id)
     works = [v.submit_open(r, cap.emb[i], cap.mask[i]) for i, r in enumerate(reqs)]
-    name = "condition" if where == "admission" else "execute"  # the admission's condition embedding, or a forward
+    name = "condition" if where == "admission" else "execute_step"  # the admission's condition embedding, or a forward
     real, first = getattr(v.runner, name), v.engine.steps
     setattr(v.runner, name, lambda *a: (capped(real) if v.engine.steps == first else real)(*a))
     v.engine.run(works)

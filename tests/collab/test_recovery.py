@@ -9,12 +9,14 @@ from ciar.collab.decoder import CollabDecoder, method_config
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionError, SessionLostError, VerifyRequest
 from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import CloudVerifier, InProcessCloud, position_seed
-from ciar.decoding.sampling import SamplingParams
+from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.decoding.sampling import SamplingParams, counter_uniform, seed_tensor
+from ciar_device import maths
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
 PROMPT = "a small red circle at the top on a gray background"
 EMPTY = torch.zeros(0, dtype=torch.long)
+FROZEN_ACCEPT_7_10 = 0.867816663551894
 
 
 class FlakyCloud(InProcessCloud):
@@ -230,12 +232,19 @@ def test_resume_replaces_a_stale_copy_and_validates(tiny_cloud, stub_text):
     v.resume_batch([OpenRequest("s", PROMPT, 0, PARAMS, 0)], [torch.zeros(N, dtype=torch.long)])  # full length ok
 
 
-def test_position_seed_is_fixed_and_in_range():
-    assert position_seed(0, 0) == position_seed(0, 0)
-    seeds = {position_seed(s, p) for s in (0, 1, 2, -1) for p in range(50)}
-    assert len(seeds) == 200 and all(0 <= x < 2 ** 63 for x in seeds)
-    assert position_seed(-1, 3) == position_seed(2 ** 64 - 1, 3)  # seeds are taken mod 2**64
-    assert position_seed(7, 10) == 4085016263570201016  # frozen: changing the mix changes every output
+def test_cloud_draws_are_keyed_by_seed_stream_and_position():
+    """The cloud's draws (what makes a resumed session continue as the undisturbed one): the torch counter-based
+    uniform equals the device's, bit for bit, for any seed (mod 2**64) and position; the streams differ; frozen."""
+    seeds = [0, 1, 2, -1, 2 ** 64 - 1, 2 ** 70 + 5, 123456789]
+    positions = list(range(0, 300, 7))
+    for stream in (maths.CLOUD_STREAM, maths.ACCEPT_STREAM, maths.NEXT_STREAM):
+        got = counter_uniform(seed_tensor(seeds)[:, None], stream, torch.tensor(positions)[None, :]).tolist()
+        assert got == [[maths.uniform(s, stream, p) for p in positions] for s in seeds]
+    assert maths.uniform(-1, maths.ACCEPT_STREAM, 3) == maths.uniform(2 ** 64 - 1, maths.ACCEPT_STREAM, 3)
+    draws = {maths.uniform(7, st, 10) for st in (maths.CLOUD_STREAM, maths.ACCEPT_STREAM, maths.NEXT_STREAM,
+                                                  maths.DRAFT_STREAM, maths.GATE_STREAM)}
+    assert len(draws) == 5 and all(0.0 <= u < 1.0 for u in draws)
+    assert maths.uniform(7, maths.ACCEPT_STREAM, 10) == FROZEN_ACCEPT_7_10  # changing the mix changes every output
 
 
 class _LostOnClose:

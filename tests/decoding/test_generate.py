@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ciar.decoding.generate import generate_cloud
-from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
+from ciar.decoding.sampling import SamplingParams, logits_to_probs
+from ciar_device import maths
 from ciar.models.gpt import build_gpt
 
 torch.set_num_threads(1)
@@ -32,29 +33,32 @@ def cond():
 
 
 @torch.no_grad()
-def naive_generate(model, emb, mask, params, generator, n):
-    """Re-run the whole sequence through `model(...)` for every token; same sampling calls as generate_cloud."""
+def naive_generate(model, emb, mask, params, seed, n):
+    """Re-run the whole sequence through `model(...)` for every token; each row's token i is the device's own
+    inverse-CDF draw (`ciar_device.maths.sample`, numpy) at `uniform(seed + row, CLOUD_STREAM, i)`: the draws
+    generate_cloud promises, computed independently of its torch code."""
     b = emb.shape[0]
     drop = None
     if params.uses_cfg:
         emb, mask, drop = model.cfg_condition(emb, mask)
     tokens = torch.empty(b, 0, dtype=torch.long)
-    for _ in range(n):
+    for i in range(n):
         idx = torch.cat([tokens, tokens]) if params.uses_cfg else tokens
         logits = model(idx, emb, mask, drop)[0][:, -1]  # [rows, V]
         if params.uses_cfg:
             probs = logits_to_probs(logits[:b], params, uncond_logits=logits[b:])
         else:
             probs = logits_to_probs(logits, params)
-        tokens = torch.cat([tokens, sample(probs, generator)[:, None]], dim=1)
+        tok = [maths.sample(probs[r].numpy(), maths.uniform(seed + r, maths.CLOUD_STREAM, i)) for r in range(b)]
+        tokens = torch.cat([tokens, torch.tensor(tok)[:, None]], dim=1)
     return tokens
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
 def test_greedy_equals_naive_loop(model, cond, cfg_scale):
     params = SamplingParams(cfg_scale=cfg_scale, temperature=0.0)
-    got = generate_cloud(model, *cond, params, torch.Generator().manual_seed(0), num_tokens=N)
-    want = naive_generate(model, *cond, params, torch.Generator().manual_seed(0), N)
+    got = generate_cloud(model, *cond, params, 0, num_tokens=N)
+    want = naive_generate(model, *cond, params, 0, N)
     assert got.shape == (3, N) and got.dtype == torch.int64
     assert torch.equal(got, want)
     assert len(set(got.flatten().tolist())) > 3  # not a degenerate constant sequence
@@ -63,32 +67,31 @@ def test_greedy_equals_naive_loop(model, cond, cfg_scale):
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_sampling_equals_naive_loop_with_same_draws(model, cond, cfg_scale):
     params = SamplingParams(cfg_scale=cfg_scale, temperature=1.0, top_k=100)
-    got = generate_cloud(model, *cond, params, torch.Generator().manual_seed(7), num_tokens=N)
-    want = naive_generate(model, *cond, params, torch.Generator().manual_seed(7), N)
+    got = generate_cloud(model, *cond, params, 7, num_tokens=N)
+    want = naive_generate(model, *cond, params, 7, N)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_seeded_sampling_is_deterministic(model, cond, cfg_scale):
     params = SamplingParams(cfg_scale=cfg_scale, temperature=1.0, top_p=0.9)
-    a = generate_cloud(model, *cond, params, torch.Generator().manual_seed(3))
-    b = generate_cloud(model, *cond, params, torch.Generator().manual_seed(3))
-    c = generate_cloud(model, *cond, params, torch.Generator().manual_seed(4))
+    a = generate_cloud(model, *cond, params, 3)
+    b = generate_cloud(model, *cond, params, 3)
+    c = generate_cloud(model, *cond, params, 4)
     assert a.shape == (3, model.config.block_size)
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_cfg_changes_the_result(model, cond):
-    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    plain = generate_cloud(model, *cond, SamplingParams(temperature=0.0), g(), num_tokens=N)
-    guided = generate_cloud(model, *cond, SamplingParams(cfg_scale=4.0, temperature=0.0), g(), num_tokens=N)
+    plain = generate_cloud(model, *cond, SamplingParams(temperature=0.0), 0, num_tokens=N)
+    guided = generate_cloud(model, *cond, SamplingParams(cfg_scale=4.0, temperature=0.0), 0, num_tokens=N)
     assert not torch.equal(plain, guided)
 
 
 def test_return_probs_and_cache_reuse(model, cond):
     params = SamplingParams(cfg_scale=2.0, top_k=50)
     cache = model.new_cache(8)
-    tokens, probs = generate_cloud(model, *cond, params, torch.Generator().manual_seed(5), num_tokens=N,
+    tokens, probs = generate_cloud(model, *cond, params, 5, num_tokens=N,
                                    cache=cache, return_probs=True)
     assert probs.shape == (3, N, model.config.vocab_size) and probs.dtype == torch.float32
     assert torch.allclose(probs.sum(-1), torch.ones(3, N), atol=1e-5)
@@ -96,29 +99,37 @@ def test_return_probs_and_cache_reuse(model, cond):
     assert (probs.gather(-1, tokens[..., None]) > 0).all()
     assert cache.lengths[:6] == [model.config.cls_token_num + N - 1] * 6
     # a used cache gives the same result as a fresh one
-    again = generate_cloud(model, *cond, params, torch.Generator().manual_seed(5), num_tokens=N, cache=cache)
+    again = generate_cloud(model, *cond, params, 5, num_tokens=N, cache=cache)
     assert torch.equal(again, tokens)
 
 
-def test_batch_rows_are_independent_of_each_other(model, cond):
-    params = SamplingParams(cfg_scale=3.0, temperature=0.0)
-    batch = generate_cloud(model, *cond, params, torch.Generator(), num_tokens=N)
-    alone = generate_cloud(model, cond[0][1:2], cond[1][1:2], params, torch.Generator(), num_tokens=N)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batch_rows_are_independent_of_each_other(model, cond, temperature):
+    """Row b of a batch seeded s is the same caption alone at seed s + b (image b of a request runs at seed + b),
+    and per-row seeds give the same rows."""
+    params = SamplingParams(cfg_scale=3.0, temperature=temperature)
+    batch = generate_cloud(model, *cond, params, 11, num_tokens=N)
+    alone = generate_cloud(model, cond[0][1:2], cond[1][1:2], params, 12, num_tokens=N)
     assert torch.equal(batch[1:2], alone)
+    assert torch.equal(generate_cloud(model, *cond, params, [11, 12, 13], num_tokens=N), batch)
 
 
 def test_arguments_are_checked_and_mode_restored(model, cond):
     params = SamplingParams()
     with pytest.raises(ValueError, match="num_tokens"):
-        generate_cloud(model, *cond, params, torch.Generator(), num_tokens=0)
+        generate_cloud(model, *cond, params, 0, num_tokens=0)
     with pytest.raises(ValueError, match="num_tokens"):
-        generate_cloud(model, *cond, params, torch.Generator(), num_tokens=model.config.block_size + 1)
+        generate_cloud(model, *cond, params, 0, num_tokens=model.config.block_size + 1)
+    with pytest.raises(TypeError, match="seed"):
+        generate_cloud(model, *cond, params, torch.Generator(), num_tokens=2)
+    with pytest.raises(ValueError, match="seeds"):
+        generate_cloud(model, *cond, params, [1, 2], num_tokens=2)
     with pytest.raises(ValueError, match="slots"):
-        generate_cloud(model, *cond, SamplingParams(cfg_scale=2.0), torch.Generator(), num_tokens=2,
+        generate_cloud(model, *cond, SamplingParams(cfg_scale=2.0), 0, num_tokens=2,
                        cache=model.new_cache(4))
     model.train()
     try:
-        out = generate_cloud(model, *cond, params, torch.Generator(), num_tokens=2)
+        out = generate_cloud(model, *cond, params, 0, num_tokens=2)
         assert out.shape == (3, 2) and model.training
     finally:
         model.eval()
@@ -129,10 +140,9 @@ def test_cuda_generation_matches_cpu_greedy_and_replays(model, cond):
     gpu = build_gpt(model.config).cuda().eval()
     gpu.load_state_dict(model.state_dict())
     greedy = SamplingParams(cfg_scale=3.0, temperature=0.0)
-    cpu_tokens = generate_cloud(model, *cond, greedy, torch.Generator(), num_tokens=N)
-    gpu_tokens = generate_cloud(gpu, *cond, greedy, torch.Generator(device="cuda"), num_tokens=N)
+    cpu_tokens = generate_cloud(model, *cond, greedy, 0, num_tokens=N)
+    gpu_tokens = generate_cloud(gpu, *cond, greedy, 0, num_tokens=N)
     assert torch.equal(cpu_tokens, gpu_tokens.cpu())
     params = SamplingParams(cfg_scale=3.0, top_k=100)
-    for make in (lambda: torch.Generator(device="cuda").manual_seed(1), lambda: torch.Generator().manual_seed(1)):
-        a, b = (generate_cloud(gpu, *cond, params, make(), num_tokens=N) for _ in range(2))
-        assert a.device.type == "cuda" and torch.equal(a, b)
+    a, b = (generate_cloud(gpu, *cond, params, 1, num_tokens=N) for _ in range(2))
+    assert a.device.type == "cuda" and torch.equal(a, b)

@@ -1,0 +1,185 @@
+"""The verifier engine's host time per step, the forward stubbed: this checkout beside an earlier one, in one run.
+
+    git worktree add /tmp/ciar-before <rev>            # the engine to compare with (any checkout of this project)
+    python -m benchmarks.engine_host --before /tmp/ciar-before --out benchmarks/results/DATE/engine_host
+    python -m benchmarks.engine_host --tiny --out /tmp/eh   # seconds: one small size, this checkout alone
+
+What a step costs besides its forward: everything the engine does on the host (admission, scheduling, building the
+inputs, handing outputs to the works, the judge and sampler, applying the verdicts) and, on a CPU, the judge's and
+sampler's own arithmetic. The model's forward and head are replaced by stubs that cost nothing
+(`GPT.forward_cached` returns its input; `GPT.logits` returns a view of a pool of random logits), so the step time
+is host time. Every checkout runs the same workload through its own `CloudVerifier` and `StepEngine` (public calls
+only, present in both): `--sessions` open sessions (CFG: two rows each), then rounds in which every session sends one
+VERIFY (3 locally accepted tokens + a 4-token span, uniform float16 draft distributions, cloud burst 2) and the
+engine steps until they are all answered: one span step, then burst steps for the spans it rejected. Every spans and
+bursts of a round share steps. Each checkout runs in a process of its own, one torch thread, the checkouts
+interleaved over `--reps` repetitions so both see the same box. Reported per (vocabulary, sessions): milliseconds per
+step and per round (medians over the measured rounds), steps per round, and the ratio before / after. Times are this
+box's; the ratios are the result (the docstring of each results file says which box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SPAN, CATCH_UP, BURST = 4, 3, 2
+# (vocabulary, image tokens, caption positions, sampling): the shipped world's shapes and LlamaGen-XL's
+SHAPES = {1024: dict(block=144, cls=16, cfg_scale=4.0, top_k=0),
+          16384: dict(block=256, cls=120, cfg_scale=7.5, top_k=1000)}
+
+
+def measure(vocab: int, sessions: int, rounds: int, seed: int = 0) -> dict:
+    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times."""
+    import torch
+
+    from ciar.collab.scheduler import SchedulerConfig
+    from ciar.collab.verifier import CloudVerifier
+    from ciar.decoding.sampling import SamplingParams
+    from ciar.models.gpt import GPTConfig, build_gpt
+    from ciar_device.wire import OpenRequest, VerifyRequest
+
+    torch.set_num_threads(1)
+    shape = SHAPES[vocab]
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=2, vocab_size=vocab, cls_token_num=shape["cls"],
+                    block_size=shape["block"], caption_dim=32, token_dropout_p=0.0, resid_dropout_p=0.0,
+                    ffn_dropout_p=0.0)
+    torch.manual_seed(seed)
+    cloud = build_gpt(cfg).eval()
+    rows_per_step = sessions * 2 * (SPAN + 1)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(rows_per_step + 512, vocab, generator=g) * 4.0  # sharp: spans get rejected, bursts follow
+    state = {"at": 0, "forward_s": 0.0}
+
+    def forward_stub(cache, h, *args, **kwargs):  # STUB: the forward costs nothing; its output is its input
+        return h
+
+    def logits_stub(picked):  # STUB: the head returns a view of the pool, rotating through it
+        t0 = time.perf_counter()
+        at = state["at"] = (state["at"] + 37) % 512
+        out = pool[at:at + picked.shape[0]]
+        state["forward_s"] += time.perf_counter() - t0
+        return out
+
+    cloud.forward_cached = forward_stub
+    cloud.logits = logits_stub
+    v = CloudVerifier(cloud, None, max_sessions=sessions,
+                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=2 * sessions, prefill_chunk=1 << 12),
+                      static=False)
+    sampling = SamplingParams(cfg_scale=shape["cfg_scale"], top_k=shape["top_k"])
+    emb = torch.randn(sessions, shape["cls"], 32, generator=g)
+    v.open_batch([OpenRequest(f"s{i}", "", i, sampling, 1, want_caption=False) for i in range(sessions)],
+                 caption_emb=emb)
+    q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
+    per_step, per_round, steps_per_round = [], [], []
+    for r in range(rounds + 1):  # the first round warms up
+        for i in range(sessions):
+            v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
+                                          torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+        steps, round_s = [], 0.0
+        while v.engine.busy:
+            state["forward_s"] = 0.0
+            t0 = time.perf_counter()
+            v.engine.step()
+            dt = time.perf_counter() - t0 - state["forward_s"]
+            steps.append(dt)
+            round_s += dt
+        if r:
+            per_step += steps
+            per_round.append(round_s)
+            steps_per_round.append(len(steps))
+    return {"vocab": vocab, "sessions": sessions, "rounds": rounds,
+            "step_ms": 1e3 * statistics.median(per_step), "round_ms": 1e3 * statistics.median(per_round),
+            "steps_per_round": statistics.mean(steps_per_round),
+            "span_step_ms": 1e3 * statistics.median(per_step[::max(1, round(statistics.mean(steps_per_round)))])}
+
+
+def _child(tree: str, vocab: int, sessions: int, rounds: int) -> dict:
+    """One measurement in a fresh process importing `ciar` from `tree` (this file loaded by its path)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "device")]), OMP_NUM_THREADS="1")
+    code = ("import importlib.util, json, sys; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/device']; "
+            "spec = importlib.util.spec_from_file_location('engine_host', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); import ciar; "
+            "r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])); r['ciar'] = ciar.__file__; "
+            "print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), tree, str(vocab), str(sessions),
+                          str(rounds)], env=env, cwd="/", capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{tree}: the measurement failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not r["ciar"].startswith(os.path.join(tree, "ciar")):
+        raise RuntimeError(f"{tree}: the child imported ciar from {r['ciar']}")
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for engine_host.json and engine_host.md")
+    ap.add_argument("--before", help="a checkout of an earlier engine to run beside this one")
+    ap.add_argument("--sessions", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[1024, 16384], choices=sorted(SHAPES))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="16 sessions, vocabulary 1024, 2 rounds, 1 rep")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.sessions, args.vocab, args.rounds, args.reps = [16], [1024], 2, 1
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"after": here}
+    if args.before:
+        if not os.path.isdir(os.path.join(args.before, "ciar")):
+            ap.error(f"--before {args.before}: not a checkout of this project (no ciar/ folder)")
+        trees = {"before": os.path.abspath(args.before), "after": here}
+    runs = []
+    for vocab in args.vocab:
+        for sessions in args.sessions:
+            for rep in range(args.reps):
+                for name, tree in trees.items():  # interleaved: both see the same box
+                    r = _child(tree, vocab, sessions, args.rounds)
+                    r.update(tree=name, rep=rep)
+                    runs.append(r)
+                    print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "
+                          f"{r['round_ms']:8.2f} ms/round, {r['steps_per_round']:.2f} steps/round", flush=True)
+    rows = []
+    for vocab in args.vocab:
+        for sessions in args.sessions:
+            def med(name, key):
+                xs = [r[key] for r in runs if r["tree"] == name and r["vocab"] == vocab and r["sessions"] == sessions]
+                return statistics.median(xs) if xs else None
+
+            row = {"vocab": vocab, "sessions": sessions}
+            for name in trees:
+                for key in ("step_ms", "round_ms", "steps_per_round"):
+                    row[f"{name}_{key}"] = med(name, key)
+            if "before" in trees:
+                row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
+                row["round_ratio"] = row["before_round_ms"] / row["after_round_ms"]
+            rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "engine_host.json"), "w") as f:
+        json.dump({"command": "python -m benchmarks.engine_host " + " ".join(argv or sys.argv[1:]),
+                   "trees": trees, "rows": rows, "runs": runs}, f, indent=1)
+    lines = ["| vocabulary | sessions | " + " | ".join(
+        f"{n} ms/step | {n} ms/round | {n} steps/round" for n in trees) +
+        (" | step ×less | round ×less |" if "before" in trees else " |"),
+        "|---|---|" + "---|---|---|" * len(trees) + ("---|---|" if "before" in trees else "")]
+    for r in rows:
+        cells = [str(r["vocab"]), str(r["sessions"])]
+        for n in trees:
+            cells += [f"{r[f'{n}_step_ms']:.2f}", f"{r[f'{n}_round_ms']:.1f}", f"{r[f'{n}_steps_per_round']:.2f}"]
+        if "before" in trees:
+            cells += [f"×{r['step_ratio']:.1f}", f"×{r['round_ratio']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(os.path.join(args.out, "engine_host.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

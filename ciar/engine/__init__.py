@@ -1,0 +1,1 @@
+"""The verifier's serving engine (docs/architecture.md §6): the judge and sampler of a step (`ciar.engine.judge`)."""

@@ -1,0 +1,326 @@
+"""The verifier's judge and sampler: every decision of an engine step in one batched pass, one copy each way.
+
+    judge = Judge(cloud, codebook)
+    decided = judge.decide(draws, spans, step_logits)   # after the step's forward: all on the accelerator
+    decided.bad                                          # rows of step_logits that were not finite
+    decided.tokens[i], decided.stops[i]                  # draws[i]'s token, and whether its entropy stop fired
+    decided.verdicts[i]                                  # spans[i]'s (drafts kept, next token, resampled)
+
+A step asks two kinds of decision of the rows its forward computed:
+  draw   one token the cloud samples itself (a prefix or cloud-only token, a cloud-burst token), with the burst's
+         entropy stop: `Draw(logits [rows, V], sampling, seed, position, stop_entropy)`
+  span   the verdict on a verification's drafts: `Span(targets [rows, k+1, V], drafts [k], draft probs [k, V]
+         float16 as sent, sampling, rule, seed, position, hidden [k+1, D] | None)`
+`decide` computes all of them at once: every row's guidance, temperature, top-k and top-p in one call with per-row
+parameter tensors (`ciar.decoding.sampling.rows_to_probs`), every span of an acceptance rule in one `verify_span`
+call (one call per distinct rule configuration in the step; a deployment has one), every draw by inverse CDF at a
+counter-based uniform keyed by (seed, stream, image position) (`ciar.decoding.sampling.counter_uniform`), computed
+for all rows on the accelerator: no per-session generator, no reseeding, nothing that depends on what else the
+step holds. The step's host inputs (drafts, draft probabilities, seeds, positions, sampling parameters, row
+indices) travel in one buffer (pinned on CUDA) by one non-blocking copy (`HostPack`); every result (the non-finite
+flags, the tokens, the stops, the verdicts) comes back in one device-to-host transfer, the step's only host read.
+
+Draw streams and positions (fixed forever: changing them changes every image for a given seed): a token the cloud
+samples at image position i uses `uniform(seed, CLOUD_STREAM, i)`; a verification whose catch-up leaves c committed
+tokens tests draft j (image position c + j) with `uniform(seed, ACCEPT_STREAM, c + j)` and draws its next token at
+position c + n with `uniform(seed, NEXT_STREAM, c + n)` (`ciar.collab.acceptance.SpanDraws.counter`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
+from ciar.collab.gating import entropy_score
+from ciar.collab.protocol import RuleConfig, SessionError
+from ciar.collab.runner import PieceOutput
+from ciar.decoding.sampling import (RowSampling, SamplingParams, counter_uniform, rows_to_probs, sample_at,
+                                   seed_tensor)
+from ciar_device.maths import CLOUD_STREAM
+
+_ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
+
+
+class HostPack:
+    """Host tensors of one step, packed into one byte buffer and sent to the device in one copy (pinned memory and
+    a non-blocking copy on CUDA; on a CPU the tensors are used where they are).
+
+        pack = HostPack(device)
+        a = pack.add(torch.tensor([...]))           # a handle
+        pack.send()
+        pack[a]                                      # that tensor on the device (a view of the sent buffer)"""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._host: list[torch.Tensor] = []
+        self._layout: list[tuple[int, int, torch.dtype, tuple]] = []
+        self._size = 0
+        self._sent: list[torch.Tensor] | None = None
+
+    def add(self, t: torch.Tensor) -> int:
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        self._host.append(t)
+        self._layout.append((self._size, nbytes, t.dtype, tuple(t.shape)))
+        self._size += -(-nbytes // _ALIGN) * _ALIGN
+        return len(self._host) - 1
+
+    def send(self) -> None:
+        if self.device.type == "cpu":
+            self._sent = self._host
+            return
+        buf = torch.empty(self._size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        for t, (off, nbytes, _, _) in zip(self._host, self._layout):
+            if nbytes:
+                buf[off:off + nbytes] = t.reshape(-1).view(torch.uint8)
+        dev = buf.to(self.device, non_blocking=True)
+        self._sent = [dev[off:off + nbytes].view(dtype).view(shape) for off, nbytes, dtype, shape in self._layout]
+
+    def __getitem__(self, handle: int) -> torch.Tensor:
+        return self._sent[handle]
+
+
+@dataclass
+class Draw:
+    """One token the cloud samples itself from a session's logits [rows, V] (cond, then uncond with CFG) at image
+    position `position`; `stop_entropy` > 0: the draw is withdrawn when the distribution's normalised entropy is at
+    or below it (a cloud burst's stop: the device can take over there)."""
+
+    logits: object  # a PieceOutput of this step (one wanted position), or [rows, V]
+    sampling: SamplingParams
+    seed: int
+    position: int
+    stop_entropy: float = 0.0
+
+
+@dataclass
+class Span:
+    """A verification's judgement: the target logits [rows, k+1, V], the drafts [k] and their float16 draft
+    probabilities as sent [k, V] (host tensors), the first draft's image position (the committed count after the
+    catch-up), and the target hidden states [k+1, D] (CASCADE's convergence test) when known."""
+
+    targets: object  # a PieceOutput of this step (k+1 wanted positions), or [rows, k+1, V]
+    drafts: torch.Tensor
+    draft_probs: torch.Tensor
+    sampling: SamplingParams
+    rule: RuleConfig
+    seed: int
+    position: int
+    hidden: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return int(self.drafts.numel())
+
+
+@dataclass
+class Decided:
+    bad: list[bool]  # per row of the step's logits: not finite
+    tokens: list[int]  # per draw
+    stops: list[bool]  # per draw: its entropy stop fired (the token is not taken)
+    verdicts: list[tuple[int, int, bool]]  # per span: (drafts kept, next token, resampled)
+    errors: dict[int, BaseException]  # span index -> why it could not be judged (its rule's configuration)
+
+
+class Judge:
+    """The acceptance rules and the sampler over the cloud's logits (see the module docstring)."""
+
+    def __init__(self, cloud, codebook: torch.Tensor | None = None):
+        self.cloud = cloud
+        self.vocab_size, self.dim = cloud.config.vocab_size, cloud.config.dim
+        self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
+        self._neighbors: dict[int, NeighborTable] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.cloud.tok_embeddings.weight.device
+
+    def neighbor_table(self, k: int) -> NeighborTable:
+        if self.codebook is None:
+            raise SessionError("the LANTERN rule needs the tokenizer's codebook; this verifier was built without it")
+        k = min(k, self.vocab_size)
+        if k not in self._neighbors:
+            self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
+        return self._neighbors[k]
+
+    @torch.inference_mode()
+    def decide(self, draws: list[Draw], spans: list[Span], step_logits: torch.Tensor | None = None) -> Decided:
+        """Every draw and span of a step (see the module docstring), and which rows of the step's logits [S, V] are
+        not finite: one copy to the device, one back."""
+        dev, v_size = self.device, self.vocab_size
+        pack = HostPack(dev)
+        errors: dict[int, BaseException] = {}
+        source = _Source(step_logits)
+        # --- what the host knows, packed: row indices, sampling rows, seeds, positions, drafts, draft probabilities
+        draw_rows = [source.rows(d.logits, 1) for d in draws]
+        draw_idx = pack.add(torch.tensor([r[0][0] for r in draw_rows] + [r[1][0] for r in draw_rows],
+                                         dtype=torch.long))
+        draw_sampling = self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in draw_rows])
+        draw_seed = pack.add(seed_tensor([d.seed for d in draws]))
+        draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
+        stopping = any(d.stop_entropy > 0 for d in draws)
+        draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
+        groups: dict[tuple, list[int]] = {}
+        for i, s in enumerate(spans):
+            groups.setdefault(tuple(vars(s.rule).values()), []).append(i)  # one verify_span per configuration
+        span_in = []
+        for idx in groups.values():
+            g = [spans[i] for i in idx]
+            kmax = max(s.k for s in g)
+            rows = [source.rows(s.targets, s.k + 1) for s in g]
+            t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
+                                             [r[2] for r in rows for _ in r[0]])
+            drafts = torch.zeros(len(g), kmax, dtype=torch.long)
+            for b, s in enumerate(g):
+                drafts[b, :s.k] = s.drafts
+            ragged = any(s.k != kmax for s in g)
+            # where the ragged rows go in the padded [B, K+1] / [B, K] layouts
+            p_at = [b * (kmax + 1) + j for b, s in enumerate(g) for j in range(s.k + 1)] if ragged else []
+            q_at = [b * max(kmax, 1) + j for b, s in enumerate(g) for j in range(s.k)] if ragged else []
+            span_in.append(dict(
+                idx=idx, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
+                rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
+                                           dtype=torch.long)),
+                lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
+                seeds=pack.add(seed_tensor([s.seed for s in g])),
+                positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
+                q=pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16) for s in g])
+                           if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
+                p_at=pack.add(torch.tensor(p_at, dtype=torch.long)), q_at=pack.add(torch.tensor(q_at, dtype=torch.long))))
+        pack.send()
+
+        # --- on the device
+        logits = source.tensor()
+        outs = []
+        bad = None
+        if step_logits is not None and step_logits.numel():  # NaN propagates through max and min; so do infinities
+            bad = ~(torch.isfinite(step_logits.amax(dim=-1)) & torch.isfinite(step_logits.amin(dim=-1)))
+            outs.append(bad)
+        if draws:
+            both = logits[pack[draw_idx]]
+            n = len(draws)
+            probs = rows_to_probs(both[:n], self._rows(pack, draw_sampling), both[n:], pack[draw_sampling[4]])
+            u = counter_uniform(pack[draw_seed], CLOUD_STREAM, pack[draw_pos])
+            outs.append(sample_at(probs, u))
+            if stopping:
+                stop_at = pack[draw_stop]
+                outs.append((stop_at > 0) & (entropy_score(probs) <= stop_at))
+        verdicts: list[tuple[int, int, bool] | None] = [None] * len(spans)
+        judged = []
+        for g in span_in:
+            group = [spans[i] for i in g["idx"]]
+            try:
+                out = self._judge_group(group, g, pack, logits)
+            except (SessionError, ValueError) as e:  # a rule this verifier cannot apply: those spans fail
+                for i in g["idx"]:
+                    errors[i] = e
+                continue
+            judged.append(g["idx"])
+            outs += [out.num_accepted, out.next_token, out.recovered]
+        host = torch.cat([o.reshape(-1).long() for o in outs]).tolist() if outs else []  # the step's one host read
+
+        # --- unpacked on the host
+        at = 0
+        n_bad = 0 if bad is None else int(bad.numel())
+        bad_rows = [bool(x) for x in host[at:at + n_bad]]
+        at += n_bad
+        n = len(draws)
+        tokens = host[at:at + n]
+        at += n
+        stops = [bool(x) for x in host[at:at + n]] if stopping else [False] * n
+        at += n if stopping else 0
+        for idx in judged:
+            b = len(idx)
+            ns, zs, rs = host[at:at + b], host[at + b:at + 2 * b], host[at + 2 * b:at + 3 * b]
+            at += 3 * b
+            for i, nn, z, r in zip(idx, ns, zs, rs):
+                verdicts[i] = (nn, z, bool(r))
+        return Decided(bad_rows, tokens, stops, verdicts, errors)
+
+    def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
+        """One acceptance rule's spans, every row at once."""
+        dev, v_size = self.device, self.vocab_size
+        b, kmax = len(group), g["kmax"]
+        rule = group[0].rule
+        both = logits[pack[g["rows"]]]  # [2T, V]: every target's cond row, then its uncond row (T = sum(k + 1))
+        t = both.shape[0] // 2
+        p_flat = rows_to_probs(both[:t], self._rows(pack, g["sampling"]), both[t:], pack[g["sampling"][4]])
+        q16 = pack[g["q"]].float()
+        q_flat = q16 / q16.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # draft_distribution
+        if g["ragged"]:  # spans of several lengths: padded to the longest (padding is never read as a draw)
+            p = torch.zeros(b * (kmax + 1), v_size, device=dev)
+            p[pack[g["p_at"]]] = p_flat
+            p = p.view(b, kmax + 1, v_size)
+            q = torch.full((b * max(kmax, 1), v_size), 1.0 / v_size, device=dev)
+            if kmax:
+                q[pack[g["q_at"]]] = q_flat
+            q = q.view(b, max(kmax, 1), v_size)[:, :kmax]
+        else:  # one length (the usual case): the ragged layout is the padded one
+            p, q = p_flat.view(b, kmax + 1, v_size), q_flat.view(b, kmax, v_size)
+        kwargs = {}
+        if rule.rule == "lantern":
+            kwargs["neighbors"] = self.neighbor_table(rule.lantern_k)
+            kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
+        elif rule.rule == "cascade":
+            kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
+            kwargs["token_embeddings"] = (self.cloud.output.weight if self.cloud.output is not None
+                                          else self.cloud.image_head_weight)  # a Chameleon cloud's image rows
+            if all(s.hidden is not None for s in group):
+                flat = torch.cat([s.hidden.float().to(dev) for s in group])
+                if g["ragged"]:
+                    hidden = torch.zeros(b * (kmax + 1), self.dim, device=dev)
+                    hidden[pack[g["p_at"]]] = flat
+                    flat = hidden
+                kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
+        draws = SpanDraws.counter(pack[g["seeds"]], pack[g["positions"]], kmax)
+        return verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
+                           **kwargs)
+
+    @staticmethod
+    def _sampling_rows(pack: HostPack, params: list[SamplingParams], has_uncond: list[bool]) -> tuple:
+        # (CFG rows carry the session's scale; a session without CFG has one row, its uncond index is its cond)
+        """Per-row sampling tensors into the pack -> handles (cfg, temperature, top_k, top_p, has_uncond) and the
+        host-side summary `RowSampling` needs."""
+        return (pack.add(torch.tensor([p.cfg_scale for p in params], dtype=torch.float32)),
+                pack.add(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
+                pack.add(torch.tensor([p.top_k for p in params], dtype=torch.long)),
+                pack.add(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+                pack.add(torch.tensor(has_uncond, dtype=torch.bool)),
+                (max((p.top_k for p in params), default=0), any(p.top_p < 1.0 for p in params),
+                 any(p.temperature == 0.0 for p in params),
+                 any(p.temperature not in (0.0, 1.0) for p in params)))
+
+    @staticmethod
+    def _rows(pack: HostPack, handles: tuple) -> RowSampling:
+        return RowSampling.from_tensors(pack[handles[0]], pack[handles[1]], pack[handles[2]], pack[handles[3]],
+                                        handles[5])
+
+
+class _Source:
+    """Where a step's decisions read their logits: the step's own logits [S, V] by row index (what a piece of this
+    step fed: no per-piece slicing, one gather for all), then any other rows appended (a span whose targets were fed
+    over several steps, the logits a prefill kept) as [rows, j, V] tensors."""
+
+    def __init__(self, step_logits: torch.Tensor | None):
+        self.step = step_logits
+        self.extra: list[torch.Tensor] = []
+        self.n = 0 if step_logits is None else step_logits.shape[0]
+
+    def rows(self, src, j_count: int) -> tuple[list[int], list[int], bool]:
+        """-> (cond rows, uncond rows, has uncond) of `src` (a PieceOutput or [rows, j_count, V] / [rows, V])."""
+        if isinstance(src, PieceOutput) and src.step.logits is self.step:
+            last = src.rows - 1
+            return [src.row(0, j) for j in range(j_count)], [src.row(last, j) for j in range(j_count)], last > 0
+        t = src.logits if isinstance(src, PieceOutput) else src
+        t = t.reshape(t.shape[0], j_count, t.shape[-1])
+        base = self.n
+        self.extra.append(t.reshape(-1, t.shape[-1]))
+        self.n += t.shape[0] * j_count
+        last = (t.shape[0] - 1) * j_count
+        return [base + j for j in range(j_count)], [base + last + j for j in range(j_count)], t.shape[0] > 1
+
+    def tensor(self) -> torch.Tensor | None:
+        parts = ([] if self.step is None else [self.step]) + self.extra
+        return None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)

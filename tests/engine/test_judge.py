@@ -1,0 +1,237 @@
+"""ciar.engine.judge: the step's batched judge and sampler.
+
+- the per-row sampler equals `logits_to_probs` row by row, to the bit;
+- a step's decisions equal each decision made alone (batch independence, ragged spans, mixed settings and rules,
+  targets fed over several steps);
+- one host read per step;
+- distributions (chi-square over many seeds, the real draws: the device's draft draw, the cloud's counter-based
+  uniforms): each acceptance rule's first token follows the rule's own target distribution (p for exact; LANTERN's
+  and CASCADE's relaxed ones computed in closed form), and a drawn token follows its post-guidance distribution.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from ciar.collab.acceptance import NeighborTable
+from ciar.collab.protocol import RuleConfig
+from ciar.decoding.sampling import RowSampling, SamplingParams, logits_to_probs, rows_to_probs
+from ciar.engine.judge import Draw, HostPack, Judge, Span
+from ciar.models.gpt import GPTConfig, build_gpt
+from ciar_device import maths
+
+V = 6
+
+
+def tiny_cloud(vocab=V, seed=0):
+    torch.manual_seed(seed)
+    return build_gpt(GPTConfig(dim=8, n_layer=1, n_head=2, vocab_size=vocab, cls_token_num=2, block_size=16,
+                               caption_dim=4)).eval()
+
+
+# ------------------------------------------------------------------------------------------- the row sampler
+def test_rows_to_probs_equals_logits_to_probs_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    settings = [SamplingParams(), SamplingParams(cfg_scale=4.0), SamplingParams(temperature=0.0),
+                SamplingParams(cfg_scale=2.5, temperature=0.0), SamplingParams(temperature=0.7, top_k=5),
+                SamplingParams(top_p=0.8), SamplingParams(cfg_scale=7.5, temperature=1.3, top_k=20, top_p=0.9),
+                SamplingParams(top_k=vocab + 3), SamplingParams(temperature=1e-30), SamplingParams(top_k=1)]
+    cond = torch.randn(len(settings), vocab, generator=g) * 3
+    uncond = torch.randn(len(settings), vocab, generator=g) * 3
+    has_uncond = torch.tensor([i % 3 != 0 for i in range(len(settings))])
+    got = rows_to_probs(cond, RowSampling.of(settings), uncond, has_uncond)
+    for r, params in enumerate(settings):
+        want = logits_to_probs(cond[r], params, uncond_logits=uncond[r] if has_uncond[r] else None)
+        assert torch.equal(got[r], want), (r, params)
+    # a batch of one setting is the scalar call on the whole batch
+    same = rows_to_probs(cond, RowSampling.of([settings[6]] * len(settings)), uncond)
+    assert torch.equal(same, logits_to_probs(cond, settings[6], uncond_logits=uncond))
+
+
+def test_host_pack_round_trip():
+    pack = HostPack(torch.device("cpu"))
+    a = pack.add(torch.arange(5))
+    b = pack.add(torch.tensor([0.5, 0.25], dtype=torch.float16))
+    c = pack.add(torch.zeros(0, 3))
+    pack.send()
+    assert torch.equal(pack[a], torch.arange(5)) and pack[b].dtype == torch.float16 and pack[c].shape == (0, 3)
+
+
+# ------------------------------------------------------------------------------------- batch independence
+def _spans_and_draws(judge, n_spans=9, n_draws=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rules = [RuleConfig(), RuleConfig("greedy"), RuleConfig("cascade", cascade_threshold=0.2),
+             RuleConfig("lantern", lantern_k=2, lantern_delta=0.2)]
+    params = [SamplingParams(), SamplingParams(cfg_scale=3.0, top_k=4), SamplingParams(temperature=0.8, top_p=0.9)]
+    spans = []
+    for i in range(n_spans):
+        k = (0, 1, 3, 4)[i % 4]
+        sp = params[i % 3]
+        rows = 2 if sp.uses_cfg else 1
+        q = torch.softmax(torch.randn(k, V, generator=g), -1).half()
+        spans.append(Span(torch.randn(rows, k + 1, V, generator=g) * 2, torch.randint(0, V, (k,), generator=g), q,
+                          sp, rules[i % 4], seed=100 + i, position=3 * i,
+                          hidden=torch.randn(k + 1, judge.dim, generator=g)))
+    draws = [Draw(torch.randn(2 if params[i % 3].uses_cfg else 1, V, generator=g) * 2, params[i % 3], 7 + i, i,
+                  stop_entropy=(0.0, 0.9)[i % 2]) for i in range(n_draws)]
+    return spans, draws
+
+
+def test_a_steps_decisions_equal_each_made_alone():
+    cloud = tiny_cloud()
+    judge = Judge(cloud, codebook=torch.randn(V, 3, generator=torch.Generator().manual_seed(1)))
+    spans, draws = _spans_and_draws(judge)
+    together = judge.decide(draws, spans)
+    assert not together.errors
+    for i, s in enumerate(spans):
+        alone = judge.decide([], [s])
+        assert alone.verdicts == [together.verdicts[i]], i
+    for i, d in enumerate(draws):
+        alone = judge.decide([d], [])
+        assert (alone.tokens, alone.stops) == ([together.tokens[i]], [together.stops[i]]), i
+    # reversed order: the same decisions
+    rev = judge.decide(draws[::-1], spans[::-1])
+    assert rev.verdicts == together.verdicts[::-1] and rev.tokens == together.tokens[::-1]
+    assert any(together.stops) and not all(together.stops)  # the entropy stop is decided per row
+
+
+def test_a_rule_the_verifier_cannot_apply_fails_its_spans_only():
+    judge = Judge(tiny_cloud())  # no codebook: LANTERN cannot run
+    spans, draws = _spans_and_draws(judge)
+    out = judge.decide(draws, spans)
+    lantern = {i for i, s in enumerate(spans) if s.rule.rule == "lantern"}
+    assert set(out.errors) == lantern and all(out.verdicts[i] is not None for i in range(len(spans)) if i not in lantern)
+    assert len(out.tokens) == len(draws)
+
+
+def test_non_finite_rows_are_named():
+    judge = Judge(tiny_cloud())
+    step = torch.randn(5, V)
+    step[1, 2] = float("nan")
+    step[3, 0] = float("-inf")
+    step[4, 5] = float("inf")
+    assert judge.decide([], [], step).bad == [False, True, False, True, True]
+
+
+def test_one_host_read_per_step(monkeypatch):
+    """Everything the step decides comes back in one transfer: the judge calls `tolist` once and reads no tensor
+    on the host in any other way."""
+    cloud = tiny_cloud()
+    judge = Judge(cloud, codebook=torch.randn(V, 3))
+    spans, draws = _spans_and_draws(judge)
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    judge.decide(draws, spans, torch.randn(12, V))
+    assert reads == ["tolist"]
+
+
+# ------------------------------------------------------------------------------------------- distributions
+P = np.array([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
+Q = np.array([0.30, 0.05, 0.25, 0.10, 0.10, 0.20])
+TRIALS = 20_000
+
+
+def _first_tokens(judge, rule: RuleConfig, p=P, q=Q, trials=TRIALS):
+    """One-draft spans judged in ONE step, a seed each: the draft drawn as a device draws it (its float16 q, the
+    draft stream), the verdict with the cloud's draws. -> the first committed token of each."""
+    q_sent, q_used = maths.quantize_draft(q.astype(np.float32))
+    logits = torch.log(torch.tensor(p, dtype=torch.float32)).expand(1, 2, V)
+    spans = []
+    for s in range(trials):
+        x = maths.sample(q_used, maths.uniform(s, maths.DRAFT_STREAM, 5))
+        spans.append(Span(logits, torch.tensor([x]), torch.from_numpy(q_sent).view(1, V), SamplingParams(), rule,
+                          seed=s, position=5))
+    out = judge.decide([], spans)
+    first = [x if n == 1 else z for s, (n, z, _) in zip(spans, out.verdicts) for x in [int(s.drafts[0])]]
+    return np.bincount(first, minlength=V).astype(float), q_used.astype(np.float64)
+
+
+def _relaxed_target(p, q, accept):
+    """First-token distribution of a rule that keeps draft x ~ q with probability accept[x] and otherwise draws
+    from the residual normalise(max(0, p - q))."""
+    r = np.maximum(p - q, 0)
+    r = r / r.sum()
+    return q * accept + (1 - (q * accept).sum()) * r
+
+
+def _assert_follows(counts, target, trials=TRIALS):
+    target = target / target.sum()
+    keep = target > 0
+    assert counts[~keep].sum() == 0
+    assert chisquare(counts[keep], target[keep] * trials).pvalue > 1e-4
+
+
+def test_exact_rule_follows_p_with_the_real_draws():
+    counts, q = _first_tokens(Judge(tiny_cloud()), RuleConfig())
+    _assert_follows(counts, P)
+    assert chisquare(counts, q * TRIALS).pvalue < 1e-6  # power: the drafts themselves follow q, not p
+
+
+def test_lantern_rule_follows_its_relaxed_target():
+    codebook = torch.tensor([[0.0], [1.0], [2.0], [3.0], [4.0], [5.0]])
+    judge = Judge(tiny_cloud(), codebook=codebook)
+    rule = RuleConfig("lantern", lantern_k=2, lantern_delta=0.4)
+    counts, q = _first_tokens(judge, rule)
+    nbr = NeighborTable.from_codebook(codebook, 2).indices.numpy()
+    moved = []
+    for x in range(V):  # the largest prefix sum of p over x's neighbours (distance order) that is <= delta
+        prefix = np.cumsum(P[nbr[x]].astype(np.float32))
+        moved.append(max([m for m in prefix if m <= 0.4], default=0.0))
+    accept = np.minimum(1.0, (P + np.array(moved)) / q)
+    _assert_follows(counts, _relaxed_target(P, q, accept))
+    assert chisquare(counts, P * TRIALS).pvalue < 1e-6  # and it is not p: the relaxation is measurable
+
+
+def test_cascade_rule_follows_its_relaxed_target():
+    cloud = tiny_cloud()
+    with torch.no_grad():  # output rows: tokens 0-1 and 2-3 near each other, 4 and 5 apart from everything
+        e = torch.zeros(V, cloud.config.dim)
+        e[0, 0], e[1, 0], e[1, 1], e[2, 2], e[3, 2], e[3, 3], e[4, 4], e[5, 5] = 1, 1, 0.3, 1, 1, 0.3, 1, 1
+        cloud.output.weight.copy_(e)
+    judge = Judge(cloud)
+    rule = RuleConfig("cascade", cascade_threshold=0.9)
+    counts, q = _first_tokens(judge, rule)
+    e = cloud.output.weight.detach().float()
+    cos = torch.nn.functional.cosine_similarity(e[:, None], e[None, :], dim=-1).numpy()
+    close = cos >= 0.9  # close[x, y]: a rejected x is kept when its replacement y is this close
+    a = np.minimum(1.0, P / q)
+    r = np.maximum(P - q, 0)
+    r = r / r.sum()
+    # z is output: kept at once (q a), rejected then kept because its replacement was close, or drawn as a
+    # replacement that was not close to the rejected draft
+    target = q * a + q * (1 - a) * (close * r[None, :]).sum(1) + ((q * (1 - a))[:, None] * ~close * r[None, :]).sum(0)
+    assert (close & ~np.eye(V, dtype=bool)).sum() == 4  # the threshold relaxes the two pairs, nothing else
+    _assert_follows(counts, target)
+
+
+def test_greedy_rule_is_deterministic():
+    counts, _ = _first_tokens(Judge(tiny_cloud()), RuleConfig("greedy"), trials=2000)
+    assert counts[int(np.argmax(P))] == 2000
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(cfg_scale=3.0, top_k=4),
+                                    SamplingParams(temperature=0.7, top_p=0.85)])
+def test_drawn_tokens_follow_their_distribution(params):
+    judge = Judge(tiny_cloud())
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2 if params.uses_cfg else 1, V, generator=g) * 1.5
+    draws = [Draw(logits, params, seed=s, position=11) for s in range(TRIALS)]
+    out = judge.decide(draws, [])
+    target = logits_to_probs(logits[0], params, uncond_logits=logits[1] if params.uses_cfg else None).double()
+    _assert_follows(np.bincount(out.tokens, minlength=V).astype(float), target.numpy())
+    # position-keyed: another position draws other tokens, the same position the same ones
+    assert judge.decide(draws[:50], []).tokens == out.tokens[:50]
+    moved = [Draw(logits, params, seed=s, position=12) for s in range(50)]
+    assert judge.decide(moved, []).tokens != out.tokens[:50]
+    assert not math.isnan(float(target.sum()))
