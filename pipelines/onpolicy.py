@@ -84,7 +84,8 @@ class OnPolicyTokens:
 def sample_chunk(cloud: GPT, emb: np.ndarray, mask: np.ndarray, params: SamplingParams, seed: int, index: int,
                  cache=None):
     """One chunk of on-policy sequences: captions emb [k, L, D] / mask [k, L] -> tokens [k, N] int16, from the
-    chunk's own generator (`seed * 1_000_003 + index`), so any worker produces the same bytes. -> (tokens, cache)."""
+    chunk's own seeds (row b of chunk `index`: `((seed * 1_000_003 + index) << 16) + b`, chunks under 65,536
+    rows), so any worker produces the same bytes. -> (tokens, cache)."""
     from pipelines.data import caption_tensor
 
     dev = cloud.tok_embeddings.weight.device
@@ -92,9 +93,9 @@ def sample_chunk(cloud: GPT, emb: np.ndarray, mask: np.ndarray, params: Sampling
     rows = 2 * k if params.uses_cfg else k
     if cache is None or cache.slots < rows:
         cache = cloud.new_cache(rows)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    toks = generate_cloud(cloud, caption_tensor(emb).to(dev), torch.from_numpy(mask).to(dev), params, gen,
-                          cache=cache)
+    base = (seed * 1_000_003 + index) << 16
+    toks = generate_cloud(cloud, caption_tensor(emb).to(dev), torch.from_numpy(mask).to(dev), params,
+                          [base + b for b in range(k)], cache=cache)
     return toks.cpu().numpy().astype(np.int16), cache
 
 

@@ -163,13 +163,13 @@ def test_a_caller_that_goes_away_withdraws_its_open(server):
 
 
 def test_failed_forwards_are_sent_again_and_the_image_is_unchanged(server, reference, tiny_device, median_tau):
-    """Faults inside the verifier's forward (issue 40, item 3; FAULT INJECTION: the model runner's `execute` raises
+    """Faults inside the verifier's forward (issue 40, item 3; FAULT INJECTION: the model runner's `execute_step` raises
     an out-of-memory error on two steps of the image): the device is answered 503 with a retry-after (or 410 when a
     burst step failed after its verdict), sends again (or resumes), and the image is the uninterrupted one; the
     verifier counts the faults and holds nothing afterwards."""
     url, endpoint, backend = server
     runner = backend.v.runner
-    real, calls = runner.execute, [0]
+    real, calls = runner.execute_step, [0]
     limits = endpoint.limits
     endpoint.limits = type(limits)(**{**limits.__dict__, "retry_after_s": 0.01})  # (no 2 s waits in the test)
 
@@ -179,12 +179,12 @@ def test_failed_forwards_are_sent_again_and_the_image_is_unchanged(server, refer
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(pieces)
 
-    runner.execute = failing
+    runner.execute_step = failing
     before = dict(backend.v.engine.faults)
     try:
         out, conn = _generate(url, tiny_device, median_tau, sid="forward-faults")
     finally:
-        runner.execute, endpoint.limits = real, limits
+        runner.execute_step, endpoint.limits = real, limits
     assert calls[0] > 5 and backend.v.engine.faults.get("OutOfMemoryError", 0) - before.get("OutOfMemoryError", 0) == 2
     assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace and not out.stats.degraded
     assert _held(endpoint, backend) == (0, 0)
