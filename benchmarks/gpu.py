@@ -27,15 +27,16 @@ then `gpu.md` summarises:
              vs all 16 in one step (spans/s); the engine's own batching
   engine_graphs  the engine's model runner (`ciar.collab.runner`) on the XL model: dynamic eager steps, static
              (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
-             compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time
+             compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time, and
+             after a warm-up round each step split into forward, judge (`ciar.engine.judge`) and host milliseconds
   memory     the KV cache sized from the GPU's memory (`max_sessions="auto"`), allocated, and the largest steps the
              scheduler allows run beside it: sessions, GiB, the peak
   capacity   the forward costs in the form `ciar.collab.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
-They run in the order env, roofline, xl_steps, graphs, capacity, engine_graphs, memory, engine, t5, hf_llama (the most
-needed first: sections not started within `--budget-s` are skipped).
+They run in the order of `--sections` (env, engine_graphs, roofline, xl_steps, graphs, ... : the most needed first;
+sections not started within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -502,11 +503,14 @@ class Suite:
             reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)  # the same sessions every way
             got = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
             self.sync()
+            split = _StepSplit(v, self.sync)
             t = time.perf_counter()
-            for _ in range(rounds):
+            for i in range(rounds):
+                split.on = i > 0  # the first round warms up (and, with graphs, replays its buckets first)
                 got += [(r.num_accepted, r.next_token, r.num_burst) for r in v.verify_batch(spans(range(sessions)))]
             self.sync()
             all_s = time.perf_counter() - t
+            split.remove()
             t = time.perf_counter()
             for i in range(sessions):
                 got += [(r.num_accepted, r.next_token, r.num_burst) for r in v.verify_batch(spans([i]))]
@@ -515,7 +519,8 @@ class Suite:
             replies[way] = got
             out[way] = {"spans_per_s_all_in_one_step": round(rounds * sessions / all_s, 1),
                         "spans_per_s_one_at_a_time": round(sessions / one_s, 1),
-                        "forwards_by_path": dict(v.runner.steps)}
+                        "forwards_by_path": dict(v.runner.steps),
+                        "ms_per_step_after_warmup": split.report()}
             del v
             self.release()
         for a, b in (("static", "dynamic"), ("graphs", "static"), ("graphs", "dynamic")):
@@ -864,6 +869,47 @@ class Suite:
         return out
 
 
+class _StepSplit:
+    """Where an engine step's time goes, all sessions in one step: the forward (`runner.execute_step`), the judge
+    and sampler (`judge.decide`, its one host read included) and the rest (the host: admission, scheduling, inputs,
+    applying the decisions), each timed to a device sync (the forward's and the judge's calls are wrapped; a step is
+    `engine.step`). Measures only while `on`."""
+
+    def __init__(self, v, sync):
+        self.v, self.sync, self.on = v, sync, False
+        self.t = {"step": [], "forward": [], "judge": []}
+        self.real = (v.runner.execute_step, v.judge.decide, v.engine.step)
+        v.runner.execute_step = self._wrap("forward", self.real[0])
+        v.judge.decide = self._wrap("judge", self.real[1])
+        v.engine.step = self._wrap("step", self.real[2])
+
+    def _wrap(self, name, fn):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.sync()
+            self.t[name].append(time.perf_counter() - t0)
+            return out
+        return timed
+
+    def remove(self) -> None:
+        self.v.runner.execute_step, self.v.judge.decide, self.v.engine.step = self.real
+        self.on = False
+
+    def report(self) -> dict:
+        steps = len(self.t["step"])
+        if not steps:
+            return {}
+        per = {k: 1e3 * sum(v) / steps for k, v in self.t.items()}
+        return {"steps": steps, "step": round(per["step"], 3), "forward": round(per["forward"], 3),
+                "judge": round(per["judge"], 3),
+                "host": round(per["step"] - per["forward"] - per["judge"], 3),
+                "accelerator_busy_upper_bound": round((per["forward"] + per["judge"]) / per["step"], 3)}
+
+
 def _steps_table(steps: list[dict]) -> list[str]:
     rows = ["| step | rows | keys | eager | graph | bandwidth bound | eager / bound | graph / bound |",
             "|---|---|---|---|---|---|---|---|"]
@@ -911,9 +957,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for gpu.json and gpu.md")
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (the tests)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
-    # the most needed first (a run cut by --budget-s skips the rest): the measured costs the capacity plan reads,
-    # then the engine's own CUDA graphs and the GPU start-up, then the comparisons
-    ap.add_argument("--sections", default="env,roofline,xl_steps,graphs,fp32,profile,capacity,engine_graphs,memory,"
+    # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
+    # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
+    ap.add_argument("--sections", default="env,engine_graphs,roofline,xl_steps,graphs,fp32,profile,capacity,memory,"
                                           "oom,repeat,engine_repeat,engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "

@@ -52,8 +52,10 @@ class HostPack:
         pack.send()
         pack[a]                                      # that tensor on the device (a view of the sent buffer)"""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pack: bool | None = None):
+        """`pack`: copy through one byte buffer (default: off the CPU; True on a CPU tests the packing)."""
         self.device = torch.device(device)
+        self.pack = self.device.type != "cpu" if pack is None else bool(pack)
         self._host: list[torch.Tensor] = []
         self._layout: list[tuple[int, int, torch.dtype, tuple]] = []
         self._size = 0
@@ -68,7 +70,7 @@ class HostPack:
         return len(self._host) - 1
 
     def send(self) -> None:
-        if self.device.type == "cpu":
+        if not self.pack:
             self._sent = self._host
             return
         buf = torch.empty(self._size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")

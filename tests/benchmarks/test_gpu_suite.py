@@ -15,11 +15,14 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity", "engine_graphs",
+    assert list(sections) == ["env", "engine_graphs", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity",
                               "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
+    split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
+    assert split["steps"] > 0 and split["forward"] > 0 and split["judge"] > 0 and split["host"] >= 0, split
+    assert split["step"] >= split["forward"] + split["judge"] - 1e-3 and 0 < split["accelerator_busy_upper_bound"] <= 1
     assert sections["memory"]["plan"]["sessions"] >= 1
     assert sections["fp32"]["skipped"] == "the suite already runs in float32 here"
     assert not [n for n, v in sections.items() if "broke" in v or ("skipped" in v and n != "fp32")], sections

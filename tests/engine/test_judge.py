@@ -52,13 +52,17 @@ def test_rows_to_probs_equals_logits_to_probs_row_by_row():
     assert torch.equal(same, logits_to_probs(cond, settings[6], uncond_logits=uncond))
 
 
-def test_host_pack_round_trip():
-    pack = HostPack(torch.device("cpu"))
-    a = pack.add(torch.arange(5))
-    b = pack.add(torch.tensor([0.5, 0.25], dtype=torch.float16))
-    c = pack.add(torch.zeros(0, 3))
+@pytest.mark.parametrize("packed", [False, True])
+def test_host_pack_round_trip(packed):
+    """One buffer, every section aligned (what a CUDA step sends by one non-blocking copy), each read back as the
+    tensor that went in: dtype, shape and values."""
+    pack = HostPack(torch.device("cpu"), pack=packed)
+    parts = [torch.arange(5), torch.tensor([0.5, 0.25, 1e-3], dtype=torch.float16), torch.zeros(0, 3),
+             torch.tensor([True, False, True]), torch.randn(2, 3, 4), torch.tensor([-2 ** 63, 2 ** 63 - 1])]
+    handles = [pack.add(t) for t in parts]
     pack.send()
-    assert torch.equal(pack[a], torch.arange(5)) and pack[b].dtype == torch.float16 and pack[c].shape == (0, 3)
+    for h, t in zip(handles, parts):
+        assert pack[h].dtype == t.dtype and pack[h].shape == t.shape and torch.equal(pack[h], t)
 
 
 # ------------------------------------------------------------------------------------- batch independence
