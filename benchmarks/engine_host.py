@@ -38,7 +38,10 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0) -> dict:
     """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times."""
     import torch
 
-    from ciar.collab.scheduler import SchedulerConfig
+    try:
+        from ciar.engine.scheduler import SchedulerConfig
+    except ImportError:  # a checkout from before the engine had a package of its own
+        from ciar.collab.scheduler import SchedulerConfig
     from ciar.collab.verifier import CloudVerifier
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.gpt import GPTConfig, build_gpt

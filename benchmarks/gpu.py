@@ -25,7 +25,7 @@ then `gpu.md` summarises:
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
   engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
-  engine_graphs  the engine's model runner (`ciar.collab.runner`) on the XL model: dynamic eager steps, static
+  engine_graphs  the engine's model runner (`ciar.engine.runner`) on the XL model: dynamic eager steps, static
              (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
              compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time, and
              after a warm-up round each step split into forward, judge (`ciar.engine.judge`) and host milliseconds
@@ -481,7 +481,7 @@ class Suite:
 
     @torch.inference_mode()
     def engine_graphs(self) -> dict:
-        """The engine's own runner (`ciar.collab.runner`) on the XL model, three ways on the same seeded sessions
+        """The engine's own runner (`ciar.engine.runner`) on the XL model, three ways on the same seeded sessions
         (opens with prefix tokens, rounds of spans with bursts): dynamic eager steps, static (bucketed) eager steps,
         and static steps replayed from CUDA graphs. Replies (tokens) compared; spans/s with every session in one
         step and with one session at a time."""
@@ -536,8 +536,8 @@ class Suite:
         (`max_sessions="auto"`) with the XL model loaded and allocated, every CUDA-graph bucket captured, then the
         largest steps the scheduler allows run beside them (the activation profile's promise: no out-of-memory
         error)."""
-        from ciar.collab.runner import profile_activations
-        from ciar.collab.scheduler import SchedulerConfig
+        from ciar.engine.runner import profile_activations
+        from ciar.engine.scheduler import SchedulerConfig
         from ciar.collab.verifier import CloudVerifier
 
         model = self.gpt()

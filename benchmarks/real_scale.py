@@ -445,7 +445,7 @@ class _Feed:
         self.cls, self.history, self.cond, self.fed = cls, history, 0, 0
 
     def kind(self) -> int:
-        from ciar.collab.scheduler import HISTORY, PREFILL
+        from ciar.engine.scheduler import HISTORY, PREFILL
 
         return PREFILL if self.cond < self.cls else HISTORY
 
@@ -472,7 +472,7 @@ class _Spans:
         self.at = position
 
     def kind(self) -> int:
-        from ciar.collab.scheduler import SPAN
+        from ciar.engine.scheduler import SPAN
 
         return SPAN
 
@@ -487,10 +487,10 @@ class _Spans:
 
 
 def prefill_steps(cls: int, tokens: int, sched, busy: int = 0) -> dict:
-    """Forwards the scheduler (`ciar.collab.scheduler.schedule`, config `sched`) takes to feed an open's caption
+    """Forwards the scheduler (`ciar.engine.scheduler.schedule`, config `sched`) takes to feed an open's caption
     (`cls` positions) and a resume of a whole image (the caption + `tokens` - 1 history positions), alone or beside
     `busy` sessions verifying spans (which go first). -> {what: {"steps", "widest"}}."""
-    from ciar.collab.scheduler import Scheduler
+    from ciar.engine.scheduler import Scheduler
 
     out = {}
     for what, history in (("open", 0), ("resume", tokens)):
@@ -518,7 +518,7 @@ def scheduler_plan(world_file: str) -> dict:
     verifying spans."""
     import yaml
 
-    from ciar.collab.scheduler import SchedulerConfig
+    from ciar.engine.scheduler import SchedulerConfig
     from ciar.world_spec import read_world
 
     c = read_world(world_file, check=False).gpt_cfg()

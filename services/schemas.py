@@ -234,7 +234,7 @@ class VerifierLiveConfig(BaseModel):
                                "Retry-After")
 
     def scheduler(self):
-        from ciar.collab.engine import SchedulerConfig
+        from ciar.engine.core import SchedulerConfig
 
         return SchedulerConfig(token_budget=self.token_budget, max_works=self.max_batch_size,
                                prefill_chunk=self.prefill_chunk)

@@ -1,6 +1,6 @@
 """Verifier deployment: the cloud model, one KV-cache slot pair per live session, spans of many sessions per forward.
 
-Thin over `ciar.collab.verifier.CloudVerifier` and its step engine (`ciar.collab.engine`): every call queues a
+Thin over `ciar.collab.verifier.CloudVerifier` and its step engine (`ciar.engine.core`): every call queues a
 work and awaits it; one loop runs the engine a forward at a time, each forward holding whatever is ready (spans,
 cloud-only and burst tokens, prefill chunks, resumed histories) of every session on this replica.
   open(request, session_id=, device_id=)            -> (OpenReply, session token)   prefill + prefix tokens
@@ -20,7 +20,7 @@ that a call comes from the device that opened the session, without shared state;
 without the token) gets a SessionTokenError (403 on the socket). The calls themselves (tokens, an OPEN repeated after a lost reply answered
 as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.
 
-The engine steps on its own thread (`ciar.collab.engine.EngineThread`, the one owner of the engine, the sessions
+The engine steps on its own thread (`ciar.engine.core.EngineThread`, the one owner of the engine, the sessions
 and the cache: no lock; a step's size is bounded by the token budget, and what arrives meanwhile joins the next
 step); the replica's event loop only submits and awaits, so control calls (close, stats, cost_hint, ready) are
 answered while a forward runs. Works per step,
@@ -41,7 +41,7 @@ import ray
 import torch
 from ray import serve
 
-from ciar.collab.engine import KINDS
+from ciar.engine.core import KINDS
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.service import VerifierService
 from ciar.collab.verifier import CloudVerifier, VerifyWork
@@ -156,7 +156,7 @@ class Verifier:
     def check_health(self) -> None:
         """Serve's periodic health check: unhealthy when the engine's current forward has run past
         `forward_timeout_s` (a hung kernel), so that Serve replaces the replica; a failed forward is not unhealthy
-        (its works got a retryable error and the engine went on: `ciar.collab.engine.StepEngine._execute`)."""
+        (its works got a retryable error and the engine went on: `ciar.engine.core.StepEngine._execute`)."""
         self.service.check_stalled(self.live.forward_timeout_s)
 
     async def ready(self) -> dict:

@@ -165,7 +165,7 @@ def test_the_device_is_the_decoders_first_layers_in_image_code_space(world, tmp_
 
 # ---------------------------------------------------------------------------------------------------- verifier
 def test_the_runner_moves_ids_without_a_cast_and_marks_the_unconditional_keys(world):
-    from ciar.collab.runner import ModelRunner
+    from ciar.engine.runner import ModelRunner
     from ciar.models.chameleon import unconditional_mask
 
     runner = ModelRunner(world.cloud, 4)

@@ -225,7 +225,7 @@ def test_prefill_steps_at_1024_positions():
     scheduler: one caption chunk, then two history chunks of 512 (the 1,024-position budget over 2 rows); beside
     busy sessions it gets prefill_chunk-sized pieces."""
     from benchmarks.real_scale import prefill_steps
-    from ciar.collab.scheduler import SchedulerConfig
+    from ciar.engine.scheduler import SchedulerConfig
 
     alone = prefill_steps(120, 1024, SchedulerConfig())
     assert alone["open"] == {"steps": 1, "widest": 120, "positions": 120}

@@ -33,7 +33,7 @@ peaks (real kernels reach roughly 70-90 % of them), so the model is optimistic t
 - L4 24 GB: 300 GB/s GDDR6, 121 TFLOPS bf16. NVIDIA L4 Tensor Core GPU datasheet,
   https://www.nvidia.com/en-us/data-center/l4/ (242 TFLOPS bf16 with sparsity).
 
-**The replica** (`ReplicaModel`, `simulate`): the replicas' own scheduler (`ciar.collab.scheduler.Scheduler`: the
+**The replica** (`ReplicaModel`, `simulate`): the replicas' own scheduler (`ciar.engine.scheduler.Scheduler`: the
 same queues, policy and step accounting the verifier's engine runs) over modelled works (`ModelledWork`: the pieces a
 real open or verification feeds, without their tokens), each step priced by a modelled runner (`ModelledRunner`:
 `forward_s` of the scheduled pieces, + `encode_s` for the opens it starts) instead of run by the model runner; each
@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ciar.collab.scheduler import DECODE, PREFILL, SPAN, Request, Scheduled, Scheduler, SchedulerConfig
+from ciar.engine.scheduler import DECODE, PREFILL, SPAN, Request, Scheduled, Scheduler, SchedulerConfig
 
 BYTES = 2  # bfloat16 weights and KV cache
 
@@ -264,7 +264,7 @@ class Sim:
 
 @dataclass(frozen=True)
 class Engine:
-    """The replica's `ciar.collab.scheduler.SchedulerConfig` (serve_config.yaml's Verifier: 64 works, 1024
+    """The replica's `ciar.engine.scheduler.SchedulerConfig` (serve_config.yaml's Verifier: 64 works, 1024
     positions), the modelled per-forward overhead and the rows per session."""
 
     token_budget: int = 1024

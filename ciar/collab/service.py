@@ -9,7 +9,7 @@
 The Verifier deployment (`services.verifier`) serves these calls to the cluster's devices and to the device endpoint
 through Ray handles; `services.testing.InProcessBackend` serves them to the endpoint in one process (socket tests,
 fuzz runs), so both run this code. Every call queues a work on the verifier's step engine and awaits it; the engine
-steps on its own thread (`ciar.collab.engine.EngineThread`), so a close, a cost hint or a readiness probe is
+steps on its own thread (`ciar.engine.core.EngineThread`), so a close, a cost hint or a readiness probe is
 answered while a forward runs.
 
 Ownership. The session token binds a session to the device that opened it: any replica holding the application's
@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from ciar.collab.engine import AsyncStepper, EngineThread
+from ciar.engine.core import AsyncStepper, EngineThread
 from ciar.collab.protocol import SessionError, SessionLostError, SessionTokenError
 
 TOKEN_BYTES = 32  # the wire's token32 (`ciar_device.wire.TOKEN_BYTES`): devices keep a token as opaque bytes
@@ -87,7 +87,7 @@ class VerifierService:
     def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True):
         """`core`: a `ciar.collab.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
         engine waits this long for company; `on_step(engine, finished)`: called after every step (metrics; on the
-        engine's thread). `engine_thread`: the engine steps on its own thread (`ciar.collab.engine.EngineThread`),
+        engine's thread). `engine_thread`: the engine steps on its own thread (`ciar.engine.core.EngineThread`),
         and the caller's event loop only submits and awaits; False: it steps on the caller's loop
         (`AsyncStepper`, the engine before issue 37: every call waits for the forward in progress)."""
         self.core = core

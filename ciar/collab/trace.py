@@ -117,7 +117,7 @@ class AsyncVerifierClient:
     `AsyncStepper`): open / verify / close, as a Serve handle offers them."""
 
     def __init__(self, verifier, wait_s: float = 0.0):
-        from ciar.collab.engine import AsyncStepper
+        from ciar.engine.core import AsyncStepper
 
         self.verifier = verifier
         self.stepper = AsyncStepper(verifier.engine, wait_s)

@@ -11,7 +11,7 @@
     work = verifier.submit_verify(VerifyRequest(...))            # the same work, queued: a server feeds requests as
     verifier.engine.step()                                       # they arrive and steps the engine (one forward each)
 
-Every call runs on the step-level engine (`ciar.collab.engine`): a request is a *work* (OpenWork, VerifyWork,
+Every call runs on the step-level engine (`ciar.engine.core`): a request is a *work* (OpenWork, VerifyWork,
 ResumeWork below) that feeds one piece per forward (a prefill chunk, a span, one prefix or burst token, a chunk of
 a resumed history), and each forward carries the pieces of every session that has one ready, under a token
 budget; the `*_batch` calls submit their requests and step until they are done. A work's state is data: after the
@@ -43,7 +43,7 @@ position-keyed randomness the resumed session continues with the same tokens as 
 and draws; the rebuilt cache equals the original up to floating-point summation order, like any difference in
 batching).
 
-Sessions and slots: `ciar.collab.sessions.SessionTable` (`verifier.table`) holds the open sessions, their cache
+Sessions and slots: `ciar.engine.sessions.SessionTable` (`verifier.table`) holds the open sessions, their cache
 slots (2 each with CFG, 1 without, `max_sessions` sessions) and their idle expiry; `close` here also fails a
 request still in flight for the session.
 """
@@ -56,13 +56,13 @@ from dataclasses import astuple, replace
 import torch
 
 from ciar.collab.device import device_caption
-from ciar.collab.engine import StepEngine, Work
-from ciar.collab.runner import ModelRunner, Piece, plan_sessions
-from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
+from ciar.engine.core import StepEngine, Work
+from ciar.engine.runner import ModelRunner, Piece, plan_sessions
+from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN, SchedulerConfig
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionConflictError,
                                   SessionError, SessionLostError, VerifyReply, VerifyRequest, verify_tensors)
-from ciar.collab.sessions import Session, SessionTable, slots_needed
+from ciar.engine.sessions import Session, SessionTable, slots_needed
 from ciar.engine.judge import Draw, Judge, Span
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
@@ -74,13 +74,13 @@ class CloudVerifier:
                  idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None,
                  memory_utilization: float = 0.9, slot_wait_s: float = 0.0, static: bool | None = None):
         """`max_sessions`: KV-cache sessions (2 slots each with CFG), or "auto": as many as the accelerator's memory
-        holds after loading, at `memory_utilization` of its total (`ciar.collab.runner.plan_sessions`; the plan is
+        holds after loading, at `memory_utilization` of its total (`ciar.engine.runner.plan_sessions`; the plan is
         `self.memory`). `idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this
         long are evicted first (None: never evict on demand; `evict_idle` can still be called). `scheduler`: the
-        step engine's token budget and limits (`ciar.collab.scheduler.SchedulerConfig`). `slot_wait_s`: how long a
+        step engine's token budget and limits (`ciar.engine.scheduler.SchedulerConfig`). `slot_wait_s`: how long a
         queued open or resume waits for a slot before it is refused (`open_work`; 0: refused at once). `static`:
         the model runner pads steps to buckets and, on CUDA, replays them from CUDA graphs (default: on CUDA;
-        `ciar.collab.runner`)."""
+        `ciar.engine.runner`)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
@@ -95,7 +95,7 @@ class CloudVerifier:
         elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an integer >= 1 or 'auto', got {max_sessions!r}")
         self.slot_wait_s = float(slot_wait_s)
-        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static)  # the model, its KV cache (ciar.collab.runner)
+        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static)  # the model, its KV cache (ciar.engine.runner)
         self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
@@ -165,7 +165,7 @@ class CloudVerifier:
                       owner: str = "") -> "ResumeWork":
         return self.engine.submit(self.resume_work(request, history, injected, caption_emb, caption_mask, owner))
 
-    # the same works, built but not queued: whoever owns the engine queues them (`ciar.collab.engine.EngineThread`
+    # the same works, built but not queued: whoever owns the engine queues them (`ciar.engine.core.EngineThread`
     # takes them over to its thread; building checks their structure on the caller's side)
     def open_work(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
                   caption_mask: torch.Tensor | None = None, owner: str = "") -> "OpenWork":
@@ -353,7 +353,7 @@ def _caption(emb: torch.Tensor | None, mask: torch.Tensor | None, i: int):
     return (None if emb is None else emb[i], None if mask is None else mask[i])
 
 
-# ---------------------------------------------------------------------- the verifier's works (ciar.collab.engine)
+# ---------------------------------------------------------------------- the verifier's works (ciar.engine.core)
 class OpenWork(Work):
     """An open: prefill chunks, then `prefix_len` tokens sampled one decode step at a time (a cloud-only image is
     an open with prefix_len = N)."""

@@ -1,1 +1,10 @@
-"""The verifier's serving engine (docs/architecture.md §6): the judge and sampler of a step (`ciar.engine.judge`)."""
+"""The verifier's serving engine (docs/architecture.md §6), vLLM v1's split:
+
+    core        the engine core (`StepEngine`: one step = admit, schedule, run, decide, retire) and its thread
+    scheduler   which works feed how many positions in the next forward (pure Python)
+    runner      the model and its KV cache: pieces in, the step's logits out (static buckets, CUDA graphs)
+    judge       every decision of a step in one batched pass: sampling, acceptance, draws; one host read
+    sessions    the open sessions and their KV-cache slots
+
+The request state (the works) and the `CloudVerifier` facade are in `ciar.collab.verifier`.
+"""

@@ -35,7 +35,7 @@ import torch
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError
-from ciar.collab.runner import PieceOutput
+from ciar.engine.runner import PieceOutput
 from ciar.decoding.sampling import (RowSampling, SamplingParams, counter_uniform, rows_to_probs, sample_at,
                                    seed_tensor)
 from ciar_device.maths import CLOUD_STREAM

@@ -502,7 +502,7 @@ class GPT(nn.Module):
 
         `static`: the same computation with no decision taken on the inputs' values (no host read of positions or
         slots, every row's keys gathered, `kv_len` given, positions [B, T], not packed): one sequence of kernels per
-        shape, which a CUDA graph can capture (`ciar.collab.runner.ModelRunner`).
+        shape, which a CUDA graph can capture (`ciar.engine.runner.ModelRunner`).
         """
         b, t, _ = h.shape
         rows = torch.arange(b, device=h.device) if slots is None else slots

@@ -253,7 +253,7 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool |
                   paths: dict | None = None) -> dict:
     """{"case|prompt|seed": {"tokens": sha256 of the token ids (16 hex digits), counter: value}} on the shipped world,
     one torch thread. The voting case runs the shipped two-head ensemble device with its heads voting (no shipped
-    device votes). `static`: the verifier's runner pads every step to a bucket (`ciar.collab.runner`); `paths` gets
+    device votes). `static`: the verifier's runner pads every step to a bucket (`ciar.engine.runner`); `paths` gets
     its forwards by path."""
     from ciar.collab.device import DeviceModel
     from ciar.collab.runtime import make_decoder, make_verifier

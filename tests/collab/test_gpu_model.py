@@ -176,7 +176,7 @@ def test_the_model_schedules_recorded_sessions_as_the_real_engine_does(tiny_clou
     runner), give the same schedule step by step: the same pieces (class, first position, length, rows) in the same
     forwards, with a roomy budget and with one that chunks prefills and spans."""
     from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.engine import SchedulerConfig
+    from ciar.engine.core import SchedulerConfig
     from ciar.collab.gpu_model import Engine, ModelShapes
     from ciar.collab.trace import TracingClient
     from ciar.collab.verifier import CloudVerifier, InProcessCloud

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ciar.collab.protocol import CapacityError, OpenRequest
-from ciar.collab.runner import AUTO_CPU_SESSIONS, memory_plan, plan_sessions, slot_bytes
+from ciar.engine.runner import AUTO_CPU_SESSIONS, memory_plan, plan_sessions, slot_bytes
 from ciar.collab.service import VerifierService, session_token
 from ciar.collab.verifier import CloudVerifier
 from ciar.decoding.sampling import SamplingParams

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ciar.collab.decoder import CollabDecoder, method_config
-from ciar.collab.engine import SchedulerConfig
+from ciar.engine.core import SchedulerConfig
 from ciar.collab.network import NetworkModel
 from ciar.collab.trace import AsyncVerifierClient, TracingClient, load_traces, replay_session, save_traces
 from ciar.collab.verifier import CloudVerifier, InProcessCloud

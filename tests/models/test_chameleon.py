@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ciar.collab.runner import ModelRunner, Piece
+from ciar.engine.runner import ModelRunner, Piece
 from ciar.models.checkpoint import CheckpointMismatchError
 from ciar.models.chameleon import (ChameleonConfig, ChameleonGPT, chameleon_config_from_hf,
                                    image_token_ids_from_vocabulary_map, load_chameleon)

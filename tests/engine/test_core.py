@@ -1,9 +1,9 @@
-"""The verifier's step-level engine (ciar.collab.engine): mixed steps, chunking, the token budget, ordering."""
+"""The verifier's step-level engine (ciar.engine.core): mixed steps, chunking, the token budget, ordering."""
 
 import pytest
 import torch
 
-from ciar.collab.engine import SchedulerConfig
+from ciar.engine.core import SchedulerConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionLostError, VerifyRequest
 from ciar.collab.verifier import CloudVerifier
 from ciar.decoding.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""The verifier's session table (ciar.collab.sessions): slots taken and freed, lookups, idle expiry, capacity; the
+"""The verifier's session table (ciar.engine.sessions): slots taken and freed, lookups, idle expiry, capacity; the
 verifier's use of it is covered by test_recovery.py and test_engine.py."""
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionError, SessionLostError
-from ciar.collab.sessions import SessionTable, slots_needed
+from ciar.engine.sessions import SessionTable, slots_needed
 from ciar.decoding.sampling import SamplingParams
 
 CFG, PLAIN = SamplingParams(cfg_scale=2.0), SamplingParams()

@@ -9,8 +9,8 @@
 (`CloudVerifier.open_batch` / `verify_batch` / `resume_batch` are exactly this: submit, step until done.)
 
 The engine core (`StepEngine`) joins three parts that do not call each other: the scheduler
-(`ciar.collab.scheduler`, pure Python: which works feed how many positions), the model runner
-(`ciar.collab.runner`: pieces -> tensors -> logits, static steps and CUDA graphs on CUDA) and the request state (the
+(`ciar.engine.scheduler`, pure Python: which works feed how many positions), the model runner
+(`ciar.engine.runner`: pieces -> tensors -> logits, static steps and CUDA graphs on CUDA) and the request state (the
 verifier's works and sessions, its judge). docs/architecture.md §6.
 
 A *work* is one request in flight; each step it contributes at most one *piece*, the positions it feeds in that
@@ -46,8 +46,8 @@ import time
 import torch
 
 from ciar.collab.protocol import ForwardFault
-from ciar.collab.runner import NonFiniteLogits, Piece, PieceOutput
-from ciar.collab.scheduler import (DECODE, HISTORY, KINDS, PREFILL, SPAN, Request, Scheduled, Scheduler,
+from ciar.engine.runner import NonFiniteLogits, Piece, PieceOutput
+from ciar.engine.scheduler import (DECODE, HISTORY, KINDS, PREFILL, SPAN, Request, Scheduled, Scheduler,
                                    SchedulerConfig)
 
 __all__ = ["DECODE", "HISTORY", "KINDS", "PREFILL", "SPAN", "Piece", "SchedulerConfig", "StepEngine", "Work",
@@ -56,7 +56,7 @@ logger = logging.getLogger("ray.serve")  # the replica's log (the engine runs in
 
 
 class Work(Request):
-    """One request in flight: what the scheduler reads (`ciar.collab.scheduler.Request`: `kind`, `pending`,
+    """One request in flight: what the scheduler reads (`ciar.engine.scheduler.Request`: `kind`, `pending`,
     `position`, `rows`) and what the engine adds. Subclasses (in `ciar.collab.verifier`) implement those and `admit`,
     `piece` and `take`; the engine calls them and records the work's forwards and compute seconds."""
 
@@ -89,7 +89,7 @@ class Work(Request):
         raise NotImplementedError
 
     def take(self, piece: Piece, out: PieceOutput | None) -> None:
-        """The piece's outputs (`ciar.collab.runner.PieceOutput`: its rows of the step's logits and hidden states,
+        """The piece's outputs (`ciar.engine.runner.PieceOutput`: its rows of the step's logits and hidden states,
         None when it wanted none): record where they are and advance; may finish the work, or leave a decision
         (a token to draw, a span to judge) for the step's decision pass."""
         raise NotImplementedError
@@ -119,8 +119,8 @@ class StepEngine:
     """The engine core: one `step` = admit what arrived, let the scheduler pick the forward's pieces, run them on the
     model runner, hand the outputs to their works, judge the spans that completed, retire the finished works.
 
-    The three parts meet only here: the scheduler (`ciar.collab.scheduler`, pure Python) decides from request state
-    and budgets; the runner (`ciar.collab.runner.ModelRunner`) turns pieces into tensors and returns the step's
+    The three parts meet only here: the scheduler (`ciar.engine.scheduler`, pure Python) decides from request state
+    and budgets; the runner (`ciar.engine.runner.ModelRunner`) turns pieces into tensors and returns the step's
     logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
     (each admitted, or finished with its error) and `decide(running, step logits, on_bad)` (the step's batched judge
     and sampler, its one host read) are given by the owner of the request state

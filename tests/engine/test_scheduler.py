@@ -1,11 +1,11 @@
-"""The verifier's scheduler on its own (ciar.collab.scheduler): pure Python, driven here by hand-made requests."""
+"""The verifier's scheduler on its own (ciar.engine.scheduler): pure Python, driven here by hand-made requests."""
 
 import subprocess
 import sys
 
 import pytest
 
-from ciar.collab.scheduler import DECODE, HISTORY, PREFILL, SPAN, Request, Scheduler, SchedulerConfig, schedule
+from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN, Request, Scheduler, SchedulerConfig, schedule
 
 
 class Fake(Request):
@@ -33,7 +33,7 @@ def _submit(s, *requests):
 
 
 def test_the_scheduler_imports_no_torch():
-    code = "import sys, ciar.collab.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, ciar.engine.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -9,7 +9,7 @@
 A session is one image being generated (`ciar.collab.protocol`'s vocabulary). It holds 2 cache slots with CFG (cond,
 uncond), 1 without, out of the cache's 2 * `max_sessions`; its committed image tokens, the sampling and acceptance
 rule of its OpenRequest, its seed (the cloud's draws are keyed by it: `ciar.engine.judge`), and the work in flight
-for it (one at a time: `ciar.collab.engine`). Every open / resume / verify stamps `last_used` (time.monotonic);
+for it (one at a time: `ciar.engine.core`). Every open / resume / verify stamps `last_used` (time.monotonic);
 `evict_idle(s)` closes the sessions idle for at least s seconds, and with `idle_timeout_s` set, an open that finds too
 few free slots first evicts such idle sessions (least recently used first) before raising `CapacityError`. A session
 with a work in flight is never idle; closing one is the verifier's (`CloudVerifier.close` fails its work first).

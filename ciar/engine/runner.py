@@ -6,7 +6,7 @@
     outs = runner.execute([Piece(slots=[4, 5], start=130, n=5, tokens=[...], want=[2, 3, 4]), ...])
     logits, hidden = outs[0]                                  # [rows, len(want), V], [len(want), dim]
 
-The runner knows pieces, slots and tensors; nothing of sessions, works or the schedule (`ciar.collab.engine` pairs
+The runner knows pieces, slots and tensors; nothing of sessions, works or the schedule (`ciar.engine.core` pairs
 its outputs with the works that asked). One `execute` is one forward: a row per (piece, slot) in cache-slot order
 (so sessions on neighbouring slots share one zero-copy key read, `ciar.models.gpt.kv_runs`), positions padded to the
 batch's width at the scratch position (inside the cache's slack, past every sequence), the inputs built from a few

@@ -11,7 +11,7 @@
 
 The scheduler decides from request state and budgets alone; it never touches tensors, the cache or the model. A
 request is anything with the attributes of `Request` below: the verifier's works (`ciar.collab.verifier`: opens,
-verifications, resumes, driving the real model through `ciar.collab.runner.ModelRunner`) and the capacity model's
+verifications, resumes, driving the real model through `ciar.engine.runner.ModelRunner`) and the capacity model's
 modelled works (`ciar.collab.gpu_model`, priced by a modelled runner in simulated time) are both scheduled here, so
 the GPU capacity plan runs the policy the replicas run.
 
