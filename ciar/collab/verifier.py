@@ -466,7 +466,6 @@ class OpenWork(Work):
     def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
             self.cond_pos += piece.n
-            self.v.cache.set_length(self.s.slots, self.cond_pos)
             if self.cond_pos < self.v.config.cls_token_num:
                 return
             self.cond = None
@@ -489,9 +488,14 @@ class OpenWork(Work):
     def reply_tokens(self) -> list[int]:
         return self.s.tokens
 
+    def kv_state(self):
+        s = self.s
+        if s is None or self.leader is not None or self.v.table.sessions.get(self.session_id) is not s:
+            return None
+        cls = self.v.config.cls_token_num
+        return s.slots, self.cond_pos if self.cond_pos < cls else cls + max(len(s.tokens) - 1, 0)
+
     def complete(self) -> None:
-        c = self.v.config
-        self.v.cache.set_length(self.s.slots, c.cls_token_num + max(len(self.s.tokens) - 1, 0))
         self.s.work = None
         self.s.last_used = time.monotonic()
         r = self.request
@@ -572,10 +576,16 @@ class ResumeWork(OpenWork):
         return Piece(self.slots, self.v.config.cls_token_num + a, n, tokens=self.history[a:a + n],
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras])
 
+    def kv_state(self):
+        s = self.s
+        if s is None or self.v.table.sessions.get(self.session_id) is not s:
+            return None
+        cls = self.v.config.cls_token_num
+        return s.slots, self.cond_pos if self.cond_pos < cls else cls + self.fed
+
     def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
             self.cond_pos += piece.n
-            self.v.cache.set_length(self.s.slots, self.cond_pos)
             if self.cond_pos < self.v.config.cls_token_num:
                 return
             self.cond = None
@@ -692,6 +702,12 @@ class VerifyWork(Work):
                      extra=[(i - a, self.extras[i]) for i in range(a, a + n) if i in self.extras],
                      want=[i - a for i in self.want if a <= i < a + n])
 
+    def kv_state(self):
+        s = self.s
+        if s is None or self.v.table.sessions.get(self.session_id) is not s:
+            return None
+        return s.slots, self.v.config.cls_token_num + max(len(s.tokens) - 1, 0)
+
     def take(self, piece: Piece, out) -> None:
         if self.phase == "burst":
             self.draw_from = out  # the step's decisions draw the burst token from it (`drawn`)
@@ -752,7 +768,6 @@ class VerifyWork(Work):
         s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
         s.first_logits = None
         self.got, self.targets = {}, None
-        self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
         self.outcome = (n, z, recovered, judged)
         if recovered and r.burst > 0 and len(s.tokens) < c.block_size:
             self.phase = "burst"
@@ -771,7 +786,6 @@ class VerifyWork(Work):
             return
         s.tokens.append(token)
         self.burst_tokens.append(token)
-        self.v.cache.set_length(s.slots, c.cls_token_num + len(s.tokens) - 1)
         if len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
             self.complete()
 

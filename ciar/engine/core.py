@@ -98,6 +98,11 @@ class Work(Request):
     def rows(self) -> int:
         raise NotImplementedError
 
+    def kv_state(self) -> tuple[list[int], int] | None:
+        """(cache slots, committed length) its session's KV cache holds now, or None when it holds none (the engine
+        core writes it after each step: the one writer of cache lengths besides the slots' reset when freed)."""
+        return None
+
     # --- completion
     def fault(self, error: BaseException) -> None:
         """The forward carrying this work failed (a `ForwardFault`): by default the work fails with it (its session
@@ -200,10 +205,19 @@ class StepEngine:
             self.scheduler.record(batch)
         else:
             step = None
-        self._decide_step(batch, step)
+        decided = self._decide_step(batch, step)
+        self._record_lengths([p.request for p in batch] + decided)
         return self.scheduler.retire()
 
-    def _decide_step(self, batch: list[Scheduled], step) -> None:
+    def _record_lengths(self, works: list[Work]) -> None:
+        """The cache lengths the step left: each work that fed or took a decision says what its session holds."""
+        cache = self.runner.cache
+        for w in works:
+            state = w.kv_state()
+            if state is not None:
+                cache.set_length(*state)
+
+    def _decide_step(self, batch: list[Scheduled], step) -> list[Work]:
         """The step's decisions in one batched pass (`decide(running works, the step's logits, on_bad)`: the
         verifier's judge and sampler, one copy to the device and one back): the tokens its decodes draw, the verdicts
         on the spans whose feed is complete (some need no forward at all). `on_bad(rows)` names the rows of the
@@ -225,6 +239,7 @@ class StepEngine:
             self._decide(running, None if step is None else step.logits, on_bad)
         except Exception as e:  # noqa: BLE001 - the decisions' model work failed (out of memory): these works only
             self._fault([w for w in running if not w.done and getattr(w, "deciding", False)], e, "the judge of")
+        return running
 
     def _admit(self) -> None:
         new = self.scheduler.take_waiting()
