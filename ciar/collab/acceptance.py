@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ciar.decoding.sampling import counter_uniform, sample_at
+from ciar.decoding.sampling import counter_uniform, keyed_uniform, sample_at
 from ciar_device.maths import ACCEPT_STREAM, NEXT_STREAM
 
 RULES = ("exact", "lantern", "greedy", "cascade")
@@ -224,6 +224,14 @@ class SpanDraws:
 
     accept: torch.Tensor  # [B, K] float64 in [0, 1)
     next: torch.Tensor  # [B, K+1] float64 in [0, 1)
+
+    @classmethod
+    def keyed(cls, accept_keys: torch.Tensor, next_keys: torch.Tensor, positions: torch.Tensor,
+              k: int) -> "SpanDraws":
+        """`counter`'s draws from the rows' stream keys (`ciar.decoding.sampling.stream_key` of each row's seed with
+        ACCEPT_STREAM and NEXT_STREAM, int64 [B]): the same uniforms, one splitmix64 on the device each."""
+        at = positions[:, None] + torch.arange(k + 1, device=positions.device)[None, :]  # [B, K+1]
+        return cls(keyed_uniform(accept_keys[:, None], at[:, :k]), keyed_uniform(next_keys[:, None], at))
 
     @classmethod
     def counter(cls, seeds: torch.Tensor, positions: torch.Tensor, k: int) -> "SpanDraws":

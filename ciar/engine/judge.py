@@ -14,8 +14,9 @@ A step asks two kinds of decision of the rows its forward computed:
 `decide` computes all of them at once: every row's guidance, temperature, top-k and top-p in one call with per-row
 parameter tensors (`ciar.decoding.sampling.rows_to_probs`), every span of an acceptance rule in one `verify_span`
 call (one call per distinct rule configuration in the step; a deployment has one), every draw by inverse CDF at a
-counter-based uniform keyed by (seed, stream, image position) (`ciar.decoding.sampling.counter_uniform`), computed
-for all rows on the accelerator: no per-session generator, no reseeding, nothing that depends on what else the
+counter-based uniform keyed by (seed, stream, image position) (`ciar.decoding.sampling.counter_uniform`: its
+(seed, stream) part on the host, once per session and stream, `stream_key`; the position's part for all rows on the
+accelerator, `keyed_uniform`): no per-session generator, no reseeding, nothing that depends on what else the
 step holds. The step's host inputs (drafts, draft probabilities, seeds, positions, sampling parameters, row
 indices) travel in one buffer (pinned on CUDA) by one non-blocking copy (`HostPack`); every result (the non-finite
 flags, the tokens, the stops, the verdicts) comes back in one device-to-host transfer, the step's only host read.
@@ -36,9 +37,8 @@ from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, 
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError
 from ciar.engine.runner import PieceOutput
-from ciar.decoding.sampling import (RowSampling, SamplingParams, counter_uniform, rows_to_probs, sample_at,
-                                   seed_tensor)
-from ciar_device.maths import CLOUD_STREAM
+from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_key
+from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, NEXT_STREAM
 
 _ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
 
@@ -160,7 +160,7 @@ class Judge:
         draw_idx = pack.add(torch.tensor([r[0][0] for r in draw_rows] + [r[1][0] for r in draw_rows],
                                          dtype=torch.long))
         draw_sampling = self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in draw_rows])
-        draw_seed = pack.add(seed_tensor([d.seed for d in draws]))
+        draw_key = pack.add(_keys([d.seed for d in draws], CLOUD_STREAM))
         draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
         stopping = any(d.stop_entropy > 0 for d in draws)
         draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
@@ -186,7 +186,8 @@ class Judge:
                 rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
                                            dtype=torch.long)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
-                seeds=pack.add(seed_tensor([s.seed for s in g])),
+                accept_keys=pack.add(_keys([s.seed for s in g], ACCEPT_STREAM)),
+                next_keys=pack.add(_keys([s.seed for s in g], NEXT_STREAM)),
                 positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
                 q=pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16) for s in g])
                            if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
@@ -204,7 +205,7 @@ class Judge:
             both = logits[pack[draw_idx]]
             n = len(draws)
             probs = rows_to_probs(both[:n], self._rows(pack, draw_sampling), both[n:], pack[draw_sampling[4]])
-            u = counter_uniform(pack[draw_seed], CLOUD_STREAM, pack[draw_pos])
+            u = keyed_uniform(pack[draw_key], pack[draw_pos])
             outs.append(sample_at(probs, u))
             if stopping:
                 stop_at = pack[draw_stop]
@@ -276,7 +277,7 @@ class Judge:
                     hidden[pack[g["p_at"]]] = flat
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
-        draws = SpanDraws.counter(pack[g["seeds"]], pack[g["positions"]], kmax)
+        draws = SpanDraws.keyed(pack[g["accept_keys"]], pack[g["next_keys"]], pack[g["positions"]], kmax)
         return verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
                            **kwargs)
 
@@ -298,6 +299,11 @@ class Judge:
     def _rows(pack: HostPack, handles: tuple) -> RowSampling:
         return RowSampling.from_tensors(pack[handles[0]], pack[handles[1]], pack[handles[2]], pack[handles[3]],
                                         handles[5])
+
+
+def _keys(seeds: list[int], stream: int) -> torch.Tensor:
+    """The rows' (seed, stream) parts of their draws, on the host (cached per seed and stream)."""
+    return torch.tensor([stream_key(s, stream) for s in seeds], dtype=torch.long)
 
 
 class _Source:

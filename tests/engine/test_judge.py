@@ -65,6 +65,17 @@ def test_host_pack_round_trip(packed):
         assert pack[h].dtype == t.dtype and pack[h].shape == t.shape and torch.equal(pack[h], t)
 
 
+def test_keyed_uniforms_equal_the_counter_uniforms():
+    """The judge's draws: the (seed, stream) part on the host, the position's on the device, the same bits."""
+    from ciar.decoding.sampling import counter_uniform, keyed_uniform, seed_tensor, stream_key
+
+    seeds, positions = [0, 5, -3, 2 ** 64 + 9, 123456789], torch.arange(0, 400, 13)
+    for stream in (maths.CLOUD_STREAM, maths.ACCEPT_STREAM, maths.NEXT_STREAM):
+        keys = torch.tensor([stream_key(s, stream) for s in seeds])
+        assert torch.equal(keyed_uniform(keys[:, None], positions[None, :]),
+                           counter_uniform(seed_tensor(seeds)[:, None], stream, positions[None, :]))
+
+
 # ------------------------------------------------------------------------------------- batch independence
 def _spans_and_draws(judge, n_spans=9, n_draws=7, seed=0):
     g = torch.Generator().manual_seed(seed)
