@@ -25,6 +25,8 @@ then `gpu.md` summarises:
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
   engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
+  served_steps  the step the Verifier serves (the runner's static buckets, CUDA graphs on CUDA, inputs and logits
+             included) at 2-128 CFG rows, a one-token decode and a span, against its bandwidth bound
   engine_graphs  the engine's model runner (`ciar.engine.runner`) on the XL model: dynamic eager steps, static
              (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
              compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time, and
@@ -274,6 +276,43 @@ class Suite:
                 out["steps"].append(row)
                 del cache
                 self.release()
+        return out
+
+    @torch.inference_mode()
+    def served_steps(self) -> dict:
+        """The step the Verifier serves, timed as it is served: the engine's model runner (`ciar.engine.runner`:
+        static buckets, replayed from CUDA graphs on CUDA) running `execute_step` on CFG sessions (two rows each) at
+        the buckets a deployment reaches, a one-token decode and a span of SPAN positions, inputs built and logits
+        gathered included, against the bandwidth bound of the same step (the weights once, every real key of every
+        row). `xl_steps` times the dynamic path; this is the path the replicas run."""
+        from ciar.engine.runner import ModelRunner, Piece
+
+        if self.bandwidth is None:
+            self.roofline()
+        model = self.gpt()
+        c = model.config
+        wbytes = self.weight_bytes(model)
+        kv_row_bytes = 2 * c.n_layer * c.kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        image_pos = TINY_POS if self.tiny else IMAGE_POS
+        rows_list = (2, 4) if self.tiny else (2, 8, 32, 128)
+        out = {"image_position": image_pos, "steps": []}
+        for rows in rows_list:
+            runner = ModelRunner(model, rows, static=True)
+            for kind, width in (("decode", 1), ("span", SPAN)):
+                pos0 = c.cls_token_num + image_pos
+                pieces = [Piece([2 * i, 2 * i + 1], pos0, width, tokens=[0] * width, want=list(range(width)))
+                          for i in range(rows // 2)]
+                bucket = runner.bucket(pieces)
+                before = dict(runner.steps)
+                served = self.time_ms(lambda: runner.execute_step(pieces))
+                path = max(runner.steps, key=lambda k: runner.steps[k] - before[k])
+                keys = pos0 + width
+                bound = 1000 * (wbytes + rows * keys * kv_row_bytes) / self.bandwidth
+                out["steps"].append({"kind": kind, "rows": rows, "width": width, "keys": keys, "bucket": bucket,
+                                     "path": path, "served_ms": round(served, 3), "bound_ms": round(bound, 3),
+                                     "served_over_bound": round(served / bound, 2)})
+            del runner
+            self.release()
         return out
 
     @torch.inference_mode()
@@ -940,8 +979,8 @@ def markdown(result: dict) -> str:
         steps = s.get(key, {}).get("steps")
         if steps:
             lines += [f"## The verifier's forward at {title} (ms, median)", ""] + _steps_table(steps) + [""]
-    for name in ("graphs", "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
-                 "capacity", "engine_graphs", "memory", "engine", "t5",
+    for name in ("engine_graphs", "served_steps", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
+                 "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
                  "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
@@ -959,7 +998,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,engine_graphs,roofline,xl_steps,graphs,fp32,profile,capacity,memory,"
+    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,xl_steps,graphs,fp32,profile,"
+                                          "capacity,memory,"
                                           "oom,repeat,engine_repeat,engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "

@@ -15,7 +15,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "engine_graphs", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity",
+    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity",
                               "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
@@ -23,6 +23,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
     assert split["steps"] > 0 and split["forward"] > 0 and split["judge"] > 0 and split["host"] >= 0, split
     assert split["step"] >= split["forward"] + split["judge"] - 1e-3 and 0 < split["accelerator_busy_upper_bound"] <= 1
+    served = sections["served_steps"]["steps"]  # the runner's static buckets, as the Verifier serves them
+    assert {(x["kind"], x["rows"]) for x in served} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
+    assert all(x["path"] == "static" and x["bucket"] and x["served_ms"] > 0 and x["bound_ms"] > 0 for x in served)
     assert sections["memory"]["plan"]["sessions"] >= 1
     assert sections["fp32"]["skipped"] == "the suite already runs in float32 here"
     assert not [n for n, v in sections.items() if "broke" in v or ("skipped" in v and n != "fp32")], sections
