@@ -999,8 +999,8 @@ def main(argv=None) -> int:
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
     ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,xl_steps,graphs,fp32,profile,"
-                                          "capacity,memory,"
-                                          "oom,repeat,engine_repeat,engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
+                                          "capacity,memory,oom,repeat,engine_repeat,engine_bisect,dense_copy,"
+                                          "anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "
                          "ciar.models.gpt.repeatable_attention switches it off, as the verifier does)")

@@ -24,9 +24,10 @@ Cache invariant per session (CFG: a cond slot and an uncond slot with the same t
 image tokens t_0..t_{c-1} are in `tokens`; the cache holds the condition and t_0..t_{c-2} ("fed" = c - 1); the
 last committed token is fed by the next forward. A verification with m new tokens and k drafts feeds
 t_{fed}..t_{c+m-1}, x_1..x_k in one ragged batch (per-row positions), reads the target distributions p_1..p_{k+1}
-at the positions of t_{c+m-1}, x_1..x_k, judges the span with the session's acceptance rule, commits the accepted drafts plus the next token, and rolls the cache back to the accepted prefix
-(pointer move; stale entries are invisible and overwritten). Padding of the ragged batch writes only past each
-row's committed content (clamped to a scratch position inside the cache's slack).
+at the positions of t_{c+m-1}, x_1..x_k, judges the span with the session's acceptance rule, commits the accepted
+drafts plus the next token, and rolls the cache back to the accepted prefix (pointer move; stale entries are
+invisible and overwritten). Padding of the ragged batch writes only past each row's committed content (clamped to a
+scratch position inside the cache's slack).
 
 Randomness: every cloud draw is keyed by (the OpenRequest's `seed`, a stream, an image position) (`ciar.engine.judge`:
 a token the cloud samples itself at position i, a prefix or burst token, as `ciar.decoding.generate.generate_cloud`
@@ -95,7 +96,7 @@ class CloudVerifier:
         elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an integer >= 1 or 'auto', got {max_sessions!r}")
         self.slot_wait_s = float(slot_wait_s)
-        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static)  # the model, its KV cache (ciar.engine.runner)
+        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static)  # the model, its KV cache
         self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
@@ -641,7 +642,7 @@ class VerifyWork(Work):
         self.s: Session | None = None
         self.phase = "feed"  # feed -> judge -> (burst) -> done
         self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # targets fed in earlier pieces, by index
-        self.targets: tuple[torch.Tensor, torch.Tensor] | None = None  # all targets from one piece: its views
+        self.targets = None  # a PieceOutput: where all targets are when one piece fed them (the usual case)
         self.burst_tokens: list[int] = []
         self.outcome: tuple[int, int, bool, int] | None = None
 

@@ -33,8 +33,9 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
     seed: an integer (row b draws with seed + b, as image b of a request does) or one seed per row. The only source
     of randomness: token i of row b is drawn at `counter_uniform(seed_b, CLOUD_STREAM, i)` (inverse CDF,
     `sample_at`), the draw the verifier makes for a prefix or cloud-only token at that position, so the cloud-only
-    method through the cluster gives these tokens, and a row's tokens do not depend on the rest of the batch. cache: optional preallocated cache with at least B (2B with CFG) slots; rows use slots
-    0..B-1 (cond) and B..2B-1 (uncond). Afterwards it holds the condition and the first N-1 tokens and its
+    method through the cluster gives these tokens, and a row's tokens do not depend on the rest of the batch.
+    cache: optional preallocated cache with at least B (2B with CFG) slots; rows use slots 0..B-1 (cond) and
+    B..2B-1 (uncond). Afterwards it holds the condition and the first N-1 tokens and its
     `lengths` say so (the last token is sampled, never fed).
 
     -> tokens [B, N] int64; with `return_probs`, (tokens, probs [B, N, V] float32) where probs[:, i] is the

@@ -191,7 +191,8 @@ class Judge:
                 positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
                 q=pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16) for s in g])
                            if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
-                p_at=pack.add(torch.tensor(p_at, dtype=torch.long)), q_at=pack.add(torch.tensor(q_at, dtype=torch.long))))
+                p_at=pack.add(torch.tensor(p_at, dtype=torch.long)),
+                q_at=pack.add(torch.tensor(q_at, dtype=torch.long))))
         pack.send()
 
         # --- on the device

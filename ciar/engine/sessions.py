@@ -90,7 +90,8 @@ class SessionTable:
                                 f"slots, this batch needs {need}")
 
     def open(self, request: OpenRequest) -> Session:
-        """A new session for `request`: its slots (reserved first), no tokens yet. SessionError when the id is open already, CapacityError when no slots can be had."""
+        """A new session for `request`: its slots (reserved first), no tokens yet. SessionError when the id is open
+        already, CapacityError when no slots can be had."""
         self.check_new(request.session_id)
         need = slots_needed(request)
         self.reserve(need)

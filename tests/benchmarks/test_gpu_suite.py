@@ -15,8 +15,8 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "xl_steps", "graphs", "fp32", "profile", "capacity",
-                              "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
+    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "xl_steps", "graphs", "fp32",
+                              "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
