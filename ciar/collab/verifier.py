@@ -198,12 +198,10 @@ class CloudVerifier:
         if not draws and not spans and step_logits is None:
             return
         for w in draws + spans:
-            w.deciding = True
-        try:
-            decided = self.judge.decide([w.draw() for w in draws], [w.span() for w in spans], step_logits)
-        finally:
-            for w in draws + spans:
-                w.deciding = False
+            w.deciding = True  # if the pass raises, the engine fails these works (and clears the marks)
+        decided = self.judge.decide([w.draw() for w in draws], [w.span() for w in spans], step_logits)
+        for w in draws + spans:
+            w.deciding = False
         on_bad(decided.bad)
         for w, token, stop in zip(draws, decided.tokens, decided.stops):
             if not w.done:

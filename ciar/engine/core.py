@@ -238,7 +238,10 @@ class StepEngine:
         try:
             self._decide(running, None if step is None else step.logits, on_bad)
         except Exception as e:  # noqa: BLE001 - the decisions' model work failed (out of memory): these works only
-            self._fault([w for w in running if not w.done and getattr(w, "deciding", False)], e, "the judge of")
+            deciding = [w for w in running if w.deciding]
+            for w in deciding:
+                w.deciding = False
+            self._fault([w for w in deciding if not w.done], e, "the judge of")
         return running
 
     def _admit(self) -> None:

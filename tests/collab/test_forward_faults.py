@@ -73,6 +73,39 @@ def test_an_out_of_memory_forward_fails_only_its_step(tiny_cloud, stub_text):
 
 
 @torch.no_grad()
+def test_a_failed_decision_pass_fails_only_the_works_it_decided(tiny_cloud, stub_text):
+    """The step's judge and sampler raise (FAULT INJECTION: `Judge.decide` runs out of memory once): the span and
+    the open's prefix draw of that step fail with a retryable ForwardFault ("a" as before its verify, the half-opened
+    "b" gone, no work left marked); sent again, the replies are the undisturbed ones."""
+    ref = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
+    ref.open_batch([_open("a")])
+    want = _reply(ref.verify_batch([_span(ref, "a", seed=1)])[0])
+    want_b = ref.open_batch([_open("b", seed=3)])[0].prefix_tokens.tolist()
+
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
+    v.open_batch([_open("a")])
+    tokens = list(v.sessions["a"].tokens)
+    real, calls = v.judge.decide, [0]
+
+    def failing(*args):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected into the judge)")
+        return real(*args)
+
+    v.judge.decide = failing
+    span, opening = v.submit_verify(_span(v, "a", seed=1)), v.submit_open(_open("b", seed=3))
+    v.engine.run([span, opening])
+    for w in (span, opening):
+        assert isinstance(w.error, ForwardFault) and isinstance(w.error.origin, torch.OutOfMemoryError), w.error
+        assert not w.deciding
+    assert v.sessions["a"].tokens == tokens and v.sessions["a"].work is None and "b" not in v.sessions
+    assert v.engine.faults == {"OutOfMemoryError": 1}
+    assert _reply(v.verify_batch([_span(v, "a", seed=1)])[0]) == want
+    assert v.open_batch([_open("b", seed=3)])[0].prefix_tokens.tolist() == want_b
+
+
+@torch.no_grad()
 def test_non_finite_logits_fail_only_their_own_work(tiny_cloud, stub_text):
     """NaN in one session's rows (the forward's output poisoned for its slots): that work fails, its step-mate gets
     the undisturbed reply."""
