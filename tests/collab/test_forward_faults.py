@@ -49,15 +49,20 @@ class FailingRunner:
         return self.execute_real(pieces)
 
 
-@torch.no_grad()
-def test_an_out_of_memory_forward_fails_only_its_step(tiny_cloud, stub_text):
+def _undisturbed_and_a_fresh_one(tiny_cloud, stub_text):
+    """What an undisturbed verifier answers to "a"'s span and "b"'s open, and a fresh verifier with "a" open."""
     ref = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     ref.open_batch([_open("a")])
     want = _reply(ref.verify_batch([_span(ref, "a", seed=1)])[0])
     want_b = ref.open_batch([_open("b", seed=3)])[0].prefix_tokens.tolist()
-
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     v.open_batch([_open("a")])
+    return want, want_b, v
+
+
+@torch.no_grad()
+def test_an_out_of_memory_forward_fails_only_its_step(tiny_cloud, stub_text):
+    want, want_b, v = _undisturbed_and_a_fresh_one(tiny_cloud, stub_text)
     tokens, free = list(v.sessions["a"].tokens), v.free_slot_count
     FailingRunner(v.runner, fail_at=[1])
     span, opening = v.submit_verify(_span(v, "a", seed=1)), v.submit_open(_open("b", seed=3))
@@ -77,13 +82,7 @@ def test_a_failed_decision_pass_fails_only_the_works_it_decided(tiny_cloud, stub
     """The step's judge and sampler raise (FAULT INJECTION: `Judge.decide` runs out of memory once): the span and
     the open's prefix draw of that step fail with a retryable ForwardFault ("a" as before its verify, the half-opened
     "b" gone, no work left marked); sent again, the replies are the undisturbed ones."""
-    ref = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
-    ref.open_batch([_open("a")])
-    want = _reply(ref.verify_batch([_span(ref, "a", seed=1)])[0])
-    want_b = ref.open_batch([_open("b", seed=3)])[0].prefix_tokens.tolist()
-
-    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)
-    v.open_batch([_open("a")])
+    want, want_b, v = _undisturbed_and_a_fresh_one(tiny_cloud, stub_text)
     tokens = list(v.sessions["a"].tokens)
     real, calls = v.judge.decide, [0]
 
