@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ciar.decoding.sampling import SamplingParams, counter_uniform, logits_to_probs, sample_at, seed_tensor
+from ciar.decoding.sampling import SamplingParams, keyed_uniform, logits_to_probs, sample_at, stream_keys
 from ciar_device.maths import CLOUD_STREAM
 from ciar.models.gpt import GPT
 from ciar.models.kv_cache import KVCache
@@ -54,7 +54,7 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
     seeds = [int(seed) + i for i in range(b)] if isinstance(seed, int) else [int(x) for x in seed]
     if len(seeds) != b:
         raise ValueError(f"{len(seeds)} seeds for {b} rows")
-    seeds = seed_tensor(seeds, device)
+    keys = stream_keys(seeds, CLOUD_STREAM, device)
 
     cond = cond_emb.to(device=device, dtype=weight.dtype) if cond_emb.is_floating_point() else cond_emb.to(device)
     mask = None if cond_mask is None else cond_mask.to(device=device, dtype=torch.bool)
@@ -83,7 +83,7 @@ def generate_cloud(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor |
                 probs = logits_to_probs(logits[:b], params, uncond_logits=logits[b:])  # [B, V]
             else:
                 probs = logits_to_probs(logits, params)
-            tok = sample_at(probs, counter_uniform(seeds, CLOUD_STREAM, torch.full_like(seeds, i)))  # [B]
+            tok = sample_at(probs, keyed_uniform(keys, torch.full_like(keys, i)))  # [B]
             tokens[:, i] = tok
             if probs_out is not None:
                 probs_out[:, i] = probs

@@ -153,24 +153,24 @@ class RowSampling:
     any_greedy: bool = False
     any_temperature: bool = False  # a row with temperature not in (0, 1)
 
+    @staticmethod
+    def host_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' (cfg_scale, temperature, top_k, top_p) tensors, on the host."""
+        return (torch.tensor([p.cfg_scale for p in params], dtype=torch.float32),
+                torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor([p.top_k for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32))
+
+    @staticmethod
+    def summary(params: list[SamplingParams]) -> tuple[int, bool, bool, bool]:
+        """(max_top_k, any_top_p, any_greedy, any_temperature) of the rows: what the host knows without a read."""
+        return (max((p.top_k for p in params), default=0), any(p.top_p < 1.0 for p in params),
+                any(p.temperature == 0.0 for p in params), any(p.temperature not in (0.0, 1.0) for p in params))
+
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampling":
         """One row per entry of `params` (already validated SamplingParams)."""
-        return cls(torch.tensor([p.cfg_scale for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   max_top_k=max((p.top_k for p in params), default=0),
-                   any_top_p=any(p.top_p < 1.0 for p in params),
-                   any_greedy=any(p.temperature == 0.0 for p in params),
-                   any_temperature=any(p.temperature not in (0.0, 1.0) for p in params))
-
-    @classmethod
-    def from_tensors(cls, cfg_scale: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, summary: tuple[int, bool, bool, bool]) -> "RowSampling":
-        """Rows whose tensors were built elsewhere (one packed host-to-device copy) and whose host-side summary
-        (max_top_k, any_top_p, any_greedy, any_temperature) the builder knows."""
-        return cls(cfg_scale, temperature, top_k, top_p, *summary)
+        return cls(*(t.to(device) for t in cls.host_tensors(params)), *cls.summary(params))
 
 
 def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.Tensor | None = None,
@@ -258,6 +258,11 @@ def stream_key(seed: int, stream: int) -> int:
     return _signed64(maths.splitmix64(maths.splitmix64(int(seed) & _MASK64) ^ (int(stream) & _MASK64)))
 
 
+def stream_keys(seeds, stream: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`stream_key` of each seed with `stream`, as an int64 tensor (the host's part of a batch of draws)."""
+    return torch.tensor([stream_key(s, stream) for s in seeds], dtype=torch.long, device=device)
+
+
 def keyed_uniform(key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """`counter_uniform` from its (seed, stream) part `stream_key` (int64 tensor) and the positions: one splitmix64
     on the device instead of three."""
@@ -270,8 +275,7 @@ def counter_uniform(seed: torch.Tensor, stream: int, position: torch.Tensor) -> 
     `ciar_device.maths.uniform` bit for bit: a draw depends on (seed, stream, position) alone, never on what was
     drawn before or on what else the batch holds. Streams: `ciar_device.maths` (CLOUD_STREAM, ACCEPT_STREAM,
     NEXT_STREAM on the cloud; DRAFT_STREAM, GATE_STREAM on the device)."""
-    z = splitmix64(splitmix64(splitmix64(seed) ^ _signed64(stream)) ^ position)
-    return _shr(z, 11).double() * (1.0 / 9007199254740992.0)
+    return keyed_uniform(splitmix64(splitmix64(seed) ^ _signed64(stream)), position)
 
 
 def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -205,19 +205,20 @@ class StepEngine:
             self.scheduler.record(batch)
         else:
             step = None
-        decided = self._decide_step(batch, step)
-        self._record_lengths([p.request for p in batch] + decided)
+        self._decide_step(batch, step)
+        self._record_lengths()
         return self.scheduler.retire()
 
-    def _record_lengths(self, works: list[Work]) -> None:
-        """The cache lengths the step left: each work that fed or took a decision says what its session holds."""
+    def _record_lengths(self) -> None:
+        """The cache lengths the step left: each running work (finished ones too, until `retire`) says what its
+        session holds."""
         cache = self.runner.cache
-        for w in works:
+        for w in self.scheduler.running:
             state = w.kv_state()
             if state is not None:
                 cache.set_length(*state)
 
-    def _decide_step(self, batch: list[Scheduled], step) -> list[Work]:
+    def _decide_step(self, batch: list[Scheduled], step) -> None:
         """The step's decisions in one batched pass (`decide(running works, the step's logits, on_bad)`: the
         verifier's judge and sampler, one copy to the device and one back): the tokens its decodes draw, the verdicts
         on the spans whose feed is complete (some need no forward at all). `on_bad(rows)` names the rows of the
@@ -242,7 +243,6 @@ class StepEngine:
             for w in deciding:
                 w.deciding = False
             self._fault([w for w in deciding if not w.done], e, "the judge of")
-        return running
 
     def _admit(self) -> None:
         new = self.scheduler.take_waiting()

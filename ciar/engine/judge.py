@@ -35,9 +35,9 @@ import torch
 
 from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
 from ciar.collab.gating import entropy_score
-from ciar.collab.protocol import RuleConfig, SessionError
+from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
 from ciar.engine.runner import PieceOutput
-from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_key
+from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_keys
 from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, NEXT_STREAM
 
 _ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
@@ -160,10 +160,10 @@ class Judge:
         draw_idx = pack.add(torch.tensor([r[0][0] for r in draw_rows] + [r[1][0] for r in draw_rows],
                                          dtype=torch.long))
         draw_sampling = self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in draw_rows])
-        draw_key = pack.add(_keys([d.seed for d in draws], CLOUD_STREAM))
+        draw_key = pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM))
         draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
         stopping = any(d.stop_entropy > 0 for d in draws)
-        draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
+        draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32)) if stopping else None
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(spans):
             groups.setdefault(tuple(vars(s.rule).values()), []).append(i)  # one verify_span per configuration
@@ -186,8 +186,8 @@ class Judge:
                 rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
                                            dtype=torch.long)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
-                accept_keys=pack.add(_keys([s.seed for s in g], ACCEPT_STREAM)),
-                next_keys=pack.add(_keys([s.seed for s in g], NEXT_STREAM)),
+                accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
+                next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)),
                 positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
                 q=pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16) for s in g])
                            if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
@@ -251,8 +251,7 @@ class Judge:
         both = logits[pack[g["rows"]]]  # [2T, V]: every target's cond row, then its uncond row (T = sum(k + 1))
         t = both.shape[0] // 2
         p_flat = rows_to_probs(both[:t], self._rows(pack, g["sampling"]), both[t:], pack[g["sampling"][4]])
-        q16 = pack[g["q"]].float()
-        q_flat = q16 / q16.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # draft_distribution
+        q_flat = draft_distribution(pack[g["q"]])
         if g["ragged"]:  # spans of several lengths: padded to the longest (padding is never read as a draw)
             p = torch.zeros(b * (kmax + 1), v_size, device=dev)
             p[pack[g["p_at"]]] = p_flat
@@ -284,27 +283,14 @@ class Judge:
 
     @staticmethod
     def _sampling_rows(pack: HostPack, params: list[SamplingParams], has_uncond: list[bool]) -> tuple:
-        # (CFG rows carry the session's scale; a session without CFG has one row, its uncond index is its cond)
         """Per-row sampling tensors into the pack -> handles (cfg, temperature, top_k, top_p, has_uncond) and the
-        host-side summary `RowSampling` needs."""
-        return (pack.add(torch.tensor([p.cfg_scale for p in params], dtype=torch.float32)),
-                pack.add(torch.tensor([p.temperature for p in params], dtype=torch.float32)),
-                pack.add(torch.tensor([p.top_k for p in params], dtype=torch.long)),
-                pack.add(torch.tensor([p.top_p for p in params], dtype=torch.float32)),
-                pack.add(torch.tensor(has_uncond, dtype=torch.bool)),
-                (max((p.top_k for p in params), default=0), any(p.top_p < 1.0 for p in params),
-                 any(p.temperature == 0.0 for p in params),
-                 any(p.temperature not in (0.0, 1.0) for p in params)))
+        host-side summary `RowSampling` needs. (A session without CFG has one row: its uncond index is its cond.)"""
+        return (*(pack.add(t) for t in RowSampling.host_tensors(params)),
+                pack.add(torch.tensor(has_uncond, dtype=torch.bool)), RowSampling.summary(params))
 
     @staticmethod
     def _rows(pack: HostPack, handles: tuple) -> RowSampling:
-        return RowSampling.from_tensors(pack[handles[0]], pack[handles[1]], pack[handles[2]], pack[handles[3]],
-                                        handles[5])
-
-
-def _keys(seeds: list[int], stream: int) -> torch.Tensor:
-    """The rows' (seed, stream) parts of their draws, on the host (cached per seed and stream)."""
-    return torch.tensor([stream_key(s, stream) for s in seeds], dtype=torch.long)
+        return RowSampling(*(pack[h] for h in handles[:4]), *handles[5])
 
 
 class _Source:

@@ -3,11 +3,11 @@
     runner = ModelRunner(cloud, slots=2 * max_sessions)       # owns the KV cache
     cond = runner.condition(caption_emb, drop)                # embedded condition rows of new sessions
     runner.mark_caption(slot, caption_mask)                   # caption padding is invisible to that slot's queries
-    outs = runner.execute([Piece(slots=[4, 5], start=130, n=5, tokens=[...], want=[2, 3, 4]), ...])
-    logits, hidden = outs[0]                                  # [rows, len(want), V], [len(want), dim]
+    out = runner.execute_step([Piece(slots=[4, 5], start=130, n=5, tokens=[...], want=[2, 3, 4]), ...])
+    logits, hidden = out.views[0]                             # [rows, len(want), V], [len(want), dim]
 
 The runner knows pieces, slots and tensors; nothing of sessions, works or the schedule (`ciar.engine.core` pairs
-its outputs with the works that asked). One `execute` is one forward: a row per (piece, slot) in cache-slot order
+its outputs with the works that asked). One `execute_step` is one forward: a row per (piece, slot) in cache-slot order
 (so sessions on neighbouring slots share one zero-copy key read, `ciar.models.gpt.kv_runs`), positions padded to the
 batch's width at the scratch position (inside the cache's slack, past every sequence), the inputs built from a few
 index tensors per batch (not row by row), logits computed only where a piece wants them.
@@ -129,21 +129,10 @@ class ModelRunner:
         else:
             kv[slot] = True
 
-    def execute(self, pieces: list[Piece]) -> list:
-        """ONE cached forward over `pieces`. -> per piece (logits [rows, len(want), V], hidden [len(want), dim]),
-        (None, None) where it wants nothing, or a `NonFiniteLogits` where its logits are not finite (a host read;
-        the engine instead reads `execute_step`'s logits once with its judge). Raises what the forward raises (out
-        of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
-        out = self.execute_step(pieces)
-        if out.logits is None:
-            return out.views
-        finite = torch.isfinite(out.logits).all(dim=-1).tolist()
-        return [NonFiniteLogits(f"the forward gave non-finite logits for slots {p.slots}")
-                if n and not all(finite[a:a + n]) else view
-                for p, view, (a, n) in zip(pieces, out.views, out.ranges)]
-
     def execute_step(self, pieces: list[Piece]) -> "StepOutput":
-        """ONE cached forward over `pieces`, nothing read on the host: the step's logits and each piece's views."""
+        """ONE cached forward over `pieces`, nothing read on the host: the step's logits and each piece's outputs
+        (whether they are finite is the judge's one host read, `ciar.engine.judge`). Raises what the forward raises
+        (out of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
         bucket = self.bucket(pieces) if self.static else None
         if bucket is not None:
             rows, width, kv_len = bucket

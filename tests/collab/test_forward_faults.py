@@ -1,5 +1,5 @@
 """Faults inside a forward (issue 40, item 3), injected at the model runner's boundary (FAULT INJECTION: the runner's
-`execute` or the model's forward replaced by a failing or poisoning wrapper): only the works of that step fail, with
+`execute_step` or the model's forward replaced by a failing or poisoning wrapper): only the works of that step fail, with
 a retryable `ForwardFault`, the replica keeps its state and its slots, requests sent again give what an undisturbed
 verifier gives; a fault after a verdict drops the session, which a resume restores; a forward that hangs makes the
 engine report itself stalled (the Verifier's `check_health`)."""

@@ -231,14 +231,14 @@ def test_the_model_runner_drives_it(pair, static):
     image = codes(2, 6)
     a, b = sessions
     half = CLS // 2
-    out = runner.execute([Piece(a["slots"], 0, half, emb=a["emb"][:, :half]),
-                          Piece(b["slots"], 0, CLS, emb=b["emb"], want=[CLS - 1])])
+    out = runner.execute_step([Piece(a["slots"], 0, half, emb=a["emb"][:, :half]),
+                               Piece(b["slots"], 0, CLS, emb=b["emb"], want=[CLS - 1])]).views
     got = {("b", 0): out[1][0][:, 0]}
-    out = runner.execute([Piece(a["slots"], half, CLS - half, emb=a["emb"][:, half:], want=[CLS - half - 1]),
-                          Piece(b["slots"], CLS, 1, tokens=[int(image[1, 0])], want=[0])])
+    out = runner.execute_step([Piece(a["slots"], half, CLS - half, emb=a["emb"][:, half:], want=[CLS - half - 1]),
+                               Piece(b["slots"], CLS, 1, tokens=[int(image[1, 0])], want=[0])]).views
     got[("a", 0)], got[("b", 1)] = out[0][0][:, 0], out[1][0][:, 0]
-    out = runner.execute([Piece(a["slots"], CLS, 5, tokens=image[0, :5].tolist(), want=[0, 1, 2, 3, 4]),
-                          Piece(b["slots"], CLS + 1, 1, tokens=[int(image[1, 1])], want=[0])])
+    out = runner.execute_step([Piece(a["slots"], CLS, 5, tokens=image[0, :5].tolist(), want=[0, 1, 2, 3, 4]),
+                               Piece(b["slots"], CLS + 1, 1, tokens=[int(image[1, 1])], want=[0])]).views
     for k in range(5):
         got[("a", k + 1)] = out[0][0][:, k]
     got[("b", 2)] = out[1][0][:, 0]
