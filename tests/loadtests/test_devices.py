@@ -119,7 +119,8 @@ def test_two_client_processes_records_and_summary(endpoint, onnx_dir, tmp_path):
         assert len(charged) == st["cloud_requests"] == st["verifications"] + 1
         assert sum(e["up"] for e in charged) == st["bytes_up"] and sum(e["down"] for e in charged) == st["bytes_down"]
         assert sum(e["cloud_s"] for e in charged) == pytest.approx(st["cloud_s"])
-        assert all(e["batch_size"] == 1 for e in ex if e["kind"] == "VERIFY")  # one client at a time in-process
+        # the endpoint's engine batches whatever is waiting when it steps: the other client's span, or not
+        assert all(1 <= e["batch_size"] <= 2 for e in ex if e["kind"] == "VERIFY")
         assert sum(e["s"] for e in ex) + st["device_s"] <= r["latency_s"]
         assert st["total_tokens"] == 144
     s = devices.report(clients, network="5g")
