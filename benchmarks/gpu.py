@@ -173,6 +173,18 @@ class Suite:
             self._gpt = model.to(self.dtype).eval()
         return self._gpt
 
+    def capacity_gpt(self):
+        """The model `capacity_measured` serves: the XL GPT; tiny: the tiny one widened to the carried traces'
+        vocabulary (1,024 codes) and image length (144 tokens)."""
+        if not self.tiny:
+            return self.gpt()
+        from ciar.models.gpt import build_gpt
+
+        torch.manual_seed(0)
+        model = build_gpt("GPT-XL", **{**TINY, "vocab_size": 1024, "block_size": 160})
+        torch.nn.init.normal_(model.output.weight, std=0.05)
+        return model.to(self.dev, self.dtype).eval()
+
     def weight_bytes(self, model) -> int:
         """Bytes one forward reads of the weights (every parameter but the token embedding, which is gathered)."""
         return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "tok_embeddings" not in n)
@@ -883,6 +895,15 @@ class Suite:
             out[name]["replies"] = len(ref["replies"])
         return out
 
+    def capacity_measured(self) -> dict:
+        """Phones per accelerator, measured: the real engine on its own thread under trace-driven phones, CIAR and
+        cloud-only, with the capacity model's prediction beside every point (`benchmarks.engine_capacity`)."""
+        from benchmarks.engine_capacity import measure
+
+        if self.tiny:  # a count of images, not a window: the same check on any machine
+            return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none")
+        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0)
+
     def capacity(self) -> dict:
         """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
         from ciar.collab.gpu_model import GPU, ModelShapes, forward_s
@@ -979,6 +1000,11 @@ def markdown(result: dict) -> str:
         steps = s.get(key, {}).get("steps")
         if steps:
             lines += [f"## The verifier's forward at {title} (ms, median)", ""] + _steps_table(steps) + [""]
+    if "points" in s.get("capacity_measured", {}):
+        from benchmarks.engine_capacity import markdown as capacity_table
+
+        lines += ["## capacity_measured: phones per accelerator, the real engine (measured)", ""] + \
+            capacity_table(s["capacity_measured"]) + [""]
     for name in ("engine_graphs", "served_steps", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
                  "hf_llama"):
@@ -998,9 +1024,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,xl_steps,graphs,fp32,profile,"
-                                          "capacity,memory,oom,repeat,engine_repeat,engine_bisect,dense_copy,"
-                                          "anole_shape,engine,t5,hf_llama")
+    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,capacity_measured,xl_steps,"
+                                          "graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
+                                          "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "
                          "ciar.models.gpt.repeatable_attention switches it off, as the verifier does)")

@@ -202,3 +202,79 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
         if not is_lost(e):
             raise
     return ReplayResult(session_id, latency, 1 + len(trace.steps), passes, mismatches, cloud_s, resumes)
+
+
+class RecordedVerdicts:
+    """The recorded sessions' decisions, given by a verifier whose weights would decide otherwise (random weights at
+    a real model's shapes: `benchmarks.gpu`'s measured capacity), so that replayed phones keep their recorded course.
+
+        verdicts = RecordedVerdicts(traces).install(verifier)    # wraps verifier.judge.decide
+        ... replay_session(...) ...                              # replies equal the recording (mismatches == 0)
+        verdicts.replayed, verdicts.unrecorded, verdicts.changed
+
+    The judge's own batched pass still runs on every step (its arithmetic over the step's real logits, its copies,
+    its one host read: what a step costs); then each decision a recorded session made is replaced by the recorded
+    one, found by (seed, image position): a token the cloud drew itself (a prefix or burst token) by its position;
+    a span's verdict (drafts kept, next token) by its first draft's position; the draw after a burst's last
+    recorded token (its entropy stop fired) is a stop. `changed` counts the replacements that differed from what
+    the judge decided (0 with the weights the traces were recorded with: the replay is then exact on its own);
+    `unrecorded` the decisions no trace knew (left as decided: the session has left its recorded course)."""
+
+    def __init__(self, traces: list[SessionTrace]):
+        self.draws: dict[tuple[int, int], int] = {}
+        self.spans: dict[tuple[int, int], tuple[int, int]] = {}
+        self.burst_ends: set[tuple[int, int]] = set()
+        self.replayed = self.unrecorded = self.changed = 0
+        for t in traces:
+            seed = int(t.open.seed)
+            tokens = list(t.prefix_tokens)
+            for i, tok in enumerate(tokens):
+                self._put(self.draws, (seed, i), int(tok))
+            for st in t.steps:
+                r = st.request
+                tokens += [int(x) for x in r.new_tokens]
+                self._put(self.spans, (seed, len(tokens)), (int(st.num_accepted), int(st.next_token)))
+                tokens += [int(x) for x in r.draft_tokens[:st.num_accepted]] + [int(st.next_token)]
+                for b in st.burst_tokens:
+                    self._put(self.draws, (seed, len(tokens)), int(b))
+                    tokens.append(int(b))
+                if st.num_accepted < len(r.draft_tokens) and len(st.burst_tokens) < int(r.burst):
+                    self.burst_ends.add((seed, len(tokens)))  # the burst stopped early: its entropy stop fired
+        self._decide = None
+
+    @staticmethod
+    def _put(table: dict, key, value) -> None:
+        if table.setdefault(key, value) != value:
+            raise ValueError(f"two recorded sessions with seed {key[0]} decided differently at image position "
+                             f"{key[1]}: record traces with distinct seeds")
+
+    def install(self, verifier) -> "RecordedVerdicts":
+        self._decide = verifier.judge.decide
+        verifier.judge.decide = self.decide
+        return self
+
+    def decide(self, draws: list, spans: list, step_logits=None):
+        out = self._decide(draws, spans, step_logits)
+        for i, d in enumerate(draws):
+            key = (int(d.seed), int(d.position))
+            if key in self.draws:
+                token, stop = self.draws[key], False
+            elif d.stop_entropy > 0 and key in self.burst_ends:
+                token, stop = out.tokens[i], True
+            else:
+                self.unrecorded += 1
+                continue
+            self.replayed += 1
+            self.changed += int(stop != out.stops[i] or (not stop and token != out.tokens[i]))
+            out.tokens[i], out.stops[i] = token, stop
+        for i, s in enumerate(spans):
+            key = (int(s.seed), int(s.position))
+            if key not in self.spans or out.verdicts[i] is None:
+                self.unrecorded += int(out.verdicts[i] is not None)
+                continue
+            n, z = self.spans[key]
+            verdict = (n, z, n < s.k)  # a draft rejected: the next token was drawn from the residual
+            self.replayed += 1
+            self.changed += int(verdict != out.verdicts[i])
+            out.verdicts[i] = verdict
+        return out

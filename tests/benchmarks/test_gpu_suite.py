@@ -15,7 +15,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "xl_steps", "graphs", "fp32",
+    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "capacity_measured", "xl_steps", "graphs", "fp32",
                               "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
@@ -27,6 +27,18 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert {(x["kind"], x["rows"]) for x in served} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
     assert all(x["path"] == "static" and x["bucket"] and x["served_ms"] > 0 and x["bound_ms"] > 0 for x in served)
     assert sections["memory"]["plan"]["sessions"] >= 1
+    cm = sections["capacity_measured"]  # the real engine on its thread under trace-driven phones, CIAR and cloud-only
+    for method in ("ciar", "cloud"):
+        points = cm["points"][method]
+        assert [p["phones"] for p in points] == [1, 3]
+        # the window is a count of images (any machine); every reply equalled the recording
+        assert all(p["images"] >= 3 and p["mismatches"] == 0 and p["errors"] == 0 for p in points), points
+        assert cm["verdicts"][method]["unrecorded"] == 0 and cm["verdicts"][method]["replayed"] > 0
+        assert [p["phones"] for p in cm["model"]["points"]["refit_served_path"][method]] == [1, 3]
+    # what the replay is for: CIAR's images take fewer sequential cloud passes than cloud-only's 144 tokens
+    assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
+    assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
+    assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
     assert sections["fp32"]["skipped"] == "the suite already runs in float32 here"
     assert not [n for n, v in sections.items() if "broke" in v or ("skipped" in v and n != "fp32")], sections
     assert sections["oom"]["dynamic"]["replies_identical_to_undisturbed"]  # (no CUDA: no filler, the same replies)

@@ -81,3 +81,60 @@ def test_a_session_lost_mid_replay_is_resumed_with_identical_replies(tiny_cloud,
     verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     r = asyncio.run(replay_session(t, Forgetful(verifier), "x", device_scale=0.0))
     assert r.resumes == 1 and r.mismatches == 0
+
+
+def test_recorded_verdicts_change_nothing_with_the_recording_weights(tiny_cloud, tiny_device, stub_text, median_tau):
+    """With the weights the traces were recorded with, every replaced decision equals the judge's own (the keys by
+    seed and image position find the right decisions: nothing changed, nothing unknown)."""
+    from ciar.collab.trace import RecordedVerdicts
+
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=6)
+    verdicts = RecordedVerdicts(traces).install(verifier)
+    client = AsyncVerifierClient(verifier)
+
+    async def phones():
+        return await asyncio.gather(*[replay_session(t, client, f"p{j}", device_scale=0.0)
+                                      for j, t in enumerate(traces)])
+
+    assert [r.mismatches for r in asyncio.run(phones())] == [0, 0, 0]
+    decisions = sum(len(t.prefix_tokens) + len(t.steps) + sum(len(s.burst_tokens) for s in t.steps) for t in traces)
+    assert verdicts.replayed >= decisions and verdicts.changed == 0 and verdicts.unrecorded == 0
+
+
+def test_recorded_verdicts_keep_random_weights_on_the_recorded_course(tiny_cloud, tiny_device, stub_text, median_tau):
+    """A cloud of the same shapes with other (random) weights decides otherwise; with the recorded verdicts
+    installed its replies still equal the recording, and the replacements that differed are counted."""
+    from ciar.collab.trace import RecordedVerdicts
+    from ciar.models.gpt import build_gpt
+
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    torch.manual_seed(7)
+    other = build_gpt("scenes-cloud", **{k: getattr(tiny_cloud.config, k) for k in (
+        "n_layer", "dim", "n_head", "vocab_size", "cls_token_num", "caption_dim", "block_size")})
+    torch.nn.init.normal_(other.output.weight, std=0.3)
+    plain = CloudVerifier(other.eval(), stub_text, max_sessions=2)
+    assert asyncio.run(replay_session(traces[0], AsyncVerifierClient(plain), "plain", device_scale=0.0)).mismatches
+    verifier = CloudVerifier(other.eval(), stub_text, max_sessions=6)
+    verdicts = RecordedVerdicts(traces).install(verifier)
+    client = AsyncVerifierClient(verifier)
+
+    async def phones():
+        return await asyncio.gather(*[replay_session(t, client, f"p{j}", device_scale=0.0)
+                                      for j, t in enumerate(traces)])
+
+    assert [r.mismatches for r in asyncio.run(phones())] == [0, 0, 0]
+    assert verdicts.changed > 0 and verdicts.unrecorded == 0
+
+
+def test_recorded_verdicts_refuse_traces_that_share_a_seed(tiny_cloud, tiny_device, stub_text, median_tau):
+    from dataclasses import replace
+
+    import pytest
+
+    from ciar.collab.trace import RecordedVerdicts
+
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    clash = replace(traces[2], open=replace(traces[2].open, seed=traces[0].open.seed))  # cloud-only, other tokens
+    with pytest.raises(ValueError, match="distinct seeds"):
+        RecordedVerdicts([traces[0], clash])

@@ -1,0 +1,346 @@
+"""Capacity measured: phones per accelerator with the real verifier engine, and the capacity model beside it.
+
+    python -m benchmarks.gpu --sections env,roofline,served_steps,capacity_measured --out DIR   # on a GPU
+    python -m benchmarks.engine_capacity --record benchmarks/traces     # re-record the carried phones (CPU, ~30 s)
+
+The GPU suite's `capacity_measured` section (issue 48, item 5). What runs is what a Verifier replica runs: a
+`CloudVerifier` (the KV cache sized from the accelerator's memory, static buckets, every CUDA graph captured at
+start-up, serve_config.gpu.yaml's scheduler: 64 works, 16,384 positions, 120-position prefill chunks) stepped by its
+own `EngineThread` (3 ms batch wait), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint)
+and a random interval projector of the XL width. The phones are trace-driven (`ciar.collab.trace.replay_session`):
+sessions recorded on a CPU with the shipped scenes world (`benchmarks/traces/`, CIAR at its calibrated point and
+cloud-only, 12 images each, 144 image tokens), replayed back to back with their recorded device compute slept and
+every message over a seeded simulated link. Random weights would decide other tokens and end the recorded course,
+so the recorded decisions are given (`ciar.collab.trace.RecordedVerdicts`): the judge's own batched pass still runs
+on every step's real logits (what a step costs), then its outcome is replaced by the recorded one. The draft
+distributions are padded with zeros from the scenes world's 1,024 codes to the model's vocabulary (what an XL
+device would send: [k, 16384] float16 per span); the messages' simulated bytes are counted at that width.
+
+Not in the measured replica: the caption encoder (captions arrive as random embeddings: flan-t5-xl's encoder would
+add one forward per open), session resumes (one replica), the Ingress and the device endpoint.
+
+Per load point (phones at once, `warmup_s` then a window of `duration_s`; the images finishing inside it count):
+images/s, image latency p50 / p95 / p99, cloud passes and requests per image, engine steps and mean works per step,
+the share of the window the engine thread spent stepping, replay mismatches (0: every reply equalled the recording)
+and errors. A method's ramp stops once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
+measured) and phones at the p99 SLO, per method; beside each point the capacity model's prediction for the same
+phones, link and window (`ciar.collab.gpu_model.simulate`: the measured roofline, the same session slots and
+scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
+with host time: the median of the served step minus its modelled forward (`served_steps`) plus the judge's and the
+host's milliseconds per step (`engine_graphs`, graphs); measured / predicted per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACES = os.path.join(REPO, "benchmarks", "traces")
+METHODS = ("ciar", "cloud")
+SLO_P99_S = 5.0  # loadtests.capacity's default image-latency SLO
+NETWORK = "5g"
+
+
+def load_traces_dir(folder: str = TRACES) -> dict[str, list]:
+    from ciar.collab.trace import load_traces
+
+    return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in METHODS}
+
+
+def widened(trace, vocab_size: int):
+    """The trace as a device of a `vocab_size`-code model would send it: draft distributions padded with zeros
+    (the recorded codes keep their probabilities), bytes counted at that width."""
+    if vocab_size < trace.vocab_size:
+        raise ValueError(f"the model's vocabulary ({vocab_size}) is smaller than the traces' ({trace.vocab_size})")
+    pad = vocab_size - trace.vocab_size
+
+    def wide(r):
+        probs = np.asarray(r.draft_probs)
+        return dataclasses.replace(r, draft_probs=np.pad(probs, ((0, 0), (0, pad))) if pad else probs)
+
+    return dataclasses.replace(trace, vocab_size=vocab_size,
+                               steps=[dataclasses.replace(s, request=wide(s.request)) for s in trace.steps])
+
+
+class EngineClient:
+    """The replay interface (open / verify / close) over a `CloudVerifier` driven by its `EngineThread`, as the
+    Verifier deployment drives it; each open's caption is a seeded random embedding (no caption encoder)."""
+
+    def __init__(self, verifier, core):
+        self.verifier, self.core = verifier, core
+        c = verifier.config
+        self._caption = (c.cls_token_num, c.caption_dim)
+
+    def caption(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int(seed))
+        emb = torch.randn(*self._caption, generator=g)
+        return emb.to(self.verifier.device, self.verifier.cloud.tok_embeddings.weight.dtype)
+
+    async def open(self, request):
+        return await self.core.run(self.verifier.open_work(request, self.caption(request.seed)))
+
+    async def verify(self, request):
+        return await self.core.run(self.verifier.verify_work(request))
+
+    async def resume(self, request, history, injected=None):
+        raise RuntimeError("one replica: no session is ever moved, nothing to resume")
+
+    async def close(self, session_id: str) -> None:
+        self.core.call(self.verifier.close, session_id)
+
+
+class _Stepping:
+    """Seconds the engine thread spends inside `engine.step` (wrapped; no device sync is added)."""
+
+    def __init__(self, engine):
+        self.engine, self.real, self.seconds = engine, engine.step, 0.0
+        engine.step = self._step
+
+    def _step(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return self.real(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def remove(self) -> None:
+        self.engine.step = self.real
+
+
+async def point(client, traces: list, phones: int, warmup_s: float, duration_s: float, network: str = NETWORK,
+                images: int | None = None, tag: str = "p") -> dict:
+    """One load: `phones` phones replaying `traces` back to back (phone k starts at trace k), for `warmup_s` and a
+    window that ends after `duration_s` or, with `images`, as soon as that many images finished inside it (a
+    count: what a test asks for on any machine; `duration_s` is then a hang guard). Phones still working at its
+    end are cancelled (their works withdrawn) and every session left open is closed."""
+    from ciar.collab.network import NetworkModel
+    from ciar.collab.trace import replay_session
+
+    v, core = client.verifier, client.core
+    state = {"measuring": False}
+    done, errors = [], []
+    enough = asyncio.Event()
+
+    async def phone(k: int) -> None:
+        net = NetworkModel(network, seed=1000 * phones + k) if network != "none" else None
+        n = 0
+        while True:
+            trace = traces[(k + n * phones) % len(traces)]
+            try:
+                r = await replay_session(trace, client, f"{tag}-{phones}-{k}-{n}", net)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - counted, the phone goes on
+                errors.append(f"{type(e).__name__}: {e}"[:200])
+                r = None
+            n += 1
+            if r is not None and state["measuring"]:
+                done.append(r)
+                if images is not None and len(done) >= images:
+                    enough.set()
+
+    tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
+    await asyncio.sleep(warmup_s)
+    sched = v.engine.scheduler
+    base = (sched.steps, sched.real_positions, sched.padded_positions, len(sched.step_log))
+    stepping = _Stepping(v.engine)
+    state["measuring"] = True
+    t0 = time.perf_counter()
+    try:
+        await asyncio.wait_for(enough.wait(), duration_s)
+    except asyncio.TimeoutError:
+        pass
+    seconds = time.perf_counter() - t0
+    state["measuring"] = False
+    stepping.remove()
+    steps = sched.steps - base[0]
+    real, padded = sched.real_positions - base[1], sched.padded_positions - base[2]
+    log = sched.step_log[-min(steps, len(sched.step_log)):] if steps else []
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    core.call(lambda: [v.close(sid) for sid in list(v.sessions)])  # the cancelled phones' sessions, on its thread
+    await core.settled()
+    lat = [r.latency_s for r in done]
+    n_img = len(done)
+    return {
+        "phones": phones, "images": n_img, "seconds": round(seconds, 2),
+        "images_per_s": n_img / seconds if seconds else None,
+        "latency_s": {q: float(np.percentile(lat, int(q[1:]))) if lat else None for q in ("p50", "p95", "p99")},
+        "cloud_passes_per_image": float(np.mean([r.forward_passes for r in done])) if done else None,
+        "cloud_requests_per_image": float(np.mean([r.exchanges for r in done])) if done else None,
+        "steps": steps, "steps_per_s": steps / seconds if seconds else None,
+        "mean_works_per_step": float(np.mean([s["works"] for s in log])) if log else None,
+        "mean_rows_per_step": float(np.mean([s["rows"] for s in log])) if log else None,
+        "padding": 1.0 - real / padded if padded else None,
+        "engine_stepping": stepping.seconds / seconds if seconds else None,
+        "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
+    }
+
+
+def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
+    """The per-forward overhead refit on the served path with host time: median(served step - modelled forward)
+    over `served_steps`, plus the judge's and the host's ms per step of `engine_graphs` (graphs, else static)."""
+    from ciar.collab.gpu_model import forward_s
+
+    steps = (sections.get("served_steps") or {}).get("steps") or []
+    eg = sections.get("engine_graphs") or {}
+    split = (eg.get("graphs") or eg.get("static") or {}).get("ms_per_step_after_warmup") or {}
+    if not steps or not split:
+        return None
+    gaps = sorted(s["served_ms"] / 1000 - forward_s(gpu, shapes, [(s["rows"], s["width"], s["keys"])], 0.0)
+                  for s in steps)
+    forward_gap = gaps[len(gaps) // 2]
+    host = (split["judge"] + split["host"]) / 1000
+    return {"overhead_s": max(0.0, forward_gap) + host, "forward_gap_s": forward_gap, "judge_and_host_s": host}
+
+
+def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
+            slo_s: float = SLO_P99_S, network: str = NETWORK) -> dict:
+    """The section: build the replica, ramp each method, then the model's prediction beside every point."""
+    from ciar.collab.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
+    from ciar.collab.projector import IntervalProjector, ProjectorConfig
+    from ciar.collab.trace import RecordedVerdicts
+    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.core import EngineThread
+    from ciar.engine.scheduler import SchedulerConfig
+
+    model = suite.capacity_gpt()
+    cfg = model.config
+    traces = {m: [widened(t, cfg.vocab_size) for t in tr] for m, tr in load_traces_dir().items()}
+    image_tokens = max(t.open.prefix_len for t in traces["cloud"])
+    if cfg.block_size < image_tokens + 8:
+        raise ValueError(f"the model's {cfg.block_size} image positions do not hold the traces' {image_tokens}")
+    step0 = next(s for t in traces["ciar"] for s in t.steps if s.request.device_hidden is not None)
+    torch.manual_seed(0)
+    projector = IntervalProjector(ProjectorConfig(
+        device_dim=step0.request.device_hidden.shape[1], cloud_dim=cfg.dim,
+        feature_dim=step0.request.features.shape[1])).to(suite.dev, suite.dtype)
+    sched = SchedulerConfig(token_budget=16384, max_works=64, prefill_chunk=120) if not suite.tiny else \
+        SchedulerConfig(token_budget=256, max_works=8, prefill_chunk=16)
+    suite.release()
+    t = time.perf_counter()
+    v = CloudVerifier(model, None, max_sessions="auto" if suite.dev.type == "cuda" else 4 * max(loads),
+                      projector=projector, scheduler=sched, slot_wait_s=600.0)
+    out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions,
+                 "image_tokens": image_tokens, "traces": {m: len(t) for m, t in traces.items()},
+                 "network": network, "slo_p99_s": slo_s, "warmup_s": warmup_s, "duration_s": duration_s,
+                 "images_per_point": images}
+    if suite.dev.type == "cuda":
+        out["graphs_captured"] = v.runner.capture(2 * sched.max_works)
+        suite.sync()
+    out["start_up_s"] = round(time.perf_counter() - t, 1)
+    core = EngineThread(v.engine, wait_s=0.003)
+    client = EngineClient(v, core)
+    points: dict[str, list] = {}
+    try:
+        for method in METHODS:
+            verdicts = RecordedVerdicts(traces[method]).install(v)
+            points[method] = []
+            for phones in loads:
+                p = asyncio.run(point(client, traces[method], phones, warmup_s, duration_s, network, images,
+                                      tag=method))
+                points[method].append(p)
+                print(f"  capacity_measured {method} {phones} phones: {p['images']} images, "
+                      f"{p['images_per_s'] or 0:.2f} images/s, p99 {p['latency_s']['p99']}, "
+                      f"{p['mean_works_per_step']} works/step, mismatches {p['mismatches']}", flush=True)
+                if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * slo_s:
+                    break
+            v.judge.decide = verdicts._decide
+            out.setdefault("verdicts", {})[method] = {"replayed": verdicts.replayed, "changed": verdicts.changed,
+                                                      "unrecorded": verdicts.unrecorded}
+    finally:
+        core.stop()
+    out["points"] = points
+    out["measured"] = {m: {"phones_at_slo": phones_at_slo(ps, slo_s),
+                           "images_per_s_at_saturation": max((p["images_per_s"] or 0 for p in ps), default=0)}
+                       for m, ps in points.items()}
+    sat = out["measured"]
+    out["measured"]["ratio_ciar_over_cloud"] = {
+        k: (sat["ciar"][k] / sat["cloud"][k] if sat["cloud"][k] else None)
+        for k in ("phones_at_slo", "images_per_s_at_saturation")}
+
+    # --- the model's prediction beside every point
+    if suite.bandwidth is None:
+        suite.roofline()
+    # the model's slots are the replica's (below); the memory figure only must not cap them first
+    memory = torch.cuda.mem_get_info()[1] if suite.dev.type == "cuda" else 1e15
+    gpu = GPU("measured roofline", suite.bandwidth, suite.flops, memory, "benchmarks.gpu roofline")
+    shapes = ModelShapes.from_config(cfg)  # no caption encoder: the measured replica runs none either
+    refit = refit_overhead_s(suite.result["sections"], shapes, gpu)
+    overheads = {"default_3ms": 3e-3, **({"refit_served_path": refit["overhead_s"]} if refit else {})}
+    out["model"] = {"refit": refit, "overheads_s": overheads, "points": {}}
+    for name, over in overheads.items():
+        eng = Engine(sched.token_budget, sched.max_works, sched.prefill_chunk, over)
+        per = out["model"]["points"][name] = {}
+        for method, ps in points.items():
+            per[method] = []
+            for p in ps:
+                m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], network, p["seconds"],
+                             warmup_s, eng, max_sessions=v.table.max_sessions)  # the measured window's length
+                per[method].append({
+                    "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
+                    "measured_over_predicted_images_per_s":
+                        p["images_per_s"] / m["images_per_s"] if m["images_per_s"] and p["images_per_s"] else None})
+    return out
+
+
+def markdown(sec: dict) -> list[str]:
+    """The section's table for gpu.md."""
+    if "points" not in sec:
+        return []
+    window = (f"until {sec['images_per_point']} images" if sec.get("images_per_point") else
+              f"{sec['duration_s']} s") + f" after {sec['warmup_s']} s"
+    lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, link {sec['network']}, "
+             f"window {window}; replayed decisions: {sec.get('verdicts')}.",
+             "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | engine stepping | "
+             "mismatches | model 3 ms images/s | model refit images/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    model = sec.get("model", {}).get("points", {})
+    for method, ps in sec["points"].items():
+        for i, p in enumerate(ps):
+            pred = [model.get(k, {}).get(method, [{}] * (i + 1))[i].get("images_per_s")
+                    for k in ("default_3ms", "refit_served_path")]
+            lat = p["latency_s"]
+            lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | {_f(lat['p50'])} | "
+                         f"{_f(lat['p99'])} | {_f(p['cloud_passes_per_image'])} | {_f(p['mean_works_per_step'])} | "
+                         f"{_f(p['engine_stepping'])} | {p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
+    m = sec.get("measured", {})
+    lines += ["", f"Measured: {m}"]
+    return lines
+
+
+def _f(x) -> str:
+    return "–" if x is None else f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def record(folder: str, images: int = 12, seed: int = 0) -> None:
+    """Record the carried phones with the shipped world (CPU; needs the project installed)."""
+    from loadtests.capacity import record as record_traces
+
+    args = argparse.Namespace(traces=images, seed=seed, threads=1, traces_dir=folder, overload=None, world=None,
+                              weights=None)
+    for m in METHODS:  # record afresh (record() reads a folder that already holds them)
+        path = os.path.join(folder, f"{m}.pt")
+        if os.path.exists(path):
+            os.remove(path)
+    record_traces(args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", metavar="DIR", required=True, help="record the carried phones into DIR")
+    ap.add_argument("--images", type=int, default=12)
+    args = ap.parse_args(argv)
+    record(args.record, args.images)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
