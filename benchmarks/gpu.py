@@ -25,6 +25,12 @@ then `gpu.md` summarises:
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
   engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
+  capacity_measured  phones per accelerator with the real engine (`benchmarks.engine_capacity`): a Verifier's
+             engine on its own thread at XL shapes under trace-driven phones (benchmarks/traces), CIAR and
+             cloud-only, images/s and latency per load, phones at the p99 SLO, the capacity model's prediction beside
+             every point (its default overhead, and refit on the served path with host time)
+  fused_step the fused static step (w1/w3 as one GEMM, each block compiled inside the graphs) vs the plain one:
+             ms at 2-128 CFG rows, start-up (captures, compilations), kernels per eager step, float32 tokens
   served_steps  the step the Verifier serves (the runner's static buckets, CUDA graphs on CUDA, inputs and logits
              included) at 2-128 CFG rows, a one-token decode and a span, against its bandwidth bound
   engine_graphs  the engine's model runner (`ciar.engine.runner`) on the XL model: dynamic eager steps, static
@@ -37,8 +43,8 @@ then `gpu.md` summarises:
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
-They run in the order of `--sections` (env, engine_graphs, roofline, xl_steps, graphs, ... : the most needed first;
-sections not started within `--budget-s` are skipped).
+They run in the order of `--sections` (env, engine_graphs, served_steps, roofline, capacity_measured, fused_step,
+xl_steps, ...: the most needed first; sections not started within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -326,6 +332,114 @@ class Suite:
             del runner
             self.release()
         return out
+
+    @torch.inference_mode()
+    def fused_step(self) -> dict:
+        """The fused step (`ModelRunner(fused=True)`: the feed-forward's input projections as one GEMM, each block
+        compiled by torch.compile inside the CUDA graphs) against the plain static step, both as served (buckets,
+        graphs on CUDA): milliseconds at 2-128 CFG rows for a one-token decode and a span, the start-up (captures,
+        and the compilations), kernels per eager step (torch.profiler), and in float32 the greedy tokens of both
+        over `steps` decode steps and their largest logit difference."""
+        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.models.gpt import fuse_feed_forward
+
+        model = self.gpt()
+        c = model.config
+        cuda = self.dev.type == "cuda"
+        image_pos = TINY_POS if self.tiny else IMAGE_POS
+        rows_list = (2, 4) if self.tiny else (2, 8, 32, 128)
+        pos0 = c.cls_token_num + image_pos
+        out: dict = {"image_position": image_pos, "steps": [], "start_up_s": {}, "kernels_per_eager_step": {}}
+
+        def pieces(rows: int, width: int, start: int = pos0, tokens=None):
+            return [Piece([2 * i, 2 * i + 1], start, width, tokens=tokens[i] if tokens else [0] * width,
+                          want=list(range(width))) for i in range(rows // 2)]
+
+        times: dict = {}
+        for way in ("static", "fused"):
+            t = time.perf_counter()
+            runner = ModelRunner(model, max(rows_list), static=True, fused=way == "fused")
+            try:
+                if cuda:
+                    runner.capture(max(rows_list), widths=(1, 8))
+                    self.sync()
+                out["start_up_s"][way] = round(time.perf_counter() - t, 1)
+                for rows in rows_list:
+                    for kind, width in (("decode", 1), ("span", SPAN)):
+                        times[way, rows, kind] = self.time_ms(lambda: runner.execute_step(pieces(rows, width)))
+                out["kernels_per_eager_step"][way] = self._kernels(runner, pieces(rows_list[0], 1))
+            finally:
+                fuse_feed_forward(model, False)
+                del runner
+                self.release()
+        for rows in rows_list:
+            for kind in ("decode", "span"):
+                a, b = times["static", rows, kind], times["fused", rows, kind]
+                out["steps"].append({"kind": kind, "rows": rows, "static_ms": round(a, 3), "fused_ms": round(b, 3),
+                                     "fused_over_static": round(b / a, 3)})
+        out["tokens_float32"] = self._fused_tokens(rows_list[0] if self.tiny else 8, 6 if self.tiny else 24)
+        return out
+
+    def _kernels(self, runner, pieces) -> int:
+        """Kernels (CUDA) or top-level operators (CPU) of one eager static step of `runner`."""
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.dev.type == "cuda"
+        graphs, runner.graphs = runner.graphs, False
+        try:
+            runner.execute_step(pieces)
+            self.sync()
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                runner.execute_step(pieces)
+                self.sync()
+        finally:
+            runner.graphs = graphs
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        return sum(1 for e in prof.events() if e.device_type == kind and (cuda or e.cpu_parent is None))
+
+    def _fused_tokens(self, rows: int, steps: int) -> dict:
+        """Greedy decoding in float32 through a plain static runner and a fused one from the same random cache:
+        the tokens of both, and the largest logit difference at equal inputs."""
+        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.models.gpt import fuse_feed_forward
+
+        saved = self.dtype, self._gpt
+        self.dtype, self._gpt = torch.float32, None
+        try:
+            model = self.gpt()
+            c = model.config
+            start = c.cls_token_num + (TINY_POS if self.tiny else 200)
+            first = torch.randint(0, c.vocab_size, (rows // 2,), generator=torch.Generator().manual_seed(1)).tolist()
+            runs, logits = {}, {}
+            for way in ("static", "fused"):
+                runner = ModelRunner(model, rows, static=True, fused=way == "fused")
+                g = torch.Generator(device=self.dev).manual_seed(2)  # the same earlier keys for both
+                for k, v in zip(runner.cache.k, runner.cache.v):
+                    k.copy_(torch.randn(k.shape, generator=g, device=self.dev))
+                    v.copy_(torch.randn(v.shape, generator=g, device=self.dev))
+                runner.cache.key_valid.fill_(True)
+                tok, seqs, lg = list(first), [], []
+                try:
+                    for i in range(steps):
+                        o = runner.execute_step([Piece([2 * j, 2 * j + 1], start + i, 1, tokens=[tok[j]], want=[0])
+                                                 for j in range(rows // 2)])
+                        cond = o.logits.view(rows // 2, 2, -1)[:, 0]
+                        lg.append(cond.float())
+                        tok = cond.argmax(-1).tolist()
+                        seqs.append(tok)
+                finally:
+                    fuse_feed_forward(model, False)
+                runs[way], logits[way] = seqs, lg
+                del runner
+            same = sum(a == b for ra, rb in zip(runs["static"], runs["fused"]) for a, b in zip(ra, rb))
+            first_diff = next((i for i, (ra, rb) in enumerate(zip(runs["static"], runs["fused"])) if ra != rb), None)
+            gap = max(float((a - b).abs().max()) for a, b in zip(logits["static"][:first_diff or steps],
+                                                                 logits["fused"][:first_diff or steps]))
+            return {"rows": rows, "steps": steps, "tokens_equal": same, "tokens": steps * (rows // 2),
+                    "identical": runs["static"] == runs["fused"], "max_logit_diff_before_any_token_differs": gap}
+        finally:
+            self.dtype, self._gpt = saved
+            self.release()
 
     @torch.inference_mode()
     def graphs(self) -> dict:
@@ -1005,7 +1119,7 @@ def markdown(result: dict) -> str:
 
         lines += ["## capacity_measured: phones per accelerator, the real engine (measured)", ""] + \
             capacity_table(s["capacity_measured"]) + [""]
-    for name in ("engine_graphs", "served_steps", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
+    for name in ("engine_graphs", "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
                  "hf_llama"):
         if name in s:
@@ -1024,8 +1138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,capacity_measured,xl_steps,"
-                                          "graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
+    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,capacity_measured,fused_step,"
+                                          "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "

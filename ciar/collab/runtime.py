@@ -23,9 +23,11 @@ from ciar.decoding.sampling import SamplingParams
 from ciar_device.fetch import sha256_file
 
 
-def make_verifier(world, max_sessions: int = 8, projector: bool = True, static: bool | None = None) -> CloudVerifier:
+def make_verifier(world, max_sessions: int = 8, projector: bool = True, static: bool | None = None,
+                  fused: bool = False) -> CloudVerifier:
     return CloudVerifier(world.cloud, world.text, max_sessions=max_sessions,
-                         projector=world.projector if projector else None, codebook=world.codebook, static=static)
+                         projector=world.projector if projector else None, codebook=world.codebook, static=static,
+                         fused=fused)
 
 
 RUNTIMES = ("torch", "onnx")

@@ -24,6 +24,9 @@ Two ways to run a step:
            runs eagerly (`static=True`), and gives the recorded tokens of every method
            (tests/collab/test_decoder.py), which is what makes its GPU replays trustworthy; the replays themselves
            are checked against eager static steps by `benchmarks.gpu` (section `engine_graphs`).
+  fused    (an option of static steps, `fused=True`) the feed-forward's input projections as one GEMM and, on CUDA,
+           each block compiled inside the graphs (its elementwise chains fused); timed against the plain static
+           step by `benchmarks.gpu` (section `fused_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ciar.models.gpt import GPT
+from ciar.models.gpt import GPT, compiled_block, fuse_feed_forward
 
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (padded up to the next)
@@ -79,9 +82,13 @@ class _Graph:
 class ModelRunner:
     """The cloud GPT and its KV cache, driven one batch of pieces at a time."""
 
-    def __init__(self, cloud: GPT, slots: int, static: bool | None = None, graphs: bool | None = None):
+    def __init__(self, cloud: GPT, slots: int, static: bool | None = None, graphs: bool | None = None,
+                 fused: bool = False):
         """`slots`: KV-cache rows (2 per session with CFG). `static`: pad steps to buckets (default: on CUDA);
-        `graphs`: replay static steps from CUDA graphs (default: static on CUDA)."""
+        `graphs`: replay static steps from CUDA graphs (default: static on CUDA). `fused` (static steps): the
+        feed-forward's two input projections as one GEMM (`FeedForward.fuse`, done to `cloud`) and, on CUDA, every
+        block compiled (`ciar.models.gpt.compiled_block`: its elementwise chains fused) inside the graphs; on a CPU
+        the same code runs eagerly. Off by default until the GPU suite's `fused_step` has measured it."""
         self.cloud = cloud.eval()
         cuda = self.device.type == "cuda"
         self.static = cuda if static is None else bool(static)
@@ -97,6 +104,16 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
         self.steps = {"dynamic": 0, "static": 0, "graph": 0}  # forwards by path
+        self.fused = bool(fused)
+        self._block = None
+        if self.fused:
+            if not self.static:
+                raise ValueError("the fused step is a static step")
+            fuse_feed_forward(cloud)
+            self._block = compiled_block() if cuda else None
+
+    def _static_forward(self, h, pos, slots, kv_len):
+        return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True, block=self._block)
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +164,7 @@ class ModelRunner:
                 hid = g.out
             else:
                 self.steps["static"] += 1
-                hid = self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True)
+                hid = self._static_forward(h, pos, slots, kv_len)
             return self._outputs(pieces, row0, hid)
         self.steps["dynamic"] += 1
         width = max(p.n for p in pieces)
@@ -229,7 +246,7 @@ class ModelRunner:
         slots = torch.full((rows,), self.pad_slot, dtype=torch.long, device=dev)
 
         def run():
-            return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True)
+            return self._static_forward(h, pos, slots, kv_len)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

@@ -131,15 +131,29 @@ def precompute_freqs_cis_2d(grid_size: int, head_dim: int, base: float, cls_toke
     return torch.cat([cls, cache])
 
 
+def rotary_factors(freqs: torch.Tensor) -> torch.Tensor:
+    """freqs [B or 1, T, D // 2, 2] (cos, sin) -> the complex factors [B or 1, T, 1, D // 2] that
+    `apply_rotary_emb` multiplies by: computed once per forward and shared by every layer (each layer casting and
+    viewing the table again cost a kernel a layer)."""
+    return torch.view_as_complex(freqs.float().contiguous()).unsqueeze(-2)
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; freqs: [B or 1, T, D // 2, 2] -> rotated x (interleaved pairs), same dtype.
+    """x: [B, T, H, D]; freqs: [B or 1, T, D // 2, 2], or its `rotary_factors` -> rotated x (interleaved pairs),
+    same dtype.
 
     Each pair (a, b) becomes (a cos - b sin, b cos + a sin): one complex product per pair in float32 (the same
     bits as the four real products, in a fifth of the kernel launches)."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, D/2, 2]
     if xs.stride(-1) != 1 or xs.storage_offset() % 2 or any(st % 2 for st in xs.stride()[:-1]):
         xs = xs.contiguous()  # view_as_complex needs (re, im) pairs adjacent and pair-aligned
-    f = torch.view_as_complex(freqs.float().contiguous()).unsqueeze(2)  # [B, T, 1, D/2] complex
+    if not freqs.is_complex() and torch.compiler.is_compiling():
+        # a compiled block (`compiled_block`): the same product in real arithmetic, which the compiler fuses
+        # (it generates no code for complex operators)
+        f = freqs.float().unsqueeze(2)  # [B, T, 1, D/2, 2]
+        a, b, c, s = xs[..., 0], xs[..., 1], f[..., 0], f[..., 1]
+        return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(3).type_as(x)
+    f = freqs if freqs.is_complex() else rotary_factors(freqs)  # [B, T, 1, D/2] complex
     return torch.view_as_real(torch.view_as_complex(xs) * f).flatten(3).type_as(x)
 
 
@@ -152,8 +166,10 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if x.dtype == torch.float32:  # the fused kernel gives the same bits as the three steps below in float32
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()  # low precision: normalise in float32, round, then scale (LlamaGen's order)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        # low precision: normalise in float32, round, then scale (LlamaGen's order), the normalisation by the fused
+        # kernel (on a CPU the same bits as xf * rsqrt(mean(xf^2) + eps), tests/models/test_gpt.py; four kernels
+        # where the three steps took eight)
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x) * self.weight
 
 
 def _dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +178,8 @@ def _dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
+    w13: torch.Tensor | None = None  # `fuse`: w1 and w3 stacked, [2 ffn_hidden, dim] (their weights are views of it)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
@@ -170,7 +188,27 @@ class FeedForward(nn.Module):
         self.ffn_dropout = nn.Dropout(cfg.ffn_dropout_p)
 
     def forward(self, x):
+        if self.w13 is not None:  # one GEMM for both input projections
+            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+            return _dropout(self.ffn_dropout, self.w2(F.silu(gate) * up))
         return _dropout(self.ffn_dropout, self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+    def fuse(self, on: bool = True) -> None:
+        """For inference: w1 and w3 as one [2 ffn_hidden, dim] matrix, one GEMM where there were two; the two
+        weights become views of it (no memory added). `on=False` gives them storages of their own again. A fused
+        module is not for training or saving (its two weights share one storage)."""
+        if on == (self.w13 is not None):
+            return
+        w1, w3 = self.w1.weight, self.w3.weight
+        if on:
+            self.w13 = torch.cat([w1.detach(), w3.detach()])
+            h = w1.shape[0]
+            self.w1.weight = nn.Parameter(self.w13[:h], requires_grad=w1.requires_grad)
+            self.w3.weight = nn.Parameter(self.w13[h:], requires_grad=w3.requires_grad)
+        else:
+            self.w1.weight = nn.Parameter(w1.detach().clone(), requires_grad=w1.requires_grad)
+            self.w3.weight = nn.Parameter(w3.detach().clone(), requires_grad=w3.requires_grad)
+            self.w13 = None
 
 
 def kv_runs(slots: torch.Tensor | None, batch: int) -> list[tuple[int, int, int]] | None:
@@ -303,13 +341,13 @@ class Attention(nn.Module):
 
     def forward_packed(self, x, freqs, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len, packed, shape):
         """`forward_cached` for the real tokens of a padded batch only: x [N, dim] holds the tokens at flat indices
-        `packed` of the [B, T] batch (`shape`). Projections run on the N tokens; q, k and v are scattered into the
-        padded layout for the cache write and the attention, and the attention output is gathered back. -> [N, dim]."""
+        `packed` of the [B, T] batch (`shape`), `freqs` their rotary factors [1, N, 1, D/2]. Projections run on the
+        N tokens; q, k and v are scattered into the padded layout for the cache write and the attention, and the
+        attention output is gathered back. -> [N, dim]."""
         b, t = shape
         h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.wqkv(x)  # [N, (H + 2 Hkv) D]
-        qk = apply_rotary_emb(qkv[None, :, : (h + hkv) * d].view(1, -1, h + hkv, d),
-                              freqs.reshape(b * t, *freqs.shape[2:])[packed][None])[0]  # [N, H + Hkv, D]
+        qk = apply_rotary_emb(qkv[None, :, : (h + hkv) * d].view(1, -1, h + hkv, d), freqs)[0]  # [N, H + Hkv, D]
         dense = qkv.new_zeros(b * t, h + 2 * hkv, d)
         dense[packed, : h + hkv] = qk
         dense[packed, h + hkv:] = qkv[:, (h + hkv) * d:].view(-1, hkv, d)
@@ -317,6 +355,25 @@ class Attention(nn.Module):
         q, k, v = dense.split([h, hkv, hkv], dim=2)
         o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
         return _dropout(self.resid_dropout, self.wo(o.reshape(b * t, h * d)[packed]))
+
+
+def _static_block(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, kv_len):
+    return TransformerBlock.forward_cached(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, None, kv_len)
+
+
+_COMPILED_BLOCK = None
+
+
+def compiled_block():
+    """One transformer block of a static forward (`GPT.forward_cached(..., static=True, block=...)`) compiled by
+    `torch.compile` (dynamic shapes: one compilation serves every layer and every bucket but for a few
+    specialisations, where a compiled forward would unroll every layer per shape). The compiler fuses each block's
+    elementwise chains (RMSNorm with the residual add, RoPE in real arithmetic with its cast, SiLU with its product)
+    into a few kernels; the GEMMs, the cache writes and the attention stay library calls. Made once per process."""
+    global _COMPILED_BLOCK
+    if _COMPILED_BLOCK is None:
+        _COMPILED_BLOCK = torch.compile(_static_block, dynamic=True)
+    return _COMPILED_BLOCK
 
 
 def repeatable_attention(device) -> None:
@@ -458,7 +515,7 @@ class GPT(nn.Module):
         h = torch.cat([self.embed_condition(cond, drop), e], dim=1)
         h = _dropout(self.tok_dropout, h)
         s = h.shape[1]
-        freqs = self.freqs_cis[:s].unsqueeze(0)
+        freqs = rotary_factors(self.freqs_cis[:s].unsqueeze(0))
         mask = None
         if cond_mask is not None and c.model_type == "t2i":
             valid = torch.cat([cond_mask, torch.ones(h.shape[0], s - c.cls_token_num, dtype=torch.bool,
@@ -489,7 +546,7 @@ class GPT(nn.Module):
 
     def forward_cached(self, cache: KVCache, h: torch.Tensor, input_pos: torch.Tensor,
                        slots: torch.Tensor | None = None, kv_len: int | None = None,
-                       packed: torch.Tensor | None = None, static: bool = False) -> torch.Tensor:
+                       packed: torch.Tensor | None = None, static: bool = False, block=None) -> torch.Tensor:
         """Run embeddings h [B, T, dim] at positions input_pos ([T] shared or [B, T] per row) through the layers,
         writing k/v into cache slots `slots` [B] (default rows 0..B-1). -> normed hidden states [B, T, dim].
 
@@ -502,7 +559,9 @@ class GPT(nn.Module):
 
         `static`: the same computation with no decision taken on the inputs' values (no host read of positions or
         slots, every row's keys gathered, `kv_len` given, positions [B, T], not packed): one sequence of kernels per
-        shape, which a CUDA graph can capture (`ciar.engine.runner.ModelRunner`).
+        shape, which a CUDA graph can capture (`ciar.engine.runner.ModelRunner`). `block` (static only): each layer
+        runs as block(layer, h, freqs [B, T, D/2, 2], mask, k_cache, v_cache, slots [B, T], positions, kv_len),
+        e.g. `compiled_block`.
         """
         b, t, _ = h.shape
         rows = torch.arange(b, device=h.device) if slots is None else slots
@@ -539,7 +598,15 @@ class GPT(nn.Module):
         # the diagonal is always kept, so no row is fully masked
         mask = torch.where(allowed, 0.0, float("-inf")).to(h.dtype).unsqueeze(1)  # [B, 1, T, S]
         h = _dropout(self.tok_dropout, h)
+        if block is not None:
+            if not static:
+                raise ValueError("a block function runs static forwards only")
+            for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+                h = block(layer, h, freqs, mask, k_cache, v_cache, slot_idx, write_pos, kv_len)
+            return self.norm(h)
+        freqs = rotary_factors(freqs)  # [B or 1, T, 1, D/2] complex, once for every layer
         if packed is not None:
+            freqs = freqs.reshape(b * t, *freqs.shape[2:])[packed][None]  # the real tokens' factors [1, N, 1, D/2]
             dim = h.shape[-1]
             hp = h.reshape(b * t, dim)[packed]
             for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
@@ -584,6 +651,13 @@ class GPT(nn.Module):
         h = self.forward_cached(cache, e, input_pos, slots, kv_len)
         logits = self.logits(h)
         return (logits, h) if return_hidden else logits
+
+
+def fuse_feed_forward(model: nn.Module, on: bool = True) -> None:
+    """`FeedForward.fuse` on every block of `model` (inference only)."""
+    for m in model.modules():
+        if isinstance(m, FeedForward):
+            m.fuse(on)
 
 
 def build_gpt(name_or_cfg: str | GPTConfig = "scenes-cloud", **overrides) -> GPT:

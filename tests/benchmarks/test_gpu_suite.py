@@ -15,7 +15,8 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "capacity_measured", "xl_steps", "graphs", "fp32",
+    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "capacity_measured", "fused_step",
+                              "xl_steps", "graphs", "fp32",
                               "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
@@ -27,6 +28,11 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert {(x["kind"], x["rows"]) for x in served} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
     assert all(x["path"] == "static" and x["bucket"] and x["served_ms"] > 0 and x["bound_ms"] > 0 for x in served)
     assert sections["memory"]["plan"]["sessions"] >= 1
+    fused = sections["fused_step"]  # the fused step against the plain static one, as served
+    assert {(x["kind"], x["rows"]) for x in fused["steps"]} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
+    assert all(x["static_ms"] > 0 and x["fused_ms"] > 0 for x in fused["steps"])
+    tok = fused["tokens_float32"]  # in float32 both decode the same greedy tokens (the same bits on this CPU)
+    assert tok["tokens"] == 6 and tok["max_logit_diff_before_any_token_differs"] < 1e-4, tok
     cm = sections["capacity_measured"]  # the real engine on its thread under trace-driven phones, CIAR and cloud-only
     for method in ("ciar", "cloud"):
         points = cm["points"][method]

@@ -250,17 +250,17 @@ RECORDED_CASES = {**{m: {} for m in METHODS},
 
 
 def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool | None = None,
-                  paths: dict | None = None) -> dict:
+                  paths: dict | None = None, fused: bool = False) -> dict:
     """{"case|prompt|seed": {"tokens": sha256 of the token ids (16 hex digits), counter: value}} on the shipped world,
     one torch thread. The voting case runs the shipped two-head ensemble device with its heads voting (no shipped
     device votes). `static`: the verifier's runner pads every step to a bucket (`ciar.engine.runner`); `paths` gets
-    its forwards by path."""
+    its forwards by path; `fused`: its static steps fused (the world's cloud is unfused again after)."""
     from ciar.collab.device import DeviceModel
     from ciar.collab.runtime import make_decoder, make_verifier
     from ciar.world import load_world
 
     world = load_world(None)
-    verifier = make_verifier(world, max_sessions=2, static=static)
+    verifier = make_verifier(world, max_sessions=2, static=static, fused=fused)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -284,16 +284,20 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool |
                                                       **{k: counts[k] for k in RECORDED_COUNTS}}
     finally:
         torch.set_num_threads(threads)
+        if fused:
+            from ciar.models.gpt import fuse_feed_forward
+
+            fuse_feed_forward(world.cloud, False)
     if paths is not None:
         paths.update(verifier.runner.steps)
     return out
 
 
-def check_recorded(prompts, seeds, static: bool | None = None) -> dict:
+def check_recorded(prompts, seeds, static: bool | None = None, fused: bool = False) -> dict:
     with open(RECORDED) as f:
         recorded = json.load(f)
     paths = {}
-    runs = recorded_runs(prompts, seeds, static, paths)
+    runs = recorded_runs(prompts, seeds, static, paths, fused)
     differ = [key for key, run in runs.items() if run != recorded[key]]
     assert not differ, (f"{len(differ)} of {len(runs)} runs differ from {RECORDED} (first: {differ[0]}); re-record "
                         f"only if the change of tokens is intended")
@@ -311,6 +315,13 @@ def test_the_static_bucketed_steps_give_the_recorded_tokens():
     paths = check_recorded(RECORDED_PROMPTS[:1], RECORDED_SEEDS[:1], static=True)
     # nearly every step ran static (the rest: prefill chunks wider than the widest bucket)
     assert paths["static"] > 10 * paths["dynamic"] and not paths["graph"], paths
+
+
+def test_the_fused_static_steps_give_the_recorded_tokens():
+    """The fused step (the feed-forward's input projections as one GEMM; on CUDA also compiled blocks) run eagerly
+    here gives every method's recorded tokens: on a CPU the stacked GEMM computes each output as the two did."""
+    paths = check_recorded(RECORDED_PROMPTS[:1], RECORDED_SEEDS[:1], static=True, fused=True)
+    assert paths["static"] > 10 * paths["dynamic"], paths
 
 
 @pytest.mark.slow

@@ -456,6 +456,88 @@ def test_slots_map_rows_to_noncontiguous_cache_slots(model, batch):
 
 
 @torch.no_grad()
+# ---------------------------------------------------------------------------------------------------- the fused step
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_rms_norm_is_llamagens_three_steps_bit_for_bit(dtype):
+    """RMSNorm in low precision normalises with the fused kernel on the float32 upcast: on a CPU the same bits as
+    LlamaGen's x * rsqrt(mean(x^2) + eps) in float32, rounded, then scaled."""
+    from ciar.models.gpt import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(4, 1, 64), (3, 7, 1280), (2, 5, 2048)]:
+        norm = RMSNorm(shape[-1]).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=g))
+        x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+        xf = x.float()
+        ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).type_as(x) * norm.weight
+        assert torch.equal(norm(x), ref)
+
+
+def test_rotary_factors_once_equal_the_table_per_call(model):
+    from ciar.models.gpt import apply_rotary_emb, rotary_factors
+
+    x = torch.randn(3, 5, 6, model.config.head_dim, generator=torch.Generator().manual_seed(0))
+    freqs = model.freqs_cis[10:15][None].expand(3, -1, -1, -1)
+    assert torch.equal(apply_rotary_emb(x, rotary_factors(freqs)), apply_rotary_emb(x, freqs))
+
+
+def test_a_fused_feed_forward_is_one_gemm_over_the_same_weights_and_unfuses():
+    from ciar.models.gpt import fuse_feed_forward
+
+    m = small_gpt()
+    keys = list(m.state_dict())
+    ff = m.layers[0].feed_forward
+    x = torch.randn(2, 7, SMALL["dim"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = ff(x)
+        w1 = ff.w1.weight.clone()
+        fuse_feed_forward(m)
+        assert ff.w13 is not None and ff.w13.shape == (2 * w1.shape[0], w1.shape[1])
+        assert ff.w1.weight.data_ptr() == ff.w13.data_ptr() and torch.equal(ff.w1.weight, w1)  # views: no copy
+        assert ff.w3.weight.data_ptr() == ff.w13[w1.shape[0]:].data_ptr()
+        assert list(m.state_dict()) == keys  # the same parameters by name
+        close(ff(x), before)
+        fuse_feed_forward(m, False)
+        assert ff.w13 is None and ff.w1.weight.data_ptr() != ff.w3.weight.data_ptr() and torch.equal(ff.w1.weight, w1)
+        assert torch.equal(ff(x), before)
+
+
+def _static_step(model, cache, block=None):
+    rows, width, kv = 4, 2, CLS + 9
+    h = torch.randn(rows, width, SMALL["dim"], generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(kv - width, kv)[None].expand(rows, width).contiguous()
+    return model.forward_cached(cache, h, pos, torch.arange(rows), kv_len=kv, static=True, block=block)
+
+
+def test_a_block_function_runs_static_forwards_only(model):
+    from ciar.models.gpt import TransformerBlock
+
+    calls = []
+
+    def block(layer, x, freqs, mask, k, v, slot_idx, pos, kv_len):
+        calls.append(freqs.shape)
+        return TransformerBlock.forward_cached(layer, x, freqs, mask, k, v, slot_idx, pos, None, kv_len)
+
+    with torch.no_grad():
+        cache = model.new_cache(4)
+        ref = _static_step(model, cache)
+        assert torch.equal(_static_step(model, model.new_cache(4), block), ref)
+        assert len(calls) == SMALL["n_layer"]
+        with pytest.raises(ValueError, match="static"):
+            model.forward_cached(cache, torch.zeros(1, 1, SMALL["dim"]), torch.tensor([CLS]), block=block)
+
+
+@pytest.mark.slow
+def test_the_compiled_block_matches_the_eager_one(model):
+    """torch.compile's block (what CUDA's fused steps capture; here inductor's CPU code): float32 logits to
+    rounding, RoPE in real arithmetic."""
+    from ciar.models.gpt import compiled_block
+
+    with torch.no_grad():
+        close(_static_step(model, model.new_cache(4), compiled_block()), _static_step(model, model.new_cache(4)))
+
+
 def test_c2i_cached_decode_equals_full_forward():
     m = small_gpt(seed=3, model_type="c2i", cls_token_num=1, num_classes=10)
     labels, idx = torch.tensor([3, 0, 9]), tokens(3, L, seed=4)
