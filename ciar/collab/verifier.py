@@ -443,8 +443,7 @@ class OpenWork(Work):
         self.v.close(self.session_id, cancel=False)
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
-        if error is not None and not self.done and self.s is not None and \
-                self.v.table.sessions.get(self.session_id) is self.s:
+        if error is not None and not self.done and self.s is not None and self.s.live:
             self.v.close(self.session_id, cancel=False)  # a half-built session is of no use: free its slots
         was_done = self.done
         super().finish(result, error)
@@ -490,7 +489,7 @@ class OpenWork(Work):
 
     def kv_state(self):
         s = self.s
-        if s is None or self.leader is not None or self.v.table.sessions.get(self.session_id) is not s:
+        if s is None or self.leader is not None or not s.live:
             return None
         cls = self.v.config.cls_token_num
         return s.slots, self.cond_pos if self.cond_pos < cls else cls + max(len(s.tokens) - 1, 0)
@@ -578,7 +577,7 @@ class ResumeWork(OpenWork):
 
     def kv_state(self):
         s = self.s
-        if s is None or self.v.table.sessions.get(self.session_id) is not s:
+        if s is None or not s.live:
             return None
         cls = self.v.config.cls_token_num
         return s.slots, self.cond_pos if self.cond_pos < cls else cls + self.fed
@@ -704,7 +703,7 @@ class VerifyWork(Work):
 
     def kv_state(self):
         s = self.s
-        if s is None or self.v.table.sessions.get(self.session_id) is not s:
+        if s is None or not s.live:
             return None
         return s.slots, self.v.config.cls_token_num + max(len(s.tokens) - 1, 0)
 

@@ -39,6 +39,11 @@ class Session:
     owner: str = ""  # the device that opened (or resumed) it
     open_request: OpenRequest | None = None  # the OPEN that created it (None after a resume)
     open_reply: object = None  # that OPEN's reply, kept until the session moves on (a repeated OPEN gets it again)
+    closed: bool = False  # taken out of its table (closed, evicted, replaced): its slots are no longer its own
+
+    @property
+    def live(self) -> bool:
+        return not self.closed
 
 
 def slots_needed(request: OpenRequest) -> int:
@@ -102,8 +107,12 @@ class SessionTable:
         return s
 
     def pop(self, session_id: str) -> Session | None:
-        """Take a session out of the table (lookups fail from here); its slots stay held until `free`."""
-        return self.sessions.pop(session_id, None)
+        """Take a session out of the table (lookups fail from here, `closed` is set); its slots stay held until
+        `free`."""
+        s = self.sessions.pop(session_id, None)
+        if s is not None:
+            s.closed = True
+        return s
 
     def free(self, session: Session) -> None:
         """Reset and free the slots of a session taken out with `pop`."""
