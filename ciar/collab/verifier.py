@@ -102,10 +102,22 @@ class CloudVerifier:
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
         self.judge = Judge(cloud, codebook)
-        self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide)
+        self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide,
+                                 retired=self.observe_costs)
         # what its replies told the devices, over all of them: the hint a device's first image starts from
         self.reply_costs = CloudStepEstimator()
         self.reply_queue = Ewma(0.2)
+
+    def observe_costs(self, works: list) -> None:
+        """Engine hook, once per step: the replies the step's finished works gave (`Work.cost`: compute seconds,
+        forwards, whether a verification, queue wait) feed the running estimates `cost_hint` reports."""
+        for w in works:
+            cost = w.cost
+            if cost is not None and w.error is None:
+                seconds, passes, verify, queue_s = cost
+                self.reply_costs.observe(seconds, passes, verify=verify)
+                if verify:
+                    self.reply_queue.update(queue_s)
 
     def cost_hint(self) -> CostHint | None:
         """The verifier's recent span forward, sampled step and queue wait, as its replies reported them (a running
@@ -500,7 +512,7 @@ class OpenWork(Work):
         r = self.request
         tokens = self.reply_tokens()
         emb, mask = self.caption_emb, self.caption_mask
-        self.v.reply_costs.observe(self.seconds, self.passes, verify=False)
+        self.cost = (self.seconds, self.passes, False, None)  # the verifier's estimates read it (observe_costs)
         # the wait before its first forward, less its caption's encoding (in cloud_s)
         started = self.started if self.started is not None else time.perf_counter()
         queue_s = max(0.0, started - self.created - self.encode_s)
@@ -794,8 +806,7 @@ class VerifyWork(Work):
         n, z, rec, judged = self.outcome
         b = self.burst_tokens
         queue_s = max(0.0, (self.started if self.started is not None else time.perf_counter()) - self.created)
-        self.v.reply_costs.observe(self.seconds, max(self.passes, 1), verify=True)
-        self.v.reply_queue.update(queue_s)
+        self.cost = (self.seconds, max(self.passes, 1), True, queue_s)  # read by the verifier (observe_costs)
         self.finish(VerifyReply(self.session_id, n, z, rec, self.seconds, judged, forward_passes=max(self.passes, 1),
                                 burst_tokens=torch.tensor(b, dtype=torch.long) if b else None,
                                 vocab_size=self.v.vocab_size, queue_s=queue_s))
@@ -814,6 +825,17 @@ class InProcessCloud:
 
     def verify(self, request: VerifyRequest) -> VerifyReply:
         return self.verifier.verify_batch([request])[0]
+
+    def observe_costs(self, works: list) -> None:
+        """Engine hook, once per step: the replies the step's finished works gave (`Work.cost`: compute seconds,
+        forwards, whether a verification, queue wait) feed the running estimates `cost_hint` reports."""
+        for w in works:
+            cost = w.cost
+            if cost is not None and w.error is None:
+                seconds, passes, verify, queue_s = cost
+                self.reply_costs.observe(seconds, passes, verify=verify)
+                if verify:
+                    self.reply_queue.update(queue_s)
 
     def cost_hint(self) -> CostHint | None:
         return self.verifier.cost_hint()

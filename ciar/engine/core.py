@@ -79,6 +79,7 @@ class Work(Request):
         self.parked = False  # set by the admission: no slot yet, park it (the engine clears it)
         self.draw_from: PieceOutput | None = None  # this step's outputs to draw a token from (the decision pass)
         self.deciding = False  # in this step's decision pass (a pass that raises fails these works)
+        self.cost: tuple | None = None  # what its reply cost, for the owner's estimates (`retired`), set on success
 
     # --- subclass interface
     def admit(self) -> None:
@@ -127,16 +128,17 @@ class StepEngine:
     The three parts meet only here: the scheduler (`ciar.engine.scheduler`, pure Python) decides from request state
     and budgets; the runner (`ciar.engine.runner.ModelRunner`) turns pieces into tensors and returns the step's
     logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
-    (each admitted, or finished with its error) and `decide(running, step logits, on_bad)` (the step's batched judge
-    and sampler, its one host read) are given by the owner of the request state
-    (`ciar.collab.verifier.CloudVerifier`)."""
+    (each admitted, or finished with its error), `decide(running, step logits, on_bad)` (the step's batched judge
+    and sampler, its one host read) and `retired(finished works)` (what the owner learns from them: its cost
+    estimates) are given by the owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
 
-    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None):
+    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None):
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
         self.scheduler = Scheduler(config)
         self.runner = runner
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
         self._decide = decide or (lambda works, logits, on_bad: None)
+        self._retired = retired or (lambda works: None)
 
     # the scheduler's state, as the engine's callers read it (the config is set live: `Verifier.reconfigure`)
     config = property(lambda self: self.scheduler.config, lambda self, c: setattr(self.scheduler, "config", c))
@@ -207,7 +209,9 @@ class StepEngine:
             step = None
         self._decide_step(batch, step)
         self._record_lengths()
-        return self.scheduler.retire()
+        finished = self.scheduler.retire()
+        self._retired(finished)
+        return finished
 
     def _record_lengths(self) -> None:
         """The cache lengths the step left: each running work (finished ones too, until `retire`) says what its
