@@ -34,8 +34,11 @@ per image, per GPU, every figure labelled as modelled. `--traces-dir DIR` keeps 
 DIR/cloud.pt: read when there, written after recording otherwise).
 
 Every phone starts at once and keeps its session count constant; images that finish inside the measuring window
-(after `--warmup`) count, whenever they started; phones drain their last image afterwards. What is measured is the
-replica: the phones cost the driver a sleep and a message per exchange. `padding` is the share of the forwards'
+(after `--warmup`) count, whenever they started; phones drain their last image afterwards. With `--images N` the
+window lasts `--duration` seconds and then until every phone has N images in it (finished or failed), however
+long an image takes on this machine: what a point reports is then counted, not cut off by the clock (a window of
+3 s held no image at all on a loaded 2-core box). What is measured is the replica: the phones cost the driver a
+sleep and a message per exchange. `padding` is the share of the forwards'
 padded positions (rows x width) that held no real token: the price of one dense ragged batch per step.
 """
 
@@ -145,7 +148,8 @@ class HandleClient:
 
     async def open(self, request):
         sid = request.session_id
-        reply, self.tokens[sid] = await self.h.options(session_id=sid).open.remote(request, session_id=sid, device_id=self.device_id)
+        reply, self.tokens[sid] = await self.h.options(session_id=sid).open.remote(request, session_id=sid,
+                                                                                   device_id=self.device_id)
         return reply
 
     async def verify(self, request):
@@ -235,7 +239,10 @@ async def _point(handle, traces: list, phones: int, args, tag: str, raised: list
 
     state = {"measuring": False, "stop": False}
     done: list = []
-    degraded: list[bool] = []
+    degraded: list[bool] = []  # per counted image: made at the raised tau
+    later: list[bool] = []  # per counted image: not its phone's first (only a later one can see an estimate)
+    past_first: set[int] = set()  # phones with a counted image after their first
+    counted = [0] * phones  # images each phone finished or failed inside the window
     errors: list[str] = []
     limit = parse_overload(args.overload)[0] if raised else None
 
@@ -253,10 +260,15 @@ async def _point(handle, traces: list, phones: int, args, tag: str, raised: list
             except Exception as e:  # noqa: BLE001 - counted, the phone goes on
                 errors.append(f"{type(e).__name__}: {e}"[:200])
                 r = None
+            if state["measuring"]:  # finished inside the window (at full load since warm-up)
+                counted[k] += 1
+                if r is not None:
+                    done.append(r)
+                    degraded.append(over)
+                    later.append(n > 0)
+                    if n > 0:
+                        past_first.add(k)
             n += 1
-            if r is not None and state["measuring"]:  # finished inside the window (at full load since warm-up)
-                done.append(r)
-                degraded.append(over)
 
     tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
     await asyncio.sleep(args.warmup)
@@ -266,6 +278,12 @@ async def _point(handle, traces: list, phones: int, args, tag: str, raised: list
     replicas_seen = [running_replicas()]
     while time.perf_counter() - t0 < args.duration:
         await asyncio.sleep(min(1.0, args.duration - (time.perf_counter() - t0)))
+        replicas_seen.append(running_replicas())
+    while min(counted) < args.images:  # --images: a count, not the clock, ends the window (a failed image counts)
+        for _ in range(10):  # (the replicas read once a second, as above: it blocks the phones' event loop)
+            if min(counted) >= args.images:
+                break
+            await asyncio.sleep(0.1)
         replicas_seen.append(running_replicas())
     state["measuring"] = False
     seconds = time.perf_counter() - t0
@@ -294,6 +312,9 @@ async def _point(handle, traces: list, phones: int, args, tag: str, raised: list
         "padding": 1.0 - real / padded if padded else None,
         "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
         "overloaded_share": sum(degraded) / len(degraded) if raised is not None and degraded else None,
+        "overloaded_images": sum(degraded) if raised is not None else None,
+        "images_per_phone": {"min": min(counted), "max": max(counted)},
+        "later_images": sum(later), "phones_past_first": len(past_first),
     }
 
 
@@ -397,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phones", default="1,2,4,8,16,32", help="loads (concurrent phones), comma-separated")
     ap.add_argument("--duration", type=float, default=20.0, help="measuring window per load (s)")
     ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--images", type=int, default=0,
+                    help="and measure until every phone has this many images in the window (finished or failed): a "
+                         "count, whatever this machine's speed (0: the --duration window alone)")
     ap.add_argument("--traces", type=int, default=12, help="recorded images per method")
     ap.add_argument("--network", default="5g")
     ap.add_argument("--seed", type=int, default=0)
@@ -425,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "else recorded and written there")
     args = ap.parse_args(argv)
     loads = sorted({int(x) for x in args.phones.split(",") if x.strip()})
-    if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1:
-        ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1")
+    if not loads or loads[0] < 1 or args.duration <= 0 or args.traces < 1 or args.images < 0:
+        ap.error("--phones must list loads >= 1; --duration > 0; --traces >= 1; --images >= 0")
     gpus = args.cost_model.removeprefix("gpu:").split(",") if args.cost_model.startswith("gpu:") else None
     args.extra_gpus = {}
     if args.gpu_costs:
@@ -491,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "replicas": p["replicas"], "overloaded_share": p["overloaded_share"]}))
                 if not p["images"] and not p["errors"]:
                     print(f"{m} at {load} phones: no image finished inside the {args.warmup:g} + {args.duration:g} s "
-                          f"window (an image takes longer here): a longer --warmup / --duration measures it",
+                          f"window (an image takes longer here): --images N, or a longer --warmup / --duration, "
+                          f"measures it",
                           file=sys.stderr)
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * args.slo_p99_s:
                     live_method[m] = False
@@ -500,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     result = summarize(points, args.slo_p99_s, accelerator, {
-        "loads": loads, "duration_s": args.duration, "warmup_s": args.warmup, "traces": args.traces,
+        "loads": loads, "duration_s": args.duration, "warmup_s": args.warmup, "images_per_phone": args.images,
+        "traces": args.traces,
         "network": args.network, "verifier_user_config": live, "verifier_cpus": args.verifier_cpus,
         "verifier_replicas": args.verifier_replicas, "verifier_autoscaling": args.verifier_autoscaling and
         json.loads(args.verifier_autoscaling),

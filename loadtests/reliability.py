@@ -19,8 +19,9 @@ overload  a burst of B requests at once, far beyond devices + queue: each answer
 leak      devices reconfigured live to skip simulated waits; K verifier sessions opened and abandoned (a device that
           vanished); then M requests in two halves (every 10th streamed and disconnected after its first event,
           every 10th abandoned by a 0.25 s client timeout). Verifier sessions, device state and resident memory
-          are read before, between the halves, right after, and after the verifier's idle timeout: nothing may be
-          left, and the memory growth of each half is reported.
+          are read before, between the halves, after, and one idle timeout later, each once the fleet is idle for
+          certain (no verifier session held, the abandoned ones evicted; none opened across two snapshots; every
+          phone holding nothing): nothing may be left, and the memory growth of each half is reported.
 
 nodeloss  on a cluster of its own (five Ray nodes on this machine): the node holding a verifier replica, then the
           node holding simulated phones, removed without warning under HTTP, streamed and real-socket load, and a
@@ -236,7 +237,8 @@ def scenario_overload(client: Client, burst: int, seed: int) -> dict:
 
 
 def fleet_state(devices: int, app: str = "ciar") -> dict:
-    """Every Device replica's `state()` (asked until each has answered) and the Verifier replicas' stats."""
+    """Every Device replica's `state()` (asked until each has answered), then the Verifier replica's stats: its
+    sessions and the sessions it has opened and resumed so far (counters: `_idle` compares two snapshots)."""
     from ray import serve
 
     h = serve.get_deployment_handle("Device", app_name=app)
@@ -247,16 +249,41 @@ def fleet_state(devices: int, app: str = "ciar") -> dict:
             "device_state": {k: sum(s[k] for s in seen.values()) for k in keys},
             "device_rss_mb": round(sum(s["rss_mb"] for s in seen.values()), 1),
             "verifier_sessions": v["sessions"], "verifier_free_slots": v["free_slots"],
+            "verifier_opened": v["opened"], "verifier_resumed": v["resumed"],
             "verifier_rss_mb": round(v["rss_mb"], 1), "verifier_replica": v["replica_id"]}
 
 
-def _wait_idle(devices: int, timeout_s: float = 300.0) -> dict:
-    deadline = time.monotonic() + timeout_s
+def _idle(prev: dict | None, st: dict, devices: int) -> bool:
+    """Whether no phone worked while `st` was read, `prev` the snapshot read just before it. A phone answers
+    `state()` only between images (max_ongoing_requests=1), so its answer alone says little: the verifier says it.
+    Every image holds a verifier session from its open to its close, so: no session held when `prev` ended and
+    when `st` ended, none opened or resumed in between (the same replica's counters), and every phone answered
+    `st` holding nothing (`busy`: a job whose caller went away runs on in its thread after its call ended)."""
+    if prev is None:
+        return False
+    return (st["devices_seen"] == devices and st["devices_busy"] == 0 and not any(st["device_state"].values())
+            and prev["verifier_sessions"] == st["verifier_sessions"] == 0
+            and prev["verifier_replica"] == st["verifier_replica"]
+            and (prev["verifier_opened"], prev["verifier_resumed"]) == (st["verifier_opened"], st["verifier_resumed"]))
+
+
+def _wait_idle(devices: int, timeout_s: float = 300.0, poll_s: float = 1.0, clock=time.monotonic,
+               sleep=time.sleep) -> dict:
+    """The fleet's state (`fleet_state`) once it is idle for certain (`_idle`: the verifier holds no session, the
+    abandoned ones evicted too), else the last one read when `timeout_s` (a hang guard) ran out; with `idle`
+    (which of the two), `waited_s` and `snapshots` (how many were read). Called once every request the run sent
+    has come back: what still works then is a job whose client went away (a stream cut, a client timeout), and no
+    new one starts."""
+    t0 = clock()
+    prev, reads = None, 0
     while True:
         st = fleet_state(devices)
-        if st["devices_busy"] == 0 or time.monotonic() > deadline:
-            return st
-        time.sleep(1.0)
+        reads += 1
+        idle = _idle(prev, st, devices)
+        if idle or clock() - t0 > timeout_s:
+            return {**st, "idle": idle, "waited_s": round(clock() - t0, 1), "snapshots": reads}
+        prev = st
+        sleep(poll_s)
 
 
 def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: int, concurrency: int,
@@ -277,7 +304,9 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
     bodies = _jobs(requests_n, seed + 3, methods=("ciar", "cloud", "eagle", "code", "ciar", "lantern"))
     warm = min(50, requests_n // 10)
     _run_all(client, bodies[:warm], concurrency)
-    before = _wait_idle(devices)
+    # each snapshot waits until nothing works (a hang guard past the idle timeout: the abandoned sessions go first)
+    guard_s = 120.0 + 4 * idle_s
+    before = _wait_idle(devices, guard_s)
 
     v = serve.get_deployment_handle("Verifier", app_name="ciar")
     for i in range(abandoned):  # devices that open a session and vanish: only the idle timeout frees these
@@ -298,12 +327,12 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
     half = warm + (requests_n - warm) // 2
     with ThreadPoolExecutor(concurrency) as pool:  # two halves, memory read between them: growth per half
         res = list(pool.map(one, enumerate(bodies[warm:half], start=warm)))
-        middle = _wait_idle(devices)
+        middle = _wait_idle(devices, guard_s)
         res += list(pool.map(one, enumerate(bodies[half:], start=half)))
     wall = time.perf_counter() - t0
-    after = _wait_idle(devices)
-    time.sleep(idle_s * 1.6 + 1.0)  # the evictor runs every idle/4 s
-    settled = fleet_state(devices)
+    after = _wait_idle(devices, guard_s)
+    time.sleep(idle_s * 1.6 + 1.0)  # one more idle timeout (the evictor runs every idle/4 s): nothing comes back
+    settled = _wait_idle(devices, guard_s)
     plain = [r for r in res if not r.get("disconnected") and not r.get("abandoned")]
     out = {"requests": len(res) + warm, "measured_requests": len(res), "wall_s": round(wall, 1),
            "completed_200": sum(r["code"] == 200 for r in plain), "plain_requests": len(plain),
@@ -321,7 +350,9 @@ def scenario_leak(cluster: Cluster, client: Client, requests_n: int, abandoned: 
            "verifier_rss_growth_mb": round(settled["verifier_rss_mb"] - before["verifier_rss_mb"], 1),
            "device_rss_growth_mb": round(settled["device_rss_mb"] - before["device_rss_mb"], 1)}
     left = settled["device_state"]
-    out["ok"] = (held >= abandoned and settled["verifier_sessions"] == 0 and not any(left.values()) and out["plain_not_200"] == 0
+    out["idle_snapshots"] = all(snap["idle"] for snap in (before, middle, after, settled))
+    out["ok"] = (held >= abandoned and settled["verifier_sessions"] == 0 and not any(left.values())
+                 and out["plain_not_200"] == 0 and out["idle_snapshots"]
                  and settled["verifier_free_slots"] == before["verifier_free_slots"]
                  and settled["verifier_replica"] == before["verifier_replica"])
     return out

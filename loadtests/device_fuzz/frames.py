@@ -13,8 +13,9 @@ from loadtests.device_fuzz.strategies import FRAME_KINDS, frame_strategies, run_
 HANGS_PER_KIND = 3  # a kind stops after this many hangs (each costs timeout_s)
 
 
-def fuzz_frames(fuzz: Recorder, frames: int) -> None:
-    """About `frames` hypothesis frames (at least one of each kind), each kind with its own seed."""
+def fuzz_frames(fuzz: Recorder, frames: int, round_: int = 0) -> None:
+    """About `frames` hypothesis frames (at least one of each kind), each kind with its own seed (another in each
+    `round_`: a run that goes on fuzzing sends new frames)."""
     strategies = frame_strategies(fuzz.vocab or 2, fuzz.welcome.max_frame_bytes)
     for i, (kind, share) in enumerate(FRAME_KINDS.items()):
         n = max(1, round(frames * share))
@@ -22,7 +23,7 @@ def fuzz_frames(fuzz: Recorder, frames: int) -> None:
         each = {"before_hello": lambda data: _first_frame(fuzz, data),
                 "session_frames": lambda make, state=state: _session_frame(fuzz, make, state)}.get(kind)
         try:
-            run_examples(strategies[kind], n, fuzz.seed + i,
+            run_examples(strategies[kind], n, fuzz.seed + i + round_ * len(FRAME_KINDS),
                          each or (lambda data, kind=kind, state=state: _frame(fuzz, kind, data, state)))
         finally:
             _drop(state)

@@ -29,21 +29,61 @@ def test_plot_of_a_run_where_no_image_finished_inside_a_window(tmp_path):
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
 
 
+def test_a_point_counts_images_per_phone_however_long_an_image_takes(monkeypatch):
+    """`--images N`: a point measures until every phone has N images in its window, here images four times as long
+    as the window (the replay stubbed: an image sleeps, then feeds its verifier estimate 1 s per exchange, past the
+    0.5 s overload limit). A window of seconds alone counted none of them; the degradation applies from a phone's
+    second image on, so each phone's later images, and only they, are overloaded."""
+    import argparse
+    import asyncio
+    import types
+
+    from loadtests import capacity
+
+    async def replay(trace, client, session_id, net, is_lost=None):
+        await asyncio.sleep(0.2)
+        client.verifier.update(1.0)  # what its verify replies would have fed the phone's estimate
+        return types.SimpleNamespace(latency_s=0.2, resumes=0, forward_passes=3, exchanges=2, mismatches=0)
+
+    async def replica_stats(handle, replicas):
+        return {"replicas": ["r"], "forwards": 0, "real_positions": 0, "padded_positions": 0, "resumed": 0,
+                "positions_by_kind": {}, "batch_size_hist": {}}
+
+    monkeypatch.setattr("ciar.collab.trace.replay_session", replay)
+    monkeypatch.setattr(capacity, "replica_stats", replica_stats)
+    monkeypatch.setattr(capacity, "running_replicas", lambda app="capacity": 1)
+    args = argparse.Namespace(network="none", warmup=0.0, duration=0.05, images=3, overload="0.5:1.5")
+    p = asyncio.run(capacity._point(None, ["recorded"], 2, args, "t", raised=["raised"]))
+    assert p["images_per_phone"]["min"] >= 3 and p["images"] >= 6 and p["errors"] == 0
+    assert p["phones_past_first"] == 2
+    assert p["overloaded_images"] == p["later_images"] == p["images"] - 2  # all but each phone's first
+    assert p["overloaded_share"] == pytest.approx(p["later_images"] / p["images"])
+
+
 @pytest.mark.cluster  # its own Ray instance and Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_capacity_run_writes_the_report(tmp_path):
+    """Each point measures until every phone has two images in its window (`--images 2`, a count): with windows of
+    seconds, a slower box finished each phone's first image only, and the degradation (a phone's later images) was
+    never seen."""
     out = tmp_path / "cap"
-    assert main(["--out", str(out), "--phones", "1,3", "--duration", "3", "--warmup", "1", "--traces", "2",
-                 "--network", "5g", "--slo-p99-s", "30", "--overload", "0.000001:1.5"]) == 0
+    assert main(["--out", str(out), "--phones", "1,3", "--duration", "1", "--warmup", "1", "--images", "2",
+                 "--traces", "2", "--network", "5g", "--slo-p99-s", "30", "--overload", "0.000001:1.5"]) == 0
     r = json.loads((out / "capacity.json").read_text())
     for key in ("slo_p99_s", "phones_at_slo", "ratio", "cloud_positions_per_image", "cloud_passes_per_image",
                 "accelerator", "points"):
         assert key in r
     assert (out / "capacity.png").stat().st_size > 10_000
     assert {p["method"] for p in r["points"]} == {"ciar", "cloud", "ciar overload"}
-    # graceful degradation: past a 1 µs verifier, every image after a phone's first runs at the raised tau
-    degraded = [p for p in r["points"] if p["method"] == "ciar overload" and p["images"]]
-    assert degraded and all(p["overloaded_share"] > 0 for p in degraded)
+    assert r["setup"]["images_per_phone"] == 2
+    for p in r["points"]:  # counted: every phone has its two images, so each reached one after its first
+        assert p["images_per_phone"]["min"] >= 2 and p["images"] >= 2 * p["phones"], p
+        assert p["phones_past_first"] == p["phones"] and p["later_images"] >= p["phones"], p
+    # graceful degradation: past a 1 µs verifier, every image after a phone's first runs at the raised tau (the first
+    # has nothing observed yet)
+    degraded = [p for p in r["points"] if p["method"] == "ciar overload"]
+    assert degraded and all(p["overloaded_images"] == p["later_images"] for p in degraded), degraded
+    assert all(0 < p["overloaded_share"] <= 1 for p in degraded)
     assert all(p["overloaded_share"] is None for p in r["points"] if p["method"] != "ciar overload")
     assert r["setup"]["overload"] == "0.000001:1.5"
     raised, ciar = r["setup"]["recorded_requests_per_image"]["ciar raised"], \

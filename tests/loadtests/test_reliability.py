@@ -61,6 +61,45 @@ def test_request_mix_and_tally():
     assert reliability.percentile([3.0, 1.0, 2.0], 50) == 2.0 and reliability.percentile([], 50) is None
 
 
+def _fleet(sessions=0, opened=10, resumed=0, busy=0, tracked=0, seen=3, replica="v1"):
+    """A `reliability.fleet_state` snapshot of a 3-phone fleet."""
+    return {"devices_seen": seen, "devices_busy": busy,
+            "device_state": {"session_tokens": 0, "batch_size_records": 0, "tracked_sessions": tracked},
+            "device_rss_mb": 100.0, "verifier_sessions": sessions, "verifier_free_slots": 8,
+            "verifier_opened": opened, "verifier_resumed": resumed, "verifier_rss_mb": 500.0,
+            "verifier_replica": replica}
+
+
+def test_wait_idle_waits_until_no_phone_works(monkeypatch):
+    """Unit test of the waiting logic, over scripted fleet snapshots (no cluster): phones answer state() only
+    between images, so `devices_busy` is 0 while they work; the wait reads the verifier instead and returns the
+    first snapshot that is idle for certain, with the one before it: no session held at either, none opened or
+    resumed between them, every phone answered holding nothing."""
+    script = [_fleet(sessions=2),  # phones at work (the old wait returned this one: nobody answered busy)
+              _fleet(sessions=0, opened=10),
+              _fleet(sessions=0, opened=11),  # a job opened and closed its session between two reads
+              _fleet(sessions=0, opened=11, resumed=1),  # ... or resumed one
+              _fleet(sessions=0, opened=11, resumed=1, busy=1),  # a cancelled job still running in its thread
+              _fleet(sessions=0, opened=11, resumed=1, tracked=1),  # a phone still tracking a session
+              _fleet(sessions=0, opened=11, resumed=1, seen=2),  # a phone did not answer
+              _fleet(sessions=0, opened=11, resumed=1, replica="v2"),  # another replica's counters
+              _fleet(sessions=0, opened=11, resumed=1, replica="v2")]  # idle: this one
+    reads = iter(script)
+    monkeypatch.setattr(reliability, "fleet_state", lambda devices: next(reads))
+    st = reliability._wait_idle(3, timeout_s=1e9, sleep=lambda s: None)
+    assert st["idle"] and st["snapshots"] == len(script) and next(reads, None) is None  # every snapshot was read
+    assert {k: st[k] for k in _fleet()} == script[-1]
+
+
+def test_wait_idle_gives_up_after_its_hang_guard(monkeypatch):
+    """A fleet that never settles (a session held for good): the last snapshot, marked not idle, once the guard
+    ran out (the clock is scripted: 10 s per read)."""
+    ticks = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(reliability, "fleet_state", lambda devices: _fleet(sessions=1))
+    st = reliability._wait_idle(3, timeout_s=55, clock=lambda: float(next(ticks)), sleep=lambda s: None)
+    assert not st["idle"] and st["verifier_sessions"] == 1 and st["waited_s"] > 55
+
+
 @pytest.mark.slow
 @pytest.mark.cluster  # starts Ray / Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
@@ -80,6 +119,7 @@ def test_reliability_run_against_a_random_world(tmp_path, random_world):
     assert drop["with_drop"]["lost"] == 0 and drop["with_drop"]["degraded"] >= 1
     assert drop["without_drop"]["degraded"] == 0
     assert leak["verifier_sessions_after_abandoning"] >= 2 and leak["after_idle_timeout"]["verifier_sessions"] == 0
+    assert leak["idle_snapshots"] and all(leak[k]["idle"] for k in ("before", "middle", "after", "after_idle_timeout"))
     assert not any(leak["after_idle_timeout"]["device_state"].values())
 
 
