@@ -109,7 +109,14 @@ $(ONNX): $(STAMP) $(SHIPPED)/device.safetensors $(SHIPPED)/tokenizer.safetensors
 
 onnx: $(ONNX)
 
+# `serve run` in the foreground (Ctrl-C stops it) and, beside it, services.ready: it prints once when every
+# deployment is up and /healthz answers 200 (the URLs, the development keys, a first request), or one line naming the
+# deployment that failed to start and why, then exits. Started with the recipe's shell and killed by its PID when
+# `serve run` ends (the traps: the shell outlives a Ctrl-C until serve has shut down, then exits and kills it)
 serve: $(STAMP) $(ONNX) web
+	@echo "$(SERVE_ENV) $(BIN)/serve run serve_config.yaml   (services.ready says when it can serve)"
+	@$(BIN)/python -m services.ready --config serve_config.yaml --parent $$$$ & ready=$$!; \
+	trap 'kill $$ready 2>/dev/null' EXIT; trap 'exit 130' INT; trap 'exit 143' TERM; \
 	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
 
 # a 30 s ramp to 8 users against a cluster it starts and stops itself (summary in runs/load/summary.json)

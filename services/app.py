@@ -31,8 +31,10 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
+from collections import OrderedDict
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -45,15 +47,14 @@ from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.decoder import check_method_overrides
 from ciar.collab.defaults import UncalibratedError
-from ciar.collab.knobs import SIMULATION_KNOBS
 from ciar.collab.protocol import CapacityError, CloudUnreachableError, ForwardFault
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
 from services import web
 from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause, within
-from services.schemas import (AppConfig, ErrorResponse, GenerationJob, GenerationOutput, GenerationRequest,
-                              ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
+from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
+                              GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.routing import ROUTER_CLASS
 from services.verifier import Verifier
 
@@ -101,8 +102,10 @@ GENERATION_RESPONSES = {
                 "`model` that names a method (the schema's `not`), or n > 1 with png or stream (its `allOf`); also a "
                 "prompt over the caption encoder's token budget, params that make no valid method config (e.g. cloud "
                 "with prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation "
-                "knobs params.device_slowdown / params.link_drop_after where the deployment does not allow them"),
-    500: _error("internal error (logged with its traceback)"),
+                "params params.device_slowdown / params.link_drop_after / params.device_exit_after where the "
+                "deployment does not allow them"),
+    500: _error("internal error (logged with its traceback); or (error.type killed_devices) the job's simulated "
+                "phones died under it twice: the likely cause is the request itself, which is not run again"),
     503: _error("the cluster is starting (no Device or Verifier replica can take work yet), overloaded (every device "
                 "busy and the queue full, or no free verifier KV-cache slot), or the cloud unreachable (or past "
                 "verifier_call_timeout_s) before the image could start: retry after Retry-After seconds", RETRY_AFTER),
@@ -119,6 +122,14 @@ BEARER = [{"bearerAuth": []}]
 # may take several phones at once, and a retry may be routed to another of them before Serve has noticed
 DEVICE_ATTEMPTS = 5
 DEVICE_RETRY_BACKOFF_S = 0.5
+# phones whose own process died under one job before it is given up (500, JobKillsDevicesError): a phone dies under a
+# job now and then (and the job deserves another); a second that dies under the same job points at the job itself
+# (an input that exhausts a device's memory), which would otherwise take DEVICE_ATTEMPTS phones with it
+JOB_DEVICE_DEATHS = 2
+# Ray's death cause of an actor whose worker process died (on a live node); a lost node's reads "its node has died",
+# and a phone lost with its node is never blamed on the job (the call found it gone, or its node went under it)
+WORKER_DIED = "its worker process has died"
+DEAD_PHONES_KEPT = 1024  # the dead phones an ingress remembers (Ingress._dead_phones)
 
 
 def device_backoff_s(attempt: int) -> float:
@@ -131,6 +142,26 @@ def device_lost(e: BaseException) -> bool:
     from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
 
     return isinstance(e, (RayActorError, NodeDiedError, WorkerCrashedError)) and not isinstance(e, RayTaskError)
+
+
+def process_died(e: BaseException) -> bool:
+    """The lost phone's own worker process died (Ray's death cause says so), its node alive: the kind of death a job
+    can cause. Not a lost node, a phone killed by `ray.kill`, nor one Ray could not yet say why it is unreachable."""
+    from ray.exceptions import ActorDiedError
+
+    return device_lost(e) and isinstance(e, ActorDiedError) and WORKER_DIED in str(e)
+
+
+def _death_detail(e: BaseException) -> str:
+    """What a phone's death cause says, short: its pid and the first sentence of Ray's worker exit detail."""
+    text = str(e)
+    pid = re.search(r"\bpid: (\d+)", text)
+    said = text.split(WORKER_DIED, 1)[-1].strip(" .\n").split(". ")[0]
+    return f"{'pid ' + pid.group(1) + ': ' if pid else ''}{WORKER_DIED}: {said}"[:240]
+
+
+class JobKillsDevicesError(RuntimeError):
+    """The simulated phones of one job died under it JOB_DEVICE_DEATHS times: most likely the job kills them."""
 
 
 def retried(job: GenerationJob, attempt: int) -> GenerationJob:
@@ -159,7 +190,7 @@ def openapi_schema(world: dict | None = None, max_images: int | None = None,
         props["n"] = {**props["n"], "maximum": max_images}
     if not allow_simulation_params:  # the deployment refuses them (422): the contract does not offer them
         params = comps["schemas"].get("MethodParams", {}).get("properties", {})
-        for name in SIMULATION_KNOBS:
+        for name in SIMULATION_PARAMS:
             params.pop(name, None)
     return doc
 
@@ -219,6 +250,9 @@ class Ingress:
         self._verifier_seen = -math.inf
         self._probe: asyncio.Task | None = None
         self._started = False
+        # phones whose death some job saw (Ray actor ids, the latest DEAD_PHONES_KEPT): a call routed to one of them
+        # before the router learnt of its death finds it dead, which the job is not to blame for
+        self._dead_phones: OrderedDict[str, None] = OrderedDict()
         self.allow_simulation_params = allow_simulation_params
         self.max_images = max_images
         # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
@@ -506,7 +540,7 @@ class Ingress:
         if refused is not None:
             return refused
         if not self.allow_simulation_params:
-            for name in SIMULATION_KNOBS:
+            for name in SIMULATION_PARAMS:
                 if getattr(req.params, name) is not None:
                     return error_body(422, f"params.{name} is a simulation knob this deployment does not accept "
                                       "(allow_simulation_params)", field=f"params.{name}")
@@ -533,14 +567,16 @@ class Ingress:
         does not lose it: the job runs again, from its start, on a live one (Serve routes around the dead replica
         and starts a new one), up to DEVICE_ATTEMPTS times within the request's deadline. The image is a function
         of the request and seed, not of the phone, so the retried job makes the very image the lost one would
-        have; its session id is new (the lost phone's verifier session, if any, is left to the idle timeout)."""
+        have; its session id is new (the lost phone's verifier session, if any, is left to the idle timeout).
+        A job under which JOB_DEVICE_DEATHS phones' own processes died is not run again (`_device_lost`)."""
+        deaths: list[str] = []  # what each phone that died under this job died of
         for attempt in range(DEVICE_ATTEMPTS):
             try:
                 out = await self.device.generate.remote(job if attempt == 0 else retried(job, attempt))
             except Exception as e:  # noqa: BLE001 - only a lost phone is retried
                 if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
                     raise
-                self._device_lost(job, attempt, e)
+                self._device_lost(job, attempt, e, deaths)
                 await asyncio.sleep(device_backoff_s(attempt))
                 continue
             if attempt:
@@ -548,10 +584,27 @@ class Ingress:
             return out
         raise AssertionError("unreachable")
 
-    def _device_lost(self, job: GenerationJob, attempt: int, e: BaseException) -> None:
+    def _device_lost(self, job: GenerationJob, attempt: int, e: BaseException, deaths: list[str]) -> None:
+        """The job's phone was lost under its attempt `attempt` (`e`, a `device_lost` error): counted, then either
+        the job runs again, or, when this was the JOB_DEVICE_DEATHS-th phone whose own process died under it (a
+        phone this ingress had not yet seen dead), JobKillsDevicesError ends it. `deaths` holds the job's deaths."""
+        self.m_errors.inc(tags={"kind": "device_lost"})
+        phone = getattr(e, "actor_id", None)
+        if process_died(e) and (phone is None or phone not in self._dead_phones):
+            deaths.append(_death_detail(e))
+        if phone is not None:
+            self._dead_phones[phone] = None
+            while len(self._dead_phones) > DEAD_PHONES_KEPT:
+                self._dead_phones.popitem(last=False)
+        if len(deaths) >= JOB_DEVICE_DEATHS:
+            logger.error("job %s: %d simulated devices died under it (%s); the job itself is the likely cause: not "
+                         "run again", job.session_id, len(deaths), "; ".join(deaths))
+            raise JobKillsDevicesError(
+                f"the job killed {len(deaths)} simulated devices: each one's process died while it ran the job "
+                f"({'; '.join(deaths)}); the likely cause is the request itself (e.g. an input that exhausts a "
+                "device's memory), so it is not run again") from e
         logger.warning("job %s: its simulated device was lost (%s); running it again on another (attempt %d of %d)",
                        job.session_id, type(e).__name__, attempt + 2, DEVICE_ATTEMPTS)
-        self.m_errors.inc(tags={"kind": "device_lost"})
 
     async def _resolve(self, req: GenerationRequest) -> tuple[GenerationRequest, JSONResponse | None]:
         """The OpenAI fields checked against this deployment: -> (the request with `model` applied, None) or
@@ -594,6 +647,10 @@ class Ingress:
         def counted(code: int) -> None:
             self.m_requests.inc(tags={"method": req.method, "code": str(code)})
 
+        if isinstance(e, JobKillsDevicesError):
+            counted(500)
+            self.m_errors.inc(tags={"kind": "killed_devices"})
+            return error_body(500, str(e), kind="killed_devices")
         if caused_by(BackPressureError):
             counted(503)
             return self._overloaded("all simulated devices are busy and the queue is full; retry later")
@@ -688,6 +745,7 @@ class Ingress:
             deadline = time.monotonic() + self.timeout_s  # the request's deadline holds for the stream too
             sent = -1  # tokens_done of the last progress event sent
             attempt = 0
+            deaths: list[str] = []  # what each phone that died under this job died of
             gen = self.device.options(stream=True).generate_stream.remote(job)
             while True:
                 try:
@@ -697,7 +755,7 @@ class Ingress:
                 except Exception as e:  # noqa: BLE001 - a lost phone: as _on_device, the job runs again elsewhere
                     if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
                         raise
-                    self._device_lost(job, attempt, e)
+                    self._device_lost(job, attempt, e, deaths)
                     await asyncio.sleep(device_backoff_s(attempt))
                     attempt += 1
                     # the same image again from its start: the progress already sent is not repeated

@@ -15,7 +15,9 @@ client raises CloudUnreachableError: mid-generation the device finishes the imag
 the open the request fails with 503. A simulated link outage (`params.link_drop_after`) takes the same path. Every
 call to the verifier has a deadline (`verifier_call_timeout_s`, and the request's own, `request_timeout_s`): past it
 the call is cancelled and the cloud counts as unreachable (`CloudTimeoutError`), so a generation never waits forever
-and leaves nothing holding a verifier slot.
+and leaves nothing holding a verifier slot. A simulated poison job (`params.device_exit_after`) ends the phone's
+process mid-image (`os._exit`), as an input that exhausts its memory would: the ingress's rule for a job whose phones
+die under it is tested with it (services.app.Ingress._on_device).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import asyncio
 import io
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -178,6 +181,25 @@ class RayCloudClient:
             pass
 
 
+def exiting_at(tokens: int, on_progress=None):
+    """`on_progress` (or none) behind a check that ends this process (os._exit, no clean-up: as a worker killed for
+    its memory) once the image has `tokens` decided tokens: the simulation param `device_exit_after`."""
+    def check(done: list[int], stats) -> None:
+        if len(done) >= tokens:
+            exit_now(f"the image has {len(done)} tokens")
+        if on_progress is not None:
+            on_progress(done, stats)
+
+    return check
+
+
+def exit_now(why: str) -> None:
+    """The simulated poison job's end of this phone: its process exits at once (os._exit), as a killed one."""
+    logging.getLogger("ray.serve").error("simulation (params.device_exit_after): %s; this phone's process exits now",
+                                         why)
+    os._exit(1)
+
+
 def png_bytes(image) -> bytes:
     from PIL import Image
 
@@ -233,6 +255,10 @@ class Device:
                                 runtime=self.runtime)
         cfg = decoder.config  # with the device model's calibrated gate / tau / burst filled in
         sid = job.session_id
+        if job.device_exit_after is not None:  # a simulated poison job: it kills this phone
+            if job.device_exit_after == 0:
+                exit_now("before the open")
+            on_progress = exiting_at(job.device_exit_after, on_progress)
         with self._busy:
             # the request's end-to-end deadline: no call to the verifier waits past it (RayCloudClient)
             self.ray_client.deadline = t_start + job.timeout_s if job.timeout_s is not None else None

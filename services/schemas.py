@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator,
                       model_validator)
 
-from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS, Knob
+from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS, SIMULATION_KNOBS, Knob
 from ciar.collab.names import METHODS, NETWORKS
 
 MAX_PROMPT_CHARS = 400
@@ -110,13 +110,25 @@ class _Params(_Knobs):
                                                                    exclude_none=True))
 
 
+# a simulation param of the service, not a knob of collaborative decoding (ciar.collab.knobs): it acts on the
+# simulated phone's process, which the device loop knows nothing of
+DEVICE_EXIT_AFTER = (OptionalInteger, Field(
+    None, ge=0, le=100_000, description=f"{SIMULATION_NOTE}the simulated phone's process exits (os._exit) once the "
+    "image has this many decided tokens (checked after the prefix and at each preview step; 0: before the open), on "
+    "every phone the job runs on: a job that kills its device, as an input that exhausts its memory would (the "
+    "ingress runs a job again after its phone died once, and answers 500 after the second)"))
+SERVICE_SIMULATION_PARAMS = ("device_exit_after",)
+# every `params` field that only a deployment with allow_simulation_params accepts (else 422)
+SIMULATION_PARAMS = SIMULATION_KNOBS + SERVICE_SIMULATION_PARAMS
+
 MethodParams = create_model(
     "MethodParams", __base__=_Params, __module__=__name__,
-    __doc__="Per-request knobs (the request's `params`): the collaborative ones (CollabOverrides) and the sampling "
-            "ones (SamplingOverrides) in one object; None keeps the deployment's live default (or the world's "
-            "sampling default).",
+    __doc__="Per-request knobs (the request's `params`): the collaborative ones (CollabOverrides), the sampling "
+            "ones (SamplingOverrides) and the service's simulation params in one object; None keeps the "
+            "deployment's live default (or the world's sampling default).",
     **{name: knob_field(KNOBS[name]) for name in REQUEST_KNOBS},
-    **{name: (f.annotation, f) for name, f in SamplingOverrides.model_fields.items()})
+    **{name: (f.annotation, f) for name, f in SamplingOverrides.model_fields.items()},
+    device_exit_after=DEVICE_EXIT_AFTER)
 
 
 class GenerationRequest(BaseModel):
@@ -316,8 +328,9 @@ class AppConfig(BaseModel):
                                                "activations and KV cache), as vLLM's gpu_memory_utilization")
     verifier: VerifierLiveConfig = Field(default_factory=VerifierLiveConfig)
     allow_unauthenticated: bool = Field(False, description="accept requests without a key (only when no keys)")
-    allow_simulation_params: bool = Field(False, description="accept the simulation knobs params.device_slowdown "
-                                          "and params.link_drop_after in requests (reliability and load runs); off, "
+    allow_simulation_params: bool = Field(False, description="accept the simulation params "
+                                          "params.device_slowdown, params.link_drop_after and "
+                                          "params.device_exit_after in requests (reliability and load runs); off, "
                                           "a request that sets one is answered 422 naming it")
     # real devices: the WebSocket endpoint /v1/device/sessions (services.device_endpoint)
     device_keys: list[str] = Field(default_factory=list, description="accepted device keys (plus "
@@ -459,7 +472,7 @@ class ImagesResponse(BaseModel):
 
 class ErrorDetail(BaseModel):
     type: str = Field(description="invalid_request, invalid_json, unauthorized, too_large, overloaded, "
-                      "starting, unavailable, timeout, internal")
+                      "starting, unavailable, timeout, killed_devices, internal")
     field: str | None = Field(None, description="the request field at fault (e.g. prompt, params.tau, size, "
                               "authorization, body)")
     message: str = Field(min_length=1)
@@ -502,6 +515,7 @@ class GenerationJob(BaseModel):
                                         "knobs; unset: the world's")
     timeout_s: float | None = Field(None, gt=0.0, description="seconds the device may spend on it (the request's "
                                     "deadline, request_timeout_s): no call to the verifier waits past it")
+    device_exit_after: OptionalInteger = DEVICE_EXIT_AFTER[1]
 
     @classmethod
     def of(cls, req: GenerationRequest, session_id: str, index: int = 0,
@@ -509,7 +523,7 @@ class GenerationJob(BaseModel):
         """Image `index` of a request: seed + index."""
         return cls(session_id=session_id, prompt=req.prompt, seed=req.seed + index, method=req.method,
                    network=req.network, collab=req.params.collab(), sampling=req.params.sampling(),
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, device_exit_after=req.params.device_exit_after)
 
 
 class GenerationOutput(BaseModel):

@@ -1,6 +1,8 @@
 """cluster/ manifests: they parse, the RayService embeds the same Serve application as serve_config.gpu.yaml (the
-sync check), secrets, GPUs and weights are wired the same way in every pod, the Dockerfile installs the project
-like the Makefile, and the application builder accepts the embedded args (graph built, no Ray started)."""
+sync check), secrets, GPUs and weights are wired the same way in every pod, the `ray up` cluster is the RayService's
+on VMs (ports, node resources, placement, GCS fault tolerance, keys from the environment), the Dockerfile installs
+the project like the Makefile, and the application builder accepts the embedded args (graph built, no Ray
+started)."""
 
 import glob
 import hashlib
@@ -13,7 +15,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(REPO, "cluster")
 SECRET_NAME = "ciar-api-keys"
-SECRET_ENV = {"CIAR_API_KEYS": "keys", "CIAR_SESSION_SECRET": "session-secret"}
+SECRET_ENV = {"CIAR_API_KEYS": "keys", "CIAR_DEVICE_KEYS": "device-keys", "CIAR_SESSION_SECRET": "session-secret"}
 REDIS_PASSWORD_KEY = "redis-password"  # the GCS fault tolerance's Redis (cluster/redis.yaml)
 APP_FIELDS = ("name", "route_prefix", "import_path", "args", "deployments", "runtime_env")
 
@@ -124,9 +126,9 @@ def test_user_configs_validate_as_live_configs(serve_v2):
 
 def test_every_container_reads_keys_and_session_secret_from_the_secret(rayservice):
     from services.app import SESSION_SECRET_ENV
-    from services.schemas import API_KEYS_ENV
+    from services.schemas import API_KEYS_ENV, DEVICE_KEYS_ENV
 
-    assert set(SECRET_ENV) == {API_KEYS_ENV, SESSION_SECRET_ENV}, "env names drifted from services/"
+    assert set(SECRET_ENV) == {API_KEYS_ENV, DEVICE_KEYS_ENV, SESSION_SECRET_ENV}, "env names drifted from services/"
     n = 0
     for group, spec, _ in _pod_specs(rayservice):
         for c in spec["containers"]:
@@ -295,6 +297,159 @@ def test_ray_up_config_validates(app_args):
     with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
         text = f.read()
     assert "ray up cluster/ray-cluster.yaml" in text and "serve deploy serve_config.gpu.yaml" in text
+
+
+# the `ray up` cluster is the RayService's on VMs ----------------------------------------------------------------
+# What must agree between cluster/rayservice.yaml and cluster/ray-cluster.yaml: the ports, what each kind of node
+# offers Ray (CPUs, GPUs, custom resources, group sizes), hence where each deployment of serve_config.gpu.yaml can
+# land (nothing on the head), the GCS's fault tolerance, and keys that come from secrets / the environment.
+
+ROLES = {"ciar_verifier": "verifier", "ciar_device": "devices"}  # a worker kind by the custom resource it declares
+RAY_UP_ENV_DIR = "~/.ciar/"  # where `ray up` copies the keys from: the user's machine, never the repository
+
+
+def _role(resources: dict) -> str:
+    (role,) = {ROLES[r] for r in resources if r in ROLES} or {"?"}
+    return role
+
+
+def _rayservice_nodes(rayservice) -> dict[str, dict]:
+    """role -> what one node offers Ray ({CPU, GPU, custom...}) and the group's min / max size."""
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["rayStartParams"]
+    out = {"head": {"offers": {"CPU": float(head["num-cpus"]), "GPU": float(head.get("num-gpus", 0)),
+                               **_declared(head)}, "min": 1, "max": 1}}
+    for g in cluster["workerGroupSpecs"]:
+        params, declared = g["rayStartParams"], _declared(g["rayStartParams"])
+        out[_role(declared)] = {"offers": {"CPU": float(params["num-cpus"]), "GPU": float(params.get("num-gpus", 0)),
+                                           **declared}, "min": g["minReplicas"], "max": g["maxReplicas"]}
+    return out
+
+
+def _ray_up_nodes(raw) -> dict[str, dict]:
+    out = {}
+    for name, t in raw["available_node_types"].items():
+        res = {k: float(v) for k, v in t["resources"].items()}
+        offers = {"CPU": res.pop("CPU"), "GPU": res.pop("GPU", 0.0), **res}
+        if name == raw["head_node_type"]:
+            out["head"] = {"offers": offers, "min": 1, "max": 1}
+        else:
+            out[_role(res)] = {"offers": offers, "min": t["min_workers"], "max": t["max_workers"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    return _load(os.path.join(CLUSTER, "ray-cluster.yaml"))
+
+
+def _start(raw, kind: str) -> str:
+    """The `ray start` command of the head (kind head) or of the workers, as the shell gets it."""
+    (cmd,) = [c for c in raw[f"{kind}_start_ray_commands"] if "ray start" in c]
+    return cmd
+
+
+def test_both_clusters_offer_the_same_nodes(rayservice, ray_up):
+    ours, theirs = _rayservice_nodes(rayservice), _ray_up_nodes(ray_up)
+    assert set(ours) == set(theirs) == {"head", "verifier", "devices"}, (ours, theirs)
+    assert ours == theirs
+    # what a `ray up` head offers is its start command's too (the autoscaler's resources override aside)
+    assert "--num-cpus=0" in _start(ray_up, "head")
+
+
+def test_every_deployment_lands_on_the_same_kind_of_node_and_none_on_the_head(rayservice, ray_up, gpu_config):
+    """Where each deployment's replicas fit, from serve_config.gpu.yaml's args: the verifiers on the GPU nodes (one
+    each), the phones on the device nodes, the Ingress replicas in what the phones leave of the device nodes: in both
+    clusters, and never on the head (a lost head takes no replica; GCS fault tolerance)."""
+    from services.schemas import AppConfig
+
+    (app,) = gpu_config["applications"]
+    cfg = AppConfig(**app["args"])
+    demand = {"Verifier": {"CPU": cfg.verifier_num_cpus, "GPU": cfg.verifier_num_gpus, **cfg.verifier_resources},
+              "Device": {"CPU": cfg.device_num_cpus, **cfg.device_resources},
+              "Ingress": {"CPU": cfg.ingress_num_cpus, **cfg.ingress_resources}}
+
+    def fits(need: dict, free: dict) -> int:
+        return min(int(free.get(k, 0) / v + 1e-9) for k, v in need.items() if v > 0)
+
+    for nodes in (_rayservice_nodes(rayservice), _ray_up_nodes(ray_up)):
+        left = {}  # role -> what a node offers after the replicas it is meant for
+        for role, node in nodes.items():
+            free = dict(node["offers"])
+            for dep in ("Verifier", "Device"):
+                n = fits(demand[dep], free)
+                free = {k: v - n * demand[dep].get(k, 0) for k, v in free.items()}
+            left[role] = free
+        where = {dep: {role for role, node in nodes.items() if fits(need, node["offers"])}
+                 for dep, need in demand.items() if dep != "Ingress"}
+        assert where == {"Verifier": {"verifier"}, "Device": {"devices"}}, where
+        assert fits(demand["Verifier"], nodes["verifier"]["offers"]) == 1, "one Verifier replica per GPU node"
+        assert fits(demand["Device"], nodes["devices"]["offers"]) * nodes["devices"]["min"] >= cfg.devices
+        ingress = {role for role, free in left.items() if fits(demand["Ingress"], free)}
+        assert ingress == {"devices"}, ingress
+        assert fits(demand["Ingress"], left["devices"]) * nodes["devices"]["min"] >= cfg.ingress_replicas >= 2
+
+
+def test_both_clusters_use_the_same_ports(rayservice, serve_v2, gpu_config, ray_up):
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    serve_port = gpu_config["http_options"]["port"]
+    assert serve_v2["http_options"]["port"] == ports["serve"] == serve_port == 8000
+    assert ports["gcs-server"] == 6379 and ports["dashboard"] == 8265
+    assert f"--port={ports['gcs-server']}" in _start(ray_up, "head")
+    assert f"--dashboard-port={ports['dashboard']}" in _start(ray_up, "head")
+    assert f"--address=$RAY_HEAD_IP:{ports['gcs-server']}" in _start(ray_up, "worker")
+    with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
+        text = f.read()
+    assert f"http://localhost:{ports['dashboard']}" in text and f"ray attach cluster/ray-cluster.yaml -p {serve_port}" \
+        in text, "the header's commands use the cluster's ports"
+
+
+def _env_file(raw, mount: str) -> str:
+    """The file a file mount copies from: on the user's machine, outside the repository."""
+    src = raw["file_mounts"][mount]
+    assert src.startswith(RAY_UP_ENV_DIR), f"{mount} must come from {RAY_UP_ENV_DIR}, not the repository: {src}"
+    return src
+
+
+def test_both_clusters_keep_the_gcs_in_redis(rayservice, ray_up):
+    """GCS fault tolerance in both: the RayService's gcsFaultToleranceOptions; the head's `ray start` with
+    RAY_REDIS_ADDRESS, --redis-password and a storage namespace, all from a file outside the repository that only the
+    head keeps; the workers wait as long for a lost GCS as the RayService's worker pods."""
+    ft = rayservice["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert ft["redisAddress"] and "valueFrom" in ft["redisPassword"]
+    head = _start(ray_up, "head")
+    _env_file(ray_up, "~/ciar-gcs.env")
+    assert ". ~/ciar-gcs.env" in head
+    for setting in ("RAY_REDIS_ADDRESS=", "--redis-password=", "RAY_external_storage_namespace="):
+        value = re.search(re.escape(setting) + r'"?(\S+?)"?(\s|$)', head)
+        assert value and value.group(1).startswith("$"), f"{setting} must come from the environment: {head}"
+    assert "RAY_REDIS_ADDRESS" not in _start(ray_up, "worker") and "redis-password" not in _start(ray_up, "worker")
+    assert any("rm -f ~/ciar-gcs.env" in c for c in ray_up["worker_setup_commands"]), "the password stays on the head"
+    waits = set()
+    for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        for c in g["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            waits.add(env.get("RAY_gcs_rpc_server_reconnect_timeout_s"))
+    (wait,) = waits
+    assert wait is not None and int(wait) >= 300, "the workers outlast a head's restart"
+    assert f"RAY_gcs_rpc_server_reconnect_timeout_s={wait}" in _start(ray_up, "worker")
+
+
+def test_ray_up_keys_come_from_the_environment(ray_up):
+    """Every `ray start` exports ~/.ciar/ciar.env (the keys the RayService's pods get from the Secret, by the same
+    names), which the header's first command writes; no key is a literal of the config."""
+    _env_file(ray_up, "~/ciar.env")
+    for kind in ("head", "worker"):
+        assert "set -a && . ~/ciar.env && set +a" in _start(ray_up, kind), kind
+    with open(os.path.join(CLUSTER, "ray-cluster.yaml")) as f:
+        text = f.read()
+    header = text[:text.index("cluster_name:")]
+    for var in SECRET_ENV:
+        assert f"{var}=%s" in header, f"the header's ciar.env does not set {var}"
+        body = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+        assert not re.search(rf"\b{var}=", body), f"{var} set literally in the config"
+    assert "ciar-dev-key" not in text and "ciar-dev-device-key" not in text
 
 
 # (e) Dockerfile --------------------------------------------------------------------------------------------

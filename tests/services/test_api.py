@@ -200,7 +200,8 @@ def test_playground_in_a_headless_browser(cluster, tmp_path):
         assert (tmp_path / shot).stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("name, value", [("device_slowdown", 50.0), ("link_drop_after", 0)])
+@pytest.mark.parametrize("name, value", [("device_slowdown", 50.0), ("link_drop_after", 0),
+                                         ("device_exit_after", 0)])
 def test_simulation_knobs_are_an_operators_not_a_clients(cluster, name, value):
     """A deployment that does not set allow_simulation_params (the shipped configs) refuses them, naming the field."""
     r = requests.post(f"{URL}/v1/images/generations", json={"prompt": PROMPT, "params": {name: value}},

@@ -1,15 +1,49 @@
 """The ingress's rule for a simulated phone lost under a job (services.app: `device_lost`, `retried`,
-`device_backoff_s`): only the death of the Device replica itself is retried, never an error its method raised.
-The retry itself runs for real in tests/services/test_multinode.py (a device node removed under load)."""
+`device_backoff_s`, `process_died`, `Ingress._device_lost`): only the death of the Device replica itself is retried,
+never an error its method raised; a job under which two phones' own processes died is given up. The retry itself runs
+for real in tests/services/test_multinode.py (a device node removed under load) and test_device_deaths.py (a phone
+killed under a job, a job that kills its phones)."""
+
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("ray")
 
+from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError  # noqa: E402
 
-from services.app import DEVICE_ATTEMPTS, device_backoff_s, device_lost, retried  # noqa: E402
+from services.app import (DEVICE_ATTEMPTS, JOB_DEVICE_DEATHS, Ingress, JobKillsDevicesError,  # noqa: E402
+                          device_backoff_s, device_lost, process_died, retried)
 from services.schemas import GenerationJob  # noqa: E402
+
+JOB = GenerationJob(session_id="abc", prompt="a red circle", seed=7, method="ciar", network="4g")
+
+
+def _died(phone: int, why: str) -> ActorDiedError:
+    """What a handle raises for a phone (a Device replica's actor) that died of `why` (Ray's death causes)."""
+    return ActorDiedError(ActorDiedErrorContext(error_message=why, actor_id=bytes([phone]) * 16, pid=1000 + phone,
+                                                class_name="ServeReplica:ciar:Device"))
+
+
+def _process(phone: int) -> ActorDiedError:
+    return _died(phone, "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+                 "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file.")
+
+
+def _node(phone: int) -> ActorDiedError:
+    return _died(phone, "The actor died because its node has died. Node Id: 0123\n\tthe actor's node was "
+                 "terminated unexpectedly: health check failed")
+
+
+class _Ingress(SimpleNamespace):
+    """What `Ingress._device_lost` reads of its replica: the phones seen dead and the error counter."""
+
+    def __init__(self):
+        super().__init__(_dead_phones={}, m_errors=SimpleNamespace(inc=lambda **kw: None))
+
+    def lost(self, e: BaseException, deaths: list[str], attempt: int = 0) -> None:
+        Ingress.func_or_class._device_lost(self, JOB, attempt, e, deaths)
 
 
 def _raised_in_a_method(exc: BaseException) -> BaseException:
@@ -35,7 +69,7 @@ def test_errors_raised_by_the_devices_method_are_not_retried():
 
 
 def test_a_retried_job_is_the_same_image_under_a_new_session_id():
-    job = GenerationJob(session_id="abc", prompt="a red circle", seed=7, method="ciar", network="4g")
+    job = JOB
     again = [retried(job, a) for a in range(1, DEVICE_ATTEMPTS)]
     assert len({j.session_id for j in again} | {job.session_id}) == DEVICE_ATTEMPTS
     for j in again:
@@ -45,3 +79,42 @@ def test_a_retried_job_is_the_same_image_under_a_new_session_id():
 def test_the_backoff_doubles_and_is_capped():
     waits = [device_backoff_s(a) for a in range(DEVICE_ATTEMPTS - 1)]
     assert waits == sorted(waits) and waits[0] > 0 and device_backoff_s(100) == max(waits)
+
+
+def test_only_a_phone_whose_own_process_died_counts_against_the_job():
+    assert process_died(_process(1))
+    for e in (_node(1), ActorDiedError(), ActorUnavailableError("the node is gone", b"\x00" * 16),
+              NodeDiedError("node lost"), _died(1, "The actor is dead because it was killed by `ray.kill`.")):
+        assert device_lost(e) and not process_died(e), e
+    assert not process_died(_raised_in_a_method(_process(1)))  # the phone's call to a dead verifier
+
+
+def test_one_phone_dying_under_a_job_runs_it_again():
+    ingress, deaths = _Ingress(), []
+    ingress.lost(_process(1), deaths)  # no error: the job runs again
+    assert len(deaths) == 1 and "pid 1001" in deaths[0] and "worker process has died" in deaths[0]
+
+
+def test_a_job_is_given_up_when_the_second_phone_dies_under_it():
+    ingress, deaths = _Ingress(), []
+    ingress.lost(_process(1), deaths)
+    with pytest.raises(JobKillsDevicesError) as caught:
+        ingress.lost(_process(2), deaths, attempt=1)
+    assert JOB_DEVICE_DEATHS == 2 < DEVICE_ATTEMPTS
+    message = str(caught.value)
+    assert "killed 2 simulated devices" in message and "likely cause is the request itself" in message
+    assert "pid 1001" in message and "pid 1002" in message  # what each phone died of
+
+
+def test_phones_lost_with_their_node_or_found_dead_are_not_blamed_on_the_job():
+    """A lost node takes several phones: a retry may reach another of them before Serve has noticed. Neither that
+    nor a phone another job saw die counts; the job keeps its DEVICE_ATTEMPTS tries."""
+    ingress, deaths = _Ingress(), []
+    ingress.lost(_node(1), deaths)
+    ingress.lost(_node(2), deaths, attempt=1)
+    ingress.lost(ActorUnavailableError("unreachable", bytes([3]) * 16), deaths, attempt=2)
+    assert deaths == []
+    other: list[str] = []
+    ingress.lost(_process(4), other)  # another job's phone
+    ingress.lost(_process(4), deaths, attempt=3)  # routed to it after its death: not this job's doing
+    assert deaths == [] and len(other) == 1
