@@ -826,17 +826,6 @@ class InProcessCloud:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         return self.verifier.verify_batch([request])[0]
 
-    def observe_costs(self, works: list) -> None:
-        """Engine hook, once per step: the replies the step's finished works gave (`Work.cost`: compute seconds,
-        forwards, whether a verification, queue wait) feed the running estimates `cost_hint` reports."""
-        for w in works:
-            cost = w.cost
-            if cost is not None and w.error is None:
-                seconds, passes, verify, queue_s = cost
-                self.reply_costs.observe(seconds, passes, verify=verify)
-                if verify:
-                    self.reply_queue.update(queue_s)
-
     def cost_hint(self) -> CostHint | None:
         return self.verifier.cost_hint()
 

@@ -83,13 +83,12 @@ def test_a_session_lost_mid_replay_is_resumed_with_identical_replies(tiny_cloud,
     assert r.resumes == 1 and r.mismatches == 0
 
 
-def test_recorded_verdicts_change_nothing_with_the_recording_weights(tiny_cloud, tiny_device, stub_text, median_tau):
-    """With the weights the traces were recorded with, every replaced decision equals the judge's own (the keys by
-    seed and image position find the right decisions: nothing changed, nothing unknown)."""
+def _replay_with_recorded_verdicts(cloud, text, traces):
+    """Every trace replayed at once on a verifier of `cloud` with the recorded verdicts installed -> (the
+    RecordedVerdicts, the ReplayResults)."""
     from ciar.collab.trace import RecordedVerdicts
 
-    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
-    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=6)
+    verifier = CloudVerifier(cloud, text, max_sessions=6)
     verdicts = RecordedVerdicts(traces).install(verifier)
     client = AsyncVerifierClient(verifier)
 
@@ -97,7 +96,15 @@ def test_recorded_verdicts_change_nothing_with_the_recording_weights(tiny_cloud,
         return await asyncio.gather(*[replay_session(t, client, f"p{j}", device_scale=0.0)
                                       for j, t in enumerate(traces)])
 
-    assert [r.mismatches for r in asyncio.run(phones())] == [0, 0, 0]
+    return verdicts, asyncio.run(phones())
+
+
+def test_recorded_verdicts_change_nothing_with_the_recording_weights(tiny_cloud, tiny_device, stub_text, median_tau):
+    """With the weights the traces were recorded with, every replaced decision equals the judge's own (the keys by
+    seed and image position find the right decisions: nothing changed, nothing unknown)."""
+    traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
+    verdicts, results = _replay_with_recorded_verdicts(tiny_cloud, stub_text, traces)
+    assert [r.mismatches for r in results] == [0, 0, 0]
     decisions = sum(len(t.prefix_tokens) + len(t.steps) + sum(len(s.burst_tokens) for s in t.steps) for t in traces)
     assert verdicts.replayed >= decisions and verdicts.changed == 0 and verdicts.unrecorded == 0
 
@@ -105,7 +112,6 @@ def test_recorded_verdicts_change_nothing_with_the_recording_weights(tiny_cloud,
 def test_recorded_verdicts_keep_random_weights_on_the_recorded_course(tiny_cloud, tiny_device, stub_text, median_tau):
     """A cloud of the same shapes with other (random) weights decides otherwise; with the recorded verdicts
     installed its replies still equal the recording, and the replacements that differed are counted."""
-    from ciar.collab.trace import RecordedVerdicts
     from ciar.models.gpt import build_gpt
 
     traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
@@ -115,15 +121,8 @@ def test_recorded_verdicts_keep_random_weights_on_the_recorded_course(tiny_cloud
     torch.nn.init.normal_(other.output.weight, std=0.3)
     plain = CloudVerifier(other.eval(), stub_text, max_sessions=2)
     assert asyncio.run(replay_session(traces[0], AsyncVerifierClient(plain), "plain", device_scale=0.0)).mismatches
-    verifier = CloudVerifier(other.eval(), stub_text, max_sessions=6)
-    verdicts = RecordedVerdicts(traces).install(verifier)
-    client = AsyncVerifierClient(verifier)
-
-    async def phones():
-        return await asyncio.gather(*[replay_session(t, client, f"p{j}", device_scale=0.0)
-                                      for j, t in enumerate(traces)])
-
-    assert [r.mismatches for r in asyncio.run(phones())] == [0, 0, 0]
+    verdicts, results = _replay_with_recorded_verdicts(other.eval(), stub_text, traces)
+    assert [r.mismatches for r in results] == [0, 0, 0]
     assert verdicts.changed > 0 and verdicts.unrecorded == 0
 
 
