@@ -258,6 +258,9 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                                                       "unrecorded": verdicts.unrecorded}
     finally:
         core.stop()
+    max_sessions = v.table.max_sessions
+    del core, client, v  # the KV cache (most of the accelerator's memory) goes before the next section
+    suite.release()
     out["points"] = points
     out["measured"] = {m: {"phones_at_slo": phones_at_slo(ps, slo_s),
                            "images_per_s_at_saturation": max((p["images_per_s"] or 0 for p in ps), default=0)}
@@ -284,7 +287,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
             per[method] = []
             for p in ps:
                 m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], network, p["seconds"],
-                             warmup_s, eng, max_sessions=v.table.max_sessions)  # the measured window's length
+                             warmup_s, eng, max_sessions=max_sessions)  # the measured window's length
                 per[method].append({
                     "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
                     "measured_over_predicted_images_per_s":

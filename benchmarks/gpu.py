@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -120,7 +121,9 @@ class Suite:
             torch.cuda.synchronize()
 
     def release(self) -> None:
-        """Give the allocator's cached blocks back (between sections that each need much of the memory)."""
+        """Give the allocator's cached blocks back (between sections that each need much of the memory); a verifier
+        and its engine refer to each other, so their KV cache goes only with a collection of the cycle."""
+        gc.collect()
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()
 
