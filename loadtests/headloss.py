@@ -22,7 +22,7 @@ Each run (`ft`, then `control`) starts, in process groups of its own and on loop
    replica actors' names every --probe-interval seconds (a process of its own: a driver exits when its GCS is gone
    past its reconnect timeout, and aborts when a restarted GCS without Redis refuses its cluster id);
 4. steady load: --concurrency clients, each sending one request after another (/v1/images/generations,
-   response_format "tokens", every other one streamed, CIAR at its fixed point: `reliability._jobs`), with
+   response_format "tokens", every other one streamed, CIAR at its fixed point: `loadtests.jobs.make_jobs`), with
    --warmup seconds before the kill, --outage seconds with the GCS down (SIGKILL to `gcs_server`), then the GCS
    started again from the command line, environment and folder it ran with (read from /proc before the kill; on a
    bare machine nothing restarts it: on Kubernetes, KubeRay restarts the head pod), and --after seconds of load
@@ -695,7 +695,7 @@ def run_once(mode: str, app: dict, args, out: str, token: str, jobs: list[dict],
     import ray
     from ray import serve
 
-    from loadtests.reliability import Client
+    from loadtests.jobs import Client
     from loadtests.run import client_key, wait_healthy
     from services.deploy import PATIENT_SERVE_ENV, deploy_config
     from services.schemas import AppConfig
@@ -1013,13 +1013,13 @@ def main(argv: list[str] | None = None) -> int:
         print("redis-server is not on PATH: run `make redis` (Debian's redis-server)", file=sys.stderr)
         return 2
 
-    from loadtests.reliability import DEFAULT_SETS, _jobs
+    from loadtests.jobs import DEFAULT_SETS, make_jobs
     from loadtests.run import apply_overrides, load_app_config, use_weights
 
     app = apply_overrides(load_app_config(args.config), [*DEFAULT_SETS, *args.sets])
     app["args"]["devices"] = args.devices
     use_weights(app, args.weights or os.environ.get("CIAR_WEIGHTS") or os.path.join(REPO, "weights", "scenes-v2"))
-    jobs = _jobs(MAX_JOBS, args.seed)
+    jobs = make_jobs(MAX_JOBS, args.seed)
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     given = argv if argv is not None else sys.argv[1:]

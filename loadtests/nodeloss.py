@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from loadtests.plan import percentile
-from loadtests.reliability import DEFAULT_SETS, Client, _jobs
+from loadtests.jobs import DEFAULT_SETS, Client, make_jobs
 from loadtests.run import (REPO, apply_overrides, client_key, free_port, load_app_config, serve_actors,
                            use_weights, wait_healthy)
 
@@ -284,8 +284,8 @@ def run(app: dict, out_dir: str, http: int, streams: int, sockets: int, socket_i
                 verifier_resources={"ciar_verifier": 1}, device_resources={"ciar_device": 1},
                 ingress_resources={"ciar_ingress": 1}, device_num_cpus=args.get("device_num_cpus", 0.25))
     key = client_key(app)
-    bodies = _jobs(http, seed)
-    stream_bodies = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in _jobs(streams, seed + 1)]
+    bodies = make_jobs(http, seed)
+    stream_bodies = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in make_jobs(streams, seed + 1)]
     report: dict = {"layout": {"head": "controller, proxy, Ingress (ciar_ingress)", "verifier_nodes": 2,
                                "device_nodes": 2, "devices_per_node": devices_per_node},
                     "workload": {"http": http, "streams": streams, "sockets": sockets,

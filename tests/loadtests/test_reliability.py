@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from loadtests import fuzz, reliability
+from loadtests.jobs import make_jobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
@@ -52,8 +53,8 @@ def test_keys_in_logs_counts_every_occurrence(tmp_path):
 
 
 def test_request_mix_and_tally():
-    jobs = reliability._jobs(8, seed=3)
-    assert jobs == reliability._jobs(8, seed=3) and len({j["method"] for j in jobs}) == 4
+    jobs = make_jobs(8, seed=3)
+    assert jobs == make_jobs(8, seed=3) and len({j["method"] for j in jobs}) == 4
     res = [{"code": 200, "degraded": True}, {"code": 200}, {"code": 503, "error": "busy"}, {"code": None,
                                                                                             "error": "Timeout"}]
     c = reliability._count(res)

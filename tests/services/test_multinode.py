@@ -78,11 +78,11 @@ def test_an_image_crosses_the_nodes_and_equals_the_in_process_one(nodes):
 
 def test_losing_a_verifier_node_and_a_device_node_at_once_under_load_loses_no_image(nodes):
     from loadtests.nodeloss import compare, lose_under_load, workload
-    from loadtests.reliability import Client, _jobs
+    from loadtests.jobs import Client, make_jobs
 
     cl, client = nodes["cluster"], Client(f"http://127.0.0.1:{PORT}", KEY)
-    bodies = _jobs(6, seed=11)
-    streams = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in _jobs(2, seed=12)]
+    bodies = make_jobs(6, seed=11)
+    streams = [{**b, "method": "ciar", "params": {"policy": "fixed"}} for b in make_jobs(2, seed=12)]
     base, wall = workload(client, bodies, streams, 4, None)
     assert compare(base, base)["lost"] == 0, compare(base, base)
     target = {"Verifier": 2, "Device": 2 * DEVICES_PER_NODE, "Ingress": 1}
