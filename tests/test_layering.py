@@ -62,3 +62,53 @@ def test_the_check_sees_every_kind_of_import():
                      "from . import run\nfrom .run import Cluster\n")
     assert sorted(m for _, m in imported_modules(tree)) == ["benchmarks", "benchmarks", "benchmarks.collab",
                                                             "benchmarks.collab", "benchmarks.decode"]
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """package's modules -> the modules of the same package each imports (at any depth, as above)."""
+    mods = {os.path.relpath(p, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__"): p
+            for p in python_files(package)}
+    graph = {}
+    for mod, path in mods.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+        names = [name for _, name in imported_modules(tree)]
+        for node in ast.walk(tree):  # `from pkg import submodule` imports the submodule
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names += [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+        deps = set()
+        for name in names:
+            while name and name not in mods:  # `from loadtests.run import Cluster` -> loadtests.run
+                name = name.rpartition(".")[0]
+            if name and name != mod and name != package and not mod.startswith(name + "."):
+                deps.add(name)  # (a module's own package runs first anyway: not an edge back to it)
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle (one path each), by depth-first search."""
+    found, state = [], {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                found.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+@pytest.mark.parametrize("package", ["loadtests", "services", "benchmarks"])
+def test_no_import_cycles_between_modules(package):
+    assert cycles(module_graph(package)) == []
+
+
+def test_the_cycle_check_finds_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
