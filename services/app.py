@@ -45,8 +45,8 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from ciar.collab.decoder import check_method_overrides
 from ciar.collab.defaults import UncalibratedError
+from ciar.collab.knobs import check_method_overrides
 from ciar.collab.protocol import CapacityError, CloudUnreachableError, ForwardFault
 from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS

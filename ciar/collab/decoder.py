@@ -44,7 +44,7 @@ import torch
 from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel, TorchRuntime
 from ciar.collab.gating import GATES
-from ciar.collab.knobs import KNOBS
+from ciar.collab.knobs import KNOBS, check_method_overrides
 from ciar.collab.names import METHODS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.protocol import CloudClient, RuleConfig, VerifyRequest
@@ -168,16 +168,6 @@ def shared_knobs(method: str, knobs: dict) -> dict:
     if method in ("cloud", "code"):
         out.pop("prefix_rate", None)
     return out
-
-
-def check_method_overrides(method: str, overrides: dict) -> None:
-    """The rules that tie knobs to a method (each knob's own range is `ciar.collab.knobs`'): ValueError for an unknown
-    method, or for "cloud" with a prefix rate other than 1 (it makes every token on the cloud). The HTTP ingress
-    checks a request with this before any device runs it; `method_config` applies it to every config."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
-        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")
 
 
 def method_config(method: str, **overrides) -> CollabConfig:

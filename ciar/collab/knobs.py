@@ -28,7 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from ciar.collab.names import GATES
+from ciar.collab.names import GATES, METHODS
 
 
 @dataclass(frozen=True)
@@ -135,3 +135,14 @@ KNOBS: dict[str, Knob] = {k.name: k for k in _KNOBS}
 REQUEST_KNOBS = tuple(k.name for k in _KNOBS if k.request)
 LIVE_KNOBS = tuple(k.name for k in _KNOBS if k.live)
 SIMULATION_KNOBS = tuple(k.name for k in _KNOBS if k.simulation)
+
+
+def check_method_overrides(method: str, overrides: dict) -> None:
+    """The rules that tie knobs to a method (each knob's own range is above): ValueError for an unknown method, or for
+    "cloud" with a prefix rate other than 1 (it makes every token on the cloud). The HTTP ingress checks a request
+    with this before any device runs it (without importing the decoder); `method_config` applies it to every
+    config."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
+        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")

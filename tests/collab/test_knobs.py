@@ -82,3 +82,18 @@ def test_a_request_config_is_validated_once(monkeypatch, tiny_device, tiny_cloud
     assert not replace(cfg, span=3).validated
     with pytest.raises(ValueError, match="span"):
         CollabDecoder(tiny_device, None, replace(cfg, span=64), SamplingParams())
+
+
+def test_the_method_rules_live_with_the_knobs():
+    """What the HTTP ingress checks before a device runs a job, without the decoder: an unknown method, and
+    cloud-only with a prefix rate below 1."""
+    import pytest
+
+    from ciar.collab.knobs import check_method_overrides
+
+    check_method_overrides("ciar", {"tau": 0.2})
+    check_method_overrides("cloud", {"prefix_rate": 1.0})
+    with pytest.raises(ValueError, match="unknown method"):
+        check_method_overrides("nope", {})
+    with pytest.raises(ValueError, match="prefix_rate must be 1"):
+        check_method_overrides("cloud", {"prefix_rate": 0.5})
