@@ -31,10 +31,8 @@ import json
 import logging
 import math
 import os
-import re
 import time
 import uuid
-from collections import OrderedDict
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -53,6 +51,7 @@ from ciar.collab.names import METHODS
 from services import web
 from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause, within
+from services.device_retry import JobKillsDevicesError, LostPhones
 from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
                               GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.routing import ROUTER_CLASS
@@ -115,58 +114,6 @@ GENERATION_RESPONSES = {
 GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}}
 BEARER = [{"bearerAuth": []}]
-
-
-# tries of one image when its simulated phone is lost under it (Ingress._on_device), waiting 0.5, 1, 2, 4 s between
-# (Serve's routers learn of the dead replicas meanwhile; with none left, the call waits for a new one): a lost node
-# may take several phones at once, and a retry may be routed to another of them before Serve has noticed
-DEVICE_ATTEMPTS = 5
-DEVICE_RETRY_BACKOFF_S = 0.5
-# phones whose own process died under one job before it is given up (500, JobKillsDevicesError): a phone dies under a
-# job now and then (and the job deserves another); a second that dies under the same job points at the job itself
-# (an input that exhausts a device's memory), which would otherwise take DEVICE_ATTEMPTS phones with it
-JOB_DEVICE_DEATHS = 2
-# Ray's death cause of an actor whose worker process died (on a live node); a lost node's reads "its node has died",
-# and a phone lost with its node is never blamed on the job (the call found it gone, or its node went under it)
-WORKER_DIED = "its worker process has died"
-DEAD_PHONES_KEPT = 1024  # the dead phones an ingress remembers (Ingress._dead_phones)
-
-
-def device_backoff_s(attempt: int) -> float:
-    return DEVICE_RETRY_BACKOFF_S * 2 ** min(attempt, 3)
-
-
-def device_lost(e: BaseException) -> bool:
-    """The Device replica itself is gone (its worker process or its node died: the actor errors a handle raises),
-    as opposed to an error raised by the device's method, which Ray wraps in RayTaskError (a subclass of both)."""
-    from ray.exceptions import NodeDiedError, RayActorError, RayTaskError, WorkerCrashedError
-
-    return isinstance(e, (RayActorError, NodeDiedError, WorkerCrashedError)) and not isinstance(e, RayTaskError)
-
-
-def process_died(e: BaseException) -> bool:
-    """The lost phone's own worker process died (Ray's death cause says so), its node alive: the kind of death a job
-    can cause. Not a lost node, a phone killed by `ray.kill`, nor one Ray could not yet say why it is unreachable."""
-    from ray.exceptions import ActorDiedError
-
-    return device_lost(e) and isinstance(e, ActorDiedError) and WORKER_DIED in str(e)
-
-
-def _death_detail(e: BaseException) -> str:
-    """What a phone's death cause says, short: its pid and the first sentence of Ray's worker exit detail."""
-    text = str(e)
-    pid = re.search(r"\bpid: (\d+)", text)
-    said = text.split(WORKER_DIED, 1)[-1].strip(" .\n").split(". ")[0]
-    return f"{'pid ' + pid.group(1) + ': ' if pid else ''}{WORKER_DIED}: {said}"[:240]
-
-
-class JobKillsDevicesError(RuntimeError):
-    """The simulated phones of one job died under it JOB_DEVICE_DEATHS times: most likely the job kills them."""
-
-
-def retried(job: GenerationJob, attempt: int) -> GenerationJob:
-    """The job again under a session id of its own (the lost attempt's verifier session may still be open)."""
-    return job.model_copy(update={"session_id": f"{job.session_id}-r{attempt}"})
 
 
 def openapi_schema(world: dict | None = None, max_images: int | None = None,
@@ -250,9 +197,6 @@ class Ingress:
         self._verifier_seen = -math.inf
         self._probe: asyncio.Task | None = None
         self._started = False
-        # phones whose death some job saw (Ray actor ids, the latest DEAD_PHONES_KEPT): a call routed to one of them
-        # before the router learnt of its death finds it dead, which the job is not to blame for
-        self._dead_phones: OrderedDict[str, None] = OrderedDict()
         self.allow_simulation_params = allow_simulation_params
         self.max_images = max_images
         # the served world (alias, size) as a device reports it; asked once, in the background (a device serves one
@@ -294,6 +238,7 @@ class Ingress:
         self.m_device_events = metrics.Counter("ciar_device_endpoint_events_total", description="device endpoint: "
                                                "frames by type, errors by status, closes by code, refused keys",
                                                tag_keys=("event", "label"))
+        self.phones = LostPhones(lambda: self.m_errors.inc(tags={"kind": "device_lost"}))  # simulated phones lost
         # real devices over the WebSocket endpoint, against the same verifier pool as the simulated devices
         from services.schemas import DeviceEndpointConfig
 
@@ -563,48 +508,18 @@ class Ingress:
         return self._render(req, jobs, outs)
 
     async def _on_device(self, job: GenerationJob) -> GenerationOutput:
-        """One image on a simulated phone. A phone that dies under the job (its process, or the node it ran on)
-        does not lose it: the job runs again, from its start, on a live one (Serve routes around the dead replica
-        and starts a new one), up to DEVICE_ATTEMPTS times within the request's deadline. The image is a function
-        of the request and seed, not of the phone, so the retried job makes the very image the lost one would
-        have; its session id is new (the lost phone's verifier session, if any, is left to the idle timeout).
-        A job under which JOB_DEVICE_DEATHS phones' own processes died is not run again (`_device_lost`)."""
-        deaths: list[str] = []  # what each phone that died under this job died of
-        for attempt in range(DEVICE_ATTEMPTS):
+        """One image on a simulated phone; a phone that dies under the job does not lose it: the job runs again
+        from its start on a live one (`services.device_retry`: up to DEVICE_ATTEMPTS tries within the request's
+        deadline, the same image under a new session id; a job that kills two phones is given up)."""
+        tries = self.phones.attempts(job)
+        while True:
             try:
-                out = await self.device.generate.remote(job if attempt == 0 else retried(job, attempt))
-            except Exception as e:  # noqa: BLE001 - only a lost phone is retried
-                if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
-                    raise
-                self._device_lost(job, attempt, e, deaths)
-                await asyncio.sleep(device_backoff_s(attempt))
+                out = await self.device.generate.remote(tries.current)
+            except Exception as e:  # noqa: BLE001 - only a lost phone is retried (tries.lost re-raises the rest)
+                await tries.lost(e)
                 continue
-            if attempt:
-                out.stats["device_retries"] = attempt
+            tries.stamp(out.stats)
             return out
-        raise AssertionError("unreachable")
-
-    def _device_lost(self, job: GenerationJob, attempt: int, e: BaseException, deaths: list[str]) -> None:
-        """The job's phone was lost under its attempt `attempt` (`e`, a `device_lost` error): counted, then either
-        the job runs again, or, when this was the JOB_DEVICE_DEATHS-th phone whose own process died under it (a
-        phone this ingress had not yet seen dead), JobKillsDevicesError ends it. `deaths` holds the job's deaths."""
-        self.m_errors.inc(tags={"kind": "device_lost"})
-        phone = getattr(e, "actor_id", None)
-        if process_died(e) and (phone is None or phone not in self._dead_phones):
-            deaths.append(_death_detail(e))
-        if phone is not None:
-            self._dead_phones[phone] = None
-            while len(self._dead_phones) > DEAD_PHONES_KEPT:
-                self._dead_phones.popitem(last=False)
-        if len(deaths) >= JOB_DEVICE_DEATHS:
-            logger.error("job %s: %d simulated devices died under it (%s); the job itself is the likely cause: not "
-                         "run again", job.session_id, len(deaths), "; ".join(deaths))
-            raise JobKillsDevicesError(
-                f"the job killed {len(deaths)} simulated devices: each one's process died while it ran the job "
-                f"({'; '.join(deaths)}); the likely cause is the request itself (e.g. an input that exhausts a "
-                "device's memory), so it is not run again") from e
-        logger.warning("job %s: its simulated device was lost (%s); running it again on another (attempt %d of %d)",
-                       job.session_id, type(e).__name__, attempt + 2, DEVICE_ATTEMPTS)
 
     async def _resolve(self, req: GenerationRequest) -> tuple[GenerationRequest, JSONResponse | None]:
         """The OpenAI fields checked against this deployment: -> (the request with `model` applied, None) or
@@ -744,22 +659,17 @@ class Ingress:
         try:
             deadline = time.monotonic() + self.timeout_s  # the request's deadline holds for the stream too
             sent = -1  # tokens_done of the last progress event sent
-            attempt = 0
-            deaths: list[str] = []  # what each phone that died under this job died of
-            gen = self.device.options(stream=True).generate_stream.remote(job)
+            tries = self.phones.attempts(job)
+            gen = self.device.options(stream=True).generate_stream.remote(tries.current)
             while True:
                 try:
                     ev = await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
                 except Exception as e:  # noqa: BLE001 - a lost phone: as _on_device, the job runs again elsewhere
-                    if not device_lost(e) or attempt + 1 == DEVICE_ATTEMPTS:
-                        raise
-                    self._device_lost(job, attempt, e, deaths)
-                    await asyncio.sleep(device_backoff_s(attempt))
-                    attempt += 1
+                    await tries.lost(e)
                     # the same image again from its start: the progress already sent is not repeated
-                    gen = self.device.options(stream=True).generate_stream.remote(retried(job, attempt))
+                    gen = self.device.options(stream=True).generate_stream.remote(tries.current)
                     continue
                 if isinstance(ev, ProgressEvent):
                     if ev.tokens_done <= sent:
@@ -770,8 +680,7 @@ class Ingress:
                         data["preview_b64"] = base64.b64encode(ev.preview_png).decode()
                     yield sse("progress", data)
                 else:
-                    if attempt:
-                        ev.stats["device_retries"] = attempt
+                    tries.stamp(ev.stats)
                     self._observe(req, [ev.stats], 200)
                     yield sse("result", self._images(req, [job], [ev], who=True))
         except Exception as e:  # noqa: BLE001 - reported in the stream (headers are already sent)

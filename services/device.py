@@ -17,7 +17,7 @@ call to the verifier has a deadline (`verifier_call_timeout_s`, and the request'
 the call is cancelled and the cloud counts as unreachable (`CloudTimeoutError`), so a generation never waits forever
 and leaves nothing holding a verifier slot. A simulated poison job (`params.device_exit_after`) ends the phone's
 process mid-image (`os._exit`), as an input that exhausts its memory would: the ingress's rule for a job whose phones
-die under it is tested with it (services.app.Ingress._on_device).
+die under it is tested with it (services.device_retry).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ serve = pytest.importorskip("ray.serve")
 requests = pytest.importorskip("requests")
 
 from ciar.testing import write_random_world  # noqa: E402
-from services.app import JOB_DEVICE_DEATHS  # noqa: E402
+from services.device_retry import JOB_DEVICE_DEATHS  # noqa: E402
 from services.deploy import deploy_config  # noqa: E402
 
 PORT = 8137

@@ -1,10 +1,8 @@
-"""The ingress's rule for a simulated phone lost under a job (services.app: `device_lost`, `retried`,
-`device_backoff_s`, `process_died`, `Ingress._device_lost`): only the death of the Device replica itself is retried,
+"""The ingress's rule for a simulated phone lost under a job (`services.device_retry`: `device_lost`, `retried`,
+`device_backoff_s`, `process_died`, `JobAttempts`): only the death of the Device replica itself is retried,
 never an error its method raised; a job under which two phones' own processes died is given up. The retry itself runs
 for real in tests/services/test_multinode.py (a device node removed under load) and test_device_deaths.py (a phone
 killed under a job, a job that kills its phones)."""
-
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,8 +11,8 @@ pytest.importorskip("ray")
 from ray.core.generated.common_pb2 import ActorDiedErrorContext  # noqa: E402
 from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, RayTaskError  # noqa: E402
 
-from services.app import (DEVICE_ATTEMPTS, JOB_DEVICE_DEATHS, Ingress, JobKillsDevicesError,  # noqa: E402
-                          device_backoff_s, device_lost, process_died, retried)
+from services.device_retry import (DEVICE_ATTEMPTS, JOB_DEVICE_DEATHS, JobKillsDevicesError,  # noqa: E402
+                                  LostPhones, device_backoff_s, device_lost, process_died, retried)
 from services.schemas import GenerationJob  # noqa: E402
 
 JOB = GenerationJob(session_id="abc", prompt="a red circle", seed=7, method="ciar", network="4g")
@@ -36,14 +34,23 @@ def _node(phone: int) -> ActorDiedError:
                  "terminated unexpectedly: health check failed")
 
 
-class _Ingress(SimpleNamespace):
-    """What `Ingress._device_lost` reads of its replica: the phones seen dead and the error counter."""
+class _Ingress:
+    """One ingress's lost phones, and a job's tries counted through them (`JobAttempts.count`, the decision
+    `JobAttempts.lost` takes after its backoff check); `jobs` the tries of each job by a name."""
 
     def __init__(self):
-        super().__init__(_dead_phones={}, m_errors=SimpleNamespace(inc=lambda **kw: None))
+        self.losses = 0
+        self.phones = LostPhones(on_lost=self._counted)
+        self.jobs: dict[str, object] = {}
 
-    def lost(self, e: BaseException, deaths: list[str], attempt: int = 0) -> None:
-        Ingress.func_or_class._device_lost(self, JOB, attempt, e, deaths)
+    def _counted(self) -> None:
+        self.losses += 1
+
+    def lost(self, e: BaseException, job: str = "job", attempt: int = 0) -> list[str]:
+        tries = self.jobs.setdefault(job, self.phones.attempts(JOB))
+        tries.attempt = attempt
+        tries.count(e)
+        return tries.deaths
 
 
 def _raised_in_a_method(exc: BaseException) -> BaseException:
@@ -90,16 +97,17 @@ def test_only_a_phone_whose_own_process_died_counts_against_the_job():
 
 
 def test_one_phone_dying_under_a_job_runs_it_again():
-    ingress, deaths = _Ingress(), []
-    ingress.lost(_process(1), deaths)  # no error: the job runs again
+    ingress = _Ingress()
+    deaths = ingress.lost(_process(1))  # no error: the job runs again
     assert len(deaths) == 1 and "pid 1001" in deaths[0] and "worker process has died" in deaths[0]
+    assert ingress.losses == 1
 
 
 def test_a_job_is_given_up_when_the_second_phone_dies_under_it():
-    ingress, deaths = _Ingress(), []
-    ingress.lost(_process(1), deaths)
+    ingress = _Ingress()
+    ingress.lost(_process(1))
     with pytest.raises(JobKillsDevicesError) as caught:
-        ingress.lost(_process(2), deaths, attempt=1)
+        ingress.lost(_process(2), attempt=1)
     assert JOB_DEVICE_DEATHS == 2 < DEVICE_ATTEMPTS
     message = str(caught.value)
     assert "killed 2 simulated devices" in message and "likely cause is the request itself" in message
@@ -109,12 +117,39 @@ def test_a_job_is_given_up_when_the_second_phone_dies_under_it():
 def test_phones_lost_with_their_node_or_found_dead_are_not_blamed_on_the_job():
     """A lost node takes several phones: a retry may reach another of them before Serve has noticed. Neither that
     nor a phone another job saw die counts; the job keeps its DEVICE_ATTEMPTS tries."""
-    ingress, deaths = _Ingress(), []
-    ingress.lost(_node(1), deaths)
-    ingress.lost(_node(2), deaths, attempt=1)
-    ingress.lost(ActorUnavailableError("unreachable", bytes([3]) * 16), deaths, attempt=2)
-    assert deaths == []
-    other: list[str] = []
-    ingress.lost(_process(4), other)  # another job's phone
-    ingress.lost(_process(4), deaths, attempt=3)  # routed to it after its death: not this job's doing
-    assert deaths == [] and len(other) == 1
+    ingress = _Ingress()
+    ingress.lost(_node(1))
+    ingress.lost(_node(2), attempt=1)
+    assert ingress.lost(ActorUnavailableError("unreachable", bytes([3]) * 16), attempt=2) == []
+    assert len(ingress.lost(_process(4), job="other")) == 1  # another job's phone
+    assert ingress.lost(_process(4), attempt=3) == []  # routed to it after its death: not this job's doing
+    assert ingress.losses == 5
+
+
+def test_a_job_s_tries_re_raise_what_is_not_a_lost_phone_and_stamp_their_retries():
+    import asyncio
+
+    from services import device_retry
+
+    tries = LostPhones().attempts(JOB)
+    with pytest.raises(ValueError):
+        asyncio.run(tries.lost(ValueError("the method raised")))
+    assert tries.current is JOB and tries.attempt == 0
+    waits = []
+
+    async def no_wait(s):
+        waits.append(s)
+
+    real, device_retry.asyncio.sleep = device_retry.asyncio.sleep, no_wait
+    try:
+        asyncio.run(tries.lost(_node(1)))
+    finally:
+        device_retry.asyncio.sleep = real
+    assert tries.attempt == 1 and tries.current.session_id == retried(JOB, 1).session_id and waits == [
+        device_backoff_s(0)]
+    stats = {}
+    tries.stamp(stats)
+    assert stats == {"device_retries": 1}
+    tries.attempt = DEVICE_ATTEMPTS - 1  # the last try: a lost phone is raised
+    with pytest.raises(type(_node(2))):
+        asyncio.run(tries.lost(_node(2)))
