@@ -52,6 +52,7 @@ from services import web
 from services.device import Device
 from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause, within
 from services.device_retry import JobKillsDevicesError, LostPhones
+from services.metrics import IngressMetrics
 from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
                               GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.routing import ROUTER_CLASS
@@ -207,45 +208,15 @@ class Ingress:
         self.open = allow_unauthenticated and not key_hashes
         self.retry_after_s = retry_after_s
         self.timeout_s = request_timeout_s
-        from ray.serve import metrics
-
-        self.m_requests = metrics.Counter("ciar_requests_total", description="generation requests",
-                                          tag_keys=("method", "code"))
-        self.m_errors = metrics.Counter("ciar_request_errors_total", description="failed requests",
-                                        tag_keys=("kind",))
-        self.m_cloud = metrics.Counter("ciar_cloud_calls_total", description="device -> cloud round trips",
-                                       tag_keys=("method",))
-        self.m_degraded = metrics.Counter("ciar_degraded_total", description="images finished on the device alone "
-                                          "after the cloud became unreachable", tag_keys=("method",))
-        self.m_accept = metrics.Histogram("ciar_accepted_length", description="mean accepted length per image",
-                                          boundaries=[1, 1.5, 2, 3, 4, 6, 8, 16], tag_keys=("method",))
-        self.m_latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
-                                           boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
-                                           tag_keys=("method", "part"))
-        self.m_handovers = metrics.Counter("ciar_handovers_total", description="images the adaptive policy gave to "
-                                           "the cloud whole", tag_keys=("method",))
-        self.m_adapted = metrics.Counter("ciar_adapted_images_total", description="images the adaptive policy "
-                                         "made at another span / burst than the calibrated one, or on the cloud whole",
-                                         tag_keys=("method",))
-        self.m_overloaded = metrics.Counter("ciar_overloaded_images_total", description="images whose gate ran at a "
-                                            "raised tau because the verifier was past overload_verifier_s "
-                                            "(graceful degradation)", tag_keys=("method",))
-        self.m_costs = metrics.Histogram("ciar_observed_cost_seconds", description="per image, the costs its device "
-                                         "observed: verifier queue wait (summed), and under the adaptive policy its "
-                                         "estimates of the link latency, the cloud step and the device step",
-                                         boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1],
-                                         tag_keys=("method", "cost"))
-        self.m_device_events = metrics.Counter("ciar_device_endpoint_events_total", description="device endpoint: "
-                                               "frames by type, errors by status, closes by code, refused keys",
-                                               tag_keys=("event", "label"))
-        self.phones = LostPhones(lambda: self.m_errors.inc(tags={"kind": "device_lost"}))  # simulated phones lost
+        self.metrics = IngressMetrics()
+        self.phones = LostPhones(lambda: self.metrics.error("device_lost"))  # simulated phones lost
         # real devices over the WebSocket endpoint, against the same verifier pool as the simulated devices
         from services.schemas import DeviceEndpointConfig
 
         self.endpoint = None if verifier is None else DeviceEndpoint(
             RayVerifierBackend(verifier, verifier_call_timeout_s), device_key_hashes or [],
             DeviceEndpointConfig(**(endpoint or {})).limits(retry_after_s),
-            observe=lambda event, label: self.m_device_events.inc(tags={"event": event, "label": label}))
+            observe=self.metrics.device_event)
 
     # ------------------------------------------------------------------ auth / limits
     def _authorized(self, request: Request) -> bool:
@@ -258,14 +229,14 @@ class Ingress:
         return any(hmac.compare_digest(digest, h) for h in self.key_hashes)
 
     def _unauthorized(self) -> JSONResponse:
-        self.m_errors.inc(tags={"kind": "unauthorized"})
+        self.metrics.error("unauthorized")
         r = error_body(401, "missing or invalid API key (Authorization: Bearer <key>)", field="authorization",
                        kind="unauthorized")
         r.headers["WWW-Authenticate"] = "Bearer"
         return r
 
     def _overloaded(self, message: str, kind: str = "overloaded") -> JSONResponse:
-        self.m_errors.inc(tags={"kind": kind})
+        self.metrics.error(kind)
         r = error_body(503, message, kind=kind)
         r.headers["Retry-After"] = str(self.retry_after_s)
         return r
@@ -459,7 +430,7 @@ class Ingress:
             return await self._generations(request)
         except Exception as e:  # noqa: BLE001 - never a bare 500: name the error, log the traceback
             logger.exception("unhandled error in the generations handler")
-            self.m_errors.inc(tags={"kind": "internal"})
+            self.metrics.error("internal")
             return error_body(500, f"internal error: {type(e).__name__}", kind="internal")
 
     async def _generations(self, request: Request):
@@ -560,11 +531,11 @@ class Ingress:
             return isinstance(e, kind) or isinstance(cause, kind)
 
         def counted(code: int) -> None:
-            self.m_requests.inc(tags={"method": req.method, "code": str(code)})
+            self.metrics.request(req.method, code)
 
         if isinstance(e, JobKillsDevicesError):
             counted(500)
-            self.m_errors.inc(tags={"kind": "killed_devices"})
+            self.metrics.error("killed_devices")
             return error_body(500, str(e), kind="killed_devices")
         if caused_by(BackPressureError):
             counted(503)
@@ -581,7 +552,7 @@ class Ingress:
                                     kind="unavailable")
         if isinstance(e, asyncio.TimeoutError):
             counted(504)
-            self.m_errors.inc(tags={"kind": "timeout"})
+            self.metrics.error("timeout")
             r = error_body(504, f"generation did not finish within {self.timeout_s:g} s (request_timeout_s); nothing "
                            "is kept of it: retry after Retry-After seconds", kind="timeout")
             r.headers["Retry-After"] = str(self.retry_after_s)
@@ -594,36 +565,14 @@ class Ingress:
             return error_body(422, str(cause), field="params.tau")
         logger.exception("generation failed: %s", type(e).__name__)
         counted(500)
-        self.m_errors.inc(tags={"kind": "internal"})
+        self.metrics.error("internal")
         return error_body(500, f"generation failed: {type(cause).__name__}", kind="internal")
 
     def _observe(self, req: GenerationRequest, images: list[dict], code: int) -> None:
         """One request answered `code`, with these images' stats."""
-        self.m_requests.inc(tags={"method": req.method, "code": str(code)})
+        self.metrics.request(req.method, code)
         for stats in images:
-            self._observe_image(req.method, stats)
-
-    def _observe_image(self, m: str, stats: dict) -> None:
-        if stats.get("cloud_requests"):  # Ray counters refuse increments <= 0
-            self.m_cloud.inc(stats["cloud_requests"], tags={"method": m})
-        if stats.get("degraded"):
-            self.m_degraded.inc(tags={"method": m})
-        if stats.get("handovers"):
-            self.m_handovers.inc(tags={"method": m})
-        if stats.get("adapted"):
-            self.m_adapted.inc(tags={"method": m})
-        if stats.get("overloaded"):
-            self.m_overloaded.inc(tags={"method": m})
-        for cost, key in (("queue", "queue_s"), ("link_latency", "est_link_latency_s"),
-                          ("cloud_step", "est_cloud_step_s"), ("device_step", "est_device_step_s")):
-            if stats.get(key):  # 0: not observed (fixed policy, or no verify request)
-                self.m_costs.observe(stats[key], tags={"method": m, "cost": cost})
-        if stats.get("mean_accepted_length") is not None:
-            self.m_accept.observe(stats["mean_accepted_length"], tags={"method": m})
-        for part, key in (("device", "device_s"), ("cloud", "cloud_s"), ("comm", "comm_s"), ("total", "total_s"),
-                          ("wall", "wall_s")):
-            if stats.get(key) is not None:
-                self.m_latency.observe(stats[key], tags={"method": m, "part": part})
+            self.metrics.image(req.method, stats)
 
     def _render(self, req: GenerationRequest, jobs: list[GenerationJob], outs: list[GenerationOutput]):
         if req.response_format == "png":  # n = 1 (_resolve)
