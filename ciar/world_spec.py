@@ -1,22 +1,28 @@
-"""One description of a world for every entry point: the embedded scenes world, or a LlamaGen world from local files.
+"""One description of a world for every entry point: the embedded scenes world, or a LlamaGen / Anole world from
+files on the Hugging Face Hub or local ones.
 
     spec = read_world("worlds/llamagen-xl-stage1.yaml")   # a YAML / JSON file, a dict, or None (the shipped world)
     world = load_world(spec, device="cuda")                # ciar.world.World: GPT, VQ, caption encoder, device model
     side = load_device_side(spec)                          # what a phone loads: device model + VQ decoder
 
 A world file is small and validated (pydantic, unknown keys refused, every named file checked before anything loads,
-the missing one named with its field). Relative paths are taken relative to the file. Three kinds:
+the missing one named with its field). Relative paths are taken relative to the file. Any file or folder field may
+instead name the Hub: `hf://OWNER/REPO[@REVISION]/PATH` (a file), `hf://OWNER/REPO[@REVISION]` (a snapshot, e.g. a
+transformers folder), resolved into huggingface_hub's standard cache before the checks (`ciar.hub`: HF_HOME,
+HF_TOKEN, HF_HUB_OFFLINE); `python -m ciar.world_spec fetch WORLD` downloads them ahead and prints the sizes.
+The shipped worlds (worlds/*.yaml) name the real repositories pinned to a commit; worlds/mounted/ the same files on a
+mounted volume. Three kinds:
 
     kind: scenes                      # the default: nothing to configure
     weights: weights/scenes-v2        # optional: another folder in the shipped layout ($CIAR_WEIGHTS otherwise)
     device_checkpoint: device_l1.safetensors   # optional: another device model (relative to the weights folder)
 
     kind: llamagen                    # LlamaGen t2i GPT + VQ + runtime T5 (flan-t5-xl), as the seeds run CIAR
-    gpt_checkpoint: /models/t2i_XL_stage1_256.pt
+    gpt_checkpoint: hf://peizesun/llamagen_t2i@COMMIT/t2i_XL_stage1_256.pt   # or a local /models/t2i_XL_stage1_256.pt
     gpt_config: GPT-XL                # ciar.models.gpt.GPT_CONFIGS name; gpt_overrides {...} for other sizes
     image_size: 256
     vq_checkpoint: /models/vq_ds16_t2i.pt
-    text_encoder: /models/flan-t5-xl  # a local transformers T5 folder, encoded at runtime on the verifier
+    text_encoder: hf://google/flan-t5-xl@COMMIT   # a transformers T5 folder, encoded at runtime on the verifier
     text_dtype: bfloat16
     gpt_dtype: bfloat16               # the cloud GPT's weights and KV cache (default float32)
     device_checkpoint: /models/ciar/device.safetensors        # trained for this GPT (pipelines.train_device)
@@ -24,7 +30,7 @@ the missing one named with its field). Relative paths are taken relative to the 
     sampling: {cfg_scale: 7.5, temperature: 1.0, top_k: 1000, top_p: 1.0}
 
     kind: anole                       # Anole-7b: Chameleon's decoder + VQGAN, prompts as Chameleon token ids
-    model: /models/Anole-7b-v0.1-hf   # transformers folder: config.json, *.safetensors, tokenizer.json
+    model: hf://leloy/Anole-7b-v0.1-hf@COMMIT   # transformers folder: config.json, *.safetensors, tokenizer.json
     cls_token_num: 128                # prompt positions (<s> + text + end-of-turn + begin-of-image)
     image_size: 512                   # the VQGAN's resolution: 32 x 32 tokens of 8192 codes
     vq_checkpoint: /models/Anole-7b-v0.1/tokenizer/vqgan.ckpt
@@ -44,9 +50,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator
+
+from ciar.hub import is_ref
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_WEIGHTS_DIR = os.path.join(REPO_ROOT, "weights", "scenes-v2")  # the shipped world
@@ -68,13 +77,71 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     base_dir: str | None = Field(None, description="folder relative paths are taken from (the world file's)")
+    _resolved: dict = PrivateAttr(default_factory=dict)  # (hf:// reference, kind) -> its path in the Hub cache
+    _source: str | None = PrivateAttr(None)  # the world file (named in the fetch hint of an offline error)
+
+    FILES: ClassVar[tuple] = ()
+    FOLDERS: ClassVar[tuple] = ()
+    TRANSFORMERS: ClassVar[tuple] = ()  # the FOLDERS a transformers loader reads (their snapshots: what it reads)
 
     def path(self, value: str | None) -> str | None:
+        """A field's value as a local absolute path: relative to the world file's folder, or, for an `hf://`
+        reference, its path in the Hugging Face cache (resolved by `resolve_hub`; else looked up in the cache, never
+        downloaded: a world read with check=False touches no network)."""
         if value is None:
             return None
+        if is_ref(value):
+            field, kind = self._field_of(value)
+            got = self._resolved.get((value, kind))
+            return got if got is not None else self._resolve(field, value, kind, download=False)
         value = os.path.expanduser(value)
         return os.path.abspath(value if os.path.isabs(value) or not self.base_dir
                                else os.path.join(self.base_dir, value))
+
+    def field_kind(self, field: str) -> str:
+        """"file", "folder" or "transformers" (a folder a transformers loader reads): how a reference resolves."""
+        if field in self.FILES:
+            return "file"
+        return "transformers" if field in self.TRANSFORMERS else "folder"
+
+    def hub_fields(self) -> list[tuple[str, str, str]]:
+        """(field, hf:// reference, kind) for every file or folder field that names the Hugging Face Hub."""
+        return [(f, getattr(self, f), self.field_kind(f)) for f in self.FILES + self.FOLDERS
+                if is_ref(getattr(self, f))]
+
+    def resolve_hub(self, download: bool = True) -> dict[str, str]:
+        """Resolve every Hub reference into the Hugging Face cache (downloading what is missing, unless `download`
+        is False or HF_HUB_OFFLINE is set) -> {field: local path}. `read_world` does this before its checks, so
+        they run on the resolved files. Raises WorldSpecError naming the field, the repository, the file and how
+        to fetch it (one line)."""
+        out = {}
+        for field, value, kind in self.hub_fields():
+            if (value, kind) not in self._resolved:
+                self._resolved[(value, kind)] = self._resolve(field, value, kind, download)
+            out[field] = self._resolved[(value, kind)]
+        return out
+
+    def _resolve(self, field: str, value: str, kind: str, download: bool) -> str:
+        from ciar.hub import HubError, resolve
+
+        hint = f"python -m ciar.world_spec fetch {self._source}" if self._source else None
+        try:
+            return resolve(value, kind, download=download, fetch_hint=hint)
+        except HubError as e:
+            raise WorldSpecError(f"{field}: {e}") from None
+
+    def _field_of(self, value: str) -> tuple[str, str]:
+        for field in self.FILES + self.FOLDERS:
+            if getattr(self, field) == value:
+                return field, self.field_kind(field)
+        return "world", "file"  # a reference no field holds (a caller's own): a file
+
+    def portable(self, field: str, value: str | None, hub_refs: bool = False) -> str | None:
+        """A field's value for another process: an absolute local path, or the `hf://` reference itself when this
+        world has not resolved it (or `hub_refs`: each process resolves it from its own cache)."""
+        if value is not None and is_ref(value) and (hub_refs or (value, self.field_kind(field)) not in self._resolved):
+            return value
+        return self.path(value)
 
 
 class SamplingSpec(BaseModel):
@@ -99,6 +166,9 @@ class ScenesWorldSpec(_Spec):
     projector_checkpoint: str | None = Field(None, description="projector file (default: the folder's "
                                                                "projector.safetensors); relative to the weights folder")
 
+    FILES: ClassVar[tuple] = ("device_checkpoint", "projector_checkpoint")
+    FOLDERS: ClassVar[tuple] = ("weights",)
+
     def weights_dir(self) -> str:
         return self.path(self.weights) if self.weights else default_weights_dir()
 
@@ -110,6 +180,8 @@ class ScenesWorldSpec(_Spec):
         """A file of the weights folder (an override is relative to that folder)."""
         if override is None:
             return os.path.join(self.weights_dir(), name)
+        if is_ref(override):
+            return self.path(override)
         override = os.path.expanduser(override)
         return override if os.path.isabs(override) else os.path.join(self.weights_dir(), override)
 
@@ -130,7 +202,7 @@ class ScenesWorldSpec(_Spec):
                                  f"`python -m pipelines.train_device`)")
 
     def describe(self) -> str:
-        return f"scenes world {self.weights_dir()}"
+        return f"scenes world {self.weights if is_ref(self.weights) else self.weights_dir()}"
 
 
 class LlamaGenWorldSpec(_Spec):
@@ -146,7 +218,8 @@ class LlamaGenWorldSpec(_Spec):
     vq_checkpoint: str
     vq_config: str = "VQ-16"
     vq_overrides: dict[str, Any] = Field(default_factory=dict)
-    text_encoder: str | None = Field(None, description="local transformers T5 folder (flan-t5-xl), encoded at runtime")
+    text_encoder: str | None = Field(None, description="transformers T5 folder (flan-t5-xl; a local path or an "
+                                                            "hf:// snapshot), encoded at runtime")
     text_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     text_max_length: int | None = Field(None, ge=1, description="T5 tokens (default: the GPT's cls_token_num, 120)")
     gpt_dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -164,6 +237,7 @@ class LlamaGenWorldSpec(_Spec):
     FILES: ClassVar[tuple] = ("gpt_checkpoint", "vq_checkpoint", "device_checkpoint", "projector_checkpoint",
                               "inception_weights")
     FOLDERS: ClassVar[tuple] = ("text_encoder", "t5_embeddings", "clip_model", "reference_images")
+    TRANSFORMERS: ClassVar[tuple] = ("text_encoder", "clip_model")
 
     @field_validator("gpt_config")
     @classmethod
@@ -240,6 +314,7 @@ class AnoleWorldSpec(_Spec):
     FILES: ClassVar[tuple] = ("tokenizer", "vq_checkpoint", "vq_yaml", "device_checkpoint", "projector_checkpoint",
                               "inception_weights")
     FOLDERS: ClassVar[tuple] = ("model", "clip_model", "reference_images")
+    TRANSFORMERS: ClassVar[tuple] = ("model", "clip_model")
 
     def tokenizer_file(self) -> str:
         return self.path(self.tokenizer) if self.tokenizer else os.path.join(self.path(self.model), "tokenizer.json")
@@ -321,7 +396,9 @@ class AnoleWorldSpec(_Spec):
                                  "the decoder (python -m pipelines.train_device --world FILE)")
 
     def describe(self) -> str:
-        return f"Anole world {os.path.basename(os.path.normpath(self.model))} @ {self.image_size}px"
+        name = self.model.split("@")[0].rstrip("/").rsplit("/", 1)[-1] if is_ref(self.model) else \
+            os.path.basename(os.path.normpath(self.model))
+        return f"Anole world {name} @ {self.image_size}px"
 
 
 def check_anole_device(path: str, cfg, field: str = "device_checkpoint") -> None:
@@ -362,10 +439,12 @@ def _legacy(d: dict) -> dict:
 
 
 def read_world(source: "str | dict | BaseModel | None" = None, check: bool = True, need_device: bool = False,
-               need_text: bool = False):
+               need_text: bool = False, download: bool = True):
     """A world description from a YAML / JSON file path, a weights folder (a scenes world), a dict (builder args) or
     None (the shipped scenes world);
-    `check` verifies every named file exists. Raises WorldSpecError naming the file and the field."""
+    `check` resolves every `hf://` reference into the Hugging Face cache (downloading what is missing unless
+    `download` is False or HF_HUB_OFFLINE is set) and then verifies every named file exists. Raises WorldSpecError
+    naming the file and the field."""
     if isinstance(source, (ScenesWorldSpec, LlamaGenWorldSpec, AnoleWorldSpec)):
         spec, where = source, "world"
     else:
@@ -390,8 +469,11 @@ def read_world(source: "str | dict | BaseModel | None" = None, check: bool = Tru
             raise WorldSpecError(f"{where}: " + "; ".join(
                 f"{'.'.join(str(p) for p in err['loc'][1:]) or err['loc'][0]}: {err['msg']}"
                 for err in e.errors())) from None
+        if where != "world":
+            spec._source = where
     if check:
         try:
+            spec.resolve_hub(download=download)  # before any check: the checks read the resolved files
             if isinstance(spec, (LlamaGenWorldSpec, AnoleWorldSpec)):
                 spec.check(need_device=need_device, need_text=need_text)
             else:
@@ -429,20 +511,25 @@ def world_source(world: "str | dict | None" = None, weights: str | None = None) 
     return world
 
 
-def spec_dict(spec) -> dict:
+def spec_dict(spec, hub_refs: bool = False) -> dict:
     """A parsed world as a plain dict with absolute paths (no base_dir): what the Serve builder hands its replicas,
-    valid wherever they run from."""
+    valid wherever they run from. An `hf://` reference this world has resolved (`read_world` with check) becomes
+    its path in the Hugging Face cache (every node that shares the cache, baked into the image or on a volume, reads
+    the same files); one it has not resolved, or every one with `hub_refs`, stays a reference that each process
+    resolves from its own cache."""
     if isinstance(spec, ScenesWorldSpec):
-        d = {"kind": "scenes", "weights": spec.weights_dir()}
+        d = {"kind": "scenes", "weights": spec.portable("weights", spec.weights, hub_refs) if spec.weights
+             else spec.weights_dir()}
         for field, name in (("device_checkpoint", "device.safetensors"),
                             ("projector_checkpoint", "projector.safetensors")):
-            if getattr(spec, field) is not None:
-                d[field] = spec.file(name, getattr(spec, field))
+            value = getattr(spec, field)
+            if value is not None:
+                d[field] = spec.portable(field, value, hub_refs) if is_ref(value) else spec.file(name, value)
         return d
     d = spec.model_dump(exclude_none=True, exclude={"base_dir"})
     for field in spec.FILES + spec.FOLDERS:
         if field in d:
-            d[field] = spec.path(d[field])
+            d[field] = spec.portable(field, d[field], hub_refs)
     return d
 
 
@@ -459,3 +546,83 @@ def add_world_arguments(parser) -> None:
 def world_from_args(args) -> "str | dict | None":
     """The world an entry point's parsed `--world` / `--weights` name (what `read_world` / `load_world` take)."""
     return world_source(getattr(args, "world", None), getattr(args, "weights", None))
+
+
+# ---------------------------------------------------------------------------------------------- fetch ahead
+def fetch_world(source, download: bool = True) -> tuple[Any, list[dict]]:
+    """Put every file and folder a world names on the Hugging Face Hub into the cache (`resolve_hub`), and list
+    them all -> (spec, rows); a row: field, value (as written), path (local), bytes (None: not there), hub (bool),
+    commit (the snapshot's commit hash for a Hub file). Raises WorldSpecError for a reference that cannot be
+    fetched; a missing local file is only listed (a device model is trained after the rest is fetched)."""
+    from ciar.hub import commit_of, disk_size
+
+    spec = read_world(source, check=False)
+    resolved = spec.resolve_hub(download=download)
+    rows = []
+    for field in spec.FILES + spec.FOLDERS:
+        value = getattr(spec, field)
+        if value is None:
+            continue
+        if field in resolved:
+            path = resolved[field]
+        elif isinstance(spec, ScenesWorldSpec) and field != "weights":
+            path = spec.file("", value)
+        else:
+            path = spec.path(value)
+        there = os.path.isfile(path) if field in spec.FILES else os.path.isdir(path)
+        rows.append({"field": field, "value": value, "path": path, "hub": field in resolved,
+                     "bytes": disk_size(path) if there else None, "commit": commit_of(path)})
+    return spec, rows
+
+
+def _fetch_main(args) -> int:
+    from ciar.hub import cache_dir, human_bytes, offline
+
+    try:
+        spec, rows = fetch_world(args.world, download=not args.cache_only)
+    except WorldSpecError as e:
+        print(f"error: {args.world}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"world": args.world, "cache": cache_dir(), "files": rows}, indent=1))
+    else:
+        width = max(len(r["field"]) for r in rows) if rows else 5
+        for r in rows:
+            size = human_bytes(r["bytes"]) if r["bytes"] is not None else "missing"
+            where = f"{r['value']} -> {r['path']}" if r["hub"] else f"local {r['path']}"
+            print(f"{r['field']:<{width}}  {size:>9}  {where}")
+        hub = [r for r in rows if r["hub"]]
+        print(f"{len(hub)} from the Hub, {human_bytes(sum(r['bytes'] or 0 for r in hub))} in {cache_dir()}"
+              f"{' (HF_HUB_OFFLINE: the cache only)' if offline() or args.cache_only else ''}")
+        unpinned = [r["value"] for r in hub if not r["commit"] or r["commit"] not in r["value"]]
+        if unpinned:
+            print(f"not pinned to a commit (a branch or tag moves): {', '.join(unpinned)}")
+    try:  # the world's own checks on what is now on disk: information, not the fetch's result
+        read_world(spec, download=False)
+        print("world check: ok", file=sys.stderr)
+    except WorldSpecError as e:
+        print(f"world check: {e}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ciar.world_spec fetch WORLD`: download everything a world names on the Hub into the cache
+    ($HF_HOME), so an image or a volume can be baked with it; prints each file's size."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ciar.world_spec", description="World files (ciar.world_spec).")
+    sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch", help="download every hf:// file and folder of a world into the Hugging Face cache "
+                                     "and print the sizes")
+    f.add_argument("world", help="a world file (YAML / JSON)")
+    f.add_argument("--cache-only", action="store_true", help="download nothing: list what the cache holds, and "
+                                                             "fail naming what it lacks")
+    f.add_argument("--json", action="store_true", help="the list as JSON on stdout")
+    args = p.parse_args(argv)
+    return _fetch_main(args)
+
+
+if __name__ == "__main__":
+    from ciar.world_spec import main as _main  # the imported module's, so its classes are the ones `ciar` uses
+
+    sys.exit(_main())

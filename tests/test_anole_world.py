@@ -71,7 +71,9 @@ def test_the_world_loads_in_its_real_layout(files, world):
 
 
 def test_the_shipped_world_file_parses():
-    spec = read_world(os.path.join(os.path.dirname(__file__), "..", "worlds", "anole-7b.yaml"), check=False)
+    # the mounted-volume layout (the Hub layout of worlds/anole-7b.yaml: tests/test_hub.py)
+    spec = read_world(os.path.join(os.path.dirname(__file__), "..", "worlds", "mounted", "anole-7b.yaml"),
+                      check=False)
     assert isinstance(spec, AnoleWorldSpec)
     assert (spec.image_size, spec.cls_token_num, spec.gpt_dtype) == (512, 128, "bfloat16")
     assert spec.tokenizer_file().endswith("Anole-7b-v0.1-hf/tokenizer.json")

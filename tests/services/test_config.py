@@ -162,9 +162,9 @@ def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     monkeypatch.setenv("CIAR_API_KEYS", "k8s-secret-key-01")  # the GPU config takes its keys from the environment
     args = dict(app["args"])
     if "gpu" in name:
-        # the LlamaGen-XL world of worlds/llamagen-xl-stage1.yaml, field for field; its files live on the cluster's
-        # models volume, so the build checks them and names the first one missing ...
-        with open(os.path.join(REPO, "worlds", "llamagen-xl-stage1.yaml")) as f:
+        # the LlamaGen-XL world of worlds/mounted/llamagen-xl-stage1.yaml (the Hub world's files on the cluster's
+        # models volume), field for field; the build checks them and names the first one missing ...
+        with open(os.path.join(REPO, "worlds", "mounted", "llamagen-xl-stage1.yaml")) as f:
             assert args["world"] == yaml.safe_load(f)
         assert isinstance(read_world(args["world"], check=False), LlamaGenWorldSpec)
         with pytest.raises(ValueError, match="world: .*gpt_checkpoint: file not found: /mnt/models/llamagen/"):
