@@ -159,6 +159,20 @@ def measure_policy_rates(models: tuple, n: int, seed: int) -> dict:
                                       "burst": d.config.burst}}}
 
 
+def in_hub_cache(path: str) -> bool:
+    """Whether `path` lies in a Hugging Face cache (a snapshot file, shared by content with its blob)."""
+    parts = os.path.realpath(path).split(os.sep) + os.path.abspath(path).split(os.sep)
+    return any(p.startswith(("models--", "datasets--")) for p in parts) and bool({"snapshots", "blobs"} & set(parts))
+
+
+def refuse_hub_cache(p: argparse.ArgumentParser, device: str) -> None:
+    """Calibration rewrites the device file's metadata in place: never a file of the Hugging Face cache."""
+    if in_hub_cache(device):
+        p.error(f"{device} is a file of the Hugging Face cache (an hf:// device): calibration writes its defaults "
+                "into the file; copy it out first (python -m pipelines.hub_device pull REF --out FILE) and "
+                "calibrate the copy")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("device", nargs="?", default=None,
@@ -218,6 +232,8 @@ def main(argv=None) -> int:
         p.error("--cascade-thresholds must be cosines in [-1, 1]")
     if args.device is not None and not os.path.isfile(args.device):
         p.error(f"device file not found: {args.device}")
+    if args.device is not None:
+        refuse_hub_cache(p, args.device)
     source = world_from_args(args)
     if source is None and args.device is not None:
         source = os.path.dirname(os.path.abspath(args.device))  # the device file's folder is its scenes world
@@ -228,6 +244,7 @@ def main(argv=None) -> int:
     if args.device is None:
         args.device = spec.file("device.safetensors", spec.device_checkpoint) if isinstance(spec, ScenesWorldSpec) \
             else spec.path(spec.device_checkpoint)
+    refuse_hub_cache(p, args.device)
     if args.captions:
         from ciar.data.coco import read_coco_captions
 

@@ -115,3 +115,19 @@ def test_policy_rates_are_measured_and_the_device_starts_from_them(tmp_path, shi
     dec.generate("a small red circle at the top on a gray background", seed=0)
     fresh = CostObserver(rates=rates)
     assert dec.observers["5g"].escalation.prior == fresh.escalation.prior == rates["escalation_rate"]
+
+
+def test_a_device_file_of_the_hugging_face_cache_is_refused(tmp_path, capsys):
+    """Calibration writes its defaults into the device file: a file of the Hub cache (an hf:// device) is refused
+    before anything runs, with what to do instead."""
+    import pytest
+
+    from pipelines.calibrate import in_hub_cache, main
+
+    cached = tmp_path / "hub" / "models--org--device" / "snapshots" / ("0" * 40) / "device.safetensors"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"not read")
+    assert in_hub_cache(str(cached)) and not in_hub_cache(str(tmp_path / "device.safetensors"))
+    with pytest.raises(SystemExit) as e:
+        main([str(cached)])
+    assert e.value.code == 2 and "copy it out first" in capsys.readouterr().err
