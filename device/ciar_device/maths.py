@@ -282,6 +282,7 @@ GATE_STREAM = 0x6369617267617465  # "ciargate"
 CLOUD_STREAM = 0x63696172636C6F64  # "ciarclod"
 ACCEPT_STREAM = 0x6369617261637074  # "ciaracpt"
 NEXT_STREAM = 0x636961726E657874  # "ciarnext"
+JACOBI_STREAM = 0x636961726A636269  # "ciarjcbi": the cloud's own drafts in speculative Jacobi decoding
 
 
 def splitmix64(x: int) -> int:
