@@ -15,32 +15,34 @@ class IngressMetrics:
     def __init__(self):
         from ray.serve import metrics
 
-        counter, histogram = metrics.Counter, metrics.Histogram
-        self.requests = counter("ciar_requests_total", description="generation requests", tag_keys=("method", "code"))
-        self.errors = counter("ciar_request_errors_total", description="failed requests", tag_keys=("kind",))
-        self.cloud = counter("ciar_cloud_calls_total", description="device -> cloud round trips", tag_keys=("method",))
-        self.degraded = counter("ciar_degraded_total", description="images finished on the device alone after the "
-                                "cloud became unreachable", tag_keys=("method",))
-        self.accept = histogram("ciar_accepted_length", description="mean accepted length per image",
-                                boundaries=[1, 1.5, 2, 3, 4, 6, 8, 16], tag_keys=("method",))
-        self.latency = histogram("ciar_latency_seconds", description="latency split per image",
-                                 boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
-                                 tag_keys=("method", "part"))
-        self.handovers = counter("ciar_handovers_total", description="images the adaptive policy gave to the cloud "
-                                 "whole", tag_keys=("method",))
-        self.adapted = counter("ciar_adapted_images_total", description="images the adaptive policy made at another "
-                               "span / burst than the calibrated one, or on the cloud whole", tag_keys=("method",))
-        self.overloaded = counter("ciar_overloaded_images_total", description="images whose gate ran at a raised tau "
-                                  "because the verifier was past overload_verifier_s (graceful degradation)",
-                                  tag_keys=("method",))
-        self.costs = histogram("ciar_observed_cost_seconds", description="per image, the costs its device observed: "
-                               "verifier queue wait (summed), and under the adaptive policy its estimates of the link "
-                               "latency, the cloud step and the device step",
-                               boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1],
-                               tag_keys=("method", "cost"))
-        self.device_events = counter("ciar_device_endpoint_events_total", description="device endpoint: frames by "
-                                     "type, errors by status, closes by code, refused keys",
-                                     tag_keys=("event", "label"))
+        self.requests = metrics.Counter("ciar_requests_total", description="generation requests",
+                                        tag_keys=("method", "code"))
+        self.errors = metrics.Counter("ciar_request_errors_total", description="failed requests", tag_keys=("kind",))
+        self.cloud = metrics.Counter("ciar_cloud_calls_total", description="device -> cloud round trips",
+                                     tag_keys=("method",))
+        self.degraded = metrics.Counter("ciar_degraded_total", description="images finished on the device alone "
+                                        "after the cloud became unreachable", tag_keys=("method",))
+        self.accept = metrics.Histogram("ciar_accepted_length", description="mean accepted length per image",
+                                        boundaries=[1, 1.5, 2, 3, 4, 6, 8, 16], tag_keys=("method",))
+        self.latency = metrics.Histogram("ciar_latency_seconds", description="latency split per image",
+                                         boundaries=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60],
+                                         tag_keys=("method", "part"))
+        self.handovers = metrics.Counter("ciar_handovers_total", description="images the adaptive policy gave to "
+                                         "the cloud whole", tag_keys=("method",))
+        self.adapted = metrics.Counter("ciar_adapted_images_total", description="images the adaptive policy made "
+                                       "at another span / burst than the calibrated one, or on the cloud whole",
+                                       tag_keys=("method",))
+        self.overloaded = metrics.Counter("ciar_overloaded_images_total", description="images whose gate ran at a "
+                                          "raised tau because the verifier was past overload_verifier_s (graceful "
+                                          "degradation)", tag_keys=("method",))
+        self.costs = metrics.Histogram("ciar_observed_cost_seconds", description="per image, the costs its device "
+                                       "observed: verifier queue wait (summed), and under the adaptive policy its "
+                                       "estimates of the link latency, the cloud step and the device step",
+                                       boundaries=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1],
+                                       tag_keys=("method", "cost"))
+        self.device_events = metrics.Counter("ciar_device_endpoint_events_total", description="device endpoint: "
+                                             "frames by type, errors by status, closes by code, refused keys",
+                                             tag_keys=("event", "label"))
 
     def request(self, method: str, code: int) -> None:
         self.requests.inc(tags={"method": method, "code": str(code)})

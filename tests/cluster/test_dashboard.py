@@ -11,10 +11,13 @@ QUERY = re.compile(r"\bray_(ciar_[a-z_]+)\b")
 
 
 def registered() -> dict[str, str]:
+    """Every ciar_* metric any module of services/ registers -> its kind."""
     found = {}
-    for name in ("services/app.py", "services/verifier.py", "services/device.py"):
-        with open(os.path.join(REPO, name)) as f:
-            found.update({m: kind for kind, m in REGISTER.findall(f.read())})
+    folder = os.path.join(REPO, "services")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                found.update({m: kind for kind, m in REGISTER.findall(f.read())})
     return found
 
 
