@@ -69,31 +69,17 @@ def widened(trace, vocab_size: int):
                                steps=[dataclasses.replace(s, request=wide(s.request)) for s in trace.steps])
 
 
-class EngineClient:
-    """The replay interface (open / verify / close) over a `CloudVerifier` driven by its `EngineThread`, as the
-    Verifier deployment drives it; each open's caption is a seeded random embedding (no caption encoder)."""
+def random_caption(verifier):
+    """-> caption(request): a seeded random caption embedding [cls, caption_dim] per open (the measured replica
+    runs no caption encoder), on the verifier's device and in its dtype."""
+    c = verifier.config
+    dtype = verifier.cloud.tok_embeddings.weight.dtype
 
-    def __init__(self, verifier, core):
-        self.verifier, self.core = verifier, core
-        c = verifier.config
-        self._caption = (c.cls_token_num, c.caption_dim)
+    def caption(request) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int(request.seed))
+        return torch.randn(c.cls_token_num, c.caption_dim, generator=g).to(verifier.device, dtype)
 
-    def caption(self, seed: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(int(seed))
-        emb = torch.randn(*self._caption, generator=g)
-        return emb.to(self.verifier.device, self.verifier.cloud.tok_embeddings.weight.dtype)
-
-    async def open(self, request):
-        return await self.core.run(self.verifier.open_work(request, self.caption(request.seed)))
-
-    async def verify(self, request):
-        return await self.core.run(self.verifier.verify_work(request))
-
-    async def resume(self, request, history, injected=None):
-        raise RuntimeError("one replica: no session is ever moved, nothing to resume")
-
-    async def close(self, session_id: str) -> None:
-        self.core.call(self.verifier.close, session_id)
+    return caption
 
 
 class _Stepping:
@@ -123,7 +109,7 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     from ciar.collab.network import NetworkModel
     from ciar.collab.trace import replay_session
 
-    v, core = client.verifier, client.core
+    v, core = client.verifier, client.stepper
     state = {"measuring": False}
     done, errors = [], []
     enough = asyncio.Event()
@@ -188,15 +174,14 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
 def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
     """The per-forward overhead refit on the served path with host time: median(served step - modelled forward)
     over `served_steps`, plus the judge's and the host's ms per step of `engine_graphs` (graphs, else static)."""
-    from ciar.collab.gpu_model import forward_s
+    from ciar.collab.gpu_model import overhead_gaps
 
     steps = (sections.get("served_steps") or {}).get("steps") or []
     eg = sections.get("engine_graphs") or {}
     split = (eg.get("graphs") or eg.get("static") or {}).get("ms_per_step_after_warmup") or {}
     if not steps or not split:
         return None
-    gaps = sorted(s["served_ms"] / 1000 - forward_s(gpu, shapes, [(s["rows"], s["width"], s["keys"])], 0.0)
-                  for s in steps)
+    gaps = overhead_gaps(gpu, shapes, steps, "served_ms")
     forward_gap = gaps[len(gaps) // 2]
     host = (split["judge"] + split["host"]) / 1000
     return {"overhead_s": max(0.0, forward_gap) + host, "forward_gap_s": forward_gap, "judge_and_host_s": host}
@@ -207,7 +192,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     """The section: build the replica, ramp each method, then the model's prediction beside every point."""
     from ciar.collab.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
-    from ciar.collab.trace import RecordedVerdicts
+    from ciar.collab.trace import AsyncVerifierClient, RecordedVerdicts
     from ciar.collab.verifier import CloudVerifier
     from ciar.engine.core import EngineThread
     from ciar.engine.scheduler import SchedulerConfig
@@ -238,7 +223,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
         suite.sync()
     out["start_up_s"] = round(time.perf_counter() - t, 1)
     core = EngineThread(v.engine, wait_s=0.003)
-    client = EngineClient(v, core)
+    client = AsyncVerifierClient(v, stepper=core, caption=random_caption(v))  # as the Verifier drives its engine
     points: dict[str, list] = {}
     try:
         for method in METHODS:

@@ -103,6 +103,24 @@ def _variant(name: str, cuda: bool):
         torch.use_deterministic_algorithms(saved[1])
 
 
+def _cfg_pieces(rows: int, start: int, width: int, tokens: list[list[int]] | None = None) -> list:
+    """`rows` // 2 CFG sessions on the slot pairs (2i, 2i + 1), each feeding `width` positions from `start`
+    (`tokens[i]`, default zeros) and wanting every one: the runner's pieces of a served step."""
+    from ciar.engine.runner import Piece
+
+    return [Piece([2 * i, 2 * i + 1], start, width, tokens=tokens[i] if tokens else [0] * width,
+                  want=list(range(width))) for i in range(rows // 2)]
+
+
+def _random_cache(cache, seed: int, device) -> None:
+    """Every layer's keys and values filled with seeded float32 normals (cast to the cache's dtype), a layer's keys
+    then its values: the same earlier positions for every path a section compares."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    for k, v in zip(cache.k, cache.v):
+        k.copy_(torch.randn(k.shape, generator=g, device=device, dtype=torch.float32).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=g, device=device, dtype=torch.float32).to(v.dtype))
+
+
 class Suite:
     def __init__(self, out: str, tiny: bool, budget_s: float):
         self.out, self.tiny, self.budget_s = out, tiny, budget_s
@@ -306,7 +324,7 @@ class Suite:
         the buckets a deployment reaches, a one-token decode and a span of SPAN positions, inputs built and logits
         gathered included, against the bandwidth bound of the same step (the weights once, every real key of every
         row). `xl_steps` times the dynamic path; this is the path the replicas run."""
-        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.engine.runner import ModelRunner
 
         if self.bandwidth is None:
             self.roofline()
@@ -321,8 +339,7 @@ class Suite:
             runner = ModelRunner(model, rows, static=True)
             for kind, width in (("decode", 1), ("span", SPAN)):
                 pos0 = c.cls_token_num + image_pos
-                pieces = [Piece([2 * i, 2 * i + 1], pos0, width, tokens=[0] * width, want=list(range(width)))
-                          for i in range(rows // 2)]
+                pieces = _cfg_pieces(rows, pos0, width)
                 bucket = runner.bucket(pieces)
                 before = dict(runner.steps)
                 served = self.time_ms(lambda: runner.execute_step(pieces))
@@ -343,7 +360,7 @@ class Suite:
         graphs on CUDA): milliseconds at 2-128 CFG rows for a one-token decode and a span, the start-up (captures,
         and the compilations), kernels per eager step (torch.profiler), and in float32 the greedy tokens of both
         over `steps` decode steps and their largest logit difference."""
-        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.engine.runner import ModelRunner
         from ciar.models.gpt import fuse_feed_forward
 
         model = self.gpt()
@@ -353,10 +370,6 @@ class Suite:
         rows_list = (2, 4) if self.tiny else (2, 8, 32, 128)
         pos0 = c.cls_token_num + image_pos
         out: dict = {"image_position": image_pos, "steps": [], "start_up_s": {}, "kernels_per_eager_step": {}}
-
-        def pieces(rows: int, width: int, start: int = pos0, tokens=None):
-            return [Piece([2 * i, 2 * i + 1], start, width, tokens=tokens[i] if tokens else [0] * width,
-                          want=list(range(width))) for i in range(rows // 2)]
 
         times: dict = {}
         for way in ("static", "fused"):
@@ -369,8 +382,9 @@ class Suite:
                 out["start_up_s"][way] = round(time.perf_counter() - t, 1)
                 for rows in rows_list:
                     for kind, width in (("decode", 1), ("span", SPAN)):
-                        times[way, rows, kind] = self.time_ms(lambda: runner.execute_step(pieces(rows, width)))
-                out["kernels_per_eager_step"][way] = self._kernels(runner, pieces(rows_list[0], 1))
+                        times[way, rows, kind] = self.time_ms(
+                            lambda: runner.execute_step(_cfg_pieces(rows, pos0, width)))
+                out["kernels_per_eager_step"][way] = self._kernels(runner, _cfg_pieces(rows_list[0], pos0, 1))
             finally:
                 fuse_feed_forward(model, False)
                 del runner
@@ -403,7 +417,7 @@ class Suite:
     def _fused_tokens(self, rows: int, steps: int) -> dict:
         """Greedy decoding in float32 through a plain static runner and a fused one from the same random cache:
         the tokens of both, and the largest logit difference at equal inputs."""
-        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.engine.runner import ModelRunner
         from ciar.models.gpt import fuse_feed_forward
 
         saved = self.dtype, self._gpt
@@ -416,16 +430,12 @@ class Suite:
             runs, logits = {}, {}
             for way in ("static", "fused"):
                 runner = ModelRunner(model, rows, static=True, fused=way == "fused")
-                g = torch.Generator(device=self.dev).manual_seed(2)  # the same earlier keys for both
-                for k, v in zip(runner.cache.k, runner.cache.v):
-                    k.copy_(torch.randn(k.shape, generator=g, device=self.dev))
-                    v.copy_(torch.randn(v.shape, generator=g, device=self.dev))
+                _random_cache(runner.cache, 2, self.dev)  # the same earlier keys for both
                 runner.cache.key_valid.fill_(True)
                 tok, seqs, lg = list(first), [], []
                 try:
                     for i in range(steps):
-                        o = runner.execute_step([Piece([2 * j, 2 * j + 1], start + i, 1, tokens=[tok[j]], want=[0])
-                                                 for j in range(rows // 2)])
+                        o = runner.execute_step(_cfg_pieces(rows, start + i, 1, [[t] for t in tok]))
                         cond = o.logits.view(rows // 2, 2, -1)[:, 0]
                         lg.append(cond.float())
                         tok = cond.argmax(-1).tolist()
@@ -457,11 +467,7 @@ class Suite:
 
         def run(use_graph: bool) -> tuple[list[list[int]], float]:
             cache = model.new_cache(rows)
-            # the cache's earlier positions: the same random keys for both runs
-            g = torch.Generator(device=self.dev).manual_seed(2)
-            for k, v in zip(cache.k, cache.v):
-                k.copy_(torch.randn(k.shape, generator=g, device=self.dev, dtype=torch.float32).to(k.dtype))
-                v.copy_(torch.randn(v.shape, generator=g, device=self.dev, dtype=torch.float32).to(v.dtype))
+            _random_cache(cache, 2, self.dev)  # the cache's earlier positions: the same random keys for both runs
             tok = torch.zeros(rows, 1, dtype=torch.long, device=self.dev)
             pos = torch.zeros(rows, 1, dtype=torch.long, device=self.dev)
             tok[:, 0] = first
@@ -1023,21 +1029,16 @@ class Suite:
 
     def capacity(self) -> dict:
         """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
-        from ciar.collab.gpu_model import GPU, ModelShapes, forward_s
+        from ciar.collab.gpu_model import GPU, ModelShapes, overhead_gaps
 
         steps = self.result["sections"].get("xl_steps", {}).get("steps", [])
         if not steps:
             raise RuntimeError("no xl_steps to fit")
         shapes = ModelShapes.from_config(self.gpt().config)
         measured = GPU("measured", self.bandwidth, self.flops, 0.0, "benchmarks.gpu roofline")
-
-        def modelled_s(s) -> float:  # the capacity model's forward at the measured roofline, without its overhead
-            return forward_s(measured, shapes, [(s["rows"], s["width"], s["keys"])], overhead_s=0.0)
-
         out = {"bandwidth": self.bandwidth, "peak_flops": self.flops}
         for path in ("eager", "graph"):
-            key = f"{path}_ms"
-            gaps = sorted(s[key] / 1000 - modelled_s(s) for s in steps if key in s)
+            gaps = overhead_gaps(measured, shapes, steps, f"{path}_ms")  # at the measured roofline
             if gaps:
                 out[f"overhead_s_{path}"] = gaps[len(gaps) // 2]
                 out[f"overhead_s_{path}_range"] = [gaps[0], gaps[-1]]

@@ -180,6 +180,13 @@ def forward_s(gpu: GPU, shapes: ModelShapes, pieces: list[tuple[int, int, int]],
     return max(nbytes / gpu.bandwidth, flops / gpu.peak_flops) + overhead_s
 
 
+def overhead_gaps(gpu: GPU, shapes: ModelShapes, steps: list[dict], ms_key: str) -> list[float]:
+    """Measured minus modelled seconds of each timed step (dicts with "rows", "width", "keys" and `ms_key`, its
+    milliseconds; steps without it are left out), sorted: what a per-forward overhead is fitted on (its median)."""
+    return sorted(s[ms_key] / 1000 - forward_s(gpu, shapes, [(s["rows"], s["width"], s["keys"])], overhead_s=0.0)
+                  for s in steps if ms_key in s)
+
+
 def encode_s(gpu: GPU, shapes: ModelShapes, captions: int, overhead_s: float = 3e-3) -> float:
     """Modelled seconds to encode `captions` new captions together (0 when there are none or no encoder)."""
     if not captions or not shapes.text_params:

@@ -113,26 +113,29 @@ def load_traces(path: str) -> list[SessionTrace]:
 
 
 class AsyncVerifierClient:
-    """The async replay interface over a `CloudVerifier` in this process (its engine stepped by an
-    `AsyncStepper`): open / verify / close, as a Serve handle offers them."""
+    """The async replay interface over a `CloudVerifier` in this process: open / verify / resume / close, as a Serve
+    handle offers them. Its engine is stepped by an `AsyncStepper` on the caller's loop, or by `stepper` (an
+    `EngineThread`: the Verifier deployment's own driver). `caption(request)` -> the caption embeddings [L, D] of
+    an open or resume, for a verifier without a text encoder (None: the verifier encodes the prompt)."""
 
-    def __init__(self, verifier, wait_s: float = 0.0):
+    def __init__(self, verifier, wait_s: float = 0.0, stepper=None, caption=None):
         from ciar.engine.core import AsyncStepper
 
         self.verifier = verifier
-        self.stepper = AsyncStepper(verifier.engine, wait_s)
+        self.stepper = stepper if stepper is not None else AsyncStepper(verifier.engine, wait_s)
+        self.caption = caption or (lambda request: None)
 
     async def open(self, request: OpenRequest) -> OpenReply:
-        return await self.stepper.run(self.verifier.submit_open(request))
+        return await self.stepper.run(self.verifier.open_work(request, self.caption(request)))
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:
-        return await self.stepper.run(self.verifier.submit_verify(request))
+        return await self.stepper.run(self.verifier.verify_work(request))
 
     async def resume(self, request: OpenRequest, history, injected=None) -> OpenReply:
-        return await self.stepper.run(self.verifier.submit_resume(request, history, injected))
+        return await self.stepper.run(self.verifier.resume_work(request, history, injected, self.caption(request)))
 
     async def close(self, session_id: str) -> None:
-        self.verifier.close(session_id)
+        self.stepper.call(self.verifier.close, session_id)
 
 
 @dataclass
