@@ -29,6 +29,10 @@ then `gpu.md` summarises:
              engine on its own thread at XL shapes under trace-driven phones (benchmarks/traces), CIAR and
              cloud-only, images/s and latency per load, phones at the p99 SLO, the capacity model's prediction beside
              every point (its default overhead, and refit on the served path with host time)
+  slot_attention  attention read in place by slot (`ciar.models.slot_attention`, a Triton kernel) vs the gathered
+             keys and mask it replaces: its difference from the reference, its invariances, the served step at 2-128
+             CFG rows both ways, and a loaded step (60 sessions' spans beside 4 prefills) as two bucketed forwards vs
+             the one dynamic forward it was
   fused_step the fused static step (w1/w3 as one GEMM, each block compiled inside the graphs) vs the plain one:
              ms at 2-128 CFG rows, start-up (captures, compilations), kernels per eager step, float32 tokens
   served_steps  the step the Verifier serves (the runner's static buckets, CUDA graphs on CUDA, inputs and logits
@@ -43,8 +47,8 @@ then `gpu.md` summarises:
              overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
              costs instead of datasheet ones
 
-They run in the order of `--sections` (env, engine_graphs, served_steps, roofline, capacity_measured, fused_step,
-xl_steps, ...: the most needed first; sections not started within `--budget-s` are skipped).
+They run in the order of `--sections` (env, slot_attention, engine_graphs, served_steps, roofline, capacity_measured,
+fused_step, xl_steps, ...: the most needed first; sections not started within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -112,11 +116,13 @@ def _cfg_pieces(rows: int, start: int, width: int, tokens: list[list[int]] | Non
                   want=list(range(width))) for i in range(rows // 2)]
 
 
-def _random_cache(cache, seed: int, device) -> None:
+def _random_cache(cache, seed: int, device, slots: int | None = None) -> None:
     """Every layer's keys and values filled with seeded float32 normals (cast to the cache's dtype), a layer's keys
-    then its values: the same earlier positions for every path a section compares."""
+    then its values: the same earlier positions for every path a section compares. `slots`: only the first ones
+    (caches of different sizes, e.g. a static runner's spare slot, then get the same keys there)."""
     g = torch.Generator(device=device).manual_seed(seed)
     for k, v in zip(cache.k, cache.v):
+        k, v = k[:slots], v[:slots]
         k.copy_(torch.randn(k.shape, generator=g, device=device, dtype=torch.float32).to(k.dtype))
         v.copy_(torch.randn(v.shape, generator=g, device=device, dtype=torch.float32).to(v.dtype))
 
@@ -351,6 +357,97 @@ class Suite:
                                      "served_over_bound": round(served / bound, 2)})
             del runner
             self.release()
+        return out
+
+    @torch.inference_mode()
+    def slot_attention(self) -> dict:
+        """Attention read in place by slot (`ciar.models.slot_attention`, a Triton kernel) against what it replaces
+        (every row's keys gathered, an additive mask, SDPA): (1) at XL's head shape on a seeded random cache, the
+        largest difference from the reference in bf16 and float32, and whether a row's bits are the same alone, in
+        a batch and with keys past its own; (2) the served step (static buckets, graphs on CUDA) at 2-128 CFG rows,
+        a decode and a span, kernel on and off; (3) a step as the engine makes them under load, spans of 60 CFG
+        sessions beside 4 prefills: the runner's two bucketed forwards against the one dynamic forward such a step
+        ran before (`ModelRunner.groups`), its time and its logits."""
+        from ciar.engine.runner import ModelRunner, Piece
+        from ciar.models import slot_attention as sa
+
+        if not (self.dev.type == "cuda" and sa.usable(torch.zeros(1, device=self.dev), 64)) and not self.tiny:
+            return {"skipped": "the kernel is not usable here (no Triton?)"}
+        model = self.gpt()
+        c = model.config
+        out: dict = {"kernel_usable": sa.usable(torch.zeros(1, device=self.dev), c.head_dim), "kernel": {}}
+        b, t, s, kv_len = (4, 5, 72, 60) if self.tiny else (32, 8, c.cls_token_num + c.block_size + 16,
+                                                            c.cls_token_num + IMAGE_POS + 8)
+        h, d = c.n_head, c.head_dim
+        for dtype in (torch.bfloat16, torch.float32) if self.dev.type == "cuda" else (torch.float32,):
+            g = torch.Generator(device=self.dev).manual_seed(0)
+            k = torch.randn(2 * b, c.kv_heads, s, d, generator=g, device=self.dev).to(dtype)
+            v = torch.randn(2 * b, c.kv_heads, s, d, generator=g, device=self.dev).to(dtype)
+            valid = torch.ones(2 * b, s, dtype=torch.bool, device=self.dev)
+            valid[:, :7] = False  # caption padding
+            slots = torch.randperm(2 * b, generator=torch.Generator().manual_seed(1))[:b].to(self.dev)
+            pos = (kv_len - t + torch.arange(t, device=self.dev)).expand(b, t).contiguous()
+            q = torch.randn(b, t, h, d, generator=g, device=self.dev).to(dtype)
+            if not sa.usable(q, d):
+                break
+            o = sa.slot_attention(q, k, v, slots, pos, valid, kv_len)
+            ref = sa.reference(q.float(), k.float(), v.float(), slots, pos, valid, kv_len)
+            out["kernel"][str(dtype).removeprefix("torch.")] = {
+                "max_abs_diff": float((o.float() - ref).abs().max()),
+                "reference_dtype_max_abs_diff": float((sa.reference(q, k, v, slots, pos, valid, kv_len).float() -
+                                                       ref).abs().max()),
+                "row_alone_equal": bool(torch.equal(sa.slot_attention(q[3:4], k, v, slots[3:4], pos[3:4], valid,
+                                                                      kv_len), o[3:4])),
+                "longer_keys_equal": bool(torch.equal(sa.slot_attention(q, k, v, slots, pos, valid, s), o)),
+            }
+        image_pos = TINY_POS if self.tiny else IMAGE_POS
+        pos0 = c.cls_token_num + image_pos
+        rows_list = (2, 4) if self.tiny else (2, 8, 32, 128)
+        times: dict = {}
+        saved = sa.ENABLED
+        try:
+            for on in (False, True):
+                sa.ENABLED = on
+                for rows in rows_list:
+                    runner = ModelRunner(model, rows, static=True)
+                    runner.cache.key_valid[:] = True
+                    for kind, width in (("decode", 1), ("span", SPAN)):
+                        times[on, rows, kind] = self.time_ms(lambda: runner.execute_step(_cfg_pieces(rows, pos0,
+                                                                                                     width)))
+                    del runner
+                    self.release()
+        finally:
+            sa.ENABLED = saved
+        out["served_steps"] = [{"kind": kind, "rows": rows, "gathered_ms": round(times[False, rows, kind], 3),
+                                "in_place_ms": round(times[True, rows, kind], 3),
+                                "in_place_over_gathered": round(times[True, rows, kind] / times[False, rows, kind],
+                                                                3)}
+                               for rows in rows_list for kind in ("decode", "span")]
+        # (3) a loaded step: narrow spans of many sessions beside a few prefill chunks
+        sessions, opens = (3, 1) if self.tiny else (60, 4)
+        g = torch.Generator().manual_seed(2)
+        spans = [Piece([2 * i, 2 * i + 1], pos0, SPAN, tokens=torch.randint(0, c.vocab_size, (SPAN,), generator=g)
+                       .tolist(), want=list(range(SPAN))) for i in range(sessions)]
+        conds = [torch.randn(2, c.cls_token_num, c.dim, generator=g).to(self.dev, self.dtype) for _ in range(opens)]
+        mixed: dict = {}
+        logits = {}
+        for way in ("split", "dynamic"):
+            runner = ModelRunner(model, 2 * (sessions + opens), static=way == "split")
+            _random_cache(runner.cache, 3, self.dev, slots=2 * (sessions + opens))
+            runner.cache.key_valid[:] = True
+            prefills = [Piece([2 * (sessions + j), 2 * (sessions + j) + 1], 0, c.cls_token_num, emb=conds[j],
+                              want=[c.cls_token_num - 1]) for j in range(opens)]
+            step = spans + prefills
+            before = dict(runner.steps)
+            logits[way] = runner.execute_step(step).logits.float()
+            mixed[way] = {"forwards": {k: runner.steps[k] - before[k] for k in before if runner.steps[k] > before[k]},
+                          "ms": round(self.time_ms(lambda: runner.execute_step(step)), 3)}
+            del runner
+            self.release()
+        mixed["split_over_dynamic"] = round(mixed["split"]["ms"] / mixed["dynamic"]["ms"], 3)
+        mixed["max_abs_logit_diff"] = float((logits["split"] - logits["dynamic"]).abs().max())
+        mixed["argmax_equal"] = float((logits["split"].argmax(-1) == logits["dynamic"].argmax(-1)).float().mean())
+        out["mixed_step"] = {"sessions": sessions, "prefills": opens, **mixed}
         return out
 
     @torch.inference_mode()
@@ -1123,7 +1220,7 @@ def markdown(result: dict) -> str:
 
         lines += ["## capacity_measured: phones per accelerator, the real engine (measured)", ""] + \
             capacity_table(s["capacity_measured"]) + [""]
-    for name in ("engine_graphs", "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
+    for name in ("slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
                  "hf_llama"):
         if name in s:
@@ -1142,7 +1239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,engine_graphs,served_steps,roofline,capacity_measured,fused_step,"
+    ap.add_argument("--sections", default="env,slot_attention,engine_graphs,served_steps,roofline,capacity_measured,"
+                                          "fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",

@@ -41,6 +41,7 @@ from ciar.models.gpt import GPT, compiled_block, fuse_feed_forward
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (padded up to the next)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16)  # static steps' positions per row: one-token decodes and spans
+WIDE_BUCKETS = (32, 64, 128)  # ... and prefill or history chunks, which run as a forward of their own (`groups`)
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -147,9 +148,30 @@ class ModelRunner:
             kv[slot] = True
 
     def execute_step(self, pieces: list[Piece]) -> "StepOutput":
-        """ONE cached forward over `pieces`, nothing read on the host: the step's logits and each piece's outputs
-        (whether they are finite is the judge's one host read, `ciar.engine.judge`). Raises what the forward raises
-        (out of memory, a broken kernel): the engine fails the step's works (`ForwardFault`)."""
+        """The step's cached forward over `pieces`, nothing read on the host: the step's logits and each piece's
+        outputs (whether they are finite is the judge's one host read, `ciar.engine.judge`). A static step whose
+        pieces are of both kinds, narrow (decodes and spans, up to the widest of WIDTH_BUCKETS) and wide (prefill
+        and history chunks), runs one forward per kind (`groups`): padded to one width, a 120-position prefill
+        beside 60 one-token decodes made the step 128 x 128 positions, 88 % of them padding, and beyond every
+        bucket (an eager forward). Raises what a forward raises (out of memory, a broken kernel): the engine fails
+        the step's works (`ForwardFault`)."""
+        parts = []
+        for group in (self.groups(pieces) if self.static else [list(range(len(pieces)))]):
+            sub = [pieces[i] for i in group]
+            row0, hid = self._forward(sub)
+            parts.append((group, row0, hid, self._pick(sub, row0, hid)))  # picked before the next forward
+        return self._outputs(pieces, parts)
+
+    @staticmethod
+    def groups(pieces: list[Piece]) -> list[list[int]]:
+        """Indices of the pieces each forward of a static step runs: the narrow pieces, then the wide ones (one
+        group when all are of one kind)."""
+        narrow = [i for i, p in enumerate(pieces) if p.n <= WIDTH_BUCKETS[-1]]
+        wide = [i for i, p in enumerate(pieces) if p.n > WIDTH_BUCKETS[-1]]
+        return [g for g in (narrow, wide) if g]
+
+    def _forward(self, pieces: list[Piece]) -> tuple[list[int], torch.Tensor]:
+        """One forward over `pieces` -> (first row of each piece, hidden states [rows, width, dim])."""
         bucket = self.bucket(pieces) if self.static else None
         if bucket is not None:
             rows, width, kv_len = bucket
@@ -161,11 +183,9 @@ class ModelRunner:
                 g.pos.copy_(pos)
                 g.slots.copy_(slots)
                 g.graph.replay()
-                hid = g.out
-            else:
-                self.steps["static"] += 1
-                hid = self._static_forward(h, pos, slots, kv_len)
-            return self._outputs(pieces, row0, hid)
+                return row0, g.out
+            self.steps["static"] += 1
+            return row0, self._static_forward(h, pos, slots, kv_len)
         self.steps["dynamic"] += 1
         width = max(p.n for p in pieces)
         row0, h, pos, slots = self._inputs(pieces, width, None)
@@ -177,16 +197,16 @@ class ModelRunner:
         if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
             packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
                                 .flatten() for i, p in enumerate(pieces)]).to(self.device)
-        hid = self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
-        return self._outputs(pieces, row0, hid)
+        return row0, self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
 
     def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:
-        """The static shape (rows, width, keys) a step pads to, or None when it is larger than every bucket."""
+        """The static shape (rows, width, keys) a forward over `pieces` pads to, or None when it is larger than
+        every bucket."""
         rows = sum(p.rows for p in pieces)
         width = max(p.n for p in pieces)
         keys = max(p.start + p.n for p in pieces)
         r = next((b for b in ROW_BUCKETS if b >= rows), None)
-        w = next((b for b in WIDTH_BUCKETS if b >= width), None)
+        w = next((b for b in WIDTH_BUCKETS + WIDE_BUCKETS if b >= width), None)
         k = next((b for b in self.kv_buckets if b >= keys), None)
         return None if r is None or w is None or k is None else (r, w, k)
 
@@ -262,7 +282,7 @@ class ModelRunner:
         g = self._graphs[(rows, width, kv_len)] = _Graph(graph, h, pos, slots, out)
         return g
 
-    def capture(self, max_rows: int, widths=WIDTH_BUCKETS) -> int:
+    def capture(self, max_rows: int, widths=WIDTH_BUCKETS + WIDE_BUCKETS) -> int:
         """Capture every bucket up to `max_rows` rows at start-up (largest first, so the pool is sized once), instead
         of each on its first use. -> graphs captured."""
         if not self.graphs:
@@ -275,22 +295,39 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return len(self._graphs)
 
-    def _outputs(self, pieces: list[Piece], row0: list[int], hid: torch.Tensor) -> "StepOutput":
-        """Logits at the wanted positions only (one head matmul for the whole batch), viewed per piece."""
-        sel_rows, sel_cols, ranges = [], [], []
+    @staticmethod
+    def _pick(pieces: list[Piece], row0: list[int], hid: torch.Tensor) -> torch.Tensor | None:
+        """The hidden states at the wanted positions of `pieces` [S, dim], piece by piece, CFG branch-major (None
+        when none is wanted): gathered at once, so a later forward (a replay sharing the graphs' memory pool) cannot
+        overwrite them."""
+        sel_rows, sel_cols = [], []
         for i, p in enumerate(pieces):
-            ranges.append((len(sel_rows), p.rows * len(p.want)))
             for j in range(p.rows):
                 sel_rows.extend([row0[i] + j] * len(p.want))
                 sel_cols.extend(p.want)
         if not sel_rows:
-            return StepOutput(None, None, ranges)
+            return None
         dev = hid.device
         sel = torch.tensor([sel_rows, sel_cols], dtype=torch.long)
         sel = sel.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else sel
-        picked = hid[sel[0], sel[1]]  # [S, dim]
-        logits = self.cloud.logits(picked)
-        return StepOutput(logits, picked, ranges, [len(p.want) for p in pieces])
+        return hid[sel[0], sel[1]]
+
+    def _outputs(self, pieces: list[Piece], parts) -> "StepOutput":
+        """Logits at the wanted positions only (one head matmul for the whole step), viewed per piece. `parts`: per
+        forward (its pieces' indices, first rows, hidden states, the picked rows)."""
+        ranges: list[tuple[int, int]] = [(0, 0)] * len(pieces)
+        picked, at = [], 0
+        for group, _, _, rows in parts:
+            for i in group:
+                n = pieces[i].rows * len(pieces[i].want)
+                ranges[i] = (at, n)
+                at += n
+            if rows is not None:
+                picked.append(rows)
+        if not picked:
+            return StepOutput(None, None, ranges)
+        picked = picked[0] if len(picked) == 1 else torch.cat(picked)
+        return StepOutput(self.cloud.logits(picked), picked, ranges, [len(p.want) for p in pieces])
 
 
 class StepOutput:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ciar.models import slot_attention
 from ciar.models.kv_cache import KVCache
 
 
@@ -248,6 +250,30 @@ def _consecutive(input_pos: torch.Tensor, table: int) -> int | None:
     return p0 if all(r == pos for r in rows[1:]) else None
 
 
+class SlotQuery(NamedTuple):
+    """What attention over the cache reads in place of a mask when the slot kernel runs (`ciar.models.slot_attention`):
+    each row's slot [B], its queries' positions [B, T] and the cache's key validity [slots, S]."""
+
+    slots: torch.Tensor
+    pos: torch.Tensor
+    valid: torch.Tensor
+
+
+def _key_mask(valid: torch.Tensor, input_pos: torch.Tensor, kv_len: int, newest_only: bool,
+              dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1, T, S] of a cached forward: a query sees its row's valid keys at positions <= its own
+    and always its own (`valid` [B, S]: the rows' key validity up to kv_len). `newest_only`: one image-token query
+    per row at the newest key, which sees every key but caption padding. Built once for all layers (a bool mask is
+    converted inside every attention call); the diagonal is always kept, so no row is fully masked."""
+    if newest_only:
+        allowed = valid[:, None, :]
+    else:
+        key_pos = torch.arange(kv_len, device=valid.device)
+        allowed = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
+            | (key_pos[None, None, :] == input_pos[:, :, None])
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype).unsqueeze(1)
+
+
 _DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
 _DENSE_DEVICES = ("cpu",)  # ... on these devices only
 _DENSE_MAX_BYTES = 16 << 20  # ... and only when a layer's keys and values to copy are at most this many bytes
@@ -312,6 +338,8 @@ class Attention(nn.Module):
         else:
             k_cache[slot_idx, :, pos] = k.to(k_cache.dtype)  # [B, T, Hkv, D] into [slots, Hkv, max_seq, D]
             v_cache[slot_idx, :, pos] = v.to(v_cache.dtype)
+        if isinstance(mask, SlotQuery):
+            return slot_attention.slot_attention(q, k_cache, v_cache, mask.slots, mask.pos, mask.valid, kv_len)
         if runs is None:
             slots = slot_idx[:, 0]
             keys = k_cache[:, :, :kv_len].index_select(0, slots)
@@ -585,18 +613,13 @@ class GPT(nn.Module):
                 kv_len = int(input_pos.max()) + 1
             freqs = self.freqs_cis[input_pos.clamp_max(self.freqs_cis.shape[0] - 1)]  # [B, T, D/2, 2]
             slot_idx, write_pos = rows[:, None].expand(b, t), input_pos
-        valid = cache.key_valid[rows, :kv_len]  # [B, S]
-        if p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num:
-            # one image-token query per row at the newest key: it sees every key but caption padding (image keys
-            # are always valid, its own included)
-            allowed = valid[:, None, :]
+        if slot_attention.usable(h, self.config.head_dim):
+            # on CUDA every row reads its keys in place (ciar.models.slot_attention): no gathered keys, no mask
+            mask = SlotQuery(rows.to(h.device), input_pos.to(h.device), cache.key_valid)
         else:
-            key_pos = torch.arange(kv_len, device=h.device)
-            allowed = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
-                | (key_pos[None, None, :] == input_pos[:, :, None])
-        # additive float mask, built once for all layers (a bool mask is converted inside every attention call);
-        # the diagonal is always kept, so no row is fully masked
-        mask = torch.where(allowed, 0.0, float("-inf")).to(h.dtype).unsqueeze(1)  # [B, 1, T, S]
+            mask = _key_mask(cache.key_valid[rows, :kv_len], input_pos, kv_len,
+                             p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num,
+                             h.dtype)
         h = _dropout(self.tok_dropout, h)
         if block is not None:
             if not static:

@@ -15,7 +15,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "engine_graphs", "served_steps", "roofline", "capacity_measured", "fused_step",
+    assert list(sections) == ["env", "slot_attention", "engine_graphs", "served_steps", "roofline", "capacity_measured", "fused_step",
                               "xl_steps", "graphs", "fp32",
                               "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
@@ -24,6 +24,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
     assert split["steps"] > 0 and split["forward"] > 0 and split["judge"] > 0 and split["host"] >= 0, split
     assert split["step"] >= split["forward"] + split["judge"] - 1e-3 and 0 < split["accelerator_busy_upper_bound"] <= 1
+    sa = sections["slot_attention"]  # (no Triton here: both ways run the gather; the loaded step's two forms agree)
+    assert {(x["kind"], x["rows"]) for x in sa["served_steps"]} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
+    assert sa["mixed_step"]["argmax_equal"] == 1.0 and sa["mixed_step"]["max_abs_logit_diff"] < 1e-4, sa
     served = sections["served_steps"]["steps"]  # the runner's static buckets, as the Verifier serves them
     assert {(x["kind"], x["rows"]) for x in served} == {(k, r) for k in ("decode", "span") for r in (2, 4)}
     assert all(x["path"] == "static" and x["bucket"] and x["served_ms"] > 0 and x["bound_ms"] > 0 for x in served)

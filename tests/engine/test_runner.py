@@ -1,0 +1,66 @@
+"""The model runner (ciar.engine.runner): a static step whose pieces are of both kinds runs as two bucketed forwards."""
+
+import pytest
+import torch
+
+from ciar.engine.runner import WIDTH_BUCKETS, ModelRunner, Piece
+from ciar.models.gpt import build_gpt
+
+
+@pytest.fixture(scope="module")
+def cloud():
+    """A tiny cloud whose caption (24 positions) is a wide piece."""
+    torch.manual_seed(0)
+    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=24, caption_dim=16,
+                  block_size=36)
+    torch.nn.init.normal_(m.output.weight, std=0.3)
+    return m.eval()
+
+
+def _prefill(runner, cloud, slots, seed):
+    c = cloud.config
+    emb = torch.randn(1, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(c.cls_token_num, dtype=torch.bool)
+    mask[:3] = False  # caption padding
+    for s in slots:
+        runner.mark_caption(s, mask)
+    cond = runner.condition(emb.expand(len(slots), -1, -1), torch.tensor([False, True]))
+    return Piece(slots=list(slots), start=0, n=c.cls_token_num, emb=cond, want=[c.cls_token_num - 1])
+
+
+def _span(cloud, slots, n, seed):
+    tokens = torch.randint(0, cloud.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Piece(slots=list(slots), start=cloud.config.cls_token_num, n=n, tokens=tokens, want=list(range(n)))
+
+
+@torch.no_grad()
+def test_a_step_of_wide_and_narrow_pieces_runs_as_two_bucketed_forwards(cloud):
+    """A prefill chunk (wide) beside a span and a decode (narrow): padded to one width the step was beyond every
+    bucket and ran eagerly (dynamic), its narrow rows padded to the prefill's width. Now the narrow pieces and the
+    wide one each run a static forward, and every piece's logits are those it gets in a step of its own."""
+    assert cloud.config.cls_token_num > WIDTH_BUCKETS[-1]  # a prefill is a wide piece
+
+    def run(together: bool):
+        runner = ModelRunner(cloud, slots=8, static=True)
+        runner.execute_step([_prefill(runner, cloud, (0, 1), 1), _prefill(runner, cloud, (2, 3), 2)])
+        before = dict(runner.steps)
+        pieces = [_span(cloud, (0, 1), 5, 3), _prefill(runner, cloud, (4, 5), 4), _span(cloud, (2, 3), 1, 5)]
+        if together:
+            outs = runner.execute_step(pieces).views
+        else:
+            outs = [runner.execute_step([p]).views[0] for p in pieces]
+        return [o[0] for o in outs], {k: runner.steps[k] - before[k] for k in before}
+
+    mixed, steps = run(True)
+    alone, _ = run(False)
+    assert steps == {"dynamic": 0, "static": 2, "graph": 0}  # one forward per kind, both bucketed
+    assert [tuple(m.shape) for m in mixed] == [(2, 5, cloud.config.vocab_size), (2, 1, cloud.config.vocab_size),
+                                               (2, 1, cloud.config.vocab_size)]
+    for m, a in zip(mixed, alone):
+        torch.testing.assert_close(m, a, rtol=1e-4, atol=1e-4)
+
+
+def test_groups_put_narrow_pieces_first_and_keep_their_order():
+    pieces = [Piece([0], 0, 40), Piece([1], 9, 1), Piece([2], 0, 17), Piece([3], 9, 16)]
+    assert ModelRunner.groups(pieces) == [[1, 3], [0, 2]]
+    assert ModelRunner.groups(pieces[1:2]) == [[0]]
