@@ -135,7 +135,9 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
     await asyncio.sleep(warmup_s)
     sched = v.engine.scheduler
-    base = (sched.steps, sched.real_positions, sched.padded_positions, len(sched.step_log))
+    runner = v.runner
+    base = (sched.steps, sched.real_positions, sched.padded_positions, len(sched.step_log), runner.positions["fed"],
+            runner.positions["computed"], sum(runner.steps.values()))
     stepping = _Stepping(v.engine)
     state["measuring"] = True
     t0 = time.perf_counter()
@@ -148,6 +150,8 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     stepping.remove()
     steps = sched.steps - base[0]
     real, padded = sched.real_positions - base[1], sched.padded_positions - base[2]
+    fed, computed = runner.positions["fed"] - base[4], runner.positions["computed"] - base[5]
+    forwards = sum(runner.steps.values()) - base[6]
     log = sched.step_log[-min(steps, len(sched.step_log)):] if steps else []
     for t in tasks:
         t.cancel()
@@ -165,7 +169,11 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
         "steps": steps, "steps_per_s": steps / seconds if seconds else None,
         "mean_works_per_step": float(np.mean([s["works"] for s in log])) if log else None,
         "mean_rows_per_step": float(np.mean([s["rows"] for s in log])) if log else None,
-        "padding": 1.0 - real / padded if padded else None,
+        # of the positions the forwards computed, the share that was padding (rows and widths up to the buckets);
+        # `padding_one_width`: had every step been one forward padded to its widest piece
+        "padding": 1.0 - fed / computed if computed else None,
+        "padding_one_width": 1.0 - real / padded if padded else None,
+        "forwards_per_step": forwards / steps if steps else None,
         "engine_stepping": stepping.seconds / seconds if seconds else None,
         "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
     }
@@ -288,8 +296,9 @@ def markdown(sec: dict) -> list[str]:
               f"{sec['duration_s']} s") + f" after {sec['warmup_s']} s"
     lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, link {sec['network']}, "
              f"window {window}; replayed decisions: {sec.get('verdicts')}.",
-             "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | engine stepping | "
-             "mismatches | model 3 ms images/s | model refit images/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | steps/s | padding | "
+             "engine stepping | mismatches | model 3 ms images/s | model refit images/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     model = sec.get("model", {}).get("points", {})
     for method, ps in sec["points"].items():
         for i, p in enumerate(ps):
@@ -298,7 +307,7 @@ def markdown(sec: dict) -> list[str]:
             lat = p["latency_s"]
             lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | {_f(lat['p50'])} | "
                          f"{_f(lat['p99'])} | {_f(p['cloud_passes_per_image'])} | {_f(p['mean_works_per_step'])} | "
-                         f"{_f(p['engine_stepping'])} | {p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
+                         f"{_f(p.get('steps_per_s'))} | {_f(p.get('padding'))} | {_f(p['engine_stepping'])} | {p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
     m = sec.get("measured", {})
     lines += ["", f"Measured: {m}"]
     return lines

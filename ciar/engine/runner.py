@@ -105,6 +105,9 @@ class ModelRunner:
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
         self.steps = {"dynamic": 0, "static": 0, "graph": 0}  # forwards by path
+        # positions fed (rows x piece length) and computed (rows x width of each forward's padded layout, what its
+        # attention runs over; a packed dynamic forward's projections run on the fed ones only), summed
+        self.positions = {"fed": 0, "computed": 0}
         self.fused = bool(fused)
         self._block = None
         if self.fused:
@@ -173,8 +176,10 @@ class ModelRunner:
     def _forward(self, pieces: list[Piece]) -> tuple[list[int], torch.Tensor]:
         """One forward over `pieces` -> (first row of each piece, hidden states [rows, width, dim])."""
         bucket = self.bucket(pieces) if self.static else None
+        self.positions["fed"] += sum(p.rows * p.n for p in pieces)
         if bucket is not None:
             rows, width, kv_len = bucket
+            self.positions["computed"] += rows * width
             row0, h, pos, slots = self._inputs(pieces, width, rows)
             if self.graphs:
                 self.steps["graph"] += 1
@@ -190,6 +195,7 @@ class ModelRunner:
         width = max(p.n for p in pieces)
         row0, h, pos, slots = self._inputs(pieces, width, None)
         n_rows = h.shape[0]
+        self.positions["computed"] += n_rows * width
         # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
         # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
         kv_len = max(p.start + p.n for p in pieces)

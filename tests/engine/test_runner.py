@@ -43,17 +43,20 @@ def test_a_step_of_wide_and_narrow_pieces_runs_as_two_bucketed_forwards(cloud):
     def run(together: bool):
         runner = ModelRunner(cloud, slots=8, static=True)
         runner.execute_step([_prefill(runner, cloud, (0, 1), 1), _prefill(runner, cloud, (2, 3), 2)])
-        before = dict(runner.steps)
+        before, fed, computed = dict(runner.steps), runner.positions["fed"], runner.positions["computed"]
         pieces = [_span(cloud, (0, 1), 5, 3), _prefill(runner, cloud, (4, 5), 4), _span(cloud, (2, 3), 1, 5)]
         if together:
             outs = runner.execute_step(pieces).views
         else:
             outs = [runner.execute_step([p]).views[0] for p in pieces]
-        return [o[0] for o in outs], {k: runner.steps[k] - before[k] for k in before}
+        return [o[0] for o in outs], {k: runner.steps[k] - before[k] for k in before}, \
+            (runner.positions["fed"] - fed, runner.positions["computed"] - computed)
 
-    mixed, steps = run(True)
-    alone, _ = run(False)
+    mixed, steps, positions = run(True)
+    alone, _, _ = run(False)
     assert steps == {"dynamic": 0, "static": 2, "graph": 0}  # one forward per kind, both bucketed
+    # fed: 2 rows x (5 + 24 + 1); computed: the narrow forward 4 rows x 8 wide, the wide one 2 rows x 32
+    assert positions == (60, 4 * 8 + 2 * 32)
     assert [tuple(m.shape) for m in mixed] == [(2, 5, cloud.config.vocab_size), (2, 1, cloud.config.vocab_size),
                                                (2, 1, cloud.config.vocab_size)]
     for m, a in zip(mixed, alone):
