@@ -21,8 +21,9 @@ add one forward per open), session resumes (one replica), the Ingress and the de
 
 Per load point (phones at once, `warmup_s` then a window of `duration_s`; the images finishing inside it count):
 images/s, image latency p50 / p95 / p99, cloud passes and requests per image, engine steps and mean works per step,
-the share of the window the engine thread spent stepping, replay mismatches (0: every reply equalled the recording)
-and errors. A method's ramp stops once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
+pieces per step by kind, forwards per step and their padding (`ModelRunner.positions`), the share of the window the
+engine thread spent stepping and each step split into forward, judge and host milliseconds (`StepSplit`: timed to
+device syncs), replay mismatches (0: every reply equalled the recording) and errors. A method's ramp stops once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
 measured) and phones at the p99 SLO, per method; beside each point the capacity model's prediction for the same
 phones, link and window (`ciar.collab.gpu_model.simulate`: the measured roofline, the same session slots and
 scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
@@ -82,22 +83,51 @@ def random_caption(verifier):
     return caption
 
 
-class _Stepping:
-    """Seconds the engine thread spends inside `engine.step` (wrapped; no device sync is added)."""
+class StepSplit:
+    """Where an engine's steps' time goes: the forwards (`runner.execute_step`), the judge and sampler
+    (`judge.decide`, its one host read included) and the rest (the host: admission, scheduling, inputs, applying the
+    decisions), each timed to a device sync (`sync`; the forward's and the judge's calls are wrapped, a step is
+    `engine.step`). Measures only while `on`. The syncs after a forward cost what the judge's launch would have
+    overlapped with it: little, since the judge's read ends the step anyway."""
 
-    def __init__(self, engine):
-        self.engine, self.real, self.seconds = engine, engine.step, 0.0
-        engine.step = self._step
+    def __init__(self, v, sync):
+        self.v, self.sync, self.on = v, sync, False
+        self.t = {"step": [], "forward": [], "judge": []}
+        self.real = (v.runner.execute_step, v.judge.decide, v.engine.step)
+        v.runner.execute_step = self._wrap("forward", self.real[0])
+        v.judge.decide = self._wrap("judge", self.real[1])
+        v.engine.step = self._wrap("step", self.real[2])
 
-    def _step(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return self.real(*a, **k)
-        finally:
-            self.seconds += time.perf_counter() - t
+    def _wrap(self, name, fn):
+        def timed(*a, **k):
+            if not self.on:
+                return fn(*a, **k)
+            self.sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.sync()
+            self.t[name].append(time.perf_counter() - t0)
+            return out
+        return timed
 
     def remove(self) -> None:
-        self.engine.step = self.real
+        self.v.runner.execute_step, self.v.judge.decide, self.v.engine.step = self.real
+        self.on = False
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent inside measured steps."""
+        return sum(self.t["step"])
+
+    def report(self) -> dict:
+        steps = len(self.t["step"])
+        if not steps:
+            return {}
+        per = {k: 1e3 * sum(v) / steps for k, v in self.t.items()}
+        return {"steps": steps, "step": round(per["step"], 3), "forward": round(per["forward"], 3),
+                "judge": round(per["judge"], 3),
+                "host": round(per["step"] - per["forward"] - per["judge"], 3),
+                "accelerator_busy_upper_bound": round((per["forward"] + per["judge"]) / per["step"], 3)}
 
 
 async def point(client, traces: list, phones: int, warmup_s: float, duration_s: float, network: str = NETWORK,
@@ -138,7 +168,8 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     runner = v.runner
     base = (sched.steps, sched.real_positions, sched.padded_positions, len(sched.step_log), runner.positions["fed"],
             runner.positions["computed"], sum(runner.steps.values()))
-    stepping = _Stepping(v.engine)
+    stepping = StepSplit(v, lambda: torch.cuda.synchronize() if v.device.type == "cuda" else None)
+    stepping.on = True
     state["measuring"] = True
     t0 = time.perf_counter()
     try:
@@ -153,6 +184,8 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     fed, computed = runner.positions["fed"] - base[4], runner.positions["computed"] - base[5]
     forwards = sum(runner.steps.values()) - base[6]
     log = sched.step_log[-min(steps, len(sched.step_log)):] if steps else []
+    kinds = {k: float(np.mean([s["kinds"].count(k) for s in log])) for k in ("span", "decode", "history", "prefill")} \
+        if log else None
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -174,6 +207,8 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
         "padding": 1.0 - fed / computed if computed else None,
         "padding_one_width": 1.0 - real / padded if padded else None,
         "forwards_per_step": forwards / steps if steps else None,
+        "pieces_per_step": kinds,  # (the scheduler's last STEP_LOG steps of the window)
+        "ms_per_step": stepping.report(),  # forward, judge and host, each timed to a device sync
         "engine_stepping": stepping.seconds / seconds if seconds else None,
         "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
     }
@@ -297,8 +332,8 @@ def markdown(sec: dict) -> list[str]:
     lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, link {sec['network']}, "
              f"window {window}; replayed decisions: {sec.get('verdicts')}.",
              "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | steps/s | padding | "
-             "engine stepping | mismatches | model 3 ms images/s | model refit images/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms: forward / judge / host | engine stepping | mismatches | model 3 ms images/s | "
+             "model refit images/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     model = sec.get("model", {}).get("points", {})
     for method, ps in sec["points"].items():
         for i, p in enumerate(ps):
@@ -307,10 +342,16 @@ def markdown(sec: dict) -> list[str]:
             lat = p["latency_s"]
             lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | {_f(lat['p50'])} | "
                          f"{_f(lat['p99'])} | {_f(p['cloud_passes_per_image'])} | {_f(p['mean_works_per_step'])} | "
-                         f"{_f(p.get('steps_per_s'))} | {_f(p.get('padding'))} | {_f(p['engine_stepping'])} | {p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
+                         f"{_f(p.get('steps_per_s'))} | {_f(p.get('padding'))} | {_split(p.get('ms_per_step'))} | "
+                         f"{_f(p['engine_stepping'])} | "
+                         f"{p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
     m = sec.get("measured", {})
     lines += ["", f"Measured: {m}"]
     return lines
+
+
+def _split(ms: dict | None) -> str:
+    return f"{ms['step']:.3g}: {ms['forward']:.3g} / {ms['judge']:.3g} / {ms['host']:.3g}" if ms else "–"
 
 
 def _f(x) -> str:

@@ -756,6 +756,7 @@ class Suite:
         (opens with prefix tokens, rounds of spans with bursts): dynamic eager steps, static (bucketed) eager steps,
         and static steps replayed from CUDA graphs. Replies (tokens) compared; spans/s with every session in one
         step and with one session at a time."""
+        from benchmarks.engine_capacity import StepSplit
         from ciar.collab.verifier import CloudVerifier
 
         sessions, rounds, prefix = (4, 2, 8) if self.tiny else (16, 4, 64)
@@ -774,7 +775,7 @@ class Suite:
             reqs, emb, spans = self._span_sessions(sessions, prefix, burst=2)  # the same sessions every way
             got = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
             self.sync()
-            split = _StepSplit(v, self.sync)
+            split = StepSplit(v, self.sync)
             t = time.perf_counter()
             for i in range(rounds):
                 split.on = i > 0  # the first round warms up (and, with graphs, replays its buckets first)
@@ -1142,47 +1143,6 @@ class Suite:
         out["how"] = ("ciar.collab.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, pieces, "
                       "overhead_s): the overhead is the median of measured - modelled over the xl_steps")
         return out
-
-
-class _StepSplit:
-    """Where an engine step's time goes, all sessions in one step: the forward (`runner.execute_step`), the judge
-    and sampler (`judge.decide`, its one host read included) and the rest (the host: admission, scheduling, inputs,
-    applying the decisions), each timed to a device sync (the forward's and the judge's calls are wrapped; a step is
-    `engine.step`). Measures only while `on`."""
-
-    def __init__(self, v, sync):
-        self.v, self.sync, self.on = v, sync, False
-        self.t = {"step": [], "forward": [], "judge": []}
-        self.real = (v.runner.execute_step, v.judge.decide, v.engine.step)
-        v.runner.execute_step = self._wrap("forward", self.real[0])
-        v.judge.decide = self._wrap("judge", self.real[1])
-        v.engine.step = self._wrap("step", self.real[2])
-
-    def _wrap(self, name, fn):
-        def timed(*a, **k):
-            if not self.on:
-                return fn(*a, **k)
-            self.sync()
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            self.sync()
-            self.t[name].append(time.perf_counter() - t0)
-            return out
-        return timed
-
-    def remove(self) -> None:
-        self.v.runner.execute_step, self.v.judge.decide, self.v.engine.step = self.real
-        self.on = False
-
-    def report(self) -> dict:
-        steps = len(self.t["step"])
-        if not steps:
-            return {}
-        per = {k: 1e3 * sum(v) / steps for k, v in self.t.items()}
-        return {"steps": steps, "step": round(per["step"], 3), "forward": round(per["forward"], 3),
-                "judge": round(per["judge"], 3),
-                "host": round(per["step"] - per["forward"] - per["judge"], 3),
-                "accelerator_busy_upper_bound": round((per["forward"] + per["judge"]) / per["step"], 3)}
 
 
 def _steps_table(steps: list[dict]) -> list[str]:

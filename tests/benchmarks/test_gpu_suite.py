@@ -42,6 +42,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
         assert [p["phones"] for p in points] == [1, 3]
         # the window is a count of images (any machine); every reply equalled the recording
         assert all(p["images"] >= 3 and p["mismatches"] == 0 and p["errors"] == 0 for p in points), points
+        # each step split into forward, judge and host time; what the forwards computed
+        assert all(p["ms_per_step"]["steps"] > 0 and p["ms_per_step"]["forward"] > 0 and p["forwards_per_step"] >= 1
+                   and 0 <= p["padding"] < 1 for p in points), points
         assert cm["verdicts"][method]["unrecorded"] == 0 and cm["verdicts"][method]["replayed"] > 0
         assert [p["phones"] for p in cm["model"]["points"]["refit_served_path"][method]] == [1, 3]
     # what the replay is for: CIAR's images take fewer sequential cloud passes than cloud-only's 144 tokens
