@@ -103,14 +103,23 @@ class CloudVerifier:
         self.projector = projector.eval() if projector is not None else None
         self.judge = Judge(cloud, codebook)
         self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide,
-                                 retired=self.observe_costs)
+                                 retired=self.retired)
         # what its replies told the devices, over all of them: the hint a device's first image starts from
         self.reply_costs = CloudStepEstimator()
         self.reply_queue = Ewma(0.2)
 
+    def retired(self, works: list) -> None:
+        """Engine hook: works that left the engine (finished). A session one of them left of no use
+        (`Work.drop_session`) is closed; their replies' costs feed the estimates (`observe_costs`)."""
+        for w in works:
+            s = getattr(w, "s", None)
+            if w.drop_session and s is not None and self.table.sessions.get(w.session_id) is s:
+                self.close(w.session_id, cancel=False)
+        self.observe_costs(works)
+
     def observe_costs(self, works: list) -> None:
-        """Engine hook, once per step: the replies the step's finished works gave (`Work.cost`: compute seconds,
-        forwards, whether a verification, queue wait) feed the running estimates `cost_hint` reports."""
+        """The replies finished works gave (`Work.cost`: compute seconds, forwards, whether a verification, queue
+        wait) feed the running estimates `cost_hint` reports."""
         for w in works:
             cost = w.cost
             if cost is not None and w.error is None:
@@ -252,6 +261,8 @@ class CloudVerifier:
             if w.done:  # cancelled while queued (its session was replaced by a resume admitted before it)
                 continue
             try:
+                if isinstance(w, ResumeWork):
+                    self.close(w.session_id)  # a stale copy of the same session
                 w.admit()
             except CapacityError as e:
                 if w.deadline is not None and time.perf_counter() < w.deadline:
@@ -290,8 +301,7 @@ class CloudVerifier:
                         cap = self.text.encode([w.request.prompt])
                         w.caption_emb, w.caption_mask = cap.emb[0], (cap.mask[0] if cap.mask is not None else None)
                     except ValueError as e:  # e.g. CaptionTooLongError: the caller maps it to a 4xx
-                        w.release()
-                        w.finish(error=e)
+                        w.finish(error=e)  # (its half-built session is dropped: `OpenWork.finish`)
         works = [w for w in works if not w.done]
         if not works:
             return
@@ -450,13 +460,9 @@ class OpenWork(Work):
         else:
             self.finish(error=SessionError(f"session {self.session_id!r}: the caller went away"))
 
-    def release(self) -> None:
-        """Undo `admit` (the caption could not be encoded)."""
-        self.v.close(self.session_id, cancel=False)
-
     def finish(self, result=None, error: BaseException | None = None) -> None:
         if error is not None and not self.done and self.s is not None and self.s.live:
-            self.v.close(self.session_id, cancel=False)  # a half-built session is of no use: free its slots
+            self.drop_session = True  # a half-built session is of no use: the verifier frees its slots
         was_done = self.done
         super().finish(result, error)
         if not was_done:
@@ -557,8 +563,7 @@ class ResumeWork(OpenWork):
         self.fed = 0  # history tokens fed
 
     def admit(self) -> None:
-        self.v.close(self.session_id)  # a stale copy of the same session
-        super().admit()
+        super().admit()  # (the verifier closed a stale copy of the same session first: `admit_works`)
         self.s.tokens = list(self.history)
         inj = self.injected
         if self.v.projector is not None and inj is not None and inj.positions.numel():
@@ -741,7 +746,7 @@ class VerifyWork(Work):
         if self.outcome is None:
             self.finish(error=error)
             return
-        self.v.close(self.session_id, cancel=False)
+        self.drop_session = True  # the verifier closes it when this work leaves the engine
         lost = SessionLostError(f"session {self.session_id!r} was dropped: a cloud burst step failed after its "
                                 f"verdict ({error}); resume it from its history", self.session_id)
         lost.origin = error  # (not chained as __cause__: the transports unwrap causes and must find this one)

@@ -80,6 +80,9 @@ class Work(Request):
         self.draw_from: PieceOutput | None = None  # this step's outputs to draw a token from (the decision pass)
         self.deciding = False  # in this step's decision pass (a pass that raises fails these works)
         self.cost: tuple | None = None  # what its reply cost, for the owner's estimates (`retired`), set on success
+        # its session is of no use after it (a half-built open, a burst that failed after its verdict): the owner
+        # frees it when the work leaves the engine (`retired`); a work never closes a session itself
+        self.drop_session = False
 
     # --- subclass interface
     def admit(self) -> None:
@@ -129,8 +132,9 @@ class StepEngine:
     and budgets; the runner (`ciar.engine.runner.ModelRunner`) turns pieces into tensors and returns the step's
     logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
     (each admitted, or finished with its error), `decide(running, step logits, on_bad)` (the step's batched judge
-    and sampler, its one host read) and `retired(finished works)` (what the owner learns from them: its cost
-    estimates) are given by the owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
+    and sampler, its one host read) and `retired(finished works)` (what the owner applies from them: its cost
+    estimates, the sessions they left of no use; called for every work once it leaves the engine) are given by the
+    owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
 
     def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None):
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
@@ -162,9 +166,11 @@ class StepEngine:
 
     def cancel(self, session_id: str, error: BaseException) -> None:
         """Fail the works of a session that was closed or evicted under them."""
-        for w in self.works_of(session_id):
+        works = self.works_of(session_id)
+        for w in works:
             w.finish(error=error)
         self.scheduler.purge()
+        self._retired(works)
 
     def withdraw(self, work: Work) -> None:
         """Its caller went away: a queued work is dropped before it runs; an admitted one is told (`abandon`: an open
@@ -173,6 +179,7 @@ class StepEngine:
             return
         if self.scheduler.drop(work):
             work.finish(error=RuntimeError(f"session {work.session_id!r}: the caller went away"))
+            self._retired([work])
             return
         abandon = getattr(work, "abandon", None)
         if abandon is not None:
@@ -180,9 +187,11 @@ class StepEngine:
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every queued and running work (the step itself raised: a bug or a lost accelerator)."""
-        for w in self.scheduler.all():
+        works = self.scheduler.all()
+        for w in works:
             w.finish(error=error)
         self.scheduler.clear()
+        self._retired(works)
 
     def run(self, works: list[Work]) -> None:
         """Step until every work in `works` is done (the synchronous batch API). Works waiting for a slot with nothing
@@ -198,6 +207,7 @@ class StepEngine:
         """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, judge the
         spans that completed. -> the works finished in this step."""
         t0 = time.perf_counter()
+        finished = self._retire()  # works finished between steps (withdrawn, abandoned): their effects first
         if self.scheduler.parked:
             self.unpark_due()
         self._admit()
@@ -209,8 +219,13 @@ class StepEngine:
             step = None
         self._decide_step(batch, step)
         self._record_lengths()
+        return finished + self._retire()
+
+    def _retire(self) -> list[Work]:
+        """The finished works leave the running set; the owner applies what they leave behind (`retired`)."""
         finished = self.scheduler.retire()
-        self._retired(finished)
+        if finished:
+            self._retired(finished)
         return finished
 
     def _record_lengths(self) -> None:
@@ -255,12 +270,15 @@ class StepEngine:
         except Exception as e:  # noqa: BLE001 - the admission's own model work (caption encoding, condition
             # embedding) failed, e.g. out of memory: these works are in no queue; they fail retryably, the rest runs
             self._fault([w for w in new if not w.done], e, "admitting")
+            self._retired(new)
             return
         except BaseException as e:  # (an interrupt: these works are in no queue, fail them here)
             for w in new:
                 if not w.done:
                     w.finish(error=e)
+            self._retired(new)
             raise
+        self._retired([w for w in new if w.done])  # finished at admission (refused, or answered at once)
         parked = [w for w in new if w.parked and not w.done]
         for w in parked:
             w.parked = False

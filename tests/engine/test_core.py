@@ -296,3 +296,20 @@ def test_the_engine_thread_gives_the_same_replies_as_the_loop(tiny_cloud, stub_t
             service.shutdown()
 
     assert replies(True) == replies(False)
+
+
+@torch.no_grad()
+def test_a_session_a_work_leaves_of_no_use_is_closed_before_the_next_admission(tiny_cloud, stub_text):
+    """Works never close sessions themselves (`Work.drop_session`; the verifier closes it when the work leaves the
+    engine). An open abandoned between steps leaves a half-built session: the next step frees it before admitting
+    anything, so the same session id opened again is a new session, not a conflict."""
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=1)
+    first = v.submit_open(_open_req("a", 6))
+    v.engine.step()  # admitted: the session holds the only slot
+    assert not first.done and "a" in v.sessions
+    v.engine.withdraw(first)  # its caller went away: it fails, its session is left of no use
+    assert first.done and first.drop_session and "a" in v.sessions  # (closed when it leaves the engine)
+    again = v.submit_open(_open_req("a", 2, seed=7))
+    v.engine.run([again])
+    assert again.error is None and len(again.result.prefix_tokens) == 2
+    assert v.num_sessions == 1 and v.sessions["a"].open_request.seed == 7
