@@ -141,7 +141,7 @@ def image_cost_ms(model: dict, passes: float, positions: float, batch: int, rows
 
 
 class HandleClient:
-    """Replay client over the Verifier deployment handle (what `services.device.RayCloudClient` calls, async)."""
+    """Replay client over the Verifier deployment handle (what `services.verifier_client.RayCloudClient` calls, async)."""
 
     def __init__(self, handle, device_id: str):
         self.h, self.device_id, self.tokens = handle, device_id, {}
@@ -169,9 +169,9 @@ class HandleClient:
 
 def _lost(exc: BaseException) -> bool:
     """The verifier lost the session: it answers SessionLostError, or its replica is gone (as the Device sees it)."""
-    from services.device import is_replica_loss, is_session_lost
+    from services.verifier_client import replica_lost, session_lost
 
-    return is_session_lost(exc) or is_replica_loss(exc)
+    return session_lost(exc) or replica_lost(exc)
 
 
 async def replica_stats(handle, replicas: int) -> dict:

@@ -43,20 +43,18 @@ from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from ciar.collab.defaults import UncalibratedError
 from ciar.collab.knobs import check_method_overrides
-from ciar.collab.protocol import CapacityError, CloudUnreachableError, ForwardFault
-from ciar.text import CaptionTooLongError
 from ciar.collab.names import METHODS
-from services import web
+from services import errors, web
 from services.device import Device
-from services.device_endpoint import DeviceEndpoint, RayVerifierBackend, root_cause, within
-from services.device_retry import JobKillsDevicesError, LostPhones
+from services.device_endpoint import DeviceEndpoint
+from services.device_retry import LostPhones
 from services.metrics import IngressMetrics
 from services.schemas import (SIMULATION_PARAMS, AppConfig, ErrorResponse, GenerationJob, GenerationOutput,
                               GenerationRequest, ImagesResponse, ModelCard, ModelList, ProgressEvent, key_digest)
 from services.routing import ROUTER_CLASS
 from services.verifier import Verifier
+from services.verifier_client import RayVerifierBackend, within
 
 logger = logging.getLogger("ray.serve")
 MAX_BODY_BYTES = 16 * 1024
@@ -99,18 +97,15 @@ GENERATION_RESPONSES = {
     401: AUTH_ERROR,
     413: _error("request body over 16 KiB"),
     422: _error("a field out of range, of the wrong type or unknown (error.field names it), or `method` given with a "
-                "`model` that names a method (the schema's `not`), or n > 1 with png or stream (its `allOf`); also a "
-                "prompt over the caption encoder's token budget, params that make no valid method config (e.g. cloud "
-                "with prefix_rate < 1), a gate with no calibrated threshold and no params.tau, and the simulation "
-                "params params.device_slowdown / params.link_drop_after / params.device_exit_after where the "
-                "deployment does not allow them"),
-    500: _error("internal error (logged with its traceback); or (error.type killed_devices) the job's simulated "
-                "phones died under it twice: the likely cause is the request itself, which is not run again"),
-    503: _error("the cluster is starting (no Device or Verifier replica can take work yet), overloaded (every device "
-                "busy and the queue full, or no free verifier KV-cache slot), or the cloud unreachable (or past "
-                "verifier_call_timeout_s) before the image could start: retry after Retry-After seconds", RETRY_AFTER),
-    504: _error("the generation did not finish within request_timeout_s (the deadline every call to the verifier "
-                "keeps too): retryable, after Retry-After seconds", RETRY_AFTER),
+                "`model` that names a method (the schema's `not`), or n > 1 with png or stream (its `allOf`); also "
+                "params that make no valid method config (e.g. cloud with prefix_rate < 1), and the simulation params "
+                "params.device_slowdown / params.link_drop_after / params.device_exit_after where the deployment does "
+                "not allow them. While generating (error.type: when): " + errors.described(422)),
+    500: _error("error.type: when. " + errors.described(500)),
+    503: _error("the cluster is starting (error.type starting: no Device or Verifier replica can take work yet); "
+                "while generating (error.type: when): " + errors.described(503) + ". Retry after Retry-After seconds",
+                RETRY_AFTER),
+    504: _error("error.type: when. " + errors.described(504) + "; retry after Retry-After seconds", RETRY_AFTER),
 }
 GENERATION_BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": {"$ref": "#/components/schemas/GenerationRequest"}}}}}
@@ -523,50 +518,21 @@ class Ingress:
         return req, None
 
     def _failure(self, req: GenerationRequest, e: BaseException) -> JSONResponse:
-        from ray.serve.exceptions import BackPressureError
-
-        cause = root_cause(e)
-
-        def caused_by(kind) -> bool:  # raised here, or the root cause of a wrapped (Ray) error
-            return isinstance(e, kind) or isinstance(cause, kind)
-
-        def counted(code: int) -> None:
-            self.metrics.request(req.method, code)
-
-        if isinstance(e, JobKillsDevicesError):
-            counted(500)
-            self.metrics.error("killed_devices")
-            return error_body(500, str(e), kind="killed_devices")
-        if caused_by(BackPressureError):
-            counted(503)
-            return self._overloaded("all simulated devices are busy and the queue is full; retry later")
-        if caused_by(ForwardFault):
-            counted(503)
-            return self._overloaded(f"a cloud forward failed ({cause}); nothing is kept of it: retry later")
-        if caused_by(CapacityError):
-            counted(503)
-            return self._overloaded("the verifier pool has no free KV-cache slot; retry later")
-        if caused_by(CloudUnreachableError):
-            counted(503)
-            return self._overloaded(f"the cloud is unreachable before the image could start: {cause}",
-                                    kind="unavailable")
-        if isinstance(e, asyncio.TimeoutError):
-            counted(504)
-            self.metrics.error("timeout")
-            r = error_body(504, f"generation did not finish within {self.timeout_s:g} s (request_timeout_s); nothing "
-                           "is kept of it: retry after Retry-After seconds", kind="timeout")
+        """A generation's failure -> its answer, by the one table both the API and the device socket read
+        (`services.errors`); 5xx answers count as errors of their kind, internal ones are logged."""
+        rule = errors.answer(e, errors.HTTP)
+        cause = errors.root_cause(e)
+        self.metrics.request(req.method, rule.status)
+        if rule.status >= 500:
+            self.metrics.error(rule.kind)
+        if rule is errors.INTERNAL:
+            logger.exception("generation failed: %s", type(e).__name__)
+        text = rule.text(errors.HTTP, cause=e if rule.top else cause, name=type(cause).__name__,
+                         timeout=self.timeout_s)
+        r = error_body(rule.status, text, field=rule.field, kind=rule.kind)
+        if rule.retry:
             r.headers["Retry-After"] = str(self.retry_after_s)
-            return r
-        if caused_by(CaptionTooLongError):
-            counted(422)
-            return error_body(422, str(cause), field="prompt")
-        if caused_by(UncalibratedError):
-            counted(422)
-            return error_body(422, str(cause), field="params.tau")
-        logger.exception("generation failed: %s", type(e).__name__)
-        counted(500)
-        self.metrics.error("internal")
-        return error_body(500, f"generation failed: {type(cause).__name__}", kind="internal")
+        return r
 
     def _observe(self, req: GenerationRequest, images: list[dict], code: int) -> None:
         """One request answered `code`, with these images' stats."""
@@ -698,7 +664,7 @@ def build_app(args: dict | None = None) -> serve.Application:
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus, "resources": cfg.ingress_resources},
         max_ongoing_requests=cfg.ingress_max_ongoing_requests,
         # the proxy's own overload answer, shaped like ours (503 + Retry-After); the device fleet's queue is reached
-        # through a handle, where Serve raises BackPressureError and the ingress answers it (`_overloaded`)
+        # through a handle, where Serve raises BackPressureError and the ingress answers it (`services.errors`)
         max_queued_requests=cfg.ingress_max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s),
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,

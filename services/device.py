@@ -1,6 +1,7 @@
 """Simulated devices: each replica of the `Device` deployment is one phone (a Ray actor with a fractional CPU)
 running the device model and the CIAR loop of `ciar.collab.decoder`, on its own link profile, talking to the
-verifier pool through `RayCloudClient` (the Ray implementation of `ciar.collab.protocol.CloudClient`).
+verifier pool through `services.verifier_client.RayCloudClient` (the Ray implementation of
+`ciar.collab.protocol.CloudClient`).
 
 Simulated time is spent for real (`DeviceLiveConfig.realtime`): each message waits for its uplink before it
 reaches the verifier and for its downlink after the reply, and device compute is stretched by the slowdown
@@ -29,156 +30,17 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 from ray import serve
 
 from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
-from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, ForwardFault, InjectedFeatures, OpenReply,
-                                  OpenRequest, SessionLostError, VerifyReply, VerifyRequest)
 from ciar.collab.recovery import RecoveringClient
 from ciar.collab.runtime import device_runtime
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
 from services.schemas import CollabOverrides, DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
-
-
-def is_replica_loss(exc: BaseException) -> bool:
-    """True for errors meaning the verifier replica is gone (died / unreachable), not a bad request."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
-    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError))
-
-
-def is_session_lost(exc: BaseException) -> bool:
-    return isinstance(exc, SessionLostError) or isinstance(getattr(exc, "cause", None), SessionLostError)
-
-
-def forward_fault(exc: BaseException) -> ForwardFault | None:
-    """The verifier's `ForwardFault` behind `exc` (raised here, or the cause Ray keeps), else None."""
-    for e in (exc, getattr(exc, "cause", None)):
-        if isinstance(e, ForwardFault):
-            return e
-    return None
-
-
-class RayCloudClient:
-    """`CloudClient` over the Verifier deployment handle. Synchronous: call it from a worker thread, not from the
-    replica's event loop. Every call is routed by its session (`handle.options(session_id=...)`, Ray's consistent-hash
-    router as `services.routing` fixes it) and carries `session_id=`, this device's id and the session token
-    (ownership). A dead replica during verify becomes SessionLostError (the recovering wrapper re-creates the
-    session elsewhere); open and resume retry a dead replica with backoff.
-
-    Deadlines. Every call waits at most `call_timeout_s`, and never past `deadline` (time.monotonic(); the request's
-    end-to-end deadline, set per image by the Device). A call past its deadline is cancelled (Serve cancels it on
-    the replica, which withdraws its work: `ciar.collab.service`) and raises `CloudTimeoutError`: before the open the
-    request fails with a retryable 503, mid-image the device finishes the image alone (degraded), and a cost hint is
-    given up. The close that ends every image waits up to 5 s even past the deadline (it frees the session's slots;
-    the verifier's idle timeout frees them otherwise). Nothing waits forever."""
-
-    HINT_TIMEOUT_S = 5.0  # a hint is worth little: the first image drafts at the calibrated point without one
-    CLOSE_TIMEOUT_S = 5.0  # best effort, even past the request's deadline: the verifier frees idle sessions itself
-
-    def __init__(self, handle, device_id: str, vocab_size: int, retries: int = 40, backoff_s: float = 0.1,
-                 sleep: Callable[[float], None] = time.sleep, call_timeout_s: float = 60.0):
-        self.handle = handle
-        self.device_id = device_id
-        self.vocab_size = vocab_size
-        self.retries, self.backoff_s, self.sleep = retries, backoff_s, sleep
-        self.call_timeout_s = call_timeout_s
-        self.deadline: float | None = None  # time.monotonic() past which no call waits (the request's)
-        self.tokens: dict[str, str] = {}  # session id -> session token
-        self.batch_sizes: dict[str, list[int]] = {}  # session id -> verifier batch size of each of its verifies
-
-    def _limit(self, cap: float | None = None, cleanup: bool = False) -> float:
-        """Seconds the next call may wait: its own cap, the call timeout, what is left of the deadline (a cleanup
-        call, the close, is not held to the deadline: it frees the session's slots)."""
-        limit = min(self.call_timeout_s, cap if cap is not None else math.inf)
-        if self.deadline is not None and not cleanup:
-            limit = min(limit, self.deadline - time.monotonic())
-        if limit <= 0:
-            raise CloudTimeoutError("the request's deadline has passed (request_timeout_s)")
-        return limit
-
-    def _call(self, what: str, response, cap: float | None = None, cleanup: bool = False):
-        """The result of a DeploymentResponse within the call's deadline; past it the call is cancelled."""
-        try:
-            limit = self._limit(cap, cleanup)
-        except CloudTimeoutError:
-            response.cancel()
-            raise
-        try:
-            return response.result(timeout_s=limit)
-        except TimeoutError:  # (Ray's GetTimeoutError is one too)
-            response.cancel()  # no late execution: the verifier withdraws the work
-            raise CloudTimeoutError(f"the verifier did not answer {what} within {limit:.3g} s") from None
-
-    def _to(self, session_id: str):
-        return self.handle.options(session_id=session_id)
-
-    def _retry(self, call):
-        for attempt in range(self.retries + 1):
-            try:
-                return call()
-            except Exception as e:  # noqa: BLE001
-                if not is_replica_loss(e) and forward_fault(e) is None:
-                    raise
-                if attempt == self.retries:
-                    raise CloudUnreachableError(f"no verifier replica answered after {self.retries} retries: "
-                                                f"{type(e).__name__}") from e
-                pause = min(2.0, self.backoff_s * 2 ** attempt)  # ~70 s in all: a replica restart
-                if self.deadline is not None and time.monotonic() + pause >= self.deadline:
-                    raise CloudTimeoutError(f"no verifier replica answered before the request's deadline: "
-                                            f"{type(e).__name__}") from e
-                self.sleep(pause)
-
-    def open(self, request: OpenRequest) -> OpenReply:
-        sid = request.session_id
-        reply, token = self._retry(lambda: self._call("the open", self._to(sid).open.remote(
-            request, session_id=sid, device_id=self.device_id)))
-        self.tokens[sid] = token
-        self.batch_sizes[sid] = []
-        return reply
-
-    def verify(self, request: VerifyRequest) -> VerifyReply:
-        sid = request.session_id
-        try:
-            reply = self._call("a verify", self._to(sid).verify.remote(request, session_id=sid,
-                                                                        device_id=self.device_id,
-                                                                        token=self.tokens.get(sid, "")))
-        except Exception as e:  # noqa: BLE001
-            if is_replica_loss(e):
-                raise SessionLostError(f"verifier replica of session {sid!r} is gone: {type(e).__name__}") from e
-            fault = forward_fault(e)
-            if fault is not None:  # the session is as before this verify: RecoveringClient sends it again
-                raise fault from e
-            raise
-        self.batch_sizes.setdefault(sid, []).append(reply.batch_size)
-        return reply
-
-    def resume(self, request: OpenRequest, history: torch.Tensor,
-               injected: InjectedFeatures | None = None) -> OpenReply:
-        sid = request.session_id
-        return self._retry(lambda: self._call("a resume", self._to(sid).resume.remote(
-            request, history, injected, session_id=sid, device_id=self.device_id, token=self.tokens.get(sid, ""))))
-
-    def cost_hint(self):
-        """A Verifier replica's recent figures (`CloudVerifier.cost_hint`), None when none answers in time: a hint."""
-        try:
-            return self._call("a cost hint", self.handle.cost_hint.remote(), self.HINT_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - without a hint the device's first image drafts at the calibrated point
-            logging.getLogger("ray.serve").warning("no cost hint from the verifier: %s: %s", type(e).__name__, e)
-            return None
-
-    def close(self, session_id: str) -> None:
-        token = self.tokens.pop(session_id, "")
-        try:
-            self._call("a close", self._to(session_id).close.remote(session_id=session_id, device_id=self.device_id,
-                                                                    token=token), self.CLOSE_TIMEOUT_S,
-                       cleanup=True)
-        except Exception:  # noqa: BLE001 - best effort: the replica frees idle slots itself
-            pass
+from services.verifier_client import RayCloudClient, session_lost
 
 
 def exiting_at(tokens: int, on_progress=None):
@@ -226,7 +88,7 @@ class Device:
             self.device_id = "local-device"
         self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size,
                                          call_timeout_s=call_timeout_s)
-        self.client = RecoveringClient(self.ray_client, is_lost=is_session_lost)
+        self.client = RecoveringClient(self.ray_client, is_lost=session_lost)
         self._busy = threading.Lock()  # a phone makes one image at a time
         self.observers: dict = {}  # its running cost estimates per link, kept across its images (adaptive policy)
 

@@ -48,21 +48,11 @@ from ciar.collab.service import session_token  # noqa: F401 - the token the Veri
 from ciar_device import wire
 from ciar_device.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               CloseReply, ErrorReply, Frame, VersionError, WireError, Welcome)
+from services import errors
 
 logger = logging.getLogger("ray.serve")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 IDLE = object()  # what _receive returns when nothing came in time (an empty frame is b"", a malformed frame)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The replica-side exception behind a Ray error (Ray wraps it and keeps it as `.cause`)."""
-    seen = exc
-    for _ in range(4):
-        nxt = getattr(seen, "cause", None) or seen.__cause__
-        if nxt is None or nxt is seen:
-            break
-        seen = nxt
-    return seen
 
 
 def device_id_of(digest: str) -> str:
@@ -101,60 +91,6 @@ class VerifierBackend(Protocol):
     async def close(self, *, session_id: str, device_id: str, token: str) -> None: ...
 
     async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_device.policy.CostHint) or None
-
-
-async def within(response, limit_s: float, what: str):
-    """A DeploymentResponse's result within `limit_s` seconds. Past it, or when the awaiting task is cancelled (a cut
-    socket), the call is cancelled on the verifier too (`DeploymentResponse.cancel`: the replica's coroutine is
-    cancelled and withdraws its work); past it, `CloudTimeoutError` naming `what`."""
-    from ciar.collab.protocol import CloudTimeoutError
-
-    async def result():
-        return await response
-
-    try:
-        return await asyncio.wait_for(result(), limit_s)
-    except asyncio.TimeoutError:
-        response.cancel()
-        raise CloudTimeoutError(f"the verifier did not answer {what} within {limit_s:g} s") from None
-    except asyncio.CancelledError:
-        response.cancel()
-        raise
-
-
-class RayVerifierBackend:
-    """The Verifier deployment's handle, every call routed by its session (as `services.device.RayCloudClient`) and
-    bounded by `call_timeout_s` (`within`): past it the call is cancelled and `CloudTimeoutError` raised, which the
-    endpoint answers by the frame's retry semantics (`DeviceEndpoint._failure`)."""
-
-    def __init__(self, handle, call_timeout_s: float = 60.0):
-        self.handle = handle
-        self.call_timeout_s = call_timeout_s
-
-    async def _call(self, what: str, response):
-        return await within(response, self.call_timeout_s, what)
-
-    def _to(self, session_id):
-        return self.handle.options(session_id=session_id)
-
-    async def open(self, request, *, session_id, device_id):
-        return await self._call("OPEN", self._to(session_id).open.remote(request, session_id=session_id,
-                                                                         device_id=device_id))
-
-    async def verify(self, request, *, session_id, device_id, token):
-        return await self._call("VERIFY", self._to(session_id).verify.remote(
-            request, session_id=session_id, device_id=device_id, token=token))
-
-    async def resume(self, request, history, injected, *, session_id, device_id, token):
-        return await self._call("RESUME", self._to(session_id).resume.remote(
-            request, history, injected, session_id=session_id, device_id=device_id, token=token))
-
-    async def close(self, *, session_id, device_id, token):
-        return await self._call("CLOSE", self._to(session_id).close.remote(session_id=session_id,
-                                                                           device_id=device_id, token=token))
-
-    async def cost_hint(self):
-        return await self._call("a cost hint", self.handle.cost_hint.remote())  # any replica's: a hint
 
 
 class TokenBucket:
@@ -464,46 +400,18 @@ class DeviceEndpoint:
         return Frame(CLOSED, rid, CloseReply(sid))
 
     def _failure(self, e: BaseException, device_id: str, sid: str, ftype: int = 0) -> RequestFailed:
-        """A backend error -> the ERROR to answer. Messages name the device's own session id, never the scoped one.
-        A call past its deadline is answered by its frame's retry semantics (docs/architecture.md §5): a VERIFY may
-        or may not have been applied, so 410 (RESUME, then send it again); OPEN, RESUME and CLOSE are safe to send
-        again as they are, so 503 with a retry-after."""
-        from ciar.collab.protocol import (CapacityError, CloudTimeoutError, ForwardFault, SessionConflictError,
-                                          SessionError, SessionLostError, SessionTokenError)
-        from ciar.text import CaptionTooLongError
-
-        cause = root_cause(e)
-        msg = str(cause).replace(f"{device_id}/", "")
-        if isinstance(cause, CloudTimeoutError):
-            if ftype == VERIFY:
-                return RequestFailed(410, f"{msg}: the session's state is unknown; resume it from its history")
-            return RequestFailed(503, f"{msg}: send it again", retry_after_s=self.limits.retry_after_s)
-        if isinstance(cause, SessionTokenError):  # (not any PermissionError: an OS refusal is not the device's token)
-            return RequestFailed(403, "invalid session token for this session", "token")
-        if isinstance(cause, SessionConflictError):
-            return RequestFailed(409, msg, "session_id")
-        if _replica_lost(e) and ftype != VERIFY:  # the call never reached a live replica: safe to send again as it
-            # is (OPEN, RESUME, CLOSE; the router sends it to the session's new owner), never a 410: a 410 to a
-            # RESUME would tell the device to resume, which is what it was doing
-            return RequestFailed(503, "the verifier replica holding this session was lost: send it again",
-                                 retry_after_s=self.limits.retry_after_s)
-        if isinstance(cause, SessionLostError) or _replica_lost(e):
-            return RequestFailed(410, f"session {sid!r} is not held by the verifier: resume it from its history")
-        if isinstance(cause, CaptionTooLongError):
-            return RequestFailed(422, msg, "prompt")
-        if isinstance(cause, (SessionError, ValueError)):
-            return RequestFailed(400, msg)
-        if isinstance(cause, ForwardFault):  # nothing of the request was kept: send it again as it is
-            return RequestFailed(503, msg, retry_after_s=self.limits.retry_after_s)
-        if isinstance(cause, CapacityError) or type(cause).__name__ == "BackPressureError":
-            return RequestFailed(503, "no free verifier capacity: retry later", retry_after_s=self.limits.retry_after_s)
-        logger.warning("device request failed: %s", type(cause).__name__)
-        return RequestFailed(500, f"internal error ({type(cause).__name__})")
+        """A backend error -> the ERROR to answer, by the one table both the socket and the HTTP API read
+        (`services.errors`). Messages name the device's own session id, never the scoped one. A VERIFY whose effect
+        is unknown (its call timed out, its replica was lost) is answered 410 (RESUME, then send it again); OPEN,
+        RESUME and CLOSE are safe to send again as they are (503 with a retry-after: a 410 to a RESUME would tell
+        the device to resume, which is what it was doing)."""
+        rule = errors.answer(e, errors.SOCKET)
+        cause = errors.root_cause(e)
+        verify = ftype == VERIFY and rule.verify_status is not None
+        msg = rule.text(errors.SOCKET, verify, cause=cause, sid=sid, name=type(cause).__name__)
+        if rule is errors.INTERNAL:
+            logger.warning("device request failed: %s", type(cause).__name__)
+        return RequestFailed(rule.verify_status if verify else rule.status, msg.replace(f"{device_id}/", ""),
+                             rule.field or "", self.limits.retry_after_s if rule.retry and not verify else 0.0)
 
 
-def _replica_lost(e: BaseException) -> bool:
-    try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))

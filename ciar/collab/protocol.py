@@ -14,7 +14,7 @@ device at once and reach the cloud with the next VerifyRequest as `new_tokens` (
 samples after the next token, exact cloud tokens that cost a cloud step each and no round trip.
 
 `CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
-it with direct calls (tests, benchmarks, CLI), `services.device.RayCloudClient` over Ray handles (the simulated
+it with direct calls (tests, benchmarks, CLI), `services.verifier_client.RayCloudClient` over Ray handles (the simulated
 devices in the cluster), `ciar_device.connection.DeviceConnection` over a WebSocket (real devices). The messages
 and their binary encoding are defined once in `ciar_device.wire` (numpy only, shared with the torch-free device
 client): an 8-byte header, token ids bit-packed at ceil(log2 V) bits, float vectors as float16. Each message's

@@ -1,4 +1,4 @@
-"""services.device.RayCloudClient's deadlines, with a FAKE Verifier handle (unit tests of the client's own logic;
+"""services.verifier_client.RayCloudClient's deadlines, with a FAKE Verifier handle (unit tests of the client's own logic;
 the real handle, router and replicas are exercised by tests/services/test_app.py, test_routing.py and
 loadtests.coldstart): no call waits past its deadline or the request's, a call past it is cancelled (no late
 execution on the verifier), and what the device loop sees is CloudTimeoutError (an unreachable cloud)."""
@@ -54,7 +54,7 @@ class FakeHandle:
 
 
 def _client(handle, **kw):
-    from services.device import RayCloudClient
+    from services.verifier_client import RayCloudClient
 
     return RayCloudClient(handle, "dev-1", vocab_size=64, sleep=lambda s: None, **kw)
 
