@@ -141,30 +141,32 @@ def image_cost_ms(model: dict, passes: float, positions: float, batch: int, rows
 
 
 class HandleClient:
-    """Replay client over the Verifier deployment handle (what `services.verifier_client.RayCloudClient` calls, async)."""
+    """Replay client over the Verifier deployment: the edge the device socket calls it through
+    (`services.verifier_client.RayVerifierBackend`: routed by session, every call bounded by `call_timeout_s`), with
+    this phone's id and its sessions' tokens."""
 
-    def __init__(self, handle, device_id: str):
-        self.h, self.device_id, self.tokens = handle, device_id, {}
+    def __init__(self, handle, device_id: str, call_timeout_s: float = 600.0):
+        from services.verifier_client import RayVerifierBackend
+
+        self.backend, self.device_id, self.tokens = RayVerifierBackend(handle, call_timeout_s), device_id, {}
 
     async def open(self, request):
         sid = request.session_id
-        reply, self.tokens[sid] = await self.h.options(session_id=sid).open.remote(request, session_id=sid,
-                                                                                   device_id=self.device_id)
+        reply, self.tokens[sid] = await self.backend.open(request, session_id=sid, device_id=self.device_id)
         return reply
 
     async def verify(self, request):
         sid = request.session_id
-        return await self.h.options(session_id=sid).verify.remote(request, session_id=sid, device_id=self.device_id,
-                                          token=self.tokens[sid])
+        return await self.backend.verify(request, session_id=sid, device_id=self.device_id, token=self.tokens[sid])
 
     async def resume(self, request, history, injected=None):
         sid = request.session_id
-        return await self.h.options(session_id=sid).resume.remote(request, history, injected, session_id=sid,
-                                                                   device_id=self.device_id, token=self.tokens[sid])
+        return await self.backend.resume(request, history, injected, session_id=sid, device_id=self.device_id,
+                                         token=self.tokens[sid])
 
     async def close(self, session_id: str) -> None:
-        await self.h.options(session_id=session_id).close.remote(session_id=session_id, device_id=self.device_id,
-                                                                 token=self.tokens.pop(session_id, ""))
+        await self.backend.close(session_id=session_id, device_id=self.device_id,
+                                 token=self.tokens.pop(session_id, ""))
 
 
 def _lost(exc: BaseException) -> bool:
