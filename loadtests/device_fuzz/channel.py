@@ -36,6 +36,9 @@ class Target:
     timeout_s: float = 30.0  # every probe's bound: no answer in this time is a hang
     verifier_sessions: Callable[[], int] | None = None  # sessions the verifier pool holds (leak check), if reachable
     server_memory: Callable[[], dict] | None = None  # RSS of the serving processes in MB (slow reader), if reachable
+    # connections the endpoint holds now (all of them, or a device key's), if reachable: a probe waits for the server
+    # to let closed ones go (`Recorder.settle`) instead of a fixed pause
+    endpoint_connections: Callable[[str | None], int] | None = None
 
     @property
     def ws_url(self) -> str:

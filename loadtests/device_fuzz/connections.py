@@ -45,17 +45,22 @@ def probe_slow_reader(fuzz: Recorder, send_s: float | None = None) -> None:
     frames = [wire.encode_frame(Frame(RESUME, 0, ResumeRequest(
         OpenRequest(sid, PROMPT, fuzz.sid_count, Sampling(), 1, want_caption=True), np.array([tok0], np.int64), None,
         fuzz.vocab), token)) for sid, (token, tok0) in sessions.items()]
-    sent, stop = [0], threading.Event()
+    sent, stop, dropped = [0], threading.Event(), threading.Event()
     send_s = send_s or fuzz.t.send_timeout_s + 1.0
     window_s = send_s + fuzz.t.send_timeout_s + 1.0
+    # the server's sends block only once its replies fill the buffers, which takes longer on a slower machine (it
+    # makes fewer replies a second): past `send_s` the reader keeps asking, unread, until its sends fail (the server
+    # dropped it) or the hang guard ends
+    guard_s = max(window_s, 3 * fuzz.t.timeout_s)
 
     def send_for_a_while():  # at the endpoint's message rate, round robin over the sessions
         t0, chunk = time.monotonic(), max(1, int(fuzz.welcome.messages_per_s / 10))
-        while not stop.is_set() and time.monotonic() - t0 < send_s:
+        while not stop.is_set() and time.monotonic() - t0 < guard_s:
             for _ in range(chunk):
                 data = bytearray(frames[sent[0] % len(frames)])
                 struct.pack_into("<I", data, 4, sent[0] + 1)
                 if not p.send(bytes(data)):
+                    dropped.set()
                     return
                 sent[0] += 1
             time.sleep(0.1)
@@ -65,8 +70,11 @@ def probe_slow_reader(fuzz: Recorder, send_s: float | None = None) -> None:
     t0 = time.monotonic()
     sender.start()
     others = []
-    while time.monotonic() - t0 < window_s:
-        time.sleep(min(1.0, max(0.0, window_s - (time.monotonic() - t0))))
+    while True:  # at least `window_s`; past it, until the server dropped the reader (or the guard ends)
+        elapsed = time.monotonic() - t0
+        if elapsed >= guard_s or (elapsed >= window_s and dropped.is_set()):
+            break
+        dropped.wait(min(1.0, window_s - elapsed) if elapsed < window_s else 1.0)
         t1 = time.perf_counter()
         a = fuzz.ask(other, kind, "another connection while a reader is stuck",
                      struct.pack("<2sBBI", MAGIC, PROTOCOL_VERSION, 200, other.next_rid()), ("error:400",))
@@ -93,9 +101,9 @@ def probe_slow_reader(fuzz: Recorder, send_s: float | None = None) -> None:
     if ended is not None and ended.kind == "close":
         fuzz.answers[ended.key] += 1
     if ended is None or ended.kind != "close":
-        fuzz.fail(kind, "slow reader", f"not dropped: {sent[0]} frames sent in {send_s:g} s, nothing read for "
-                  f"{window_s:g} s, then {sum(got.values())} answers read and the connection still open (the "
-                  f"endpoint's send timeout is {fuzz.t.send_timeout_s:g} s)")
+        fuzz.fail(kind, "slow reader", f"not dropped: {sent[0]} frames sent, nothing read for "
+                  f"{time.monotonic() - t0:.1f} s, then {sum(got.values())} answers read and the connection still "
+                  f"open (the endpoint's send timeout is {fuzz.t.send_timeout_s:g} s)")
     elif ended.key not in ("close:1008", "close:1006"):
         fuzz.fail(kind, "slow reader", "ended by an unexpected close", answer=ended)
     p.close()
@@ -112,6 +120,8 @@ def probe_connections(fuzz: Recorder, extra: int) -> None:
     limit = fuzz.t.max_connections
     n = (limit + extra) if limit else 64
     out: dict[str, Any] = {"limit": limit, "tried": n}
+    before = fuzz.connections_now()  # (others' connections: a witness's)
+
     def timed(_):
         t1 = time.perf_counter()
         c = Probe.attempt(fuzz.t)
@@ -178,7 +188,7 @@ def probe_connections(fuzz: Recorder, extra: int) -> None:
         fuzz.fail(kind, "health route at the connection limit", f"answered {meanwhile['health']}")
     if not str(meanwhile["new connection"]).startswith(("reply:WELCOME", "close:1013")):
         fuzz.fail(kind, "a new connection at the limit", f"got {meanwhile['new connection']}")
-    time.sleep(0.5)
+    fuzz.settle(0.5, at_most=before)
     after, _ = fuzz.connect(kind)  # the count went back down
     out["after"] = "WELCOME" if after is not None else "refused"
     if after is not None:
@@ -192,7 +202,7 @@ def probe_device_connections(fuzz: Recorder) -> None:
     kind = "device_connections"
     limit = fuzz.t.max_connections_per_device
     out: dict[str, Any] = {"limit": limit}
-    time.sleep(0.3)  # the connections closed before are let go by the server
+    fuzz.settle(0.3)  # the connections closed before are let go by the server
     if limit:
         conns = []
         for _ in range(limit):
@@ -210,7 +220,7 @@ def probe_device_connections(fuzz: Recorder) -> None:
         out["held"] = len(conns)
         for p in conns:
             p.close()
-        time.sleep(0.3)
+        fuzz.settle(0.3)
     vanished = 0
     for _ in range(2 * (limit or 8) + 1):
         p = Probe.attempt(fuzz.t)
@@ -225,7 +235,7 @@ def probe_device_connections(fuzz: Recorder) -> None:
             pass
         p.close()
         vanished += 1
-    time.sleep(0.5)
+    fuzz.settle(0.5)
     out["vanished_after_hello"] = vanished
     p, a = fuzz.connect(kind)
     out["after"] = a.key if a is not None else "no connection"

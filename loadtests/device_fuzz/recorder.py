@@ -77,6 +77,23 @@ class Recorder:
             time.sleep(min(a.error.retry_after_s, 0.5))  # rate limited (not a session limit): a polite fuzzer waits
         return a
 
+    def settle(self, pause_s: float, at_most: int | None = None) -> None:
+        """The connections closed so far are let go by the server: wait until the fuzzed device holds none (or, with
+        `at_most`, the endpoint holds no more than that many in all), when the endpoint's counts are reachable
+        (`Target.endpoint_connections`; the probe's bound is the hang guard); else pause `pause_s`."""
+        count = self.t.endpoint_connections
+        if count is None:
+            time.sleep(pause_s)
+            return
+        deadline = time.monotonic() + self.t.timeout_s
+        while time.monotonic() < deadline and (count(self.t.keys[0]) > 0 if at_most is None else
+                                               count(None) > at_most):
+            time.sleep(0.02)
+
+    def connections_now(self) -> int | None:
+        """The endpoint's connections in all, when reachable."""
+        return self.t.endpoint_connections(None) if self.t.endpoint_connections is not None else None
+
     def connect(self, kind: str, key: str | None = None, **kw) -> tuple[Probe | None, Answer | None]:
         """A new connection, after HELLO with `key` (the fuzzed device's by default) -> (probe, WELCOME answer)."""
         p = Probe.attempt(self.t, **kw)

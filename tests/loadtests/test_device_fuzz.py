@@ -29,7 +29,19 @@ def _target(url, endpoint, verifier=None):
     lim = endpoint.limits
     return Target(url, KEYS, max_connections=lim.max_connections,
                   max_connections_per_device=lim.max_connections_per_device, send_timeout_s=lim.send_timeout_s,
-                  timeout_s=10.0, verifier_sessions=(lambda: verifier.num_sessions) if verifier else None)
+                  timeout_s=10.0, verifier_sessions=(lambda: verifier.num_sessions) if verifier else None,
+                  endpoint_connections=lambda key: _connections(endpoint, key))
+
+
+def _connections(endpoint, key):
+    """The endpoint's connections in all (key None), or the device of `key`'s (its own count, in-process)."""
+    from services.device_endpoint import device_id_of
+    from services.schemas import key_digest
+
+    if key is None:
+        return endpoint.connections
+    device = endpoint.devices.get(device_id_of(key_digest(key)))
+    return device.connections if device is not None else 0
 
 
 @pytest.fixture(scope="module")
