@@ -162,7 +162,7 @@ class ModelRunner:
         for group in (self.groups(pieces) if self.static else [list(range(len(pieces)))]):
             sub = [pieces[i] for i in group]
             row0, hid = self._forward(sub)
-            parts.append((group, row0, hid, self._pick(sub, row0, hid)))  # picked before the next forward
+            parts.append((group, self._pick(sub, row0, hid)))  # picked before the next forward
         return self._outputs(pieces, parts)
 
     @staticmethod
@@ -320,10 +320,10 @@ class ModelRunner:
 
     def _outputs(self, pieces: list[Piece], parts) -> "StepOutput":
         """Logits at the wanted positions only (one head matmul for the whole step), viewed per piece. `parts`: per
-        forward (its pieces' indices, first rows, hidden states, the picked rows)."""
+        forward (its pieces' indices, the hidden states picked at their wanted positions)."""
         ranges: list[tuple[int, int]] = [(0, 0)] * len(pieces)
         picked, at = [], 0
-        for group, _, _, rows in parts:
+        for group, rows in parts:
             for i in group:
                 n = pieces[i].rows * len(pieces[i].want)
                 ranges[i] = (at, n)

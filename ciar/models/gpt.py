@@ -259,21 +259,6 @@ class SlotQuery(NamedTuple):
     valid: torch.Tensor
 
 
-def _key_mask(valid: torch.Tensor, input_pos: torch.Tensor, kv_len: int, newest_only: bool,
-              dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [B, 1, T, S] of a cached forward: a query sees its row's valid keys at positions <= its own
-    and always its own (`valid` [B, S]: the rows' key validity up to kv_len). `newest_only`: one image-token query
-    per row at the newest key, which sees every key but caption padding. Built once for all layers (a bool mask is
-    converted inside every attention call); the diagonal is always kept, so no row is fully masked."""
-    if newest_only:
-        allowed = valid[:, None, :]
-    else:
-        key_pos = torch.arange(kv_len, device=valid.device)
-        allowed = ((key_pos[None, None, :] <= input_pos[:, :, None]) & valid[:, None, :]) \
-            | (key_pos[None, None, :] == input_pos[:, :, None])
-    return torch.where(allowed, 0.0, float("-inf")).to(dtype).unsqueeze(1)
-
-
 _DENSE_MAX = 32  # one-token steps of at most this many rows copy their keys into a dense block (below)
 _DENSE_DEVICES = ("cpu",)  # ... on these devices only
 _DENSE_MAX_BYTES = 16 << 20  # ... and only when a layer's keys and values to copy are at most this many bytes
@@ -617,9 +602,9 @@ class GPT(nn.Module):
             # on CUDA every row reads its keys in place (ciar.models.slot_attention): no gathered keys, no mask
             mask = SlotQuery(rows.to(h.device), input_pos.to(h.device), cache.key_valid)
         else:
-            mask = _key_mask(cache.key_valid[rows, :kv_len], input_pos, kv_len,
-                             p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num,
-                             h.dtype)
+            mask = slot_attention.key_mask(
+                cache.key_valid[rows, :kv_len], input_pos, kv_len,
+                p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num, h.dtype)
         h = _dropout(self.tok_dropout, h)
         if block is not None:
             if not static:

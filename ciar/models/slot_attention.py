@@ -50,6 +50,22 @@ def usable(x: torch.Tensor, head_dim: int) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def key_mask(valid: torch.Tensor, pos: torch.Tensor, kv_len: int, newest_only: bool = False,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rule as an additive mask [B, 1, T, S] (what SDPA reads where the kernel does not run): a query sees its
+    row's valid keys at positions <= its own and always its own (`valid` [B, S]: the rows' key validity up to
+    kv_len; `pos` [B, T]). `newest_only`: one image-token query per row at the newest key, which sees every key but
+    caption padding. Built once for all layers (a bool mask is converted inside every attention call); the diagonal
+    is always kept, so no row is fully masked."""
+    if newest_only:
+        allowed = valid[:, None, :]
+    else:
+        key_pos = torch.arange(kv_len, device=valid.device)
+        allowed = ((key_pos[None, None, :] <= pos[:, :, None]) & valid[:, None, :]) \
+            | (key_pos[None, None, :] == pos[:, :, None])
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype).unsqueeze(1)
+
+
 def reference(q, k_cache, v_cache, slots, pos, key_valid, kv_len: int) -> torch.Tensor:
     """The same attention with torch operations: the rows' keys gathered, the mask built, SDPA. -> [B, T, H, D]."""
     b, t, h, d = q.shape
@@ -58,11 +74,7 @@ def reference(q, k_cache, v_cache, slots, pos, key_valid, kv_len: int) -> torch.
     values = v_cache[:, :, :kv_len].index_select(0, slots).to(q.dtype)
     if hkv != h:
         keys, values = keys.repeat_interleave(h // hkv, dim=1), values.repeat_interleave(h // hkv, dim=1)
-    key_pos = torch.arange(kv_len, device=q.device)
-    valid = key_valid[slots, :kv_len]
-    allowed = ((key_pos[None, None, :] <= pos[:, :, None]) & valid[:, None, :]) | (key_pos[None, None, :] ==
-                                                                                   pos[:, :, None])
-    mask = torch.where(allowed, 0.0, float("-inf")).to(q.dtype).unsqueeze(1)
+    mask = key_mask(key_valid[slots, :kv_len], pos, kv_len, dtype=q.dtype)
     return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask).transpose(1, 2)
 
 
