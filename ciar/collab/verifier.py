@@ -285,23 +285,18 @@ class CloudVerifier:
     def _start(self, works: list["OpenWork"]) -> None:
         """Create the sessions of admitted opens/resumes: encode captions (those not given), mark caption
         padding in the cache, embed the condition rows (cond, and uncond with CFG)."""
-        todo = [w for w in works if w.caption_emb is None]
-        if todo:
+        for w in works:  # each caption alone: its embedding does not depend on the captions admitted with it
+            if w.caption_emb is not None:
+                continue
+            t0 = time.perf_counter()
             try:
-                t0 = time.perf_counter()
-                cap = self.text.encode([w.request.prompt for w in todo])
-                dt = time.perf_counter() - t0
-                for i, w in enumerate(todo):
-                    w.caption_emb, w.caption_mask = cap.emb[i], (cap.mask[i] if cap.mask is not None else None)
-                    w.encode_s = dt  # cloud compute its reply reports (cloud_s), not queue wait
-                    w.seconds += dt
-            except ValueError:  # one bad caption: encode one by one so that only it fails
-                for w in todo:
-                    try:
-                        cap = self.text.encode([w.request.prompt])
-                        w.caption_emb, w.caption_mask = cap.emb[0], (cap.mask[0] if cap.mask is not None else None)
-                    except ValueError as e:  # e.g. CaptionTooLongError: the caller maps it to a 4xx
-                        w.finish(error=e)  # (its half-built session is dropped: `OpenWork.finish`)
+                cap = self.text.encode([w.request.prompt])
+            except ValueError as e:  # e.g. CaptionTooLongError: the caller maps it to a 4xx
+                w.finish(error=e)  # (its half-built session is dropped: `OpenWork.finish`)
+                continue
+            w.caption_emb, w.caption_mask = cap.emb[0], (cap.mask[0] if cap.mask is not None else None)
+            w.encode_s = time.perf_counter() - t0  # cloud compute its reply reports (cloud_s), not queue wait
+            w.seconds += w.encode_s
         works = [w for w in works if not w.done]
         if not works:
             return

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ciar.models.gpt import GPT, compiled_block, fuse_feed_forward
+from ciar.models.gpt import GPT, batch_invariant, compiled_block, fuse_feed_forward
 
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (padded up to the next)
@@ -133,7 +133,8 @@ class ModelRunner:
         [N, cls, dim] a prefill feeds."""
         cond = caption_emb.to(self.device, self.dtype) if caption_emb.is_floating_point() else \
             caption_emb.to(self.device)
-        return self.cloud.embed_condition(cond, drop.to(self.device))
+        with batch_invariant(self.device.type == "cpu"):
+            return self.cloud.embed_condition(cond, drop.to(self.device))
 
     def mark_caption(self, slot: int, mask: torch.Tensor | None, uncond: bool = False) -> None:
         """Keys a new session's slot may read: its caption's real positions (`mask` [L], t2i) and every image
@@ -158,12 +159,13 @@ class ModelRunner:
         beside 60 one-token decodes made the step 128 x 128 positions, 88 % of them padding, and beyond every
         bucket (an eager forward). Raises what a forward raises (out of memory, a broken kernel): the engine fails
         the step's works (`ForwardFault`)."""
-        parts = []
-        for group in (self.groups(pieces) if self.static else [list(range(len(pieces)))]):
-            sub = [pieces[i] for i in group]
-            row0, hid = self._forward(sub)
-            parts.append((group, self._pick(sub, row0, hid)))  # picked before the next forward
-        return self._outputs(pieces, parts)
+        with batch_invariant(self.device.type == "cpu"):  # a row's logits whatever shares its step (on a CPU)
+            parts = []
+            for group in (self.groups(pieces) if self.static else [list(range(len(pieces)))]):
+                sub = [pieces[i] for i in group]
+                row0, hid = self._forward(sub)
+                parts.append((group, self._pick(sub, row0, hid)))  # picked before the next forward
+            return self._outputs(pieces, parts)
 
     @staticmethod
     def groups(pieces: list[Piece]) -> list[list[int]]:

@@ -19,7 +19,9 @@ Cached decoding (`forward_cached`) accepts any number of tokens per row at arbit
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
@@ -174,6 +176,43 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).type_as(x) * self.weight
 
 
+INVARIANT_ROWS = 8  # `batch_invariant`: every product runs as GEMMs of exactly this many rows
+_invariant = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True):
+    """Inside, on a CPU, every linear layer of these models computes a row the same whatever rows share its batch:
+    the rows are cut into blocks of INVARIANT_ROWS (the last padded with zeros) and multiplied as one batched
+    product of blocks (`torch.bmm`, the weight expanded, not copied), so each block is one GEMM of the same shape.
+    A plain product's row changes with the batch's row count on this CPU (up to 2.3e-5 at [64, 256] x [256, 768]):
+    enough to flip a sampled token now and then, so the same request could give another image in another batch.
+    The verifier's engine runs its forwards inside (`ciar.engine.runner`). Per thread; elsewhere (CUDA) it does
+    nothing."""
+    before = getattr(_invariant, "on", False)
+    _invariant.on = on
+    try:
+        yield
+    finally:
+        _invariant.on = before
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, batch-invariant inside `batch_invariant` on a CPU."""
+    if not getattr(_invariant, "on", False) or x.device.type != "cpu" or x.dim() == 0:
+        return F.linear(x, weight, bias)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)
+    n = rows.shape[0]
+    m = -(-n // INVARIANT_ROWS) * INVARIANT_ROWS
+    blocks = F.pad(rows, (0, 0, 0, m - n)).view(m // INVARIANT_ROWS, INVARIANT_ROWS, k)
+    out = torch.bmm(blocks, weight.t().unsqueeze(0).expand(blocks.shape[0], k, weight.shape[0]))
+    out = out.reshape(m, weight.shape[0])[:n]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
 def _dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` in training; x itself otherwise (no module call per op in the decoding loops)."""
     return module(x) if module.training and module.p > 0 else x
@@ -191,9 +230,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         if self.w13 is not None:  # one GEMM for both input projections
-            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-            return _dropout(self.ffn_dropout, self.w2(F.silu(gate) * up))
-        return _dropout(self.ffn_dropout, self.w2(F.silu(self.w1(x)) * self.w3(x)))
+            gate, up = linear(x, self.w13).chunk(2, dim=-1)
+            return _dropout(self.ffn_dropout, linear(F.silu(gate) * up, self.w2.weight))
+        return _dropout(self.ffn_dropout, linear(F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight),
+                                                 self.w2.weight))
 
     def fuse(self, on: bool = True) -> None:
         """For inference: w1 and w3 as one [2 ffn_hidden, dim] matrix, one GEMM where there were two; the two
@@ -277,7 +317,7 @@ class Attention(nn.Module):
         """-> q [B, T, H, D], k and v [B, T, Hkv, D]; q and k rotated together (one RoPE pass over their heads)."""
         b, t, _ = x.shape
         h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.wqkv(x)  # [B, T, (H + 2 Hkv) D]
+        qkv = linear(x, self.wqkv.weight)  # [B, T, (H + 2 Hkv) D]
         qk = apply_rotary_emb(qkv[..., : (h + hkv) * d].view(b, t, h + hkv, d), freqs)
         q, k = qk.split([h, hkv], dim=2)
         return q, k, qkv[..., (h + hkv) * d:].view(b, t, hkv, d)
@@ -294,7 +334,7 @@ class Attention(nn.Module):
 
     def _project(self, o):
         b, t = o.shape[:2]
-        return _dropout(self.resid_dropout, self.wo(o.reshape(b, t, self.cfg.dim)))
+        return _dropout(self.resid_dropout, linear(o.reshape(b, t, self.cfg.dim), self.wo.weight))
 
     def _out(self, q, keys, values, mask, is_causal=False):
         return self._project(self._attend(q, keys, values, mask, is_causal))
@@ -359,7 +399,7 @@ class Attention(nn.Module):
         attention output is gathered back. -> [N, dim]."""
         b, t = shape
         h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
-        qkv = self.wqkv(x)  # [N, (H + 2 Hkv) D]
+        qkv = linear(x, self.wqkv.weight)  # [N, (H + 2 Hkv) D]
         qk = apply_rotary_emb(qkv[None, :, : (h + hkv) * d].view(1, -1, h + hkv, d), freqs)[0]  # [N, H + Hkv, D]
         dense = qkv.new_zeros(b * t, h + 2 * hkv, d)
         dense[packed, : h + hkv] = qk
@@ -367,7 +407,7 @@ class Attention(nn.Module):
         dense = dense.view(b, t, h + 2 * hkv, d)
         q, k, v = dense.split([h, hkv, hkv], dim=2)
         o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
-        return _dropout(self.resid_dropout, self.wo(o.reshape(b * t, h * d)[packed]))
+        return _dropout(self.resid_dropout, linear(o.reshape(b * t, h * d)[packed], self.wo.weight))
 
 
 def _static_block(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, kv_len):
@@ -432,7 +472,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, cout, bias=bias)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return linear(F.gelu(linear(x, self.fc1.weight, self.fc1.bias), approximate="tanh"), self.fc2.weight,
+                      self.fc2.bias)
 
 
 class CaptionEmbedder(nn.Module):
@@ -497,7 +538,7 @@ class GPT(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """Final hidden states [..., dim] -> float32 logits [..., V]; None for a model built with lm_head=False."""
-        return None if self.output is None else self.output(h).float()
+        return None if self.output is None else linear(h, self.output.weight).float()
 
     # ------------------------------------------------------------------ conditioning
     def embed_condition(self, cond: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:

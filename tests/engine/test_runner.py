@@ -67,3 +67,35 @@ def test_groups_put_narrow_pieces_first_and_keep_their_order():
     pieces = [Piece([0], 0, 40), Piece([1], 9, 1), Piece([2], 0, 17), Piece([3], 9, 16)]
     assert ModelRunner.groups(pieces) == [[1, 3], [0, 2]]
     assert ModelRunner.groups(pieces[1:2]) == [[0]]
+
+
+@torch.no_grad()
+def test_a_pieces_logits_do_not_depend_on_what_shares_its_step():
+    """The shipped cloud on this CPU: a session's span gives the same logits, to the bit, alone and beside spans of
+    other lengths, and its prefill alone and beside others' (`ciar.models.gpt.batch_invariant`, which the runner
+    runs its forwards in; without it the same span differed by 1.2e-5)."""
+    from ciar.world import load_default_world
+
+    cloud = load_default_world().cloud.eval()
+    c = cloud.config
+
+    def span(k, n):
+        tokens = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(100 + k)).tolist()
+        return Piece([2 * k, 2 * k + 1], c.cls_token_num, n, tokens=tokens, want=list(range(n)))
+
+    def run(together: bool):
+        runner = ModelRunner(cloud, 8)
+        prefills = []
+        for k in range(4):
+            runner.mark_caption(2 * k, None)
+            runner.mark_caption(2 * k + 1, None)
+            emb = torch.randn(1, c.cls_token_num, c.caption_dim, generator=torch.Generator().manual_seed(k))
+            prefills.append(Piece([2 * k, 2 * k + 1], 0, c.cls_token_num, want=[c.cls_token_num - 1],
+                                  emb=runner.condition(emb.expand(2, -1, -1), torch.tensor([False, True]))))
+        first = runner.execute_step(prefills).outputs[0].logits.clone() if together else \
+            [runner.execute_step([p]).outputs[0].logits.clone() for p in prefills][0]
+        mine = [span(0, 5)] + ([span(1, 1), span(2, 3), span(3, 7)] if together else [])
+        return first, runner.execute_step(mine).outputs[0].logits.clone()
+
+    (prefill_alone, alone), (prefill_with, together) = run(False), run(True)
+    assert torch.equal(prefill_alone, prefill_with) and torch.equal(alone, together)
