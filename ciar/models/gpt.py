@@ -213,6 +213,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*lead, weight.shape[0])
 
 
+def project(module, x: torch.Tensor) -> torch.Tensor:
+    """module(x); an nn.Linear batch-invariant inside `batch_invariant` on a CPU (a subclass may put another
+    callable in a layer's place: it runs as it is)."""
+    if type(module) is nn.Linear and getattr(_invariant, "on", False):
+        return linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def _dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` in training; x itself otherwise (no module call per op in the decoding loops)."""
     return module(x) if module.training and module.p > 0 else x
@@ -231,9 +239,8 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if self.w13 is not None:  # one GEMM for both input projections
             gate, up = linear(x, self.w13).chunk(2, dim=-1)
-            return _dropout(self.ffn_dropout, linear(F.silu(gate) * up, self.w2.weight))
-        return _dropout(self.ffn_dropout, linear(F.silu(linear(x, self.w1.weight)) * linear(x, self.w3.weight),
-                                                 self.w2.weight))
+            return _dropout(self.ffn_dropout, project(self.w2, F.silu(gate) * up))
+        return _dropout(self.ffn_dropout, project(self.w2, F.silu(project(self.w1, x)) * project(self.w3, x)))
 
     def fuse(self, on: bool = True) -> None:
         """For inference: w1 and w3 as one [2 ffn_hidden, dim] matrix, one GEMM where there were two; the two
@@ -317,7 +324,7 @@ class Attention(nn.Module):
         """-> q [B, T, H, D], k and v [B, T, Hkv, D]; q and k rotated together (one RoPE pass over their heads)."""
         b, t, _ = x.shape
         h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
-        qkv = linear(x, self.wqkv.weight)  # [B, T, (H + 2 Hkv) D]
+        qkv = project(self.wqkv, x)  # [B, T, (H + 2 Hkv) D]
         qk = apply_rotary_emb(qkv[..., : (h + hkv) * d].view(b, t, h + hkv, d), freqs)
         q, k = qk.split([h, hkv], dim=2)
         return q, k, qkv[..., (h + hkv) * d:].view(b, t, hkv, d)
@@ -334,7 +341,7 @@ class Attention(nn.Module):
 
     def _project(self, o):
         b, t = o.shape[:2]
-        return _dropout(self.resid_dropout, linear(o.reshape(b, t, self.cfg.dim), self.wo.weight))
+        return _dropout(self.resid_dropout, project(self.wo, o.reshape(b, t, self.cfg.dim)))
 
     def _out(self, q, keys, values, mask, is_causal=False):
         return self._project(self._attend(q, keys, values, mask, is_causal))
@@ -399,7 +406,7 @@ class Attention(nn.Module):
         attention output is gathered back. -> [N, dim]."""
         b, t = shape
         h, hkv, d = self.n_head, self.n_kv_head, self.head_dim
-        qkv = linear(x, self.wqkv.weight)  # [N, (H + 2 Hkv) D]
+        qkv = project(self.wqkv, x)  # [N, (H + 2 Hkv) D]
         qk = apply_rotary_emb(qkv[None, :, : (h + hkv) * d].view(1, -1, h + hkv, d), freqs)[0]  # [N, H + Hkv, D]
         dense = qkv.new_zeros(b * t, h + 2 * hkv, d)
         dense[packed, : h + hkv] = qk
@@ -407,7 +414,7 @@ class Attention(nn.Module):
         dense = dense.view(b, t, h + 2 * hkv, d)
         q, k, v = dense.split([h, hkv, hkv], dim=2)
         o = self._attend_cached(q, k, v, mask, k_cache, v_cache, slot_idx, pos, runs, kv_len)  # [B, T, H, D]
-        return _dropout(self.resid_dropout, linear(o.reshape(b * t, h * d)[packed], self.wo.weight))
+        return _dropout(self.resid_dropout, project(self.wo, o.reshape(b * t, h * d)[packed]))
 
 
 def _static_block(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, kv_len):
@@ -472,8 +479,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, cout, bias=bias)
 
     def forward(self, x):
-        return linear(F.gelu(linear(x, self.fc1.weight, self.fc1.bias), approximate="tanh"), self.fc2.weight,
-                      self.fc2.bias)
+        return project(self.fc2, F.gelu(project(self.fc1, x), approximate="tanh"))
 
 
 class CaptionEmbedder(nn.Module):
@@ -538,7 +544,7 @@ class GPT(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor | None:
         """Final hidden states [..., dim] -> float32 logits [..., V]; None for a model built with lm_head=False."""
-        return None if self.output is None else linear(h, self.output.weight).float()
+        return None if self.output is None else project(self.output, h).float()
 
     # ------------------------------------------------------------------ conditioning
     def embed_condition(self, cond: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
