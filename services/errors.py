@@ -107,6 +107,12 @@ def _names(exc: BaseException) -> set[str]:
     return {c.__name__ for c in type(exc).__mro__}
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """True for errors meaning the verifier replica is gone (died / unreachable), not a bad request: the
+    REPLICA_LOST row's names, on the raised exception."""
+    return bool(_names(exc).intersection(REPLICA_LOST))
+
+
 def answer(exc: BaseException, side: str) -> Rule:
     """The first row for `side` whose names the raised exception (or, unless the row is `top`, the cause behind it)
     carries; INTERNAL when none does."""

@@ -26,17 +26,12 @@ import torch
 
 from ciar.collab.protocol import (CloudTimeoutError, CloudUnreachableError, ForwardFault, InjectedFeatures, OpenReply,
                                   OpenRequest, SessionLostError, VerifyReply, VerifyRequest)
-from services import errors
+from services.errors import replica_lost
 
 
 def route(handle, session_id: str):
     """The handle that reaches the replica holding `session_id`."""
     return handle.options(session_id=session_id)
-
-
-def replica_lost(exc: BaseException) -> bool:
-    """True for errors meaning the verifier replica is gone (died / unreachable), not a bad request."""
-    return bool({c.__name__ for c in type(exc).__mro__}.intersection(errors.REPLICA_LOST))
 
 
 def session_lost(exc: BaseException) -> bool:

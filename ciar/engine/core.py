@@ -205,7 +205,8 @@ class StepEngine:
     @torch.inference_mode()  # as CollabDecoder._generate: no autograd bookkeeping on the small per-step ops
     def step(self) -> list[Work]:
         """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, judge the
-        spans that completed. -> the works finished in this step."""
+        spans that completed. -> the works that left the engine in this step (those finished since the last one
+        too)."""
         t0 = time.perf_counter()
         finished = self._retire()  # works finished between steps (withdrawn, abandoned): their effects first
         if self.scheduler.parked:
