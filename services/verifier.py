@@ -44,7 +44,8 @@ from ray import serve
 from ciar.engine.core import KINDS
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.service import VerifierService
-from ciar.collab.verifier import CloudVerifier, VerifyWork
+from ciar.collab.verifier import CloudVerifier
+from ciar.engine.works import VerifyWork
 from ciar.world import load_world
 from services.schemas import VerifierLiveConfig
 

@@ -204,7 +204,7 @@ def session_slots(gpu: GPU, shapes: ModelShapes, reserve: float = 0.1) -> int:
 # ---------------------------------------------------------------------------------------------------- the replica
 class ModelledWork(Request):
     """One request in flight on the modelled replica: the positions it feeds, piece by piece, as the real work
-    (`ciar.collab.verifier.OpenWork` / `VerifyWork`) feeds them: a feed (prefill or span, chunkable), then one-token
+    (`ciar.engine.works.OpenWork` / `VerifyWork`) feeds them: a feed (prefill or span, chunkable), then one-token
     decodes (prefix or burst tokens)."""
 
     def __init__(self, kind: int, start: int, feed: int, decodes: int, decode_start: int, on_done, rows: int,
@@ -356,7 +356,7 @@ class ReplicaModel:
 
 
 def verify_plan(trace, image_tokens: int) -> list[tuple[int, int, int, int]]:
-    """Per recorded verification, what the engine feeds (`ciar.collab.verifier.VerifyWork`), in image positions:
+    """Per recorded verification, what the engine feeds (`ciar.engine.works.VerifyWork`), in image positions:
     (the feed's first position, its length: the committed-but-unfed token + catch-up + span, the one-token
     forwards after it: one per burst token and one more when the burst stopped early on entropy, the first of
     those positions)."""

@@ -5,6 +5,8 @@
     runner      the model and its KV cache: pieces in, the step's logits out (static buckets, CUDA graphs)
     judge       every decision of a step in one batched pass: sampling, acceptance, draws; one host read
     sessions    the open sessions and their KV-cache slots
+    works       the request state: one work per request in flight (open, resume, verification), data the core steps
 
-The request state (the works) and the `CloudVerifier` facade are in `ciar.collab.verifier`.
+The `CloudVerifier` facade (the batch API, admission, the step's decisions handed to the works) is in
+`ciar.collab.verifier`.
 """

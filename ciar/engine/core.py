@@ -57,7 +57,7 @@ logger = logging.getLogger("ray.serve")  # the replica's log (the engine runs in
 
 class Work(Request):
     """One request in flight: what the scheduler reads (`ciar.engine.scheduler.Request`: `kind`, `pending`,
-    `position`, `rows`) and what the engine adds. Subclasses (in `ciar.collab.verifier`) implement those and `admit`,
+    `position`, `rows`) and what the engine adds. Subclasses (`ciar.engine.works`) implement those and `admit`,
     `piece` and `take`; the engine calls them and records the work's forwards and compute seconds."""
 
     def __init__(self, session_id: str):

@@ -10,7 +10,7 @@
     finished = scheduler.retire()          # the requests that are done leave the running set
 
 The scheduler decides from request state and budgets alone; it never touches tensors, the cache or the model. A
-request is anything with the attributes of `Request` below: the verifier's works (`ciar.collab.verifier`: opens,
+request is anything with the attributes of `Request` below: the works (`ciar.engine.works`: opens,
 verifications, resumes, driving the real model through `ciar.engine.runner.ModelRunner`) and the capacity model's
 modelled works (`ciar.collab.gpu_model`, priced by a modelled runner in simulated time) are both scheduled here, so
 the GPU capacity plan runs the policy the replicas run.
