@@ -173,7 +173,7 @@ def device_target(url: str, keys: list[str], app: dict | None, timeout_s: float,
     """The device endpoint of the cluster at `url` (http://HOST:PORT) as loadtests.device_fuzz sees it; with `app`
     (a cluster this process started) its limits from the config and the verifier's session count."""
     from loadtests.device_fuzz import Target
-    from services.schemas import AppConfig, DeviceEndpointConfig
+    from services.config import AppConfig, DeviceEndpointConfig
 
     lim = AppConfig(**app["args"]).device_endpoint if app is not None else DeviceEndpointConfig()
     sessions = None
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 use_key(app, args.api_key)
             key = client_key(app, args.api_key)
             if args.device_frames > 0:  # the fuzzed device and another one, accepted by their digests
-                from services.schemas import key_digest
+                from services.config import key_digest
 
                 device_keys = (device_keys or [DEV_DEVICE_KEY])[:2]
                 if len(device_keys) < 2:
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         device, fuzzer = None, None
         if args.device_frames > 0:
             from loadtests.device_fuzz import DeviceFuzzer
-            from services.schemas import AppConfig
+            from services.config import AppConfig
 
             replicas = AppConfig(**app["args"]).verifier_replicas if app is not None else 1
             target = device_target(url, device_keys, app if cluster is not None else None, args.device_timeout,

@@ -698,7 +698,7 @@ def run_once(mode: str, app: dict, args, out: str, token: str, jobs: list[dict],
     from loadtests.jobs import Client
     from loadtests.run import client_key, wait_healthy
     from services.deploy import PATIENT_SERVE_ENV, deploy_config
-    from services.schemas import AppConfig
+    from services.config import AppConfig
 
     run_dir = os.path.join(out, mode)
     os.makedirs(run_dir, exist_ok=True)

@@ -112,7 +112,7 @@ DEV_KEY = "ciar-dev-key"  # the key serve_config.yaml accepts (by its digest)
 
 def use_key(app: dict, key: str) -> dict:
     """Make `key` the application's only API key, by its digest (Serve logs builder args; the key stays out)."""
-    from services.schemas import key_digest
+    from services.config import key_digest
 
     app["args"]["api_keys"] = []
     app["args"]["api_key_sha256"] = [key_digest(key)]
@@ -125,7 +125,7 @@ def client_key(app: dict | None, given: str | None = None) -> str:
     if given:
         return given
     if app is not None:
-        from services.schemas import AppConfig
+        from services.config import AppConfig
 
         keys = AppConfig(**app["args"]).all_api_keys()
         if keys:
@@ -182,7 +182,7 @@ class Cluster:
         from ray import serve
 
         from services.deploy import deploy_config, patient_serve_env
-        from services.schemas import AppConfig
+        from services.config import AppConfig
 
         patient_serve_env()  # the controller inherits this environment
         cfg = AppConfig(**self.app["args"])  # validated here, with the field named, before Ray starts
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         records = _read_jsonl(stats_path)
         responses = summarise_responses(records)
         if cluster is not None:
-            from services.schemas import AppConfig
+            from services.config import AppConfig
 
             cfg = AppConfig(**app["args"])
             summary["verifier"] = cluster.verifier_stats(cfg.verifier_replicas)

@@ -39,7 +39,8 @@ from ciar.collab.recovery import RecoveringClient
 from ciar.collab.runtime import device_runtime
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
-from services.schemas import CollabOverrides, DeviceLiveConfig, GenerationJob, GenerationOutput, ProgressEvent
+from services.config import DeviceLiveConfig
+from services.schemas import CollabOverrides, GenerationJob, GenerationOutput, ProgressEvent
 from services.verifier_client import RayCloudClient, session_lost
 
 

@@ -47,7 +47,7 @@ from ciar.collab.service import VerifierService
 from ciar.collab.verifier import CloudVerifier
 from ciar.engine.works import VerifyWork
 from ciar.world import load_world
-from services.schemas import VerifierLiveConfig
+from services.config import VerifierLiveConfig
 
 logger = logging.getLogger("ray.serve")  # the replica's log
 

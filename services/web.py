@@ -1,5 +1,6 @@
-"""The browser device: its scripts (web/src, served at /web/device/) and its runtime, onnxruntime-web's installed
-files (served at /web/ort/).
+"""What the ingress serves as files: the playground page (GET /), the browser device (its scripts, web/src, at
+/web/device/; its runtime, onnxruntime-web's installed files, at /web/ort/) and the exported device model that real
+devices download (/v1/device/model, authorised by a device key in services.app).
 
     make web                                  # npm ci --prefix web (web/package.json pins the version)
     curl -s localhost:8000/web/ort/           # {"available": true, "version": "1.30.0", "entry": "ort.min.mjs", ...}
@@ -8,13 +9,19 @@ files (served at /web/ort/).
 
 Only the files a page loads are served: the ESM entry points (`ort.min.mjs`: WebGPU where the browser has it, else
 WebAssembly; `ort.wasm.min.mjs`, `ort.webgpu.min.mjs`) and the WebAssembly builds they import. A name is looked up
-in that list, never joined onto a path, so `..`, absolute and encoded names answer 404. Nothing is fetched from the
-internet at run time; without `make web` (no node/npm) the status says how to enable the browser device.
+in that list, never joined onto a path, so `..`, absolute and encoded names answer 404; the device model's files
+are the ones its manifest names. Nothing is fetched from the internet at run time; without `make web` (no
+node/npm) the status says how to enable the browser device.
 """
 
+import functools
 import json
 import os
 import re
+
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from services.answers import error_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the page's own modules (plain ES modules, no build step) and the installed package (npm ci --prefix web; tests
@@ -26,6 +33,18 @@ ENABLE = "the browser device is disabled: run `make web` (needs node and npm) to
 SERVED = re.compile(r"ort(\.wasm|\.webgpu)?\.min\.mjs|ort-wasm-simd-threaded(\.[a-z]+)?\.(mjs|wasm)")
 DEVICE_FILE = re.compile(r"[a-z]+\.js")
 MEDIA_TYPES = {".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm"}
+PLAYGROUND = os.path.join(ROOT, "services", "playground.html")
+
+
+@functools.lru_cache(maxsize=1)
+def playground_html() -> str:
+    with open(PLAYGROUND, encoding="utf-8") as f:
+        return f.read()
+
+
+def playground_page() -> HTMLResponse:
+    """GET /: the playground page: one static file, no build step, nothing fetched from the internet."""
+    return HTMLResponse(playground_html())
 
 
 def ort_files() -> dict[str, str]:
@@ -63,3 +82,50 @@ def device_file(name: str) -> str:
         served = sorted(n for n in os.listdir(DEVICE_SRC) if DEVICE_FILE.fullmatch(n))
         raise LookupError(f"no browser device file {name!r} (served: {', '.join(served)})")
     return path
+
+
+def ort_file_response(name: str) -> Response:
+    """GET /web/ort/{name}: the file, cached a day, or a 404 saying why not."""
+    try:
+        path, media_type = ort_file(name)
+    except LookupError as e:
+        return error_body(404, str(e), field="name", kind="not_found")
+    return FileResponse(path, media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
+
+
+def device_file_response(name: str) -> Response:
+    """GET /web/device/{name}: the module (never cached: it changes with the checkout), or a 404 saying why not."""
+    try:
+        path = device_file(name)
+    except LookupError as e:
+        return error_body(404, str(e), field="name", kind="not_found")
+    return FileResponse(path, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
+
+
+# ---------------------------------------------------------------------------------- the exported device model
+def device_model_dir(world: dict) -> tuple[str | None, dict | None]:
+    """The served world's exported device model: its folder and manifest (None, None when it was not exported)."""
+    path = os.path.join(world["model_dir"], "manifest.json")
+    if not os.path.isfile(path):
+        return None, None
+    with open(path, encoding="utf-8") as f:
+        return world["model_dir"], json.load(f)
+
+
+def device_model_response(world: dict) -> Response:
+    """GET /v1/device/model: the export's manifest (graphs with sha256 and size, the calibrated CIAR defaults,
+    sampling, protocol facts), or a 404 saying how to export it."""
+    folder, manifest = device_model_dir(world)
+    if manifest is None:
+        return error_body(404, "the device model is not exported on this deployment: run "
+                          "`python -m pipelines.export_onnx` (make serve does)", kind="not_found")
+    return JSONResponse(manifest)
+
+
+def device_model_file_response(world: dict, name: str) -> Response:
+    """GET /v1/device/model/{name}: one graph of the manifest (only the files it names), else a 404."""
+    folder, manifest = device_model_dir(world)
+    files = {g["file"] for g in (manifest or {}).get("graphs", {}).values()}
+    if name not in files:
+        return error_body(404, f"no device model file {name!r}", field="name", kind="not_found")
+    return FileResponse(os.path.join(folder, name), media_type="application/octet-stream")

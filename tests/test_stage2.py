@@ -185,7 +185,7 @@ def test_the_device_wire_at_1024_tokens():
     from ciar_device.wire import (OPEN_REPLY, RESUME, VERIFY, Frame, InjectedFeatures, OpenReply, OpenRequest,
                                   ResumeRequest, Sampling, VerifyRequest, decode_frame, encode_frame)
 
-    from services.schemas import DeviceEndpointConfig
+    from services.config import DeviceEndpointConfig
 
     V, d, F, N = 16384, 1280, 20, 1024
     rng = np.random.default_rng(0)
@@ -238,7 +238,7 @@ def test_prefill_steps_at_1024_positions():
 
 def test_previews_and_the_capacity_model_scale_with_the_image():
     from ciar.collab.gpu_model import ModelShapes
-    from services.schemas import MAX_PREVIEWS, DeviceLiveConfig
+    from services.config import MAX_PREVIEWS, DeviceLiveConfig
 
     live = DeviceLiveConfig()
     assert [live.preview_tokens(n) for n in (144, 256, 1024)] == [24, 24, 64]  # <= 16 whole-image decodes

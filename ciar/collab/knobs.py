@@ -6,9 +6,9 @@
 
 Every layer reads this table: `CollabConfig.validate` (ciar.collab.decoder) checks its fields with it, a device
 file's calibrated defaults (ciar.collab.defaults) are checked with it, and the service schemas build their fields
-from it (services.schemas: the API's `params`, the typed overrides a job carries to a device, the device fleet's live
-defaults), so a range or a description cannot differ between them. Torch-free: the CLI and the HTTP schemas import
-it without torch.
+from it (services.schemas: the API's `params`, the typed overrides a job carries to a device; services.config: the
+device fleet's live defaults), so a range or a description cannot differ between them. Torch-free: the CLI and the
+HTTP schemas import it without torch.
 
 Who sets a knob (a knob may be several of these; every knob is a `CollabConfig` field):
   request     a client, per request (the API's `params`); unset: the device fleet's live default, else `default`

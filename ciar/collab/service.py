@@ -60,7 +60,7 @@ def session_token(secret: str, session_id: str, device_id: str) -> str:
         MAC (24 bytes)     HMAC-SHA256(secret, key id | session | device)[:24]: the proof; 192 bits
 
     Why a key id (issue 40, item 5, "the RESUME 403"): the secret can change under a device. Without
-    $CIAR_SESSION_SECRET, `services.app` derives it from the API keys and the world, so a redeploy that changes the
+    $CIAR_SESSION_SECRET, `services.config` derives it from the API keys and the world, so a redeploy that changes the
     keys changes it (an operator rotating $CIAR_SESSION_SECRET does too); Serve replaces the Verifier replicas (new
     init args), their sessions are gone, and a device resumes on a new replica with the token the old secret made.
     An HMAC alone cannot tell that token from a forgery, and the 403 failed the device's image. With the key id a

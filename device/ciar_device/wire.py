@@ -348,7 +348,7 @@ def largest_frame_bytes(num_tokens: int, vocab_size: int, hidden_dim: int = 0, f
     `feature_dim` float16 values, 0 and 0 without Inter-Enhance) and a span of k <= `max_span` drafts with their
     [k, V] float16 distributions (m + k <= num_tokens), or a RESUME of the whole history with every injected
     feature (a RESUME carries the OPEN's prompt: `prompt_bytes`, the API's 400 characters at 4 UTF-8 bytes each).
-    What the device endpoint's `max_frame_bytes` must allow for that world (services.schemas.DeviceEndpointConfig):
+    What the device endpoint's `max_frame_bytes` must allow for that world (services.config.DeviceEndpointConfig):
     LlamaGen-XL's device (1,280-d hidden, 16,384 codes) at Stage I's 256 tokens needs 1.6 MB, at Stage II's
     1,024 tokens 3.6 MB."""
     n = int(num_tokens)

@@ -113,7 +113,7 @@ def test_serve_config_v2_validates_with_ray_schema(serve_v2):
 
 
 def test_user_configs_validate_as_live_configs(serve_v2):
-    from services.schemas import AppConfig, DeviceLiveConfig, VerifierLiveConfig
+    from services.config import AppConfig, DeviceLiveConfig, VerifierLiveConfig
 
     (app,) = serve_v2["applications"]
     live = {d["name"]: d["user_config"] for d in app["deployments"]}
@@ -125,8 +125,7 @@ def test_user_configs_validate_as_live_configs(serve_v2):
 # (c) secrets ------------------------------------------------------------------------------------------------
 
 def test_every_container_reads_keys_and_session_secret_from_the_secret(rayservice):
-    from services.app import SESSION_SECRET_ENV
-    from services.schemas import API_KEYS_ENV, DEVICE_KEYS_ENV
+    from services.config import API_KEYS_ENV, DEVICE_KEYS_ENV, SESSION_SECRET_ENV
 
     assert set(SECRET_ENV) == {API_KEYS_ENV, DEVICE_KEYS_ENV, SESSION_SECRET_ENV}, "env names drifted from services/"
     n = 0
@@ -361,7 +360,7 @@ def test_every_deployment_lands_on_the_same_kind_of_node_and_none_on_the_head(ra
     """Where each deployment's replicas fit, from serve_config.gpu.yaml's args: the verifiers on the GPU nodes (one
     each), the phones on the device nodes, the Ingress replicas in what the phones leave of the device nodes: in both
     clusters, and never on the head (a lost head takes no replica; GCS fault tolerance)."""
-    from services.schemas import AppConfig
+    from services.config import AppConfig
 
     (app,) = gpu_config["applications"]
     cfg = AppConfig(**app["args"])

@@ -180,7 +180,7 @@ def test_a_hung_forward_makes_the_replica_unhealthy(tiny_cloud, stub_text):
     (`VerifierService.check_stalled`, called by the Verifier deployment's `check_health`) raises past the limit, and
     all is well again once the forward returns."""
     from ciar.collab.service import EngineStalledError, VerifierService
-    from services.schemas import VerifierLiveConfig
+    from services.config import VerifierLiveConfig
     from services.verifier import Verifier
 
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)

@@ -215,7 +215,7 @@ KEY, SECRET = "loop-test-key", "loop-test-secret"
 @pytest.fixture(scope="module")
 def server(cloud):
     from services.device_endpoint import DeviceEndpoint
-    from services.schemas import key_digest
+    from services.config import key_digest
     from services.testing import InProcessBackend, loopback_endpoint
 
     with loopback_endpoint(DeviceEndpoint(InProcessBackend(cloud.v, SECRET), [key_digest(KEY)])) as url:

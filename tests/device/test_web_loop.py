@@ -22,7 +22,7 @@ def server():
     from ciar.collab.runtime import make_verifier
     from ciar.world import load_world
     from services.device_endpoint import DeviceEndpoint
-    from services.schemas import key_digest
+    from services.config import key_digest
     from services.testing import InProcessBackend, loopback_endpoint
 
     verifier = make_verifier(load_world(None))

@@ -18,7 +18,7 @@ LIMIT = 64 << 10
 
 def _endpoint(backend, **kw):
     from services.device_endpoint import DeviceEndpoint, EndpointLimits
-    from services.schemas import key_digest
+    from services.config import key_digest
 
     limits = dict(max_frame_bytes=LIMIT, max_sessions_per_device=3, messages_per_s=5000, burst=5000,
                   idle_timeout_s=30.0, max_connections=12, max_connections_per_device=4, send_timeout_s=0.3)
@@ -36,7 +36,7 @@ def _target(url, endpoint, verifier=None):
 def _connections(endpoint, key):
     """The endpoint's connections in all (key None), or the device of `key`'s (its own count, in-process)."""
     from services.device_endpoint import device_id_of
-    from services.schemas import key_digest
+    from services.config import key_digest
 
     if key is None:
         return endpoint.connections
@@ -212,7 +212,7 @@ def test_cli_refuses_a_device_run_it_cannot_do(capsys):
     assert e.value.code == 2 and "two device keys" in capsys.readouterr().err
     t = device_target("http://127.0.0.1:8000", ["a", "b"], None, 5.0)  # a running cluster: the default limits
     assert t.ws_url == "ws://127.0.0.1:8000/v1/device/sessions" and t.health_url == "http://127.0.0.1:8000/healthz"
-    from services.schemas import DeviceEndpointConfig
+    from services.config import DeviceEndpointConfig
 
     d = DeviceEndpointConfig()
     assert (t.max_connections, t.max_connections_per_device, t.send_timeout_s) == \

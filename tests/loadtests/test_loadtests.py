@@ -144,7 +144,7 @@ def test_figures_from_the_locust_csv(tmp_path):
 
 def test_runner_reads_the_serve_config_and_overrides():
     from loadtests.run import apply_overrides, client_key, load_app_config, use_key
-    from services.schemas import key_digest
+    from services.config import key_digest
 
     app = load_app_config(os.path.join(REPO, "serve_config.yaml"))
     assert app["import_path"] == "services.app:build_app" and "api_keys" not in app["args"]

@@ -14,7 +14,8 @@ pytest.importorskip("ray.serve")
 from pydantic import ValidationError  # noqa: E402
 
 from ciar.collab.names import METHODS  # noqa: E402
-from services.schemas import AppConfig, DeviceLiveConfig, GenerationRequest, MethodParams, VerifierLiveConfig  # noqa: E402
+from services.config import AppConfig, DeviceLiveConfig, VerifierLiveConfig  # noqa: E402
+from services.schemas import GenerationRequest, MethodParams  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -206,7 +207,7 @@ def test_the_ingress_holds_the_device_connections():
     endpoint's connections (plus HTTP) would queue them in the proxy and never answer 1013 (device-channel fuzz)."""
     from pydantic import ValidationError
 
-    from services.schemas import AppConfig
+    from services.config import AppConfig
 
     default = AppConfig(api_keys=["test-key-1"])
     assert default.ingress_max_ongoing_requests > default.device_endpoint.max_connections
@@ -215,7 +216,7 @@ def test_the_ingress_holds_the_device_connections():
 
 
 def test_json_safe_drops_non_finite_floats():
-    from services.app import json_safe
+    from services.answers import json_safe
 
     got = json_safe({"a": float("inf"), "b": [1.5, float("nan"), {"c": -float("inf")}], "d": "x", "e": 3})
     assert got == {"a": None, "b": [1.5, None, {"c": None}], "d": "x", "e": 3}

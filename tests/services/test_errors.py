@@ -91,7 +91,7 @@ def test_the_api_and_the_socket_answer_each_error_by_the_table(name):
 
 
 def test_a_row_for_both_sides_is_answered_alike_and_the_contract_lists_every_http_row():
-    from services.app import GENERATION_RESPONSES
+    from services.openapi import GENERATION_RESPONSES
 
     both = [r for r in errors.RULES if set(r.sides) == set(errors.BOTH)]
     assert {n for r in both for n in r.names} >= {"ForwardFault", "CapacityError", "BackPressureError",

@@ -36,7 +36,7 @@ CUTS = {
 def server(tiny_cloud, stub_text):
     from ciar.collab.verifier import CloudVerifier
     from services.device_endpoint import DeviceEndpoint
-    from services.schemas import key_digest
+    from services.config import key_digest
     from services.testing import InProcessBackend, loopback_endpoint
 
     backend = InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=4), SECRET)

@@ -1,6 +1,6 @@
 """Issue 40, item 5 ("the RESUME 403"): a device whose socket is cut resumes on a verifier that signs session tokens
 with another secret than the one that issued its token. That is what a redeploy does whose config changes the API
-keys without $CIAR_SESSION_SECRET (`services.app._session_secret` derives the secret from them, the laptop / test
+keys without $CIAR_SESSION_SECRET (`AppConfig.session_secret` derives the secret from them, the laptop / test
 setting), or an operator rotating $CIAR_SESSION_SECRET: Serve replaces the Verifier replicas (new init args), their
 sessions are gone, and the device's RESUME carries the token the old secret made. Before the fix the new replica
 answered it 403 "invalid session token" and the device's image failed (a 403 is not retried).
@@ -82,7 +82,7 @@ def test_a_resume_after_a_redeploy_that_changed_the_secret_finishes_the_image(ba
     from ciar.testing import cutting_connection
     from ciar_device.connection import DeviceConnection
     from services.device_endpoint import DeviceEndpoint
-    from services.schemas import key_digest
+    from services.config import key_digest
     from services.testing import loopback_endpoint
 
     old, new = backends

@@ -21,7 +21,7 @@ import { DeviceRuntime, ImageDecoder } from "./runtime.js";
 
 const ORT = "/web/ort/";
 const WARMUP_S = 4;
-// previews an image at most (services.schemas.MAX_PREVIEWS): each decodes the whole image, so a fixed cadence of
+// previews an image at most (services.config.MAX_PREVIEWS): each decodes the whole image, so a fixed cadence of
 // loop.js's PROGRESS_EVERY tokens queued 4x the decodes of 4x the pixels on a 1,024-token, 512 px image
 const MAX_PREVIEWS = 16;
 let ort = null;
