@@ -1,10 +1,9 @@
 """Test-session settings (offline Hugging Face, torch threads, GPU tests skipped without CUDA), the shared Ray instance
-and the parallel run's scheduling, and the small random-weight models of the collaborative-decoding tests."""
+and the split of `make test` into two runs (tests/run_suite.py), and the small random-weight models of the
+collaborative-decoding tests."""
 
-import json
 import os
 import sys
-import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -15,18 +14,22 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# two torch threads in a serial run; one in each of `make test`'s two parallel workers (pytest-xdist), which share the
-# machine's cores between them
-torch.set_num_threads(int(os.environ.get("CIAR_TEST_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
+# two torch threads in a single run; one in each of `make test`'s two runs (tests/run_suite.py sets CIAR_TEST_RUN to
+# "ray" or "rest" in them), which share the machine's cores between them
+RUN = os.environ.get("CIAR_TEST_RUN")
+torch.set_num_threads(int(os.environ.get("CIAR_TEST_THREADS", "1" if RUN else "2")))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = os.path.join(REPO, "weights", "scenes-v1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own (`-m` deselects there), so that `-m ray_serial` sees the marker
 def pytest_collection_modifyitems(config, items):
     _SHARED["modules"] = {_module_of(i) for i in items if "shared_ray" in getattr(i, "fixturenames", ())}
     _group_shared_ray_modules(items)
-    _cluster_unit_first(config, items)
+    for item in items:
+        if _is_cluster(item):
+            item.add_marker(RAY_SERIAL)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -60,20 +63,15 @@ def _group_shared_ray_modules(items) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parallel runs (pytest-xdist; `make test` runs `-n 2 --dist loadgroup`). A module is one unit of work (its module
-# fixtures are set up once, on one worker), and every test that runs a Ray cluster or Serve (the modules that use
-# `shared_ray`, and the tests marked `cluster`) belongs to ONE unit, sent first: they run one after another on one
-# worker, in the order above, so there is one Ray instance on the machine at a time, the shared instance keeps its
-# place, and the fixed HTTP ports of the Serve tests are never wanted twice. The other worker takes the rest meanwhile
-# (the cluster modules leave the machine about half idle: replicas wait on each other and on simulated links).
-#
-# The grouping is this file's scheduler, not xdist's own `loadgroup`: that one renames the items (`item._nodeid`),
-# which pytest 9's node ids no longer read. A scheduler sees node ids only, so each worker writes the ids of the
-# cluster unit, once collected, to a file the controller names; the controller reads it when it schedules (after
-# every worker has collected).
+# `make test` (tests/run_suite.py) runs the suite as two plain pytest runs started together: every test that runs a
+# Ray cluster or Serve (the modules that use `shared_ray`, whole, and the tests marked `cluster`) is marked
+# `ray_serial` here, at collection, and runs in the `ray` run (`-m "... and ray_serial"`), one after another in the
+# order above, so there is one Ray instance on the machine at a time, the shared instance keeps its place, and the
+# fixed HTTP ports of the Serve tests are never wanted twice. The `rest` run (`-m "... and not ray_serial"`) takes
+# everything else meanwhile (the cluster tests leave the machine about half idle: replicas wait on each other and on
+# simulated links).
 
-CLUSTER_GROUP = "ray-cluster"
-_CLUSTER_IDS = "ciar_cluster_ids"  # the workerinput key: the file of the cluster unit's node ids
+RAY_SERIAL = "ray_serial"
 
 
 def _is_cluster(item) -> bool:
@@ -81,62 +79,10 @@ def _is_cluster(item) -> bool:
     return _module_of(item) in _SHARED["modules"] or item.get_closest_marker("cluster") is not None
 
 
-def _cluster_unit_first(config, items) -> None:
-    path = getattr(config, "workerinput", {}).get(_CLUSTER_IDS)
-    if path is None:  # not an xdist worker of `--dist loadgroup`
-        return
-    cluster = [i for i in items if _is_cluster(i)]
-    items[:] = cluster + [i for i in items if not _is_cluster(i)]
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump([i.nodeid for i in cluster], f)
-    os.replace(tmp, path)  # every worker writes the same list
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """The controller: one file for the cluster unit's ids, named to every worker."""
-    if node.config.getvalue("dist") == "loadgroup":
-        if _CLUSTER_IDS not in _SHARED:
-            _SHARED[_CLUSTER_IDS] = os.path.join(tempfile.mkdtemp(prefix="ciar-xdist-"), "cluster.json")
-        node.workerinput[_CLUSTER_IDS] = _SHARED[_CLUSTER_IDS]
-
-
-def pytest_unconfigure(config):
-    if _CLUSTER_IDS in _SHARED:  # the controller's file
-        import shutil
-
-        shutil.rmtree(os.path.dirname(_SHARED.pop(_CLUSTER_IDS)), ignore_errors=True)
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ClusterUnitScheduling(LoadScopeScheduling):
-        """xdist's load-by-scope with two scopes: the cluster unit, else the test's module; units in collection order
-        (the workers put the cluster unit first), not by size."""
-
-        def __init__(self, config, log, path):
-            super().__init__(config, log)
-            config.option.loadscopereorder = False
-            self.path, self.cluster = path, None
-
-        def _split_scope(self, nodeid: str) -> str:
-            if self.cluster is None:
-                with open(self.path) as f:
-                    self.cluster = set(json.load(f))
-            return CLUSTER_GROUP if nodeid in self.cluster else nodeid.split("::")[0]
-
-    return ClusterUnitScheduling(config, log, _SHARED[_CLUSTER_IDS])
-
-
 @pytest.fixture(autouse=True)
 def _ray_only_in_cluster_modules(request):
-    """A test outside the cluster modules must not leave Ray running in its process: under `make test`'s two workers
-    it would run beside the cluster modules' instance (mark its module `pytestmark = pytest.mark.cluster`)."""
+    """A test outside the cluster modules must not leave Ray running in its process: in `make test`'s `rest` run it
+    would run beside the `ray` run's instance (mark its module `pytestmark = pytest.mark.cluster`)."""
     yield
     ray = sys.modules.get("ray")
     if ray is not None and not _is_cluster(request.node) and ray.is_initialized():
@@ -146,6 +92,12 @@ def _ray_only_in_cluster_modules(request):
 def pytest_collection_finish(session):
     mods = [_module_of(i) for i in session.items if _module_of(i) in _SHARED["modules"]]
     _SHARED["last_module"] = mods[-1] if mods else None
+    if RUN in ("ray", "rest"):  # one of run_suite's two runs: the split held (the marker was there before `-m`)
+        wrong = [i.nodeid for i in session.items if _is_cluster(i) != (RUN == "ray")]
+        if wrong:
+            raise pytest.UsageError(f"the {RUN} run of tests/run_suite.py selected {len(wrong)} test(s) of the other "
+                                    f"run, e.g. {wrong[0]}: is tests/conftest.py's `ray_serial` marker added before "
+                                    f"pytest's -m deselection?")
 
 
 @pytest.fixture(scope="module")
