@@ -30,7 +30,7 @@ import json
 import sys
 import time
 
-from ciar.collab.names import METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
+from ciar.collab.names import CLOUD_METHODS, METHODS, NETWORKS  # torch-free: bad arguments fail before torch loads
 from ciar.world_spec import add_world_arguments, world_from_args
 from ciar_device.cli import (OneLineParser, UsageError, check_prompt_and_seed, check_writable, run_command,
                              write_file)
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
 
     hf_logging.disable_progress_bar()  # keep stderr for our own messages
     try:
-        world = load_world(world_from_args(args), device=args.device, need_device=args.method != "cloud",
+        world = load_world(world_from_args(args), device=args.device, need_device=args.method not in CLOUD_METHODS,
                            need_text=True)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None

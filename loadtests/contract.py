@@ -45,7 +45,7 @@ def caption_tokens(prompt: str) -> int:
 
 def documented_refusal(body) -> tuple[str, int] | None:
     """(why, status) where the contract refuses this in-range body; None: it must be accepted."""
-    from ciar.collab.names import METHODS
+    from ciar.collab.names import CLOUD_METHODS, METHODS
 
     if not isinstance(body, dict):
         return None
@@ -57,8 +57,10 @@ def documented_refusal(body) -> tuple[str, int] | None:
     if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1 and (body.get("stream") is True or body.get("response_format") == "png"):
         return ("n > 1 with stream or png", 400)
     model, method = body.get("model"), body.get("method", "ciar")  # (never both where model is a method: schema)
-    if (model if model in METHODS else method) == "cloud" and params.get("prefix_rate", 1.0) != 1.0:
+    if (model if model in METHODS else method) in CLOUD_METHODS and params.get("prefix_rate", 1.0) != 1.0:
         return ("cloud with prefix_rate < 1", 422)
+    if (model if model in METHODS else method) in ("sjd", "gsd") and params.get("jacobi_window") == 0:
+        return ("sjd or gsd without a Jacobi window", 422)
     drop = params.get("link_drop_after")
     if isinstance(drop, (int, float)) and not isinstance(drop, bool) and drop < 2:
         return ("link lost before the open", 503)

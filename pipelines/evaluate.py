@@ -87,6 +87,7 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
     copy: FID, checked key by key here), clip_model (a local CLIP folder) and reference_images (the captions'
     images by file_name). An Anole world: its dict (`kind` "anole"; prompts from the model folder's tokenizer.json)
     with the same metric files. Raises FileNotFoundError / ValueError naming the field."""
+    from ciar.collab.names import CLOUD_METHODS
     from ciar.world_spec import AnoleWorldSpec, LlamaGenWorldSpec, ScenesWorldSpec, WorldSpecError, read_world, \
         spec_dict
 
@@ -94,7 +95,7 @@ def read_model_config(path: str | None, methods: list[str] | None = None) -> dic
         return {}
     if not os.path.isfile(path):
         raise FileNotFoundError(f"world file not found: {path}")
-    need_device = any(m != "cloud" for m in methods or ["ciar"])
+    need_device = any(m not in CLOUD_METHODS for m in methods or ["ciar"])
     try:
         spec = read_world(path, need_device=need_device)
     except WorldSpecError as e:

@@ -9,7 +9,13 @@ distributions p_0..p_K (one more than drafted: the bonus position). Both are pos
   greedy   keep drafts while they equal argmax p; the next token is an argmax too (deterministic);
   cascade  CASCADE-style: a draft that the exact test rejects is kept when it is semantically interchangeable
            with the drawn replacement (cosine of output-embedding rows), or when consecutive target hidden states
-           converge (cosine of h_j and h_{j+1}).
+           converge (cosine of h_j and h_{j+1});
+  gsd      GSD's grouped acceptance (So et al., "Grouped Speculative Decoding for Autoregressive Image Generation",
+           ICCV 2025; the rule read from the authors' code, github.com/junhyukso/GSD, not copied): the draft x is
+           tested as a group G(x) of visually valid tokens, min(1, p(G) / q(G)); G(x) holds the tokens ranked within
+           `ranks` of x in p whose probability is within `prob_gap` of p(x) and whose input embeddings are within
+           squared distance `distance` of x's (the authors' 7, 0.15 and 0.5). A rejection draws from the exact
+           rule's residual. Lossy, like lantern and cascade.
 
 Randomness: every draw is a uniform the caller passes (`SpanDraws`): `accept[b, j]` for the test of draft j and
 `next[b, j]` for the token drawn at span index j (the recovered token at the first rejection, the bonus after a
@@ -36,7 +42,7 @@ import torch.nn.functional as F
 from ciar.decoding.sampling import counter_uniform, keyed_uniform, sample_at
 from ciar_device.maths import ACCEPT_STREAM, NEXT_STREAM
 
-RULES = ("exact", "lantern", "greedy", "cascade")
+RULES = ("exact", "lantern", "greedy", "cascade", "gsd")
 
 # A residual max(0, p - q) with total mass at or below this is treated as empty (float32 round-off of two
 # distributions that agree); the next token is then drawn from p instead.
@@ -82,6 +88,22 @@ class CascadeConfig:
         if self.seq_threshold is not None and not -1.0 <= _finite("CascadeConfig.seq_threshold",
                                                                   self.seq_threshold) <= 1.0:
             raise ValueError(f"CascadeConfig.seq_threshold must be in [-1, 1] or None, got {self.seq_threshold!r}")
+
+
+@dataclass
+class GsdConfig:
+    """GSD's dynamic group of a draft x: the tokens ranked within `ranks` of x in the target p (each side), whose
+    p is within `prob_gap` of p(x) and whose input embeddings are within squared L2 `distance` of x's."""
+
+    ranks: int = 7
+    prob_gap: float = 0.15
+    distance: float = 0.5
+
+    def __post_init__(self):
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 0:
+            raise ValueError(f"GsdConfig.ranks must be an integer >= 0, got {self.ranks!r}")
+        if _finite("GsdConfig.prob_gap", self.prob_gap) < 0 or _finite("GsdConfig.distance", self.distance) < 0:
+            raise ValueError(f"GsdConfig.prob_gap and distance must be >= 0, got {self.prob_gap}, {self.distance}")
 
 
 class NeighborTable:
@@ -170,6 +192,24 @@ def _lantern_target(p_x: torch.Tensor, p: torch.Tensor, drafts: torch.Tensor, ne
     return p_x + moved
 
 
+def _gsd_group(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, embeddings: torch.Tensor,
+               cfg: GsdConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """p, q [B, K, V], drafts [B, K], embeddings [V, D] -> (p(G), q(G)) [B, K]: the mass of each draft's GSD group
+    (x itself always belongs to it) under the target and under the draft."""
+    v = p.shape[-1]
+    order = p.argsort(dim=-1, descending=True, stable=True)  # [B, K, V]: tokens by decreasing p (ties: by token id)
+    rank = order.argsort(dim=-1).gather(-1, drafts[..., None])  # [B, K, 1]: x's place in it
+    at = rank + torch.arange(-cfg.ranks, cfg.ranks + 1, device=p.device)  # [B, K, 2r + 1]
+    inside = (at >= 0) & (at < v)
+    tokens = order.gather(-1, at.clamp(0, v - 1))
+    p_t, q_t = p.gather(-1, tokens), q.gather(-1, tokens)
+    p_x = p.gather(-1, drafts[..., None])
+    e = embeddings.detach().to(p.device).float()
+    near = (e[tokens] - e[drafts][..., None, :]).pow(2).sum(-1) < cfg.distance
+    group = inside & (((p_t - p_x).abs() < cfg.prob_gap) & near | (tokens == drafts[..., None]))
+    return (p_t * group).sum(-1), (q_t * group).sum(-1)
+
+
 def _check(rule, draft_tokens, draft_probs, target_probs, draws, span_len, neighbors, lantern, cascade,
            target_hidden, token_embeddings) -> tuple[int, int, int]:
     if rule not in RULES:
@@ -205,6 +245,8 @@ def _check(rule, draft_tokens, draft_probs, target_probs, draws, span_len, neigh
             raise ValueError("the lantern rule needs `neighbors` (NeighborTable) and `lantern` (LanternConfig)")
         if neighbors.vocab_size != v:
             raise ValueError(f"neighbors covers {neighbors.vocab_size} tokens, the distributions {v}")
+    if rule == "gsd" and (token_embeddings is None or token_embeddings.dim() != 2 or token_embeddings.shape[0] != v):
+        raise ValueError(f"the gsd rule needs `token_embeddings` [V, D] with V = {v} (the cloud's input embeddings)")
     if rule == "cascade":
         if cascade is None or token_embeddings is None:
             raise ValueError("the cascade rule needs `cascade` (CascadeConfig) and `token_embeddings` [V, D]")
@@ -253,13 +295,15 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
                 draws: SpanDraws, span_len: torch.Tensor | None = None, *,
                 neighbors: NeighborTable | None = None, lantern: LanternConfig | None = None,
                 cascade: CascadeConfig | None = None, target_hidden: torch.Tensor | None = None,
-                token_embeddings: torch.Tensor | None = None, check: bool = True) -> VerifyOutput:
+                token_embeddings: torch.Tensor | None = None, gsd: GsdConfig | None = None,
+                check: bool = True) -> VerifyOutput:
     """Judge a batch of drafted spans, every row at once (no loop over rows, nothing read on the host).
 
     draft_tokens [B, K] int64, draft_probs q [B, K, V], target_probs p [B, K+1, V], span_len [B] in [0, K]
     (row b uses drafts [:span_len[b]] and its bonus distribution p[b, span_len[b]]; default K), `draws` the
     uniforms (`SpanDraws`). `neighbors` and `lantern` are needed by "lantern"; `cascade` and `token_embeddings`
-    [V, D] (and optionally `target_hidden` [B, K+1, D]) by "cascade". `check=False` skips the input checks (which
+    [V, D] (and optionally `target_hidden` [B, K+1, D]) by "cascade"; `token_embeddings` (the cloud's input
+    embeddings) and `gsd` (default `GsdConfig()`) by "gsd". `check=False` skips the input checks (which
     read values on the host; the verifier checked them when the requests arrived). Returns `VerifyOutput` with [B]
     tensors on the data's device. See the module docstring for the rules.
     """
@@ -285,6 +329,8 @@ def verify_span(rule: str, draft_tokens: torch.Tensor, draft_probs: torch.Tensor
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)  # [B, K]
         if rule == "lantern":
             p_x = _lantern_target(p_x, p[:, :k], drafts, neighbors, lantern)
+        elif rule == "gsd":
+            p_x, q_x = _gsd_group(p[:, :k], q, drafts, token_embeddings, gsd or GsdConfig())
         accept = _ratio_accept(draws.accept.to(device), p_x, q_x) & in_span
 
     if rule == "cascade" and k:

@@ -13,6 +13,11 @@ simulated device (`CollabDecoder`): the torch model as the loop's runtime (`ciar
 
 Methods (`METHODS`, the same names in the CLI, the benchmark and the HTTP API):
   cloud   - cloud-only: the cloud generates all N tokens (prefix_rate 1);
+  sjd     - cloud-only by speculative Jacobi decoding (SJD, training-free): the cloud drafts a window of tokens from
+            its own previous forward and verifies them in the next, several tokens per forward, the same
+            distribution as cloud-only (`jacobi_window` 16; `ciar.engine.works.JacobiWork`);
+  gsd     - as sjd with GSD's grouped acceptance (a draft is tested as a group of visually valid tokens; lossy:
+            `ciar.collab.acceptance`);
   ciar    - an interval gate (the device file's calibrated gate, tau and burst), exact acceptance,
             interval-enhanced catch-up;
   eagle   - EAGLE-2-style speculative decoding with chain drafts: every token is drafted in a span and verified;
@@ -45,10 +50,11 @@ from ciar.collab.defaults import DEFAULT_SPAN, CIARDefaults, UncalibratedError
 from ciar.collab.device import DeviceModel, TorchRuntime
 from ciar.collab.gating import GATES
 from ciar.collab.knobs import KNOBS, check_method_overrides
-from ciar.collab.names import METHODS
+from ciar.collab.names import CLOUD_METHODS, METHODS
 from ciar.collab.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.protocol import CloudClient, RuleConfig, VerifyRequest
 from ciar.collab.stats import GenerationStats
+from ciar.decoding.jacobi import DEFAULT_WINDOW as SJD_WINDOW
 from ciar.decoding.sampling import SamplingParams
 from ciar_device.loop import Clock, Link, LoopConfig, run_image
 from ciar_device.policy import CostObserver
@@ -95,6 +101,7 @@ class CollabConfig:
     cloud_step_price_s: float = _default("cloud_step_price_s")  # adaptive: an operator's price of one cloud step
     overload_verifier_s: float | None = _default("overload_verifier_s")  # degradation under overload (None: off)
     overload_tau_factor: float = _default("overload_tau_factor")  # ... its budget: tau x at most this
+    jacobi_window: int = _default("jacobi_window")  # the cloud's own tokens by Jacobi windows (0: one a forward)
 
     @property
     def validated(self) -> bool:
@@ -146,7 +153,8 @@ class CollabConfig:
                           feature_top=self.feature_top, inter_enhance=self.inter_enhance, sampling=sampling,
                           policy=self.policy, cloud_step_price_s=self.cloud_step_price_s, rule=self.rule,
                           topk=self.topk, margin=self.margin, fallback=self.fallback,
-                          overload_verifier_s=self.overload_verifier_s, overload_tau_factor=self.overload_tau_factor)
+                          overload_verifier_s=self.overload_verifier_s, overload_tau_factor=self.overload_tau_factor,
+                          jacobi_window=self.jacobi_window)
 
 
 GATED_METHODS = ("ciar", "entropy", "softmax", "random", "topk")  # CIAR with its own or a baseline gate
@@ -155,8 +163,9 @@ GATED_METHODS = ("ciar", "entropy", "softmax", "random", "topk")  # CIAR with it
 def shared_knobs(method: str, knobs: dict) -> dict:
     """The subset of fleet- or run-wide knobs that `method` takes: the gate and its threshold only for "ciar" (every
     other gate has its own score scale), the cloud burst only for CIAR and its gate variants (the other baselines
-    run as their papers do), the prefix rate not for "cloud" and "code" (there it is the method itself); knobs set
-    to None are left out (the method's preset or the device's calibrated default applies)."""
+    run as their papers do), the prefix rate not for "cloud", "sjd", "gsd" and "code" (there it is the method
+    itself), the Jacobi window only for CIAR, its gate variants, "sjd" and "gsd"; knobs set to None are left out (the
+    method's preset or the device's calibrated default applies)."""
     out = {k: v for k, v in knobs.items() if v is not None}
     if method != "ciar":
         out.pop("tau", None)
@@ -165,8 +174,10 @@ def shared_knobs(method: str, knobs: dict) -> dict:
         for name in ("burst", "burst_entropy", "policy", "cloud_step_price_s", "overload_verifier_s",
                      "overload_tau_factor"):
             out.pop(name, None)
-    if method in ("cloud", "code"):
+    if method in CLOUD_METHODS + ("code",):
         out.pop("prefix_rate", None)
+    if method not in GATED_METHODS + ("sjd", "gsd"):
+        out.pop("jacobi_window", None)
     return out
 
 
@@ -178,6 +189,9 @@ def method_config(method: str, **overrides) -> CollabConfig:
     as_published = dict(burst=0, burst_entropy=0.0, span=DEFAULT_SPAN, policy="fixed")
     preset: dict = {
         "cloud": dict(prefix_rate=1.0, gate="never", inter_enhance=False, **as_published),
+        "sjd": dict(prefix_rate=1.0, gate="never", inter_enhance=False, jacobi_window=SJD_WINDOW, **as_published),
+        "gsd": dict(prefix_rate=1.0, gate="never", inter_enhance=False, jacobi_window=SJD_WINDOW,
+                    rule=RuleConfig(rule="gsd"), **as_published),
         "ciar": {},
         "eagle": dict(gate="always", inter_enhance=False, **as_published),
         "lantern": dict(gate="always", inter_enhance=False, rule=RuleConfig(rule="lantern"), **as_published),
@@ -284,7 +298,7 @@ class CollabDecoder:
         self.config = config.validate().resolve(getattr(device, "ciar_defaults", None))
         self.sampling = sampling.validate()
         self.num_tokens = num_tokens
-        if config.method != "cloud" and device is None:
+        if config.method not in CLOUD_METHODS and device is None:
             raise ValueError(f"method {config.method!r} needs a device model")
         self.loop_config = self.config.loop_config(self.sampling)
 

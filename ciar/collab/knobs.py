@@ -28,7 +28,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from ciar.collab.names import GATES, METHODS
+from ciar.collab.names import CLOUD_METHODS, GATES, METHODS
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ _KNOBS = (
          "is at or below this (0: a fixed burst)", unset="the device model's", ge=0.0, le=1.0),
     Knob("prefix_rate", float, 0.06, "fraction of the image tokens the cloud generates first (prefix injection, rho)",
          ge=0.0, le=1.0, request=True, live=True),
+    Knob("jacobi_window", int, 0, "the cloud decodes the tokens it makes itself (the prefix; every token for cloud "
+         "and sjd) by speculative Jacobi decoding with windows of this many drafts: several tokens per forward, the "
+         "same distribution (0: one token per forward; sjd's and gsd's preset: 16)", ge=0, le=64, request=True),
     Knob("inter_enhance", bool, True, "send interval features with the locally accepted tokens (off: the paper's "
          "w/o Inter-Enhance)", request=True),
     Knob("topk", int, 200, "set size of the topk gate", ge=1),
@@ -138,11 +141,14 @@ SIMULATION_KNOBS = tuple(k.name for k in _KNOBS if k.simulation)
 
 
 def check_method_overrides(method: str, overrides: dict) -> None:
-    """The rules that tie knobs to a method (each knob's own range is above): ValueError for an unknown method, or for
-    "cloud" with a prefix rate other than 1 (it makes every token on the cloud). The HTTP ingress checks a request
+    """The rules that tie knobs to a method (each knob's own range is above): ValueError for an unknown method, for
+    "cloud", "sjd" or "gsd" with a prefix rate other than 1 (they make every token on the cloud), or for "sjd" or
+    "gsd" without a Jacobi window. The HTTP ingress checks a request
     with this before any device runs it (without importing the decoder); `method_config` applies it to every
     config."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-    if method == "cloud" and overrides.get("prefix_rate", 1.0) != 1.0:
-        raise ValueError("method 'cloud' makes every token on the cloud: prefix_rate must be 1 (or left out)")
+    if method in CLOUD_METHODS and overrides.get("prefix_rate", 1.0) != 1.0:
+        raise ValueError(f"method {method!r} makes every token on the cloud: prefix_rate must be 1 (or left out)")
+    if method in ("sjd", "gsd") and overrides.get("jacobi_window", 1) == 0:
+        raise ValueError(f"method {method!r} decodes by Jacobi windows: jacobi_window must be >= 1 (or left out)")

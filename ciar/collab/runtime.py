@@ -18,6 +18,7 @@ import os
 
 from ciar.collab.decoder import CollabDecoder, method_config
 from ciar.collab.device import DeviceModel, TorchRuntime
+from ciar.collab.names import CLOUD_METHODS
 from ciar.collab.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 from ciar_device.fetch import sha256_file
@@ -74,7 +75,7 @@ def make_decoder(world, verifier: CloudVerifier, method: str, sampling: Sampling
     when the method needs a device model and none is shipped."""
     cfg = method_config(method, **overrides)
     dev = device_model if device_model is not None else world.device_model
-    if cfg.method != "cloud" and dev is None:
+    if cfg.method not in CLOUD_METHODS and dev is None:
         raise ValueError(f"method {method!r} needs a device model: {world.weights_dir} has no device.safetensors "
                          f"(train one with `python -m pipelines.train_device`)")
     return CollabDecoder(dev, InProcessCloud(verifier), cfg, sampling or world.sampling,

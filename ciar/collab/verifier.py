@@ -11,13 +11,13 @@
     work = verifier.submit_verify(VerifyRequest(...))            # the same work, queued: a server feeds requests as
     verifier.engine.step()                                       # they arrive and steps the engine (one forward each)
 
-Every call runs on the step-level engine (`ciar.engine.core`): a request is a *work* (`ciar.engine.works`:
-OpenWork, VerifyWork, ResumeWork) that feeds one piece per forward (a prefill chunk, a span, one prefix or burst
-token, a chunk of a resumed history), and each forward carries the pieces of every session that has one ready, under a token
-budget; the `*_batch` calls submit their requests and step until they are done. A work's state is data: after the
-forward it records where its outputs are (`take`) and, when it needs a decision, says what (`draw`: a token to
-sample; `span`: drafts to judge); the step's decisions are made together by the judge (`ciar.engine.judge`: every
-row's sampling, every span, every draw in one batched pass, one copy each way) and each work takes its own
+Every call runs on the step-level engine (`ciar.engine.core`): a request is a *work* (`ciar.engine.works`: OpenWork,
+JacobiWork, VerifyWork, ResumeWork) that feeds one piece per forward (a prefill chunk, a span, one prefix or burst
+token, a Jacobi window, a chunk of a resumed history), and each forward carries the pieces of every session that has one
+ready, under a token budget; the `*_batch` calls submit their requests and step until they are done. A work's state is
+data: after the forward it records where its outputs are (`take`) and, when it needs a decision, says what (`draw`: a
+token to sample; `span`: drafts to judge); the step's decisions are made together by the judge (`ciar.engine.judge`:
+every row's sampling, every span, every draw in one batched pass, one copy each way) and each work takes its own
 (`drawn`, `commit`).
 
 The cache invariant per session (the condition and every committed token but the last) is written in
@@ -62,12 +62,13 @@ from ciar.engine.judge import Judge
 from ciar.engine.runner import ModelRunner, plan_sessions
 from ciar.engine.scheduler import SchedulerConfig
 from ciar.engine.sessions import Session, SessionTable, slots_needed
-from ciar.engine.works import OpenWork, ResumeWork, VerifyWork, WorkContext, check_projector_inputs
+from ciar.engine.works import JacobiWork, OpenWork, ResumeWork, VerifyWork, WorkContext, check_projector_inputs
 from ciar.models.gpt import GPT
 from ciar.text import TextEncoder
 from ciar_device.policy import CloudStepEstimator, CostHint, Ewma
 
-__all__ = ["CloudVerifier", "InProcessCloud", "OpenWork", "ResumeWork", "VerifyWork", "check_projector_inputs"]
+__all__ = ["CloudVerifier", "InProcessCloud", "JacobiWork", "OpenWork", "ResumeWork", "VerifyWork",
+           "check_projector_inputs"]
 
 
 class CloudVerifier:
@@ -197,7 +198,9 @@ class CloudVerifier:
     # takes them over to its thread; building checks their structure on the caller's side)
     def open_work(self, request: OpenRequest, caption_emb: torch.Tensor | None = None,
                   caption_mask: torch.Tensor | None = None, owner: str = "") -> "OpenWork":
-        return self._waits_for_a_slot(OpenWork(self.ctx, request, caption_emb, caption_mask, owner))
+        jacobi = request.jacobi_window > 0 and request.prefix_len > 0  # the prefix by Jacobi windows (SJD)
+        return self._waits_for_a_slot((JacobiWork if jacobi else OpenWork)(self.ctx, request, caption_emb,
+                                                                            caption_mask, owner))
 
     def _waits_for_a_slot(self, work: "OpenWork") -> "OpenWork":
         """A queued open or resume that finds every KV-cache slot taken waits up to `slot_wait_s` for one (in
@@ -222,7 +225,7 @@ class CloudVerifier:
         complete, all in one `Judge.decide` (one copy to the accelerator, one back); `on_bad` first fails the works
         whose logits in this step were not finite; then each work takes its decision."""
         draws = [w for w in works if not w.done and w.draw_from is not None]
-        spans = [w for w in works if isinstance(w, VerifyWork) and not w.done and w.phase == "judge"]
+        spans = [w for w in works if isinstance(w, (VerifyWork, JacobiWork)) and not w.done and w.phase == "judge"]
         if not draws and not spans and step_logits is None:
             return
         for w in draws + spans:
@@ -241,7 +244,10 @@ class CloudVerifier:
                 w.finish(error=decided.errors[i])
                 continue
             n, z, rec = decided.verdicts[i]
-            self._apply(w, w.commit, n, z, rec, len(spans))
+            if isinstance(w, JacobiWork):
+                self._apply(w, w.commit, n, z, rec, len(spans), decided.redrafts.get(i))
+            else:
+                self._apply(w, w.commit, n, z, rec, len(spans))
 
     @staticmethod
     def _apply(w: Work, fn, *args) -> None:

@@ -29,7 +29,7 @@ position c + n with `uniform(seed, NEXT_STREAM, c + n)` (`ciar.collab.acceptance
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +38,7 @@ from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
 from ciar.engine.runner import PieceOutput
 from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_keys
-from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, NEXT_STREAM
+from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, JACOBI_STREAM, NEXT_STREAM
 
 _ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
 
@@ -98,6 +98,18 @@ class Draw:
 
 
 @dataclass
+class Jacobi:
+    """What makes a span a Jacobi round (speculative Jacobi decoding: drafts the cloud made itself): the drafts'
+    distributions [k, V] float32 on the device (None: uniform, the first window), and the window to draft again
+    after the verdict, from this forward's distributions past the commit and uniformly beyond, each token at
+    `uniform(seed, JACOBI_STREAM, iteration * 2**32 + image position)` (`ciar.decoding.jacobi`)."""
+
+    q: torch.Tensor | None
+    window: int
+    iteration: int
+
+
+@dataclass
 class Span:
     """A verification's judgement: the target logits [rows, k+1, V], the drafts [k] and their float16 draft
     probabilities as sent [k, V] (host tensors), the first draft's image position (the committed count after the
@@ -111,6 +123,7 @@ class Span:
     seed: int
     position: int
     hidden: torch.Tensor | None = None
+    jacobi: Jacobi | None = None  # a Jacobi round: its q is on the device, and the window is drafted again
 
     @property
     def k(self) -> int:
@@ -124,6 +137,9 @@ class Decided:
     stops: list[bool]  # per draw: its entropy stop fired (the token is not taken)
     verdicts: list[tuple[int, int, bool]]  # per span: (drafts kept, next token, resampled)
     errors: dict[int, BaseException]  # span index -> why it could not be judged (its rule's configuration)
+    # span index -> a Jacobi round's window drafted again: (tokens [window], their distributions [window, V] on the
+    # device)
+    redrafts: dict[int, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
 
 
 class Judge:
@@ -166,11 +182,13 @@ class Judge:
         draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32)) if stopping else None
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(spans):
-            groups.setdefault(tuple(vars(s.rule).values()), []).append(i)  # one verify_span per configuration
+            # one verify_span per configuration (Jacobi rounds apart: their q is already on the device)
+            groups.setdefault(tuple(vars(s.rule).values()) + (s.jacobi is not None,), []).append(i)
         span_in = []
         for idx in groups.values():
             g = [spans[i] for i in idx]
             kmax = max(s.k for s in g)
+            jacobi = g[0].jacobi is not None
             rows = [source.rows(s.targets, s.k + 1) for s in g]
             t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
                                              [r[2] for r in rows for _ in r[0]])
@@ -189,8 +207,13 @@ class Judge:
                 accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
                 next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)),
                 positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
-                q=pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16) for s in g])
-                           if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
+                q=None if jacobi else pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16)
+                                                          for s in g])
+                                               if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
+                jacobi=dict(window=max(s.jacobi.window for s in g),
+                            keys=pack.add(stream_keys([s.seed for s in g], JACOBI_STREAM)),
+                            iterations=pack.add(torch.tensor([s.jacobi.iteration for s in g], dtype=torch.long)))
+                if jacobi else None,
                 p_at=pack.add(torch.tensor(p_at, dtype=torch.long)),
                 q_at=pack.add(torch.tensor(q_at, dtype=torch.long))))
         pack.send()
@@ -216,13 +239,15 @@ class Judge:
         for g in span_in:
             group = [spans[i] for i in g["idx"]]
             try:
-                out = self._judge_group(group, g, pack, logits)
+                out, redraft = self._judge_group(group, g, pack, logits)
             except (SessionError, ValueError) as e:  # a rule this verifier cannot apply: those spans fail
                 for i in g["idx"]:
                     errors[i] = e
                 continue
-            judged.append(g["idx"])
+            judged.append((g["idx"], redraft))
             outs += [out.num_accepted, out.next_token, out.recovered]
+            if redraft is not None:
+                outs.append(redraft[0])
         host = torch.cat([o.reshape(-1).long() for o in outs]).tolist() if outs else []  # the step's one host read
 
         # --- unpacked on the host
@@ -235,23 +260,35 @@ class Judge:
         at += n
         stops = [bool(x) for x in host[at:at + n]] if stopping else [False] * n
         at += n if stopping else 0
-        for idx in judged:
+        redrafts = {}
+        for idx, redraft in judged:
             b = len(idx)
             ns, zs, rs = host[at:at + b], host[at + b:at + 2 * b], host[at + 2 * b:at + 3 * b]
             at += 3 * b
             for i, nn, z, r in zip(idx, ns, zs, rs):
                 verdicts[i] = (nn, z, bool(r))
-        return Decided(bad_rows, tokens, stops, verdicts, errors)
+            if redraft is not None:
+                w = redraft[1].shape[1]
+                for j, i in enumerate(idx):
+                    redrafts[i] = (host[at + j * w:at + (j + 1) * w], redraft[1][j])
+                at += b * w
+        return Decided(bad_rows, tokens, stops, verdicts, errors, redrafts)
 
     def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
-        """One acceptance rule's spans, every row at once."""
+        """One acceptance rule's spans, every row at once. -> (verify_span's verdicts, and for Jacobi rounds the
+        windows drafted again: (tokens [B * window], distributions [B, window, V]), else None)."""
         dev, v_size = self.device, self.vocab_size
         b, kmax = len(group), g["kmax"]
         rule = group[0].rule
         both = logits[pack[g["rows"]]]  # [2T, V]: every target's cond row, then its uncond row (T = sum(k + 1))
         t = both.shape[0] // 2
         p_flat = rows_to_probs(both[:t], self._rows(pack, g["sampling"]), both[t:], pack[g["sampling"][4]])
-        q_flat = draft_distribution(pack[g["q"]])
+        jacobi = g["jacobi"]
+        if jacobi is None:
+            q_flat = draft_distribution(pack[g["q"]])
+        else:  # a Jacobi round's q as its drafts were drawn from (float32 on the device; the first window uniform)
+            q_flat = torch.cat([s.jacobi.q if s.jacobi.q is not None else
+                                torch.full((s.k, v_size), 1.0 / v_size, device=dev) for s in group])
         if g["ragged"]:  # spans of several lengths: padded to the longest (padding is never read as a draw)
             p = torch.zeros(b * (kmax + 1), v_size, device=dev)
             p[pack[g["p_at"]]] = p_flat
@@ -266,6 +303,12 @@ class Judge:
         if rule.rule == "lantern":
             kwargs["neighbors"] = self.neighbor_table(rule.lantern_k)
             kwargs["lantern"] = LanternConfig(k=rule.lantern_k, delta=rule.lantern_delta)
+        elif rule.rule == "gsd":  # GSD's groups: distances between the cloud's input embeddings
+            emb = self.cloud.tok_embeddings.weight
+            if emb.shape[0] != v_size:
+                raise SessionError("the gsd rule needs one input embedding per image token; this cloud's "
+                                   f"embeddings have {emb.shape[0]} rows for {v_size} image tokens")
+            kwargs["token_embeddings"] = emb
         elif rule.rule == "cascade":
             kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
             kwargs["token_embeddings"] = (self.cloud.output.weight if self.cloud.output is not None
@@ -278,8 +321,26 @@ class Judge:
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
         draws = SpanDraws.keyed(pack[g["accept_keys"]], pack[g["next_keys"]], pack[g["positions"]], kmax)
-        return verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
-                           **kwargs)
+        out = verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
+                          **kwargs)
+        if jacobi is None:
+            return out, None
+        return out, self._redraft(p, out.num_accepted, pack[g["lengths"]], pack[g["positions"]], jacobi, pack)
+
+    def _redraft(self, p: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
+                 jacobi: dict, pack: HostPack) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Jacobi update of every round of a group at once: window position j after the commit (image position
+        c + j, c = position + accepted + 1) takes this forward's distribution there (p's row accepted + 1 + j, when
+        the round computed it: <= k) or the uniform one, and its draft from it at `uniform(seed, JACOBI_STREAM,
+        iteration * 2**32 + c + j)`. p [B, K+1, V] -> (tokens [B * W], distributions [B, W, V])."""
+        b, v_size, w = p.shape[0], p.shape[-1], jacobi["window"]
+        j = torch.arange(w, device=p.device)
+        at = accepted.long()[:, None] + 1 + j  # [B, W]: the row of p each window position takes
+        q = p[torch.arange(b, device=p.device)[:, None], at.clamp(max=p.shape[1] - 1)]
+        q = torch.where((at <= lengths[:, None])[..., None], q, torch.full((), 1.0 / v_size, device=p.device))
+        pos = (positions[:, None] + accepted.long()[:, None] + 1 + j) + (pack[jacobi["iterations"]][:, None] << 32)
+        u = keyed_uniform(pack[jacobi["keys"]][:, None].expand(b, w).reshape(-1), pos.reshape(-1))
+        return sample_at(q.reshape(b * w, v_size), u), q
 
     @staticmethod
     def _sampling_rows(pack: HostPack, params: list[SamplingParams], has_uncond: list[bool]) -> tuple:

@@ -27,12 +27,14 @@ import torch
 from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, SessionConflictError, SessionError,
                                   SessionLostError, VerifyReply, VerifyRequest, verify_tensors)
 from ciar.engine.core import Work
-from ciar.engine.judge import Draw, Span
+from ciar.decoding.sampling import keyed_uniform, sample_at, stream_keys
+from ciar.engine.judge import Draw, Jacobi, Span
 from ciar.engine.runner import Piece
 from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN
 from ciar.engine.sessions import Session, SessionTable
+from ciar_device.maths import JACOBI_STREAM
 
-__all__ = ["WorkContext", "OpenWork", "ResumeWork", "VerifyWork", "check_projector_inputs"]
+__all__ = ["WorkContext", "OpenWork", "JacobiWork", "ResumeWork", "VerifyWork", "check_projector_inputs"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class OpenWork(Work):
         if not 0 <= request.prefix_len <= c.block_size:
             raise SessionError(f"prefix_len must be in [0, {c.block_size}], got {request.prefix_len}")
         request.sampling.validate()
+        window = request.jacobi_window
+        if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= c.block_size:
+            raise SessionError(f"jacobi_window must be an integer in [0, {c.block_size}], got {window!r}")
         self.s: Session | None = None
         self.cond: torch.Tensor | None = None  # [rows, cls, dim] embedded condition
         self.cond_pos = 0  # condition positions fed
@@ -206,6 +211,114 @@ class OpenWork(Work):
             if r.want_caption else None, self.seconds, self.passes, self.ctx.vocab_size, queue_s))
         if self.REPEATABLE:
             self.s.open_reply = self.result  # until the session moves on: a repeated OPEN is answered with it
+
+
+class JacobiWork(OpenWork):
+    """An open whose prefix tokens the cloud decodes by speculative Jacobi decoding (SJD; `OpenRequest.jacobi_window`
+    > 0): after the prefill, each round feeds the last committed token and a window of drafts the cloud made itself,
+    as a verification's span (scheduled, chunked and judged with the step's other spans); the judge tests the drafts
+    with the exact rule and drafts the window again from the distributions this forward computed past the commit,
+    the rest of it uniformly (`ciar.engine.judge.Jacobi`). `ciar.decoding.jacobi.generate_sjd` decodes one image the
+    same way outside the engine, with the same draws: the same caption and seed give the same tokens."""
+
+    def __init__(self, ctx: WorkContext, request: OpenRequest, caption_emb=None, caption_mask=None, owner: str = ""):
+        super().__init__(ctx, request, caption_emb, caption_mask, owner)
+        self.window = request.jacobi_window
+        self.phase = "prefill"  # prefill -> (feed -> judge) per round -> done
+        self.iteration = 0  # Jacobi rounds so far (a draft's draw is keyed by its round and image position)
+        self.drafts: list[int] = []
+        self.q: torch.Tensor | None = None  # the drafts' distributions [k, V] on the device (None: uniform)
+        self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # targets fed in earlier pieces, by index
+        self.targets = None
+        self.rounds: list[int] = []  # tokens committed per round
+
+    def kind(self) -> int:
+        return PREFILL if self.phase == "prefill" else SPAN
+
+    def pending(self) -> int:
+        if self.leader is not None:
+            return 0
+        if self.phase == "prefill":
+            return self.ctx.cls - self.cond_pos
+        return len(self.feed) - self.fed if self.phase == "feed" else 0
+
+    def position(self) -> int:
+        return self.cond_pos if self.phase == "prefill" else self.ctx.cls + self.start + self.fed
+
+    def kv_state(self):
+        s = self.s
+        if s is None or self.leader is not None or not s.live:
+            return None
+        if self.phase == "prefill":
+            return s.slots, self.cond_pos
+        return s.slots, self.ctx.cls + max(len(s.tokens) - 1, 0)
+
+    def _round(self) -> None:
+        """A round's feed: the last committed token (none before the first) and the window's drafts; its targets
+        sit at the outputs after the committed token and each draft (the first round's first: the prefill's)."""
+        s = self.s
+        self.start = max(len(s.tokens) - 1, 0)
+        self.feed = s.tokens[self.start:] + self.drafts
+        first = len(s.tokens) - 1 - self.start
+        self.want = [first + j for j in range(len(self.drafts) + 1)]
+        self.fed, self.got, self.targets = 0, {}, None
+        self.phase = "feed"
+
+    def piece(self, n: int) -> Piece:
+        if self.phase == "prefill":
+            return super().piece(n)
+        a = self.fed
+        return Piece(self.slots, self.ctx.cls + self.start + a, n, tokens=self.feed[a:a + n],
+                     want=[i - a for i in self.want if a <= i < a + n])
+
+    def take(self, piece: Piece, out) -> None:
+        if self.phase == "prefill":
+            self.cond_pos += piece.n
+            if self.cond_pos < self.ctx.cls:
+                return
+            self.cond = None
+            self.s.first_logits = out.logits[:, 0].clone()  # image token 0's target: the first round tests it
+            k = min(self.window, self.request.prefix_len)  # the first window: uniform drafts (SJD's initialisation)
+            u = keyed_uniform(stream_keys([self.s.seed], JACOBI_STREAM), torch.arange(k))
+            self.drafts = sample_at(torch.full((k, self.ctx.vocab_size), 1.0 / self.ctx.vocab_size), u).tolist()
+            self._round()
+            return
+        if len(piece.want) == len(self.want):
+            self.targets = out
+        elif piece.want:
+            for j, i in enumerate(piece.want):
+                self.got[piece.start - self.ctx.cls - self.start + i] = (out.logits[:, j], out.hidden[j])
+        self.fed += piece.n
+        if self.fed >= len(self.feed):
+            self.phase = "judge"
+
+    def span(self) -> Span:
+        s = self.s
+        if self.targets is not None:
+            targets = self.targets
+        else:
+            targets = torch.stack([s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
+        k = len(self.drafts)
+        return Span(targets, torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule, s.seed,
+                    len(s.tokens), jacobi=Jacobi(self.q, self.window, self.iteration + 1) if k else None)
+
+    def commit(self, n: int, z: int, recovered: bool, judged: int, redraft=None) -> None:
+        """The round's verdict (n drafts kept, next token z) and the window drafted again (tokens, their
+        distributions on the device): commit, then the next round or the reply."""
+        s = self.s
+        new = (self.drafts[:n] + [z])[:self.request.prefix_len - len(s.tokens)]  # no bonus past the prefix
+        s.tokens.extend(new)
+        s.first_logits = None
+        self.rounds.append(len(new))
+        self.iteration += 1
+        left = self.request.prefix_len - len(s.tokens)
+        if left <= 0:
+            self.complete()
+            return
+        tokens, q = redraft
+        k = min(self.window, left)
+        self.drafts, self.q = tokens[:k], q[:k]
+        self._round()
 
 
 class ResumeWork(OpenWork):

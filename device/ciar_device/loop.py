@@ -85,6 +85,7 @@ class LoopConfig:
     fallback: bool = True  # cloud unreachable mid-image: finish on the device (degraded)
     overload_verifier_s: float | None = None  # graceful degradation under overload (None: off)
     overload_tau_factor: float = 1.0  # ... its budget: tau x at most this
+    jacobi_window: int = 0  # the cloud's own tokens (the prefix) by Jacobi windows of this many drafts (0: one a pass)
 
     @property
     def scores(self) -> bool:
@@ -330,7 +331,8 @@ class _Image:
         if prefix_len < n_total and self.choose_point(n_total - prefix_len).cloud_only:
             prefix_len = n_total  # the whole image on the cloud: cloud-only's open
         drafting = prefix_len < n_total
-        req = OpenRequest(self.sid, prompt, self.seed, cfg.sampling, prefix_len, cfg.rule, want_caption=drafting)
+        req = OpenRequest(self.sid, prompt, self.seed, cfg.sampling, prefix_len, cfg.rule, want_caption=drafting,
+                          jacobi_window=cfg.jacobi_window)
         try:
             reply = self.link.exchange(req, st)
             self.tokens = np.asarray(reply.prefix_tokens, np.int64).reshape(-1).tolist()

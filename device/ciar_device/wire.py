@@ -25,7 +25,8 @@ Frame = 8-byte header + body, little-endian:
 | WELCOME 2     | str8 device id, u32 max frame bytes, u16 max sessions, f64 messages/s, f64 idle timeout s,     |
 |               | str8 server name, f64 span forward s, f64 sampled step s, f64 queue wait s (0: not measured)   |
 | OPEN 3        | str8 session, i64 seed, f64 cfg_scale, f64 temperature, u32 top_k, f64 top_p, u16 prefix_len,  |
-|               | u8 rule, u32 lantern_k, f64 lantern_delta, f64 cascade_threshold, u8 want_caption, str16 prompt |
+|               | u16 jacobi_window, u8 rule, u32 lantern_k, f64 lantern_delta, f64 cascade_threshold,           |
+|               | u8 want_caption, str16 prompt                                                                  |
 | OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, f64 queue_s, u32 forward_passes,  |
 |               | u8 caption,                                                                                    |
 |               | [u16 L, u16 D, f16[L*D] caption embedding, bits[L] caption mask]                               |
@@ -59,7 +60,7 @@ import numpy as np
 
 # 2: VERIFY_REPLY carries the verifier's queue wait; 3: WELCOME carries the verifier's recent costs and OPEN_REPLY
 # its queue wait (issue 29)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAGIC = b"CI"
 HEADER_BYTES = 8
 TOKEN_BYTES = 32  # a session token: HMAC-SHA256
@@ -68,7 +69,7 @@ MAX_SESSION_ID = 64  # bytes of a session id on the wire (the server may allow f
 HELLO, WELCOME, OPEN, OPEN_REPLY, VERIFY, VERIFY_REPLY, RESUME, CLOSE, CLOSED, ERROR = range(1, 11)
 TYPE_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", OPEN: "OPEN", OPEN_REPLY: "OPEN_REPLY", VERIFY: "VERIFY",
               VERIFY_REPLY: "VERIFY_REPLY", RESUME: "RESUME", CLOSE: "CLOSE", CLOSED: "CLOSED", ERROR: "ERROR"}
-RULES = ("exact", "lantern", "greedy", "cascade")
+RULES = ("exact", "lantern", "greedy", "cascade", "gsd")
 
 # WebSocket close codes of the device endpoint (1000-2999 are the RFC's, 4000-4999 the application's)
 CLOSE_NORMAL = 1000
@@ -144,7 +145,8 @@ class Sampling:
     top_p: float = 1.0
 
 
-_OPEN_FIXED = 8 + 8 + 8 + 4 + 8 + 2 + 1 + 4 + 8 + 8 + 1  # seed, sampling, prefix_len, rule, want_caption
+_OPEN_FIXED = 8 + 8 + 8 + 4 + 8 + 2 + 2 + 1 + 4 + 8 + 8 + 1  # seed, sampling, prefix_len, jacobi_window, rule,
+# want_caption
 
 
 @dataclass
@@ -156,6 +158,9 @@ class OpenRequest:
     prefix_len: int  # tokens the cloud generates itself before the device drafts (N for cloud-only)
     rule: RuleConfig = field(default_factory=RuleConfig)
     want_caption: bool = True  # return the caption embeddings (the device needs them to draft)
+    # the cloud decodes its prefix tokens by speculative Jacobi decoding with windows of this many drafts (SJD:
+    # several tokens per forward, the same distribution; `ciar.engine.works.JacobiWork`); 0: one token per forward
+    jacobi_window: int = 0
 
     def body_bytes(self) -> int:
         return _str_bytes(self.session_id, 1) + _OPEN_FIXED + _str_bytes(self.prompt, 2)
@@ -415,9 +420,9 @@ def _open_body(w: _Writer, r: OpenRequest) -> None:
     if r.rule.rule not in RULES:
         raise WireError(f"unknown acceptance rule {r.rule.rule!r}", field="rule")
     w.str_(r.session_id, 1, "session_id")
-    w.pack("qddIdHBIddB", int(r.seed), float(s.cfg_scale), float(s.temperature), int(s.top_k), float(s.top_p),
-           int(r.prefix_len), RULES.index(r.rule.rule), int(r.rule.lantern_k), float(r.rule.lantern_delta),
-           float(r.rule.cascade_threshold), int(bool(r.want_caption)))
+    w.pack("qddIdHHBIddB", int(r.seed), float(s.cfg_scale), float(s.temperature), int(s.top_k), float(s.top_p),
+           int(r.prefix_len), int(r.jacobi_window), RULES.index(r.rule.rule), int(r.rule.lantern_k),
+           float(r.rule.lantern_delta), float(r.rule.cascade_threshold), int(bool(r.want_caption)))
     w.str_(r.prompt, 2, "prompt")
 
 
@@ -565,7 +570,7 @@ class _Reader:
 
 def _open_read(r: _Reader, sampling: Callable) -> OpenRequest:
     sid = r.str_(1, "session_id", MAX_SESSION_ID)
-    seed, cfg, temp, top_k, top_p, prefix_len, rule, lk, ld, ct, want = r.unpack("qddIdHBIddB", "open")
+    seed, cfg, temp, top_k, top_p, prefix_len, window, rule, lk, ld, ct, want = r.unpack("qddIdHHBIddB", "open")
     if rule >= len(RULES):
         raise WireError(f"unknown acceptance rule {rule}", field="rule")
     try:
@@ -573,7 +578,8 @@ def _open_read(r: _Reader, sampling: Callable) -> OpenRequest:
     except (TypeError, ValueError) as e:
         raise WireError(f"sampling: {e}", field="sampling") from None
     prompt = r.str_(2, "prompt")
-    return OpenRequest(sid, prompt, seed, params, prefix_len, RuleConfig(RULES[rule], lk, ld, ct), bool(want))
+    return OpenRequest(sid, prompt, seed, params, prefix_len, RuleConfig(RULES[rule], lk, ld, ct), bool(want),
+                       window)
 
 
 def decode_header(data: bytes) -> tuple[int, int, int]:

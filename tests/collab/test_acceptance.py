@@ -8,7 +8,8 @@ import torch
 from scipy.stats import chisquare
 
 from ciar.collab import acceptance
-from ciar.collab.acceptance import RULES, CascadeConfig, LanternConfig, NeighborTable, SpanDraws, VerifyOutput
+from ciar.collab.acceptance import (RULES, CascadeConfig, GsdConfig, LanternConfig, NeighborTable, SpanDraws,
+                                    VerifyOutput)
 from ciar.decoding.sampling import seed_tensor
 
 
@@ -57,11 +58,13 @@ def cfg_kwargs(rule, v, neighbors=None, emb=None):
         return {"neighbors": neighbors, "lantern": LanternConfig(k=3, delta=0.2)}
     if rule == "cascade":
         return {"cascade": CascadeConfig(threshold=0.5), "token_embeddings": emb}
+    if rule == "gsd":
+        return {"token_embeddings": emb, "gsd": GsdConfig(ranks=3, prob_gap=0.3, distance=4.0)}
     return {}
 
 
 # ----------------------------------------------------------------------------------------------- fixed cases
-@pytest.mark.parametrize("rule", ["exact", "lantern", "cascade", "greedy"])
+@pytest.mark.parametrize("rule", ["exact", "lantern", "cascade", "greedy", "gsd"])
 def test_full_accept_gives_bonus(rule):
     v, k = 5, 3
     x = torch.tensor([[1, 2, 3]])
@@ -273,6 +276,35 @@ def test_lantern_accepts_at_least_as_often():
     # same uniforms: the relaxed ratio is never smaller, so every row accepts at least as many drafts
     assert (relaxed.num_accepted >= exact.num_accepted).all()
     assert relaxed.num_accepted.sum() > exact.num_accepted.sum()
+
+
+def test_gsd_without_a_group_equals_exact():
+    """A group of the draft alone (no ranks around it, or no neighbour near enough): the exact rule."""
+    v = 16
+    emb = torch.randn(v, 4, generator=gen(1))
+    for seed in range(10):
+        x, q, p = random_case(b=12, k=5, v=v, seed=seed)
+        span = torch.randint(0, 6, (12,), generator=gen(seed))
+        for cfg in (GsdConfig(ranks=0), GsdConfig(ranks=7, distance=0.0)):
+            same(verify_span("exact", x, q, p, gen(seed), span_len=span),
+                 verify_span("gsd", x, q, p, gen(seed), span_len=span, token_embeddings=emb, gsd=cfg))
+
+
+def test_gsd_fixed_case():
+    """Draft 0: p(0) = 0.05 < q(0) = 0.2 (the exact test keeps it with probability 0.25), but token 1 is near it in
+    p's ranking, in probability (0.15) and in embedding (squared distance 0.25): p(G) = 0.2 = q(G) -> always kept.
+    Tokens 2 and 3 carry p's mass but are far in embedding."""
+    emb = torch.tensor([[0.0], [0.5], [5.0], [9.0]])
+    p = torch.tensor([[[0.05, 0.15, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]]])
+    q = torch.tensor([[[0.2, 0.0, 0.4, 0.4]]])
+    x = torch.tensor([[0]])
+    kept = [int(verify_span("gsd", x, q, p, gen(s), token_embeddings=emb).num_accepted) for s in range(50)]
+    exact = [int(verify_span("exact", x, q, p, gen(s)).num_accepted) for s in range(50)]
+    assert kept == [1] * 50 and 0 < sum(exact) < 50
+    far = verify_span("gsd", x, q, p, gen(0), token_embeddings=emb * 10)  # token 1 no longer near: exact's verdict
+    same(far, verify_span("exact", x, q, p, gen(0)))
+    with pytest.raises(ValueError, match="token_embeddings"):
+        verify_span("gsd", x, q, p, gen(0))
 
 
 def test_lantern_fixed_case():

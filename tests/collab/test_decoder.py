@@ -246,7 +246,8 @@ RECORDED_CASES = {**{m: {} for m in METHODS},
                   "ciar:span4,4g": dict(span=4, network="4g"),
                   "ciar:link_drop_after=3": dict(link_drop_after=3),
                   "ciar:no_enhance,burst_entropy": dict(inter_enhance=False, burst_entropy=0.5),
-                  "ciar:voting": dict(gate="interval", tau=52.0, voting=True)}
+                  "ciar:voting": dict(gate="interval", tau=52.0, voting=True),
+                  "ciar:jacobi8": dict(jacobi_window=8)}  # CIAR with its prefix by Jacobi windows
 
 
 def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool | None = None,
@@ -293,11 +294,21 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool |
     return out
 
 
+# The whole-image Jacobi methods draw a window of tokens from every forward's distributions (~600 inverse-CDF draws an
+# image): the static step's logits differ from the dynamic step's in the last bits (its padded keys change
+# attention's summation order), which moves a draw whose uniform lies within ~1e-6 of a token's CDF boundary, so an
+# image in a few dozen differs between the two paths (seen: gsd, the first prompt, seed 0, token 88: u x total =
+# 0.6460399, the boundary 0.6460403 dynamic vs 0.6460395 static). Each path gives the same tokens every time.
+PATH_SENSITIVE = ("sjd", "gsd")
+
+
 def check_recorded(prompts, seeds, static: bool | None = None, fused: bool = False) -> dict:
     with open(RECORDED) as f:
         recorded = json.load(f)
     paths = {}
     runs = recorded_runs(prompts, seeds, static, paths, fused)
+    if static:  # the recording is the dynamic path's (above)
+        runs = {key: run for key, run in runs.items() if key.split("|")[0] not in PATH_SENSITIVE}
     differ = [key for key, run in runs.items() if run != recorded[key]]
     assert not differ, (f"{len(differ)} of {len(runs)} runs differ from {RECORDED} (first: {differ[0]}); re-record "
                         f"only if the change of tokens is intended")
@@ -330,7 +341,7 @@ def test_every_method_gives_the_recorded_tokens_and_counts_on_every_prompt():
 
 
 if __name__ == "__main__":  # re-record (see above)
+    runs = recorded_runs()  # (before the file is opened: a run that fails leaves the recording as it was)
     with open(RECORDED, "w") as f:
-        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(recorded_runs().items()))
-                + "\n}\n")
+        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(runs.items())) + "\n}\n")
     print(f"wrote {RECORDED}")

@@ -33,9 +33,10 @@ export const POLICIES = ["adaptive", "fixed"]; // ciar.collab.knobs' `policy`
 export const LOOP_GATES = [...M.GATES, "always", "never"];
 
 /** The loop's knobs: the given ones, else the manifest's (Error on an unsupported gate or policy, or no threshold).
- *  policy: "adaptive" (default) or "fixed"; cloudStepPriceS: the operator's price of a cloud step in seconds. */
+ *  policy: "adaptive" (default) or "fixed"; cloudStepPriceS: the operator's price of a cloud step in seconds;
+ *  jacobiWindow: the cloud makes its own tokens by Jacobi windows of this many drafts (0: one a forward). */
 export function loopConfig(manifest, { tau = null, gate = null, span = null, burst = null, prefixRate = null,
-  interEnhance = true, policy = "adaptive", cloudStepPriceS = 0, topk = 200 } = {}) {
+  interEnhance = true, policy = "adaptive", cloudStepPriceS = 0, topk = 200, jacobiWindow = 0 } = {}) {
   if (!POLICIES.includes(policy)) throw new Error(`policy must be one of ${POLICIES.join(", ")}, got "${policy}"`);
   if (!(cloudStepPriceS >= 0)) throw new Error(`cloudStepPriceS must be >= 0, got ${cloudStepPriceS}`);
   const d = manifest.ciar_defaults || {};
@@ -45,13 +46,14 @@ export function loopConfig(manifest, { tau = null, gate = null, span = null, bur
   const scores = M.GATES.includes(gate);
   if (scores && (tau === null || Number.isNaN(tau))) throw new Error(`no threshold for the "${gate}" gate: the device model is not calibrated`);
   if (!(topk >= 1)) throw new Error(`topk must be >= 1, got ${topk}`);
+  if (!(Number.isInteger(jacobiWindow) && jacobiWindow >= 0)) throw new Error(`jacobiWindow must be an integer >= 0, got ${jacobiWindow}`);
   span = span ?? d.span ?? 4;
   burst = burst ?? d.burst ?? 0;
   prefixRate = prefixRate ?? manifest.prefix_rate ?? 0.06;
   if (!(span >= 1 && burst >= 0 && prefixRate >= 0 && prefixRate <= 1)) throw new Error(`need span >= 1, burst >= 0 and prefix_rate in [0, 1]; got ${span}, ${burst}, ${prefixRate}`);
   return { gate, tau, scores, topk, span, burst, burstEntropy: d.burst_entropy ?? 0, prefixRate,
     featureTop: manifest.feature_top ?? 8, interEnhance, sampling: M.checkSampling(manifest.sampling), policy,
-    cloudStepPriceS };
+    cloudStepPriceS, jacobiWindow };
 }
 
 const COUNTERS = ["total_tokens", "prefix_tokens", "cloud_tokens", "device_tokens", "burst_tokens", "drafted", "accepted",
@@ -125,7 +127,7 @@ class Loop {
     if (prefixLen < n && (await this.choosePoint(n - prefixLen)).cloudOnly) prefixLen = n; // cloud-only's open
     const drafting = prefixLen < n;
     const req = { session_id: this.sid, prompt, seed: this.seed, sampling: cfg.sampling, prefix_len: prefixLen,
-      want_caption: drafting };
+      jacobi_window: cfg.jacobiWindow, want_caption: drafting };
     const reply = await this.exchange(() => this.client.open(req), true);
     try {
       this.tokens = [...reply.prefix_tokens];

@@ -11,14 +11,14 @@
 // Token ids travel bit-packed at ceil(log2 V) bits each (little-endian bit order); float16 arrays travel as their
 // bits (Uint16Array here: the device quantises with maths.toFloat16Array, exactly as numpy does).
 
-export const PROTOCOL_VERSION = 3;
+export const PROTOCOL_VERSION = 4;
 export const HEADER_BYTES = 8;
 export const TOKEN_BYTES = 32;
 export const [HELLO, WELCOME, OPEN, OPEN_REPLY, VERIFY, VERIFY_REPLY, RESUME, CLOSE, CLOSED, ERROR] =
   [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
 export const TYPE_NAMES = { 1: "HELLO", 2: "WELCOME", 3: "OPEN", 4: "OPEN_REPLY", 5: "VERIFY", 6: "VERIFY_REPLY",
   7: "RESUME", 8: "CLOSE", 9: "CLOSED", 10: "ERROR" };
-export const RULES = ["exact", "lantern", "greedy", "cascade"];
+export const RULES = ["exact", "lantern", "greedy", "cascade", "gsd"];
 // WebSocket close codes of the device endpoint that end a connection for good (a new one would be refused too)
 export const CLOSE_POLICY = 1008, CLOSE_TOO_BIG = 1009, CLOSE_OVERLOADED = 1013;
 export const CLOSE_PROTOCOL = 4000, CLOSE_UNAUTHORIZED = 4001, CLOSE_VERSION = 4002;
@@ -122,13 +122,14 @@ function openBody(w, r) {
   w.str(r.session_id, 1, "session_id");
   w.i64(r.seed);
   w.f64(s.cfg_scale); w.f64(s.temperature); w.u32(s.top_k, "top_k"); w.f64(s.top_p);
-  w.u16(r.prefix_len, "prefix_len"); w.u8(ruleIndex); w.u32(rule.lantern_k ?? 1000, "lantern_k");
+  w.u16(r.prefix_len, "prefix_len"); w.u16(r.jacobi_window ?? 0, "jacobi_window"); w.u8(ruleIndex); w.u32(rule.lantern_k ?? 1000, "lantern_k");
   w.f64(rule.lantern_delta ?? 0.15); w.f64(rule.cascade_threshold ?? 0.9); w.u8(r.want_caption ? 1 : 0);
   w.str(r.prompt, 2, "prompt");
 }
 
 /** A frame { type, requestId, body, token } -> Uint8Array. Bodies use the Python field names:
- *  HELLO { key, client }; OPEN { session_id, prompt, seed, sampling, prefix_len, rule?, want_caption };
+ *  HELLO { key, client }; OPEN { session_id, prompt, seed, sampling, prefix_len, jacobi_window?, rule?,
+ *  want_caption };
  *  VERIFY { session_id, vocab_size, new_tokens, draft_tokens, draft_probs (Uint16Array [k * V] float16 bits),
  *  device_hidden?, features? ({ dim, bits }), burst, burst_entropy };
  *  RESUME { request (an OPEN body), vocab_size, history, injected? { positions, hidden_dim, hidden, feature_dim,
