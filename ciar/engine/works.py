@@ -34,7 +34,8 @@ from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN
 from ciar.engine.sessions import Session, SessionTable
 from ciar_device.maths import JACOBI_STREAM
 
-__all__ = ["WorkContext", "OpenWork", "JacobiWork", "ResumeWork", "VerifyWork", "check_projector_inputs"]
+__all__ = ["WorkContext", "SessionWork", "SpanFeed", "OpenWork", "JacobiWork", "ResumeWork", "VerifyWork",
+           "check_projector_inputs"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,55 @@ class WorkContext:
     encodes_captions: bool = True  # the owner encodes captions (False: opens must bring caption embeddings)
 
 
-class OpenWork(Work):
+class SessionWork(Work):
+    """A work on one session (`s`, set at admission): the session's cache slots are its rows (2 with CFG)."""
+
+    s: Session | None = None
+
+    @property
+    def slots(self) -> list[int]:
+        return self.s.slots
+
+    @property
+    def rows(self) -> int:
+        return len(self.s.slots)
+
+
+class SpanFeed:
+    """What a span's feed keeps (a verification's, a Jacobi round's): the feed (`feed`, from image index `start`),
+    the positions fed so far (`fed`), where its targets are: `want`, the feed indices whose outputs are the targets
+    (-1: the target before the feed, the prefill's logits in `s.first_logits`), found in one piece (`targets`) or
+    gathered from several (`got`). The span is judged once its last position is fed (`phase` "judge")."""
+
+    ctx: WorkContext
+
+    def take_feed(self, piece: Piece, out) -> None:
+        if len(piece.want) == len(self.want):  # every target in this piece (the usual case): where they are
+            self.targets = out
+        elif piece.want:
+            logits, hidden = out.logits, out.hidden
+            for j, i in enumerate(piece.want):
+                self.got[piece.start - self.ctx.cls - self.start + i] = (logits[:, j], hidden[j])
+        self.fed += piece.n
+        if self.fed >= len(self.feed):
+            self.phase = "judge"
+
+    def target_logits(self):
+        """The distributions the drafts and the next token are judged by: the piece's outputs when one piece held
+        them all (`PieceOutput`), else [rows, k+1, V] gathered from the pieces that fed them."""
+        if self.targets is not None:
+            return self.targets
+        return torch.stack([self.s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
+
+    def target_hidden(self) -> torch.Tensor | None:
+        if self.targets is not None:
+            return self.targets.hidden
+        if any(i < 0 for i in self.want):
+            return None
+        return torch.stack([self.got[i][1] for i in self.want])
+
+
+class OpenWork(SessionWork):
     """An open: prefill chunks, then `prefix_len` tokens sampled one decode step at a time (a cloud-only image is
     an open with prefix_len = N)."""
 
@@ -79,14 +128,6 @@ class OpenWork(Work):
         self.s: Session | None = None
         self.cond: torch.Tensor | None = None  # [rows, cls, dim] embedded condition
         self.cond_pos = 0  # condition positions fed
-
-    @property
-    def slots(self) -> list[int]:
-        return self.s.slots
-
-    @property
-    def rows(self) -> int:
-        return len(self.s.slots)
 
     def admit(self) -> None:
         held = self.ctx.table.sessions.get(self.session_id)
@@ -213,7 +254,7 @@ class OpenWork(Work):
             self.s.open_reply = self.result  # until the session moves on: a repeated OPEN is answered with it
 
 
-class JacobiWork(OpenWork):
+class JacobiWork(SpanFeed, OpenWork):
     """An open whose prefix tokens the cloud decodes by speculative Jacobi decoding (SJD; `OpenRequest.jacobi_window`
     > 0): after the prefill, each round feeds the last committed token and a window of drafts the cloud made itself,
     as a verification's span (scheduled, chunked and judged with the step's other spans); the judge tests the drafts
@@ -283,23 +324,11 @@ class JacobiWork(OpenWork):
             self.drafts = sample_at(torch.full((k, self.ctx.vocab_size), 1.0 / self.ctx.vocab_size), u).tolist()
             self._round()
             return
-        if len(piece.want) == len(self.want):
-            self.targets = out
-        elif piece.want:
-            for j, i in enumerate(piece.want):
-                self.got[piece.start - self.ctx.cls - self.start + i] = (out.logits[:, j], out.hidden[j])
-        self.fed += piece.n
-        if self.fed >= len(self.feed):
-            self.phase = "judge"
+        self.take_feed(piece, out)
 
     def span(self) -> Span:
-        s = self.s
-        if self.targets is not None:
-            targets = self.targets
-        else:
-            targets = torch.stack([s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
-        k = len(self.drafts)
-        return Span(targets, torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule, s.seed,
+        s, k = self.s, len(self.drafts)
+        return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule, s.seed,
                     len(s.tokens), jacobi=Jacobi(self.q, self.window, self.iteration + 1) if k else None)
 
     def commit(self, n: int, z: int, recovered: bool, judged: int, redraft=None) -> None:
@@ -421,7 +450,7 @@ def check_projector_inputs(ctx: WorkContext, hidden, features, rows: int, what: 
                                f"[{rows}, {c.feature_dim}], got {tuple(hidden.shape)} and {tuple(features.shape)}")
 
 
-class VerifyWork(Work):
+class VerifyWork(SpanFeed, SessionWork):
     """A verification: its feed (committed-but-unfed token, new tokens, drafts) in one piece or chunks, one judge
     (batched with the step's other spans), then cloud-burst tokens one decode step at a time."""
 
@@ -448,14 +477,6 @@ class VerifyWork(Work):
         self.targets = None  # a PieceOutput: where all targets are when one piece fed them (the usual case)
         self.burst_tokens: list[int] = []
         self.outcome: tuple[int, int, bool, int] | None = None
-
-    @property
-    def slots(self) -> list[int]:
-        return self.s.slots
-
-    @property
-    def rows(self) -> int:
-        return len(self.s.slots)
 
     def check_state(self) -> Session:
         s = self.ctx.table.get(self.session_id)
@@ -516,15 +537,7 @@ class VerifyWork(Work):
         if self.phase == "burst":
             self.draw_from = out  # the step's decisions draw the burst token from it (`drawn`)
             return
-        if len(piece.want) == len(self.want):  # every target in this piece (the usual case): where they are
-            self.targets = out
-        elif piece.want:
-            logits, hidden = out.logits, out.hidden
-            for j, i in enumerate(piece.want):
-                self.got[piece.start - self.ctx.cls - self.start + i] = (logits[:, j], hidden[j])
-        self.fed += piece.n
-        if self.fed >= len(self.feed):
-            self.phase = "judge"
+        self.take_feed(piece, out)
 
     def fault(self, error: BaseException) -> None:
         """Its forward failed. Before its verdict the session is as before the request (its tokens and cache lengths
@@ -539,20 +552,6 @@ class VerifyWork(Work):
                                 f"verdict ({error}); resume it from its history", self.session_id)
         lost.origin = error  # (not chained as __cause__: the transports unwrap causes and must find this one)
         self.finish(error=lost)
-
-    def target_logits(self):
-        """The distributions the drafts and the next token are judged by: the piece's outputs when one piece held
-        them all (`PieceOutput`), else [rows, k+1, V] gathered from the pieces that fed them."""
-        if self.targets is not None:
-            return self.targets
-        return torch.stack([self.s.first_logits if i < 0 else self.got[i][0] for i in self.want], dim=1)
-
-    def target_hidden(self) -> torch.Tensor | None:
-        if self.targets is not None:
-            return self.targets.hidden
-        if any(i < 0 for i in self.want):
-            return None
-        return torch.stack([self.got[i][1] for i in self.want])
 
     def span(self) -> Span:
         """What the step's judge needs: the targets, the drafts as sent, the session's sampling and rule, and the
