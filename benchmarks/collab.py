@@ -49,12 +49,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ciar.collab.calibration import bisect_threshold, calibrate_tau, cloud_rate  # noqa: F401 (re-exported)
-from ciar.collab.decoder import METHODS
+from ciar.training.calibration import bisect_threshold, calibrate_tau, cloud_rate  # noqa: F401 (re-exported)
+from ciar.sim.decoder import METHODS
 from ciar.collab.defaults import CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.protocol import RuleConfig
-from ciar.collab.runtime import RUNTIMES, device_runtime, make_decoder, make_verifier
+from ciar.sim.runtime import RUNTIMES, device_runtime, make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats, methods_markdown, summarize_method
 from ciar.data import scenes
 from ciar.results import write_results
@@ -106,7 +106,7 @@ def calibration_prompts(spec, captions: str | None, n_eval: int, n: int, seed: i
 def run_variants(world, verifier, variants: dict, prompts: list[str], seed: int, desc: str = "generate",
                  done: dict | None = None, on_prompt=None, runtimes: dict | None = None):
     """variants: name -> (method, overrides dict, device model or None). Interleaved over prompts. `runtimes`:
-    name -> what runs that variant's device model ("torch" when not named; `ciar.collab.runtime.RUNTIMES`).
+    name -> what runs that variant's device model ("torch" when not named; `ciar.sim.runtime.RUNTIMES`).
     `done` ({name: ([tokens], [GenerationStats])} of the first prompts, e.g. a checkpoint) resumes after them;
     `on_prompt(i, done)` is called after prompt i with everything so far (to checkpoint it).
     -> {name: (tokens [n, N] int64, [GenerationStats])}."""
@@ -154,7 +154,7 @@ def cloud_cost_sweep(results: dict, factors: list[float], network: str) -> list[
     """Re-price one run's cloud compute at F x measured for each F (device and comm as measured): per F, the cost
     of one cloud step (cloud-only's mean cloud seconds per sequential step x F), its ratio to one round trip of
     `network` (two transmissions' RTT), and each method's speedup over cloud-only at that price."""
-    from ciar.collab.network import get_profile
+    from ciar.sim.network import get_profile
 
     rtt = 2 * get_profile(network).rtt_ms / 1000.0
     tot = {name: (sum(st, GenerationStats()), len(st)) for name, (_, st) in results.items()}

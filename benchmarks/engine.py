@@ -2,7 +2,7 @@
 
     python -m benchmarks.engine --out benchmarks/results/DATE/engine.json [--devices 16] [--seconds 8] [--reps 3]
 
-The calls the Verifier deployment serves (`ciar.collab.service.VerifierService`, the shipped world's cloud model,
+The calls the Verifier deployment serves (`ciar.engine.service.VerifierService`, the shipped world's cloud model,
 `torch.set_num_threads(1)` as a replica), driven in one asyncio loop the way a replica's loop is:
   load     `--devices` simulated devices, each as fast as it can: OPEN (the calibrated 6 % prefix), then VERIFYs of
            3 locally accepted tokens + a 2-token span (random drafts, uniform draft distributions) until the image's
@@ -39,8 +39,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 async def _run(world, mode: str, devices: int, seconds: float, seed: int) -> dict:
-    from ciar.collab.runtime import make_verifier
-    from ciar.collab.service import VerifierService, session_token
+    from ciar.sim.runtime import make_verifier
+    from ciar.engine.service import VerifierService, session_token
     from ciar.decoding.sampling import SamplingParams
     from ciar_device.wire import OpenRequest, VerifyRequest
 

@@ -7,11 +7,11 @@ The GPU suite's `capacity_measured` section (issue 48, item 5). What runs is wha
 `CloudVerifier` (the KV cache sized from the accelerator's memory, static buckets, every CUDA graph captured at
 start-up, serve_config.gpu.yaml's scheduler: 64 works, 16,384 positions, 120-position prefill chunks) stepped by its
 own `EngineThread` (3 ms batch wait), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint)
-and a random interval projector of the XL width. The phones are trace-driven (`ciar.collab.trace.replay_session`):
+and a random interval projector of the XL width. The phones are trace-driven (`ciar.capacity.trace.replay_session`):
 sessions recorded on a CPU with the shipped scenes world (`benchmarks/traces/`, CIAR at its calibrated point and
 cloud-only, 12 images each, 144 image tokens), replayed back to back with their recorded device compute slept and
 every message over a seeded simulated link. Random weights would decide other tokens and end the recorded course,
-so the recorded decisions are given (`ciar.collab.trace.RecordedVerdicts`): the judge's own batched pass still runs
+so the recorded decisions are given (`ciar.capacity.trace.RecordedVerdicts`): the judge's own batched pass still runs
 on every step's real logits (what a step costs), then its outcome is replaced by the recorded one. The draft
 distributions are padded with zeros from the scenes world's 1,024 codes to the model's vocabulary (what an XL
 device would send: [k, 16384] float16 per span); the messages' simulated bytes are counted at that width.
@@ -25,7 +25,7 @@ pieces per step by kind, forwards per step and their padding (`ModelRunner.posit
 engine thread spent stepping and each step split into forward, judge and host milliseconds (`StepSplit`: timed to
 device syncs), replay mismatches (0: every reply equalled the recording) and errors. A method's ramp stops once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
 measured) and phones at the p99 SLO, per method; beside each point the capacity model's prediction for the same
-phones, link and window (`ciar.collab.gpu_model.simulate`: the measured roofline, the same session slots and
+phones, link and window (`ciar.capacity.gpu_model.simulate`: the measured roofline, the same session slots and
 scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
 with host time: the median of the served step minus its modelled forward (`served_steps`) plus the judge's and the
 host's milliseconds per step (`engine_graphs`, graphs); measured / predicted per point.
@@ -50,7 +50,7 @@ NETWORK = "5g"
 
 
 def load_traces_dir(folder: str = TRACES) -> dict[str, list]:
-    from ciar.collab.trace import load_traces
+    from ciar.capacity.trace import load_traces
 
     return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in METHODS}
 
@@ -136,8 +136,8 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
     window that ends after `duration_s` or, with `images`, as soon as that many images finished inside it (a
     count: what a test asks for on any machine; `duration_s` is then a hang guard). Phones still working at its
     end are cancelled (their works withdrawn) and every session left open is closed."""
-    from ciar.collab.network import NetworkModel
-    from ciar.collab.trace import replay_session
+    from ciar.sim.network import NetworkModel
+    from ciar.capacity.trace import replay_session
 
     v, core = client.verifier, client.stepper
     state = {"measuring": False}
@@ -217,7 +217,7 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
 def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
     """The per-forward overhead refit on the served path with host time: median(served step - modelled forward)
     over `served_steps`, plus the judge's and the host's ms per step of `engine_graphs` (graphs, else static)."""
-    from ciar.collab.gpu_model import overhead_gaps
+    from ciar.capacity.gpu_model import overhead_gaps
 
     steps = (sections.get("served_steps") or {}).get("steps") or []
     eg = sections.get("engine_graphs") or {}
@@ -233,10 +233,10 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
 def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
             slo_s: float = SLO_P99_S, network: str = NETWORK) -> dict:
     """The section: build the replica, ramp each method, then the model's prediction beside every point."""
-    from ciar.collab.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
+    from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
-    from ciar.collab.trace import AsyncVerifierClient, RecordedVerdicts
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
+    from ciar.engine.verifier import CloudVerifier
     from ciar.engine.core import EngineThread
     from ciar.engine.scheduler import SchedulerConfig
 

@@ -42,7 +42,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0) -> dict:
         from ciar.engine.scheduler import SchedulerConfig
     except ImportError:  # a checkout from before the engine had a package of its own
         from ciar.collab.scheduler import SchedulerConfig
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.gpt import GPTConfig, build_gpt
     from ciar_device.wire import OpenRequest, VerifyRequest

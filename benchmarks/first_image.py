@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.collab import load_prompts
-from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.sim.runtime import make_decoder, make_verifier
 from ciar.results import write_results
 from ciar.world import load_world
 from ciar_device.policy import CostObserver

@@ -40,7 +40,7 @@ from benchmarks.collab import fidelity_checks, load_prompts, paired_fidelity_ci,
 from ciar.collab.knobs import KNOBS
 from ciar.collab.names import METHODS
 from ciar.collab.protocol import RuleConfig
-from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.sim.runtime import make_decoder, make_verifier
 from ciar.results import write_results
 from ciar.world import load_world
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args
@@ -77,7 +77,7 @@ class Line:
 
 def make_rule(method: str, **fields) -> RuleConfig:
     """The acceptance rule of `method`'s preset with `fields` changed (e.g. LANTERN's delta)."""
-    from ciar.collab.decoder import method_config
+    from ciar.sim.decoder import method_config
 
     return RuleConfig(**{**vars(method_config(method).rule), **fields})
 

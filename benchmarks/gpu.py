@@ -23,7 +23,7 @@ then `gpu.md` summarises:
   t5         flan-t5-xl's encoder (24 x 2048, bf16) over 120 positions: 1 and 16 captions
   hf_llama   Hugging Face's LlamaForCausalLM at GPT-XL's shape (bf16): one-token decode at batch 1 and 16 after a
              376-position prefill, its dynamic cache (eager) and its static cache; ours at the same batch beside it
-  engine     `ciar.collab.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
+  engine     `ciar.engine.verifier.CloudVerifier` on the XL model: 16 sessions' spans verified one session at a time
              vs all 16 in one step (spans/s); the engine's own batching
   capacity_measured  phones per accelerator with the real engine (`benchmarks.engine_capacity`): a Verifier's
              engine on its own thread at XL shapes under trace-driven phones (benchmarks/traces), CIAR and
@@ -43,9 +43,9 @@ then `gpu.md` summarises:
              after a warm-up round each step split into forward, judge (`ciar.engine.judge`) and host milliseconds
   memory     the KV cache sized from the GPU's memory (`max_sessions="auto"`), allocated, and the largest steps the
              scheduler allows run beside it: sessions, GiB, the peak
-  capacity   the forward costs in the form `ciar.collab.gpu_model.forward_s` reads (bandwidth, peak FLOP/s, per-forward
-             overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from measured
-             costs instead of datasheet ones
+  capacity   the forward costs in the form `ciar.capacity.gpu_model.forward_s` reads (bandwidth, peak FLOP/s,
+             per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
+             measured costs instead of datasheet ones
 
 They run in the order of `--sections` (env, slot_attention, engine_graphs, served_steps, roofline, capacity_measured,
 fused_step, xl_steps, ...: the most needed first; sections not started within `--budget-s` are skipped).
@@ -256,7 +256,7 @@ class Suite:
         ms_mm = self.time_ms(lambda: a @ b, reps=10)
         flops = 2 * m ** 3 / (ms_mm / 1000)
         self.bandwidth, self.flops = bandwidth, flops
-        from ciar.collab.gpu_model import GPUS
+        from ciar.capacity.gpu_model import GPUS
 
         return {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1),
                 "datasheet_h100": {"bandwidth_gb_s": GPUS["h100"].bandwidth / 1e9,
@@ -605,7 +605,7 @@ class Suite:
     def t5(self) -> dict:
         from transformers import T5Config, T5EncoderModel
 
-        from ciar.collab.gpu_model import FLAN_T5_XL
+        from ciar.capacity.gpu_model import FLAN_T5_XL
 
         cfg = dict(FLAN_T5_XL)
         if self.tiny:
@@ -719,7 +719,7 @@ class Suite:
     @torch.inference_mode()
     def engine(self) -> dict:
         """16 sessions' spans through the real verifier: one session per step vs all in one step."""
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         sessions = 4 if self.tiny else 16
         v = CloudVerifier(self.gpt(), None, max_sessions=sessions)
@@ -757,7 +757,7 @@ class Suite:
         and static steps replayed from CUDA graphs. Replies (tokens) compared; spans/s with every session in one
         step and with one session at a time."""
         from benchmarks.engine_capacity import StepSplit
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         sessions, rounds, prefix = (4, 2, 8) if self.tiny else (16, 4, 64)
         cuda = self.dev.type == "cuda"
@@ -810,7 +810,7 @@ class Suite:
         error)."""
         from ciar.engine.runner import profile_activations
         from ciar.engine.scheduler import SchedulerConfig
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         model = self.gpt()
         sched = SchedulerConfig(token_budget=16384, max_works=64) if not self.tiny else SchedulerConfig(64, 4)
@@ -947,7 +947,7 @@ class Suite:
         """Where two fresh verifiers' replies part (see `engine_repeat`): every runner step of both recorded (the
         pieces fed: slots, positions, tokens; the logits returned), and the first step whose inputs or outputs
         differ reported, with how much."""
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         sessions, prefix = (4, 8) if self.tiny else (16, 64)
         logs = []
@@ -1050,7 +1050,7 @@ class Suite:
     def _rounds(self, sessions: int, prefix: int, static, fill: bool = False) -> dict:
         """Fresh verifier: `sessions` open, two rounds of spans (the second after taking the memory when `fill`)."""
         from ciar.collab.protocol import ForwardFault
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         cuda = self.dev.type == "cuda"
         v = CloudVerifier(self.gpt(), None, max_sessions=sessions, static=static)
@@ -1099,7 +1099,7 @@ class Suite:
         path. On the CPU (tiny) the filler cannot take the memory, so the fault is raised by the allocator hook
         only where CUDA exists: the section then checks the undisturbed replies alone."""
         from ciar.collab.protocol import ForwardFault
-        from ciar.collab.verifier import CloudVerifier
+        from ciar.engine.verifier import CloudVerifier
 
         sessions, prefix = (4, 8) if self.tiny else (16, 64)
         cuda = self.dev.type == "cuda"
@@ -1126,8 +1126,8 @@ class Suite:
         return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0)
 
     def capacity(self) -> dict:
-        """The forward costs as ciar.collab.gpu_model.forward_s reads them, with the overhead fitted per path."""
-        from ciar.collab.gpu_model import GPU, ModelShapes, overhead_gaps
+        """The forward costs as ciar.capacity.gpu_model.forward_s reads them, with the overhead fitted per path."""
+        from ciar.capacity.gpu_model import GPU, ModelShapes, overhead_gaps
 
         steps = self.result["sections"].get("xl_steps", {}).get("steps", [])
         if not steps:
@@ -1140,8 +1140,8 @@ class Suite:
             if gaps:
                 out[f"overhead_s_{path}"] = gaps[len(gaps) // 2]
                 out[f"overhead_s_{path}_range"] = [gaps[0], gaps[-1]]
-        out["how"] = ("ciar.collab.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, pieces, "
-                      "overhead_s): the overhead is the median of measured - modelled over the xl_steps")
+        out["how"] = ("ciar.capacity.gpu_model.forward_s(GPU(name, bandwidth, peak_flops, memory, source), shapes, "
+                      "pieces, overhead_s): the overhead is the median of measured - modelled over the xl_steps")
         return out
 
 

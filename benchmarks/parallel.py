@@ -4,7 +4,7 @@
 
 The alternative a platform team would weigh against CIAR needs no phone model: training-free speculative Jacobi
 decoding on the cloud (SJD, and GSD's grouped acceptance as its relaxed variant; `ciar.engine.works.JacobiWork`).
-Every method runs through the same harness and the same engine as every baseline (`ciar.collab.runtime
+Every method runs through the same harness and the same engine as every baseline (`ciar.sim.runtime
 .make_decoder` over the in-process verifier: the simulated device, the network model, the verifier's works), on the
 world's held-out prompts, one image per prompt and seed, methods and links interleaved prompt by prompt. Per method:
 
@@ -16,7 +16,7 @@ world's held-out prompts, one image per prompt and seed, methods and links inter
 - speedup over cloud-only at measured compute (this CPU, one torch thread) on each link, and under the paper's
   Table 8 profile (a simulation: its cost per sequential cloud step and per device step, `benchmarks.collab
   .PAPER_PROFILE`);
-- GPU-priced images/s at saturation (a MODEL, `ciar.collab.gpu_model.forward_s` on an H100 at LlamaGen-XL's
+- GPU-priced images/s at saturation (a MODEL, `ciar.capacity.gpu_model.forward_s` on an H100 at LlamaGen-XL's
   shapes, this world's image length): 64 sessions of the method in every forward, each forward as wide as the
   method's mean positions per pass, the image's passes in sequence, with no per-forward overhead (the roofline) and
   with the model's 3 ms (an eager engine); device compute and the network are not in it.
@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.collab import PAPER_PROFILE, fidelity_checks, load_prompts, paired_fidelity_ci, priced, quality
+from ciar.capacity.gpu_model import GPUS, ModelShapes, forward_s
 from ciar.collab.stats import summarize_method
 from ciar.decoding.jacobi import DEFAULT_WINDOW
 from ciar_device.stats import GenerationStats
@@ -50,8 +51,6 @@ def gpu_images_per_s(passes: float, positions: float, image_tokens: int, overhea
     """Images/s of one replica (a model) when SATURATION_SESSIONS sessions of the method share every forward: each
     forward two CFG rows per session, as wide as the method's positions per pass, reading keys up to mid-image, plus
     `overhead_s` per forward (0: the roofline alone)."""
-    from ciar.collab.gpu_model import GPUS, ModelShapes, forward_s
-
     shapes = ModelShapes.llamagen_xl()
     width = max(1, round(positions / max(passes, 1) / 2))  # positions count both CFG rows
     keys = shapes.cls_token_num + image_tokens // 2
@@ -60,7 +59,7 @@ def gpu_images_per_s(passes: float, positions: float, image_tokens: int, overhea
 
 
 def run(n: int, networks: list[str], seed: int, out: str) -> dict:
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.metrics.fid import make_fid
     from ciar.metrics.probe import load_probe
     from ciar.world import load_world

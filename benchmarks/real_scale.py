@@ -140,7 +140,7 @@ def write_files(folder: str, sizes: str = "real", gpt_dtype: str = "float32") ->
     import torch
     import yaml
 
-    from ciar.collab.gpu_model import FLAN_T5_XL
+    from ciar.capacity.gpu_model import FLAN_T5_XL
     from ciar.testing import make_tiny_t5, write_llamagen_checkpoints
 
     size = SIZES[sizes]

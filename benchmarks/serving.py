@@ -19,7 +19,7 @@ Each phase warms up for `--warmup` seconds, then counts replies for `--duration`
 with the per-span latency percentiles of the batched phase (request sent -> reply received, at that load) and
 the replica's batch-size histogram of each phase.
 
-`--offline`: the verifier's core (`ciar.collab.verifier.CloudVerifier`, what the replica wraps) in this process,
+`--offline`: the verifier's core (`ciar.engine.verifier.CloudVerifier`, what the replica wraps) in this process,
 no Ray: the same sessions and spans, in rounds that alternate one batched `verify_batch` of all sessions with
 the same number of one-session calls, so both see the same cache lengths and machine state. It measures what
 batching buys in compute, without Serve's per-request cost and without a load generator sharing the cores.
@@ -106,7 +106,7 @@ async def _phase(h, args, vocab: int, n_tokens: int, sampling) -> dict:
 def offline(args, weights: str) -> dict:
     """Batched vs one-at-a-time verification on the in-process CloudVerifier, interleaved round by round."""
     from ciar.collab.protocol import OpenRequest, VerifyRequest
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from ciar.world import load_default_world
 
     torch.set_num_threads(args.verifier_threads)

@@ -6,7 +6,7 @@
         [--world FILE | --weights DIR] [--device cpu|cuda] [--threads N]
 
 Methods: `cloud` (the cloud model samples every token; the reference) and the collaborative methods of
-`ciar.collab.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
+`ciar.sim.decoder` (`ciar`, `eagle`, `lantern`, `cascade`, `code`, `entropy`, `softmax`, `random`, `topk`),
 which need the weights folder's `device.safetensors`; `--gate`, `--tau`, `--burst`, `--span`, `--prefix-rate` and
 `--network` set their knobs (gate, tau, burst and span default to the device file's calibrated values,
 `python -m pipelines.calibrate`), and `--stats` then also holds the collaboration stats (cloud-call rate,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.method == "cloud":
         tokens = generate_cloud(world.cloud, cap.emb, cap.mask, params, args.seed)  # [1, N]
     else:
-        from ciar.collab.runtime import make_decoder, make_verifier
+        from ciar.sim.runtime import make_decoder, make_verifier
 
         knobs = {k: v for k, v in (("tau", args.tau), ("span", args.span), ("prefix_rate", args.prefix_rate),
                                    ("network", args.network), ("gate", args.gate), ("burst", args.burst))

@@ -6,13 +6,13 @@
 
 1. Record (in this process, no Ray): the world's cloud and device generate `--traces` images with CIAR (the
    device file's calibrated defaults: gate, tau, burst) and `--traces` with cloud-only, through
-   `ciar.collab.trace.TracingClient`: every request as sent, every reply, the device compute between them.
+   `ciar.capacity.trace.TracingClient`: every request as sent, every reply, the device compute between them.
 2. Serve: ONE `Verifier` replica (the application's deployment alone, its session-affine router), started as
    `benchmarks.serving` starts it, with the engine settings of `serve_config.yaml` unless overridden.
 3. Ramp: at each load L of `--phones`, L trace-driven phones run at once for `--duration` seconds, each replaying
    recorded images back to back under fresh session ids through the deployment handle (the same protocol and
    calls as the Device deployment): the recorded device compute is slept, and each message waits for its simulated
-   up/down transfer (`ciar.collab.network`, one seeded link per phone). CIAR first, then cloud-only, at the same
+   up/down transfer (`ciar.sim.network`, one seeded link per phone). CIAR first, then cloud-only, at the same
    L on the same replica. A method stops ramping once its p99 passes twice the SLO.
    With `--verifier-replicas N` or `--verifier-autoscaling JSON` the pool has several replicas (or scales with
    the load); a session the consistent-hash ring moves to another replica is re-created from its history there
@@ -26,7 +26,7 @@
    milliseconds per image at 1, 4, 16 and 64 sessions per forward: a fixed per-forward cost (memory-bound, a GPU)
    rewards CIAR's fewer passes, a per-position cost (compute-bound, this CPU) its equal positions.
 
-`--cost-model gpu:NAMES` replaces steps 2-4 by a model (`ciar.collab.gpu_model`, nothing runs on a GPU): the same
+`--cost-model gpu:NAMES` replaces steps 2-4 by a model (`ciar.capacity.gpu_model`, nothing runs on a GPU): the same
 recorded phones replayed in simulated time against one modelled replica at LlamaGen-XL's shapes, each forward
 priced max(bytes / bandwidth, flops / peak) + overhead from the named GPUs' datasheet figures; it writes
 `OUT/gpu_capacity.json` and `.md`: phones per replica at the SLO for CIAR and cloud-only and cloud forward-seconds
@@ -54,7 +54,7 @@ import time
 import numpy as np
 import torch
 
-from ciar.collab.gpu_model import GPUS, phones_at_slo
+from ciar.capacity.gpu_model import GPUS, phones_at_slo
 
 METHODS = ("ciar", "cloud")
 OVERLOAD = "ciar overload"  # --overload: CIAR phones that raise tau while their verifier is past a limit
@@ -64,10 +64,10 @@ RAISED = "ciar raised"  # ... the recorded images they make then (CIAR at tau x 
 def record(args) -> dict[str, list]:
     """Record `args.traces` sessions per method with the world's models, in this process; with `args.traces_dir`,
     read them from DIR/METHOD.pt when there, and write a new recording there."""
-    from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.trace import TracingClient, load_traces, save_traces
-    from ciar.collab.verifier import CloudVerifier, InProcessCloud
-    from ciar.collab.calibration import val_prompts
+    from ciar.sim.decoder import CollabDecoder, method_config
+    from ciar.capacity.trace import TracingClient, load_traces, save_traces
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
+    from ciar.training.calibration import val_prompts
     from ciar.world import load_world
     from ciar.world_spec import world_from_args
 
@@ -105,7 +105,7 @@ def forward_cost(world, reps: int = 5) -> dict:
     """A measured cost model of one verifier forward: time against batch rows R and token positions R x W (rows of
     W tokens at mid-image, keys read from the cache), least squares t = a + b R + c R W. -> coefficients (ms), fit,
     points."""
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
 
     cloud = world.cloud
     c = cloud.config
@@ -236,8 +236,8 @@ async def _point(handle, traces: list, phones: int, args, tag: str, raised: list
     """One load: `phones` phones replaying `traces` back to back. With `raised` (graceful degradation, --overload),
     a phone whose verifier estimate is past the limit replays its next image from `raised` (CIAR at the raised
     tau) instead; `overloaded_share` counts those images."""
-    from ciar.collab.network import NetworkModel
-    from ciar.collab.trace import replay_session
+    from ciar.sim.network import NetworkModel
+    from ciar.capacity.trace import replay_session
 
     state = {"measuring": False, "stop": False}
     done: list = []
@@ -363,7 +363,7 @@ def gpu_capacity(traces: dict[str, list], gpus: list[str], loads: list[int], arg
     (`argv`: the command's arguments, recorded with the results)."""
     import shlex
 
-    from ciar.collab.gpu_model import Engine, markdown, plan
+    from ciar.capacity.gpu_model import Engine, markdown, plan
     from ciar.results import write_results
 
     live = verifier_config(args)
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                          "coming and going under the ramp (sessions moved by the ring are resumed, nothing is lost)")
     ap.add_argument("--cost-model", default="measured",
                     help="'measured': one real Verifier replica on this machine; 'gpu:h100,a100,l4': the GPU MODEL of "
-                         "ciar.collab.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
+                         "ciar.capacity.gpu_model at LlamaGen-XL shapes, in simulated time (no GPU, no Ray)")
     ap.add_argument("--gpu-overhead-ms", type=float, default=3.0, help="the GPU model's fixed cost per forward")
     ap.add_argument("--gpu-costs", default=None, metavar="GPU_JSON",
                     help="benchmarks.gpu's gpu.json: adds the GPU it measured as 'measured' (--cost-model "
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = args.cost_model.removeprefix("gpu:").split(",") if args.cost_model.startswith("gpu:") else None
     args.extra_gpus = {}
     if args.gpu_costs:
-        from ciar.collab.gpu_model import measured_gpu
+        from ciar.capacity.gpu_model import measured_gpu
 
         try:
             with open(args.gpu_costs) as f:

@@ -30,7 +30,7 @@ The summary (`summarise`; `loadtests.run` puts it under `device_clients`):
     rtt - cloud_ms p50 / mean}; batch_size_seen (VERIFY replies' batch sizes: real devices among simulated ones)
 
 What the network model is compared with, and why so. The simulated fleet prices an image as device compute +
-the cloud compute its replies report (`cloud_s`) + per exchange `ciar.collab.network`'s link time for the
+the cloud compute its replies report (`cloud_s`) + per exchange `ciar.sim.network`'s link time for the
 message bytes (per transmission RTT + bytes * 8 / bandwidth, up and down). `model` applies that price to the
 real images: the measured device_s, every exchange's real frame sizes and reported cloud_s. On loopback the link
 costs ~nothing, so measured vs the `none` profile (an ideal link) is the meaningful comparison: the difference
@@ -320,7 +320,7 @@ def link_s(profile: str, up: int, down: int) -> tuple[float, float]:
     the RTT part alone)."""
     from dataclasses import replace
 
-    from ciar.collab.network import NetworkModel, get_profile
+    from ciar.sim.network import NetworkModel, get_profile
 
     p = get_profile(profile)
     total = NetworkModel(p).round_trip(up, down).total_s

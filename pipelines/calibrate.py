@@ -6,7 +6,7 @@
 
 For every gate (`--gates`, default: all; `--jobs N` runs N gates at once) the threshold tau that gives `--target-rate`
 cloud calls on `--prompts` **val** prompts is found by bisection over real generations
-(`ciar.collab.calibration`), with the same span, prefix rate and cloud burst as CIAR runs with. The device file's
+(`ciar.training.calibration`), with the same span, prefix rate and cloud burst as CIAR runs with. The device file's
 metadata then holds extra["ciar"] = {gate, taus (one per gate), burst, burst_entropy, span, target_rate,
 calibration}
 (`ciar.collab.defaults.CIARDefaults`), tensors bit for bit, written atomically. Every entry point (the CLI,
@@ -42,12 +42,12 @@ from dataclasses import replace
 
 import torch
 
-from ciar.collab.calibration import calibrate_tau, val_prompts
+from ciar.training.calibration import calibrate_tau, val_prompts
 from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
 from ciar.collab.device import DeviceModel
 from ciar.collab.gating import GATES
 from ciar.collab.protocol import RuleConfig
-from ciar.collab.runtime import make_decoder, make_verifier
+from ciar.sim.runtime import make_decoder, make_verifier
 from ciar.collab.stats import GenerationStats
 from ciar.models.checkpoint import read_model_metadata, update_extra
 from ciar.world import load_world

@@ -255,8 +255,8 @@ class Generate:
         _threads()
         import torch
 
-        from ciar.collab.decoder import shared_knobs
-        from ciar.collab.runtime import make_decoder, make_verifier
+        from ciar.sim.decoder import shared_knobs
+        from ciar.sim.runtime import make_decoder, make_verifier
         from ciar.world import load_default_world
 
         from ciar.text import PrecomputedCaptions
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4, help="captions per generation call")
     args = ap.parse_args(argv)
 
-    from ciar.collab.decoder import METHODS, method_config, shared_knobs
+    from ciar.sim.decoder import METHODS, method_config, shared_knobs
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]

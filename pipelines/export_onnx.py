@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 
 import ciar.models.gpt as gpt_module
-from ciar.collab.decoder import CollabConfig
+from ciar.sim.decoder import CollabConfig
 from ciar.collab.device import DeviceModel
 from ciar.models.vq import VQModel, tensor_to_images
 from ciar.world_spec import ScenesWorldSpec, WorldSpecError, add_world_arguments, read_world, world_from_args

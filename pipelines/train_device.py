@@ -11,7 +11,7 @@ distilled towards (docs/architecture.md §10, §12.2):
   `--data data` uses the VQ codes of the rendered scenes instead (`pipelines.data.build_split`).
 - **Rows**: every sequence runs as a conditional and an unconditional row through the frozen cloud and the device,
   as at decoding time, so the guided box and the guided distributions are the ones the deployed device sees.
-- **Objective** (`--objective`): `coverage` (ours, `ciar.collab.losses.distill_loss`): KL(guided cloud || guided
+- **Objective** (`--objective`): `coverage` (ours, `ciar.training.losses.distill_loss`): KL(guided cloud || guided
   device) + the coverage loss that trains the guided radius to hold the cloud's log-probabilities of the tokens
   that carry mass, at a price per unit of width; `inter-dro` (the paper): the same KL with the paper's Inter-DRO
   terms on the guided box instead of coverage (labels = the sequence's tokens). `--ablate TERM` switches any term off
@@ -38,7 +38,7 @@ import torch
 from ciar.collab.device import DeviceConfig, DeviceModel, device_caption
 from ciar.collab.gating import gate_scores
 from ciar.collab.interval import guided_interval, interval_uncertainty
-from ciar.collab.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterDROConfig, distill_loss, guided_logp,
+from ciar.training.losses import (DISTILL_TERMS, LOSS_TERMS, DistillConfig, InterDROConfig, distill_loss, guided_logp,
                                 kl_rows, truncate)
 from ciar.decoding.sampling import SamplingParams, logits_to_probs
 from ciar.metrics.ranking import auroc

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ciar.collab.device import DeviceModel, device_caption
 from ciar.collab.interval import guided_interval, interval_feature_dim, interval_features
-from ciar.collab.losses import guided_logp
+from ciar.training.losses import guided_logp
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.decoding.sampling import logits_to_probs
 from ciar.world import load_world

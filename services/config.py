@@ -109,7 +109,7 @@ class DeviceEndpointConfig(BaseModel):
                                   "connection (a slow reader, 1008)")
 
     def limits(self, retry_after_s: float):
-        from services.device_endpoint import EndpointLimits
+        from services.endpoint_limits import EndpointLimits
 
         return EndpointLimits(**self.model_dump(), retry_after_s=float(retry_after_s))
 

@@ -1,5 +1,5 @@
 """Simulated devices: each replica of the `Device` deployment is one phone (a Ray actor with a fractional CPU)
-running the device model and the CIAR loop of `ciar.collab.decoder`, on its own link profile, talking to the
+running the device model and the CIAR loop of `ciar.sim.decoder`, on its own link profile, talking to the
 verifier pool through `services.verifier_client.RayCloudClient` (the Ray implementation of
 `ciar.collab.protocol.CloudClient`).
 
@@ -34,9 +34,9 @@ import time
 import torch
 from ray import serve
 
-from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
-from ciar.collab.recovery import RecoveringClient
-from ciar.collab.runtime import device_runtime
+from ciar.sim.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
+from ciar.sim.recovery import RecoveringClient
+from ciar.sim.runtime import device_runtime
 from ciar.models.vq import tensor_to_images
 from ciar.world import load_device_side
 from services.config import DeviceLiveConfig

@@ -15,17 +15,17 @@ HTTP/2 streams would add a second server and a protobuf toolchain to every clien
 
 Isolation. Device keys are checked like the API keys (SHA-256 digests in the config or `$CIAR_DEVICE_KEYS`; never
 logged). The session ids a device chooses are scoped by its device id on the verifier (`<device>/<session>`), so no
-device can name another's session; the verifier's session token (`ciar.collab.service.session_token`, issued at OPEN) must
-come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open sessions (429), frame size (close
-1009), message rate (429 with the time to wait; a device that keeps going past it is closed, 1008), connections
-(close 1008); an idle connection is closed (1001); an ingress at its connection limit closes new ones with 1013 and
-"retry after N s". No stack trace, key or session token is ever logged or sent: errors are logged by type.
+device can name another's session; the verifier's session token (`ciar.engine.service.session_token`, issued at OPEN)
+must come with every VERIFY / RESUME / CLOSE (403 otherwise). Limits per device: open sessions (429), frame size (close
+1009), message rate (429 with the time to wait; a device that keeps going past it is closed, 1008), connections (close
+1008); an idle connection is closed (1001); an ingress at its connection limit closes new ones with 1013 and "retry
+after N s". No stack trace, key or session token is ever logged or sent: errors are logged by type.
 
 Resumption. Sessions outlive their connection (until the verifier's idle timeout): a device that reconnects goes
 on with the same session ids and tokens; one that lost a reply in flight, or finds its session gone (410), sends
 RESUME with its committed history (`ciar_device.connection` does both) and gets the same image (docs/architecture.md,
 Determinism). Every message is safe to send again after a lost reply (an OPEN is answered
-as the first was: `ciar.collab.service`); the table is in docs/architecture.md §5. Every call to the verifier has a
+as the first was: `ciar.engine.service`); the table is in docs/architecture.md §5. Every call to the verifier has a
 deadline (`verifier_call_timeout_s`); a request in flight when its connection closes is cancelled on the verifier.
 """
 
@@ -39,16 +39,17 @@ import math
 import re
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from ciar.collab.service import session_token  # noqa: F401 - the token the Verifier issues (re-exported)
+from ciar.engine.service import session_token  # noqa: F401 - the token the Verifier issues (re-exported)
 from ciar_device import wire
 from ciar_device.wire import (CLOSE, CLOSED, ERROR, HELLO, OPEN, OPEN_REPLY, RESUME, VERIFY, VERIFY_REPLY, WELCOME,
                               CloseReply, ErrorReply, Frame, VersionError, WireError, Welcome)
 from services import errors
+from services.endpoint_limits import DeviceRecord, EndpointLimits, TokenBucket
 
 logger = logging.getLogger("ray.serve")
 SESSION_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -58,25 +59,6 @@ IDLE = object()  # what _receive returns when nothing came in time (an empty fra
 def device_id_of(digest: str) -> str:
     """A device's id: derived from its key's digest (not the digest itself, which a config holds)."""
     return "d" + hashlib.sha256(f"ciar-device|{digest}".encode()).hexdigest()[:15]
-
-
-@dataclass
-class EndpointLimits:
-    """The device endpoint's limits (AppConfig.device_endpoint)."""
-
-    max_frame_bytes: int = 8 << 20  # LlamaGen-XL's largest device frame: 1.6 MB at 256 tokens, 3.6 MB at 1,024
-    max_sessions_per_device: int = 8
-    messages_per_s: float = 200.0
-    burst: int = 400
-    idle_timeout_s: float = 60.0
-    session_ttl_s: float = 120.0  # a session unused this long no longer counts against its device (the verifier
-    # frees it after its own idle timeout)
-    max_connections: int = 256
-    max_connections_per_device: int = 16
-    retry_after_s: float = 2.0
-    hello_timeout_s: float = 10.0
-    send_timeout_s: float = 10.0
-    max_refused: int = 1000  # rate-limited frames in a row before the connection is closed
 
 
 class VerifierBackend(Protocol):
@@ -91,34 +73,6 @@ class VerifierBackend(Protocol):
     async def close(self, *, session_id: str, device_id: str, token: str) -> None: ...
 
     async def cost_hint(self) -> Any: ...  # the verifier's recent costs (ciar_device.policy.CostHint) or None
-
-
-class TokenBucket:
-    def __init__(self, rate: float, burst: int):
-        self.rate, self.burst = rate, float(burst)
-        self.tokens, self.t = float(burst), time.monotonic()
-
-    def take(self) -> float:
-        """0 when a message may pass now, else the seconds until one may."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
-        self.t = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
-
-
-@dataclass
-class _Device:
-    sessions: dict[str, float] = field(default_factory=dict)  # client session id -> last use (monotonic)
-    connections: int = 0
-
-    def live(self, ttl: float) -> int:
-        now = time.monotonic()
-        for sid in [s for s, t in self.sessions.items() if now - t > ttl]:
-            del self.sessions[sid]
-        return len(self.sessions)
 
 
 class RequestFailed(Exception):
@@ -156,7 +110,7 @@ class DeviceEndpoint:
         self.keys = {bytes.fromhex(d): device_id_of(d) for d in key_digests}
         self.limits = limits or EndpointLimits()
         self.server = server
-        self.devices: dict[str, _Device] = {}
+        self.devices: dict[str, DeviceRecord] = {}
         self.connections = 0
         self.counts: dict[str, int] = {}  # frames by type, errors by status, closes by code (stats, tests)
         self._observe = observe  # optional callback(event, label) feeding Prometheus
@@ -272,7 +226,7 @@ class DeviceEndpoint:
         if device_id is None:
             self._count("auth", "refused")
             raise _Close(wire.CLOSE_UNAUTHORIZED, "unknown device key")
-        dev = self.devices.setdefault(device_id, _Device())
+        dev = self.devices.setdefault(device_id, DeviceRecord())
         if dev.connections >= self.limits.max_connections_per_device:
             raise _Close(wire.CLOSE_POLICY, f"too many connections for this device "
                                             f"({self.limits.max_connections_per_device})")

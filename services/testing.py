@@ -1,5 +1,5 @@
 """The device endpoint without Ray, for tests and fuzz runs: `InProcessBackend`, a test double of the Verifier
-deployment (a `ciar.collab.verifier.CloudVerifier` in this process, its session tokens issued and checked as the
+deployment (a `ciar.engine.verifier.CloudVerifier` in this process, its session tokens issued and checked as the
 deployment does), and `loopback_endpoint`, which serves a `DeviceEndpoint` with uvicorn on a free port of 127.0.0.1.
 
     with loopback_endpoint(DeviceEndpoint(InProcessBackend(verifier), [key_digest(KEY)])) as url:
@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from ciar.collab.service import VerifierService
+from ciar.engine.service import VerifierService
 
 ROUTE = "/v1/device/sessions"
 

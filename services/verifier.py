@@ -1,6 +1,6 @@
 """Verifier deployment: the cloud model, one KV-cache slot pair per live session, spans of many sessions per forward.
 
-Thin over `ciar.collab.verifier.CloudVerifier` and its step engine (`ciar.engine.core`): every call queues a
+Thin over `ciar.engine.verifier.CloudVerifier` and its step engine (`ciar.engine.core`): every call queues a
 work and awaits it; one loop runs the engine a forward at a time, each forward holding whatever is ready (spans,
 cloud-only and burst tokens, prefill chunks, resumed histories) of every session on this replica.
   open(request, session_id=, device_id=)            -> (OpenReply, session token)   prefill + prefix tokens
@@ -15,10 +15,10 @@ the `session_id=` keyword is checked against the request and the session token. 
 (restart, idle eviction, re-routing after a replica died) answers `SessionLostError`, and the device re-sends its
 history (`resume`).
 
-Ownership: the session token (`ciar.collab.service.session_token`: key id, binding, HMAC) lets any replica of the pool check
+Ownership: the session token (`ciar.engine.service.session_token`: key id, binding, HMAC) lets any replica of the pool check
 that a call comes from the device that opened the session, without shared state; another device (or a device
 without the token) gets a SessionTokenError (403 on the socket). The calls themselves (tokens, an OPEN repeated after a lost reply answered
-as the first, the works of callers that went away withdrawn) are `ciar.collab.service.VerifierService`.
+as the first, the works of callers that went away withdrawn) are `ciar.engine.service.VerifierService`.
 
 The engine steps on its own thread (`ciar.engine.core.EngineThread`, the one owner of the engine, the sessions
 and the cache: no lock; a step's size is bounded by the token budget, and what arrives meanwhile joins the next
@@ -43,8 +43,8 @@ from ray import serve
 
 from ciar.engine.core import KINDS
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
-from ciar.collab.service import VerifierService
-from ciar.collab.verifier import CloudVerifier
+from ciar.engine.service import VerifierService
+from ciar.engine.verifier import CloudVerifier
 from ciar.engine.works import VerifyWork
 from ciar.world import load_world
 from services.config import VerifierLiveConfig

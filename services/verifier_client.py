@@ -5,12 +5,12 @@ awaited on the Ingress's loop), route, bound and classify their calls here.
 - Routing: every call of a session goes to the replica that holds it (`route`: `handle.options(session_id=...)`,
   Ray's consistent-hash router as `services.routing` fixes it); a cost hint goes to any replica.
 - Deadlines: every call waits at most its limit; past it the call is cancelled on the verifier too (Serve cancels
-  the replica's coroutine, which withdraws its work: `ciar.collab.service`) and `CloudTimeoutError` is raised
+  the replica's coroutine, which withdraws its work: `ciar.engine.service`) and `CloudTimeoutError` is raised
   (`result_within`, `within`).
 - What a failure means: the replica is gone (`replica_lost`: the rule `services.errors.REPLICA_LOST` names), the
   verifier lost the session (`session_lost`), a forward failed and nothing was kept (`forward_fault`). The simulated
   phones retry a lost replica and a failed forward (`RayCloudClient._retry`) and resume a lost session
-  (`ciar.collab.recovery.RecoveringClient`); a real device is told by its ERROR frame (`services.errors`), and
+  (`ciar.sim.recovery.RecoveringClient`); a real device is told by its ERROR frame (`services.errors`), and
   retries as its frame's semantics say.
 """
 
@@ -85,7 +85,7 @@ class RayCloudClient:
 
     Deadlines. Every call waits at most `call_timeout_s`, and never past `deadline` (time.monotonic(); the request's
     end-to-end deadline, set per image by the Device). A call past its deadline is cancelled (Serve cancels it on
-    the replica, which withdraws its work: `ciar.collab.service`) and raises `CloudTimeoutError`: before the open the
+    the replica, which withdraws its work: `ciar.engine.service`) and raises `CloudTimeoutError`: before the open the
     request fails with a retryable 503, mid-image the device finishes the image alone (degraded), and a cost hint is
     given up. The close that ends every image waits up to 5 s even past the deadline (it frees the session's slots;
     the verifier's idle timeout frees them otherwise). Nothing waits forever."""

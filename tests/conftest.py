@@ -198,7 +198,7 @@ def onnx_dir(tmp_path_factory):
     """The shipped device model exported for the torch-free client (pipelines.export_onnx): the weights' own export
     when it was made from the shipped device file (`make test` makes it first), else once per test session;
     $CIAR_TEST_ONNX_DIR names an existing export instead (skips the ~30 s export)."""
-    from ciar.collab.runtime import exported_from
+    from ciar.sim.runtime import exported_from
     from ciar.world import default_weights_dir
     from pipelines.export_onnx import export_onnx
 

@@ -187,7 +187,7 @@ def test_a_verifier_session_is_the_cloud_only_image(world, static):
     """The verifier's open through the real caption path (prompt -> ids -> cond and unconditional slots with their
     own masks) draws the same tokens as `generate_cloud` with the same seed."""
     from ciar.collab.protocol import OpenRequest
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from ciar.decoding.generate import generate_cloud
 
     v = CloudVerifier(world.cloud, world.text, max_sessions=2, static=static)
@@ -203,7 +203,7 @@ def test_the_device_receives_the_prompts_embeddings_over_the_unchanged_wire(worl
     conditions on), never the ids as float16; the wire format is the one every world uses."""
     from ciar.collab.device import device_caption
     from ciar.collab.protocol import OpenRequest
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from ciar_device import wire
 
     v = CloudVerifier(world.cloud, world.text, max_sessions=2)
@@ -218,7 +218,7 @@ def test_the_device_receives_the_prompts_embeddings_over_the_unchanged_wire(worl
 
 
 def test_ciar_decoding_verifies_spans_with_the_verifier(world):
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
 
     dec = make_decoder(world, make_verifier(world, max_sessions=1), "ciar", tau=0.0, span=4, burst=0)
     result = dec.generate(CAPTIONS[2], seed=1)
@@ -271,7 +271,7 @@ def test_distillation_projector_and_calibration_run_on_the_world(files, tmp_path
 def test_onnx_export_and_a_device_loop_on_onnxruntime(files, world, tmp_path):
     pytest.importorskip("onnxruntime")
     from ciar.collab.device import TorchRuntime, device_caption
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar_device.runtime import DeviceRuntime, ImageDecoder
     from pipelines.export_onnx import export_onnx
 

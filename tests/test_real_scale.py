@@ -56,7 +56,7 @@ def test_a_bfloat16_gpt_world_generates(tmp_path):
     """`gpt_dtype: bfloat16`: the cloud GPT and its KV cache in bfloat16 on the verifier, cloud-only and CIAR."""
     import torch
 
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.testing import LLAMAGEN_SMALL_GPT, make_tiny_t5, write_random_llamagen_files
     from ciar.world import load_world, load_world_cloud
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from ciar.collab.decoder import CollabDecoder, method_config
-from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.sim.decoder import CollabDecoder, method_config
+from ciar.sim.recovery import RecoveringClient
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.models.gpt import build_gpt, load_llamagen_gpt
 from ciar.testing import LLAMAGEN_SMALL_GPT, LLAMAGEN_SMALL_VQ, make_tiny_t5, write_llamagen_checkpoints
 from ciar.world import load_device_side, load_world
@@ -237,7 +237,7 @@ def test_prefill_steps_at_1024_positions():
 
 
 def test_previews_and_the_capacity_model_scale_with_the_image():
-    from ciar.collab.gpu_model import ModelShapes
+    from ciar.capacity.gpu_model import ModelShapes
     from services.config import MAX_PREVIEWS, DeviceLiveConfig
 
     live = DeviceLiveConfig()

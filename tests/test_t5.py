@@ -96,7 +96,7 @@ def test_the_verifier_refuses_a_long_caption_and_keeps_serving(folder):
     """The caption contract on the cloud: a T5 world's open with a caption over the GPT's caption positions fails
     with CaptionTooLongError (the API's 422), frees its slots, and the next open is served."""
     from ciar.collab.protocol import OpenRequest
-    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.gpt import build_gpt
     from ciar.text import CaptionTooLongError

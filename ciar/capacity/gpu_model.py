@@ -38,16 +38,16 @@ same queues, policy and step accounting the verifier's engine runs) over modelle
 real open or verification feeds, without their tokens), each step priced by a modelled runner (`ModelledRunner`:
 `forward_s` of the scheduled pieces, + `encode_s` for the opens it starts) instead of run by the model runner; each
 work two rows (CFG). A step starts as soon as the previous one ended and work is queued (the 5 ms batch wait of the
-live config is not modelled). `tests/collab/test_gpu_model.py` replays recorded sessions through the real verifier
+live config is not modelled). `tests/capacity/test_gpu_model.py` replays recorded sessions through the real verifier
 and through this model and checks that both schedule the same pieces, step by step. KV-cache slots are limited by the GPU's memory
 (after the GPT's and T5's weights and a 10 % reserve, each session holding 2 rows x (caption + image + 16) positions);
 an open without a free slot waits for one. Forwards per request follow the engine: an open is its prefill chunks
 and prefix_len - 1 decodes; a verification one feed of the committed-but-unfed token, the catch-up and the span
 (chunked if long), then a decode per burst token (and one more when the burst stopped early on entropy).
 
-**The phones** are the recorded traces `loadtests.capacity` replays (`ciar.collab.trace.SessionTrace`): their
+**The phones** are the recorded traces `loadtests.capacity` replays (`ciar.capacity.trace.SessionTrace`): their
 device compute (measured on the box that recorded them) and message bytes, over one seeded
-`ciar.collab.network.NetworkModel` link per phone, in simulated time. The traces come from the world they were
+`ciar.sim.network.NetworkModel` link per phone, in simulated time. The traces come from the world they were
 recorded with (the shipped scenes world: 144 image tokens, its device's acceptance pattern); their positions are
 priced at the model's shapes (caption positions of the model, image positions as recorded). A 256-token XL image
 would take about 256/144 of the per-image figures if CIAR's pattern held at that size (not measured).
@@ -391,7 +391,7 @@ class Phone:
 
     def __init__(self, k: int, phones: int, traces: list, plans: list, replica: ReplicaModel, sim: Sim,
                  network: str, on_image, device_scale: float = 1.0, limit: int | None = None):
-        from ciar.collab.network import NetworkModel
+        from ciar.sim.network import NetworkModel
 
         self.k, self.phones, self.traces, self.plans = k, phones, traces, plans
         self.replica, self.sim, self.on_image, self.device_scale = replica, sim, on_image, device_scale
@@ -504,7 +504,7 @@ def plan(traces: dict[str, list], gpus: list[str], loads: list[int], slo_s: floa
     shapes = shapes or ModelShapes.llamagen_xl()
     image_tokens = max(t.open.prefix_len for t in traces["cloud"])  # a cloud-only open asks for every token
     out = {"model": "GPU cost model (modelled, not measured): t = max(bytes / bandwidth, flops / peak) + overhead "
-                    "per forward; ciar/collab/gpu_model.py",
+                    "per forward; ciar/capacity/gpu_model.py",
            "shapes": {**shapes.__dict__, "weight_params": shapes.weight_params, "session_bytes": shapes.session_bytes()},
            "engine": engine.__dict__, "slo_p99_s": slo_s, "network": network, "duration_s": duration_s,
            "warmup_s": warmup_s, "recorded_image_tokens": image_tokens,
@@ -549,7 +549,7 @@ def markdown(result: dict, command: str) -> str:
         "No GPU ran this plan" + ("; the rows named 'measured' use a GPU's measured bandwidth, matmul rate and "
                                   "per-forward overhead (benchmarks.gpu, `--gpu-costs`) instead of datasheet figures"
                                   if measured else "") +
-        ". Each engine forward is priced by `ciar/collab/gpu_model.py`: "
+        ". Each engine forward is priced by `ciar/capacity/gpu_model.py`: "
         "t = max(bytes / bandwidth, flops / peak) + overhead (bf16 weights and KV cache; overhead "
         f"{1e3 * result['engine']['overhead_s']:.1f} ms per forward, "
         + ("the measured GPU's, applied to every row" if measured else "an assumption for the eager engine")

@@ -14,7 +14,7 @@ drafts, float16 draft distributions, interval features), and the reply (accepted
 tokens). A cloud-only image (the decoder's "cloud" method) is an open with prefix_len = N and no exchanges.
 
 Replay sends the same requests under a fresh session id, sleeping the recorded device time and the link's
-simulated up/down transfer of each message's bytes (`ciar.collab.network.NetworkModel`). The verifier's draws are
+simulated up/down transfer of each message's bytes (`ciar.sim.network.NetworkModel`). The verifier's draws are
 keyed by (seed, position), so the replayed replies equal the recorded ones whatever else the verifier is doing;
 `replay_session` checks this (a mismatch means the verifier changed or floating-point batching effects flipped a
 sample, and is counted, not hidden). One box can so drive hundreds of concurrent phones: replaying costs a sleep
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ciar.collab.network import NetworkModel
+from ciar.sim.network import NetworkModel
 from ciar.collab.protocol import OpenReply, OpenRequest, SessionError, SessionLostError, VerifyReply, VerifyRequest
 from ciar_device.history import SessionHistory
 
@@ -154,7 +154,7 @@ async def replay_session(trace: SessionTrace, cloud, session_id: str, net: Netwo
     """Replay one recorded session under `session_id` against `cloud` (async open / verify / resume / close). A
     verification that finds its session gone (`is_lost(exc)`, default: SessionLostError; a replica that went away
     or a new one that took the session over) re-creates it from the committed history, as a device's
-    `ciar.collab.recovery.RecoveringClient` does, and is sent again: nothing is lost as replicas come and go."""
+    `ciar.sim.recovery.RecoveringClient` does, and is sent again: nothing is lost as replicas come and go."""
     is_lost = is_lost or (lambda e: isinstance(e, SessionLostError))
     t0 = time.perf_counter()
 

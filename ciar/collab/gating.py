@@ -4,7 +4,7 @@ Every gate maps a batch of next-token predictions to one score per row, higher =
 escalates a position to the cloud when score > tau.
 
     s = gate_scores("lower", center=center, radius=radius, drafted=x)   # center/radius [B, V], x [B] -> [B]
-    escalate = s > tau            # the gate and tau of a run: CollabConfig (ciar.collab.decoder)
+    escalate = s > tau            # the gate and tau of a run: CollabConfig (ciar.sim.decoder)
 
 Thresholds are the gate's own scale and depend on the device model: the calibrated tau (and gate) of a shipped
 device travel in its file's metadata (`ciar.collab.defaults`), written by `python -m pipelines.calibrate`.

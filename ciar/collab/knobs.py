@@ -4,7 +4,7 @@
     KNOBS["span"].check(8)          # ValueError naming the knob and its range when the value is not allowed
     REQUEST_KNOBS                   # the knobs a request's `params` may set
 
-Every layer reads this table: `CollabConfig.validate` (ciar.collab.decoder) checks its fields with it, a device
+Every layer reads this table: `CollabConfig.validate` (ciar.sim.decoder) checks its fields with it, a device
 file's calibrated defaults (ciar.collab.defaults) are checked with it, and the service schemas build their fields
 from it (services.schemas: the API's `params`, the typed overrides a job carries to a device; services.config: the
 device fleet's live defaults), so a range or a description cannot differ between them. Torch-free: the CLI and the
@@ -18,7 +18,7 @@ Who sets a knob (a knob may be several of these; every knob is a `CollabConfig` 
 (`unset` says which).
 
 Not here: `method` and `rule` (a preset names them: `method_config`), `network` (a profile name from
-`ciar.collab.names.NETWORKS`, optionally with options: `ciar.collab.network.get_profile`), and the sampling knobs
+`ciar.collab.names.NETWORKS`, optionally with options: `ciar.sim.network.get_profile`), and the sampling knobs
 (`ciar.decoding.sampling.SamplingParams`).
 """
 

@@ -13,7 +13,7 @@ device at once and reach the cloud with the next VerifyRequest as `new_tokens` (
 (`VerifyRequest.burst` = g > 0) a reply after a rejection also carries up to g *burst tokens*: the cloud's own
 samples after the next token, exact cloud tokens that cost a cloud step each and no round trip.
 
-`CloudClient` is the interface the device side codes against. `ciar.collab.verifier.InProcessCloud` implements
+`CloudClient` is the interface the device side codes against. `ciar.engine.verifier.InProcessCloud` implements
 it with direct calls (tests, benchmarks, CLI), `services.verifier_client.RayCloudClient` over Ray handles (the simulated
 devices in the cluster), `ciar_device.connection.DeviceConnection` over a WebSocket (real devices). The messages
 and their binary encoding are defined once in `ciar_device.wire` (numpy only, shared with the torch-free device
@@ -26,7 +26,7 @@ its `ForwardFault` (the step's forward failed; send the request again).
 
 Recovery: a verify naming a session the cloud no longer holds (replica lost, slot evicted) fails with
 `SessionLostError`; `resume` rebuilds the session from the device's committed tokens (and the
-interval features it injected, `InjectedFeatures`), after which the verify is re-sent. `ciar.collab.recovery.
+interval features it injected, `InjectedFeatures`), after which the verify is re-sent. `ciar.sim.recovery.
 RecoveringClient` does this for any client; the result equals an uninterrupted session's.
 """
 
@@ -78,7 +78,7 @@ class SessionLostError(SessionError):
     """A verify names a session this verifier does not hold (never opened, closed, evicted, or lost with a replica).
 
     Not a client bug when the session was open before: the client re-creates it with `resume_batch` (the device's
-    committed tokens) and re-sends the request (`ciar.collab.recovery.RecoveringClient`)."""
+    committed tokens) and re-sends the request (`ciar.sim.recovery.RecoveringClient`)."""
 
     def __init__(self, message: str, session_id: str | None = None):
         super().__init__(message)

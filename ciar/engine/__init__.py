@@ -6,7 +6,7 @@
     judge       every decision of a step in one batched pass: sampling, acceptance, draws; one host read
     sessions    the open sessions and their KV-cache slots
     works       the request state: one work per request in flight (open, resume, verification), data the core steps
-
-The `CloudVerifier` facade (the batch API, admission, the step's decisions handed to the works) is in
-`ciar.collab.verifier`.
+    verifier    `CloudVerifier`, the facade the in-process tools and the Verifier deployment call (the batch API,
+                admission, the step's decisions handed to the works) and `InProcessCloud`
+    service     `VerifierService`: the engine on its own thread with its watchdog, what a Verifier replica runs
 """

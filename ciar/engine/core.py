@@ -134,7 +134,7 @@ class StepEngine:
     (each admitted, or finished with its error), `decide(running, step logits, on_bad)` (the step's batched judge
     and sampler, its one host read) and `retired(finished works)` (what the owner applies from them: its cost
     estimates, the sessions they left of no use; called for every work once it leaves the engine) are given by the
-    owner of the request state (`ciar.collab.verifier.CloudVerifier`)."""
+    owner of the request state (`ciar.engine.verifier.CloudVerifier`)."""
 
     def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None):
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
@@ -432,7 +432,7 @@ class AsyncStepper(_Driver):
 
 
 class EngineThread(_Driver):
-    """Run a `StepEngine` on its own thread, the verifier's engine core (`ciar.collab.service.VerifierService`;
+    """Run a `StepEngine` on its own thread, the verifier's engine core (`ciar.engine.service.VerifierService`;
     docs/architecture.md §6): the replica's event loop only submits works and awaits them, so a control call (a
     close, stats, a cost hint, a readiness probe) is answered while a forward runs instead of after it.
 

@@ -12,7 +12,7 @@
 The scheduler decides from request state and budgets alone; it never touches tensors, the cache or the model. A
 request is anything with the attributes of `Request` below: the works (`ciar.engine.works`: opens,
 verifications, resumes, driving the real model through `ciar.engine.runner.ModelRunner`) and the capacity model's
-modelled works (`ciar.collab.gpu_model`, priced by a modelled runner in simulated time) are both scheduled here, so
+modelled works (`ciar.capacity.gpu_model`, priced by a modelled runner in simulated time) are both scheduled here, so
 the GPU capacity plan runs the policy the replicas run.
 
 Policy (`SchedulerConfig`): spans first (a phone is waiting on each), then one-token decodes, then history and

@@ -85,7 +85,7 @@ class EngineStalledError(RuntimeError):
 
 class VerifierService:
     def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True):
-        """`core`: a `ciar.collab.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
+        """`core`: a `ciar.engine.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
         engine waits this long for company; `on_step(engine, finished)`: called after every step (metrics; on the
         engine's thread). `engine_thread`: the engine steps on its own thread (`ciar.engine.core.EngineThread`),
         and the caller's event loop only submits and awaits; False: it steps on the caller's loop

@@ -36,7 +36,7 @@ Recovery: a verify that names an unknown session (never opened, closed, evicted,
 `SessionLostError`; the client then calls `resume_batch` with the session's OpenRequest, the device's committed
 tokens and the interval features injected with them (`InjectedFeatures`), which rebuilds exactly the state of the
 invariant above (prefill + one ragged feed of history[:-1], projected features added at the same positions as the
-original verifications added them), and re-sends the verify (`ciar.collab.recovery.RecoveringClient`). With
+original verifications added them), and re-sends the verify (`ciar.sim.recovery.RecoveringClient`). With
 position-keyed randomness the resumed session continues with the same tokens as an uninterrupted one (same inputs
 and draws; the rebuilt cache equals the original up to floating-point summation order, like any difference in
 batching).
@@ -183,7 +183,7 @@ class CloudVerifier:
         text encoder. Structural errors raise here; state errors (no slot, a conflicting session) fail the work.
         `owner`: the calling device. The same OPEN repeated by its owner while the session has not moved on is
         answered as the first was (its reply, or the first's result when it is still in flight): OPEN is safe to
-        send again after a lost reply (`ciar.collab.service`)."""
+        send again after a lost reply (`ciar.engine.service`)."""
         return self.engine.submit(self.open_work(request, caption_emb, caption_mask, owner))
 
     def submit_verify(self, request: VerifyRequest) -> "VerifyWork":

@@ -51,7 +51,7 @@ from ciar.collab.device import DeviceModel, TorchRuntime
 from ciar.collab.gating import GATES
 from ciar.collab.knobs import KNOBS, check_method_overrides
 from ciar.collab.names import CLOUD_METHODS, METHODS
-from ciar.collab.network import LinkDownError, NetworkModel, get_profile
+from ciar.sim.network import LinkDownError, NetworkModel, get_profile
 from ciar.collab.protocol import CloudClient, RuleConfig, VerifyRequest
 from ciar.collab.stats import GenerationStats
 from ciar.decoding.jacobi import DEFAULT_WINDOW as SJD_WINDOW
@@ -94,7 +94,7 @@ class CollabConfig:
     feature_top: int = _default("feature_top")  # interval_features(top=...) for the projector
     device_slowdown: float = _default("device_slowdown")  # device compute time = measured time x this factor
     cloud_slowdown: float = _default("cloud_slowdown")  # cloud compute time = reported time x this factor
-    network: str = "5g"  # ciar.collab.network profile name (options: get_profile)
+    network: str = "5g"  # ciar.sim.network profile name (options: get_profile)
     link_drop_after: int | None = _default("link_drop_after")  # simulation: the link goes down after this many messages
     fallback: bool = _default("fallback")  # cloud unreachable mid-generation: finish on the device (degraded)
     policy: str = _default("policy")  # "fixed" (the calibrated span and burst) or "adaptive" (ciar_device.policy)
@@ -217,7 +217,7 @@ class CollabResult:
 
 
 class SimulatedLink(Link):
-    """A simulated device's link: each message costs the seconds a network model (`ciar.collab.network`, seeded per
+    """A simulated device's link: each message costs the seconds a network model (`ciar.sim.network`, seeded per
     image) charges for its exact bytes, spent for real when `wait` is given; the cloud's reported seconds are
     stretched by `cloud_slowdown`. A link that goes down costs the sender's give-up time before the error."""
 
@@ -285,7 +285,7 @@ class CollabDecoder:
         `observers`: the device's running cost estimates per link (network profile name -> `CostObserver`), kept
         across its images and shared by the decoders of one device (a fresh dict when not given); the adaptive
         policy reads them, every generation feeds them. `runtime`: what runs the device model (default
-        `TorchRuntime(device)`; `ciar.collab.runtime.device_runtime("onnx", ...)` runs the export real phones run);
+        `TorchRuntime(device)`; `ciar.sim.runtime.device_runtime("onnx", ...)` runs the export real phones run);
         one image at a time."""
         self.observers = {} if observers is None else observers
         self.wait = wait

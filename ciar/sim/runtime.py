@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import os
 
-from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.sim.decoder import CollabDecoder, method_config
 from ciar.collab.device import DeviceModel, TorchRuntime
 from ciar.collab.names import CLOUD_METHODS
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 from ciar_device.fetch import sha256_file
 
@@ -70,7 +70,7 @@ def exported_from(onnx_dir: str, device_file: str) -> bool:
 
 def make_decoder(world, verifier: CloudVerifier, method: str, sampling: SamplingParams | None = None,
                  device_model: DeviceModel | None = None, runtime=None, **overrides) -> CollabDecoder:
-    """A decoder for `method` (ciar.collab.decoder.METHODS) with config overrides; uses the world's device model
+    """A decoder for `method` (ciar.sim.decoder.METHODS) with config overrides; uses the world's device model
     unless `device_model` is given, on `runtime` (`device_runtime`; default: the model on torch). Raises ValueError
     when the method needs a device model and none is shipped."""
     cfg = method_config(method, **overrides)

@@ -11,8 +11,8 @@ device file, `ciar.collab.defaults`) and by `benchmarks.collab` (Tables 2/3 matc
 
 from __future__ import annotations
 
-from ciar.collab.decoder import GATED_METHODS
-from ciar.collab.runtime import make_decoder
+from ciar.sim.decoder import GATED_METHODS
+from ciar.sim.runtime import make_decoder
 from ciar.collab.stats import GenerationStats
 
 

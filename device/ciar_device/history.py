@@ -1,6 +1,6 @@
 """A session as its device knows it: enough to re-create it on a verifier (RESUME) after the verifier lost it or a
 reply was lost in flight. One definition for both transports: `ciar_device.connection.DeviceConnection` (a real
-socket) and `ciar.collab.recovery.RecoveringClient` (the in-cluster devices' Ray handles).
+socket) and `ciar.sim.recovery.RecoveringClient` (the in-cluster devices' Ray handles).
 
 Requests and replies may carry numpy arrays or torch tensors; the history keeps numpy arrays in the dtype they were
 sent in (a resumed session must see exactly the values the lost one saw), and gives them back through `array`

@@ -6,12 +6,12 @@
     result.tokens   # [N] int64;  result.who  # "cloud" / "device" per token;  result.stats  # dict
 
 A real device calls `generate` (the ONNX runtime, a WebSocket). The cluster's simulated phones run the same loop
-(`run_image`) through `ciar.collab.decoder.CollabDecoder`, which only plugs in their parts. The loop has three
+(`run_image`) through `ciar.sim.decoder.CollabDecoder`, which only plugs in their parts. The loop has three
 plug-ins:
 - the **runtime**: the device model behind `start` / `feed` / `rollback` / `step_seconds` (`ciar_device.runtime.
   DeviceRuntime` on onnxruntime, `ciar.collab.device.TorchRuntime` on torch);
 - the **link**: one image's requests and what they cost. `Link` measures a real transport: wall time and the
-  frames a `DeviceConnection` saw. `ciar.collab.decoder.SimulatedLink` charges a network model's seconds for each
+  frames a `DeviceConnection` saw. `ciar.sim.decoder.SimulatedLink` charges a network model's seconds for each
   message's bytes instead, spending them for real when asked;
 - the **clock**: device compute, measured (`Clock`; a simulated device stretches it by its slowdown).
 The maths and the draws are not plugged: every device computes with `ciar_device.maths` on numpy and draws with its
@@ -66,7 +66,7 @@ PROGRESS_EVERY = 12
 @dataclass(frozen=True)
 class LoopConfig:
     """Every knob the loop reads (`ciar.collab.knobs` declares their ranges; `loop_config` builds one from an
-    export's manifest, `ciar.collab.decoder.CollabConfig.loop_config` from the cluster's config)."""
+    export's manifest, `ciar.sim.decoder.CollabConfig.loop_config` from the cluster's config)."""
 
     gate: str  # LOOP_GATES
     tau: float | None  # escalate when the gate's score > tau (None: the gate scores nothing)
@@ -203,7 +203,7 @@ class Link:
     """One image's link to the cloud over a real transport: every request's wall time is measured; communication is
     that time less the cloud's reported seconds; bytes are the frames the connection saw (a `DeviceConnection`'s
     `exchanges`, resumes included) or the messages' exact sizes. Every exchange feeds the device's cost estimates
-    (`observer`). Subclasses (`ciar.collab.decoder.SimulatedLink`) charge a network model instead."""
+    (`observer`). Subclasses (`ciar.sim.decoder.SimulatedLink`) charge a network model instead."""
 
     def __init__(self, client, observer: CostObserver):
         self.client, self.observer = client, observer

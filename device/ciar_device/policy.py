@@ -12,7 +12,7 @@ burst of `burst` tokens after a rejection (`OperatingPoint(span, burst)`), or ha
 
 The cost model (written once, here; the notation of docs/architecture.md §2 and §8). Inputs (`Costs`): the device's
 step time t_d (one device forward with its draft and gate), the link's per-transmission latency l (the RTT that
-`ciar.collab.network` charges each message) and bandwidth b (bytes/s), the verifier's time t_c for the forward that
+`ciar.sim.network` charges each message) and bandwidth b (bytes/s), the verifier's time t_c for the forward that
 judges a span, t_s for each token it samples itself (a burst or cloud-only step) and its queue wait w per exchange,
 the gate's escalation rate e (the share of drafted positions whose score is > τ), and the
 cloud's acceptance: α1 for the uncertain draft that opens a span, α for each later draft once the previous one was
@@ -109,7 +109,7 @@ class Costs:
     """The costs the model reads (see the module docstring for the symbols)."""
 
     device_step_s: float  # t_d: one device forward with its draft and gate
-    latency_s: float  # l: per transmission (ciar.collab.network's RTT, charged once per message)
+    latency_s: float  # l: per transmission (ciar.sim.network's RTT, charged once per message)
     bandwidth_Bps: float  # b: bytes per second (math.inf: no serialisation time)
     cloud_step_s: float  # t_c: one verifier forward over a span (the catch-up and the drafts in one piece)
     queue_s: float  # w: the verifier's queue wait per exchange

@@ -12,7 +12,7 @@ Counters (per image, summed by `+`):
   drafted / accepted     draft tokens sent for verification / accepted by the cloud
   verifications          spans verified (one per verify request)
   cloud_requests         round trips to the cloud (open + verify requests)
-  resumes                sessions re-created on the cloud after it lost them (ciar.collab.recovery)
+  resumes                sessions re-created on the cloud after it lost them (ciar.sim.recovery)
   degraded               images finished on the device alone after the cloud became unreachable (link down)
   degraded_tokens        tokens the device decided alone after that (no gate, no verification)
   cloud_forward_passes   sequential cloud forwards (what bounds latency; steps compression divides by it)

@@ -67,7 +67,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     md = open(tmp_path / "gpu.md").read()
     assert md.startswith("# GPU suite: no GPU (cpu)") and "| decode (1 pos) | 1 |" in md
     # the capacity model reads what the suite measured (loadtests.capacity --gpu-costs gpu.json)
-    from ciar.collab.gpu_model import GPU, ModelShapes, forward_s, measured_gpu
+    from ciar.capacity.gpu_model import GPU, ModelShapes, forward_s, measured_gpu
 
     gpu, overhead = measured_gpu(result, "eager")
     cap = sections["capacity"]

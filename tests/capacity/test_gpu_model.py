@@ -1,4 +1,4 @@
-"""ciar.collab.gpu_model: the GPU cost model's arithmetic on hand-worked cases, its parameter counts against the real
+"""ciar.capacity.gpu_model: the GPU cost model's arithmetic on hand-worked cases, its parameter counts against the real
 modules, and the modelled replica's forwards per request."""
 
 import math
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ciar.collab.protocol import OpenRequest, VerifyRequest
-from ciar.collab.trace import SessionTrace, TraceStep
+from ciar.capacity.trace import SessionTrace, TraceStep
 from ciar.decoding.sampling import SamplingParams
-from ciar.collab.gpu_model import (FLAN_T5_XL, GPU, Engine, ModelShapes, encode_s, forward_s, image_forward_s,
+from ciar.capacity.gpu_model import (FLAN_T5_XL, GPU, Engine, ModelShapes, encode_s, forward_s, image_forward_s,
                                  session_slots, simulate, t5_encoder_params, verify_plan)
 
 # a fictional GPU with round figures: 1 GB/s, 1 TFLOP/s, 1 GB
@@ -136,7 +136,7 @@ def _wave_replay_real(traces, tiny_cloud, stub_text, scheduler):
     verification at once (each wave stepped until done). -> the engine's schedule, step by step."""
     from dataclasses import replace
 
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
 
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=len(traces), scheduler=scheduler)
     sid = [f"s{i}" for i in range(len(traces))]
@@ -152,7 +152,7 @@ def _wave_replay_real(traces, tiny_cloud, stub_text, scheduler):
 
 
 def _wave_replay_model(traces, shapes, engine, image_tokens):
-    from ciar.collab.gpu_model import ReplicaModel, Sim
+    from ciar.capacity.gpu_model import ReplicaModel, Sim
 
     sim = Sim()
     replica = ReplicaModel(sim, ROUND, shapes, len(traces), engine)
@@ -175,11 +175,11 @@ def test_the_model_schedules_recorded_sessions_as_the_real_engine_does(tiny_clou
     replayed through the real verifier (model runner, judge) and through the modelled replica (modelled works and
     runner), give the same schedule step by step: the same pieces (class, first position, length, rows) in the same
     forwards, with a roomy budget and with one that chunks prefills and spans."""
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.engine.core import SchedulerConfig
-    from ciar.collab.gpu_model import Engine, ModelShapes
-    from ciar.collab.trace import TracingClient
-    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.capacity.gpu_model import Engine, ModelShapes
+    from ciar.capacity.trace import TracingClient
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
 
     n = tiny_cloud.config.block_size
     rec = TracingClient(InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=2)))

@@ -1,15 +1,16 @@
-"""Trace-driven phones (ciar.collab.trace): recorded device sessions replayed concurrently give the recorded replies."""
+"""Trace-driven phones (ciar.capacity.trace): recorded device sessions replayed concurrently give the recorded
+replies."""
 
 import asyncio
 
 import numpy as np
 import torch
 
-from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.sim.decoder import CollabDecoder, method_config
 from ciar.engine.core import SchedulerConfig
-from ciar.collab.network import NetworkModel
-from ciar.collab.trace import AsyncVerifierClient, TracingClient, load_traces, replay_session, save_traces
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.sim.network import NetworkModel
+from ciar.capacity.trace import AsyncVerifierClient, TracingClient, load_traces, replay_session, save_traces
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
@@ -86,7 +87,7 @@ def test_a_session_lost_mid_replay_is_resumed_with_identical_replies(tiny_cloud,
 def _replay_with_recorded_verdicts(cloud, text, traces):
     """Every trace replayed at once on a verifier of `cloud` with the recorded verdicts installed -> (the
     RecordedVerdicts, the ReplayResults)."""
-    from ciar.collab.trace import RecordedVerdicts
+    from ciar.capacity.trace import RecordedVerdicts
 
     verifier = CloudVerifier(cloud, text, max_sessions=6)
     verdicts = RecordedVerdicts(traces).install(verifier)
@@ -131,7 +132,7 @@ def test_recorded_verdicts_refuse_traces_that_share_a_seed(tiny_cloud, tiny_devi
 
     import pytest
 
-    from ciar.collab.trace import RecordedVerdicts
+    from ciar.capacity.trace import RecordedVerdicts
 
     traces = _record(tiny_cloud, tiny_device, stub_text, median_tau)
     clash = replace(traces[2], open=replace(traces[2].open, seed=traces[0].open.seed))  # cloud-only, other tokens

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ciar.collab.network import PROFILES, NetworkModel, get_profile
+from ciar.sim.network import PROFILES, NetworkModel, get_profile
 from ciar.collab.protocol import feature_bytes, token_bytes
 from ciar.collab.stats import GenerationStats
 

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from ciar.collab.verifier import InProcessCloud
+from ciar.engine.verifier import InProcessCloud
 from ciar_device.loop import Clock
 from ciar_device.policy import CostHint
 
@@ -70,8 +70,8 @@ def fixed_costs(monkeypatch, world):
     """Every cost a device observes fixed: its timed blocks (FixedClock), its one timed step before its first image,
     and the wall time of an in-process call, which the link is charged for beyond the reply's cloud seconds (none:
     the link is the network model's alone). The verifier's costs: `SpyCloud`."""
-    monkeypatch.setattr("ciar.collab.decoder.Clock", FixedClock)
-    monkeypatch.setattr("ciar.collab.decoder.time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    monkeypatch.setattr("ciar.sim.decoder.Clock", FixedClock)
+    monkeypatch.setattr("ciar.sim.decoder.time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(world.device_model, "step_seconds", lambda rows=1, repeats=3: DEVICE_STEP_S)
 
 
@@ -84,8 +84,8 @@ def world():
 
 
 def _decoder(world, **knobs):
-    from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.runtime import make_verifier
+    from ciar.sim.decoder import CollabDecoder, method_config
+    from ciar.sim.runtime import make_verifier
 
     cloud = SpyCloud(make_verifier(world))
     dec = CollabDecoder(world.device_model, cloud, method_config("ciar", **knobs), world.sampling,
@@ -136,7 +136,7 @@ def test_a_new_device_chooses_its_first_image_from_the_handshake_its_own_step_an
     """A verifier that has answered other devices hints its span forward and sampled step (`cost_hint`); a new
     device primes its estimates with it, its handshake's round trip and one timed step of its own, so on 4G with a
     cheap cloud its very first image goes to the cloud whole, and on 5G with a dear one it drafts."""
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
 
     dec, cloud = _decoder(world, policy="fixed")
     assert cloud.cost_hint() is None  # a verifier that has served nothing has nothing to hint
@@ -181,7 +181,7 @@ def test_an_expensive_cloud_step_keeps_the_device_drafting_and_never_verifies_le
 def test_the_reported_point_makes_the_same_image_again(world):
     """Reproducibility: an adaptive image equals the fixed policy's image at the point its stats report (same
     prompt and seed); an image given to the cloud whole equals cloud-only's open (prefix_rate 1)."""
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
 
     verifier = make_verifier(world)
     prompt = _prompts(1)[0]
@@ -209,7 +209,7 @@ def test_graceful_degradation_raises_tau_within_its_budget_and_says_so(world):
     """Off by default. With a verifier limit every reply exceeds (1 µs per exchange), the first image (nothing
     observed) runs at the calibrated tau, the next ones at tau x overload_tau_factor: no more cloud calls than at the
     calibrated tau, the stats say so, and the same request at tau_used makes the same image."""
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
 
     verifier = make_verifier(world)
     dec = make_decoder(world, verifier, "ciar", policy="fixed")

@@ -1,11 +1,11 @@
-"""Cloud burst (ciar.collab.verifier): after a rejection the cloud samples g more tokens itself in the same reply."""
+"""Cloud burst (ciar.engine.verifier): after a rejection the cloud samples g more tokens itself in the same reply."""
 
 import pytest
 import torch
 
-from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.sim.decoder import CollabDecoder, method_config
 from ciar.collab.protocol import OpenRequest, SessionError, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)

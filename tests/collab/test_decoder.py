@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ciar.collab.decoder import GATED_METHODS, CollabDecoder, method_config
+from ciar.sim.decoder import GATED_METHODS, CollabDecoder, method_config
 from ciar.collab.names import METHODS
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import OpenRequest, SessionError, VerifyRequest
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.generate import generate_cloud
 from ciar.decoding.sampling import SamplingParams, logits_to_probs, sample
 
@@ -257,7 +257,7 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool |
     device votes). `static`: the verifier's runner pads every step to a bucket (`ciar.engine.runner`); `paths` gets
     its forwards by path; `fused`: its static steps fused (the world's cloud is unfused again after)."""
     from ciar.collab.device import DeviceModel
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.world import load_world
 
     world = load_world(None)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ciar.collab.decoder import CollabDecoder, method_config, shared_knobs
+from ciar.sim.decoder import CollabDecoder, method_config, shared_knobs
 from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
 from ciar.collab.device import DeviceModel
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 from ciar.models.checkpoint import read_model_file, update_extra
 

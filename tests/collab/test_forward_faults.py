@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ciar.collab.protocol import ForwardFault, OpenRequest, SessionLostError, VerifyRequest
-from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.sim.recovery import RecoveringClient
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
@@ -154,7 +154,7 @@ def test_a_fault_after_the_verdict_drops_the_session(tiny_cloud, stub_text):
 def test_an_image_survives_failed_forwards_with_the_same_tokens(tiny_cloud, tiny_device, stub_text, median_tau):
     """A whole CIAR image (bursts on) through `RecoveringClient`, five of the verifier's forwards failing: the image's
     tokens equal an undisturbed run's; the faults were answered by sending again (or resuming)."""
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
 
     n = tiny_cloud.config.block_size
 
@@ -179,7 +179,7 @@ def test_a_hung_forward_makes_the_replica_unhealthy(tiny_cloud, stub_text):
     """A forward that does not return (held by the test): the engine reports the step's running time, the watchdog
     (`VerifierService.check_stalled`, called by the Verifier deployment's `check_health`) raises past the limit, and
     all is well again once the forward returns."""
-    from ciar.collab.service import EngineStalledError, VerifierService
+    from ciar.engine.service import EngineStalledError, VerifierService
     from services.config import VerifierLiveConfig
     from services.verifier import Verifier
 
@@ -224,7 +224,7 @@ REAL_ALLOCATION_FAILURE = r'''
 import ctypes, json, resource, sys, torch
 torch.set_num_threads(1)
 from ciar.collab.protocol import OpenRequest
-from ciar.collab.runtime import make_verifier
+from ciar.sim.runtime import make_verifier
 from ciar.world import load_world
 
 world = load_world(None)

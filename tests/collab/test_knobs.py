@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from ciar.collab.decoder import CollabConfig, CollabDecoder, method_config
+from ciar.sim.decoder import CollabConfig, CollabDecoder, method_config
 from ciar.collab.defaults import CIARDefaults
 from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS, SIMULATION_KNOBS, Knob
 from ciar.decoding.sampling import SamplingParams

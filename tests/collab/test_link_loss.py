@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from ciar.collab.decoder import CollabDecoder, method_config
-from ciar.collab.network import DOWN_TIMEOUTS, LinkDownError, NetworkModel, get_profile
+from ciar.sim.decoder import CollabDecoder, method_config
+from ciar.sim.network import DOWN_TIMEOUTS, LinkDownError, NetworkModel, get_profile
 from ciar.collab.protocol import CloudUnreachableError, SessionLostError
-from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.sim.recovery import RecoveringClient
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)

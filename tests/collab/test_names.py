@@ -1,7 +1,8 @@
 """The shared names (ciar.collab.names) are the ones the decoder, the network model and the CLI use."""
 
-from ciar.collab import decoder, names
-from ciar.collab.network import PROFILES, get_profile
+from ciar.collab import names
+from ciar.sim import decoder
+from ciar.sim.network import PROFILES, get_profile
 
 
 def test_networks_are_the_profiles():

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ciar.collab.network import NetworkModel
+from ciar.sim.network import NetworkModel
 from ciar.collab.protocol import VerifyReply, VerifyRequest
 from ciar_device.policy import (CLOUD_ONLY, CloudStepEstimator, CostHint, CostObserver, Costs, Ewma, LinkEstimator,
                                 OperatingPoint, RateEstimator, accepted_drafts, allowed_points, choose, expected_cost,

@@ -5,11 +5,11 @@ import pickle
 import pytest
 import torch
 
-from ciar.collab.decoder import CollabDecoder, method_config
+from ciar.sim.decoder import CollabDecoder, method_config
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionError, SessionLostError, VerifyRequest
-from ciar.collab.recovery import RecoveringClient
-from ciar.collab.verifier import CloudVerifier, InProcessCloud
+from ciar.sim.recovery import RecoveringClient
+from ciar.engine.verifier import CloudVerifier, InProcessCloud
 from ciar.decoding.sampling import SamplingParams, counter_uniform, seed_tensor
 from ciar_device import maths
 

@@ -9,8 +9,8 @@ import torch
 
 from ciar.collab.protocol import CapacityError, OpenRequest
 from ciar.engine.runner import AUTO_CPU_SESSIONS, memory_plan, plan_sessions, slot_bytes
-from ciar.collab.service import VerifierService, session_token
-from ciar.collab.verifier import CloudVerifier
+from ciar.engine.service import VerifierService, session_token
+from ciar.engine.verifier import CloudVerifier
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)

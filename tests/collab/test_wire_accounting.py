@@ -50,8 +50,8 @@ class WireLoopback:
 def test_generation_through_the_codec_equals_in_process(tiny_cloud, tiny_device, stub_text, median_tau):
     """CIAR with interval features through the codec: the same tokens as the direct in-process client, and the bytes
     the decoder charged the network model are exactly the bytes that crossed."""
-    from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.sim.decoder import CollabDecoder, method_config
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
     from ciar.decoding.sampling import SamplingParams
 
     params = SamplingParams(cfg_scale=2.0)

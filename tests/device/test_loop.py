@@ -62,7 +62,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def cloud(world):
-    from ciar.collab.runtime import make_verifier
+    from ciar.sim.runtime import make_verifier
 
     return NumpyCloud(make_verifier(world))
 

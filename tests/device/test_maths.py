@@ -387,7 +387,7 @@ def test_gate_score_dispatch_matches_gate_scores():
 def recorded(one_torch_thread):
     """Real device inputs: every draft of the shipped scenes device (CIAR, its calibrated gate, no network) on four
     val prompts: (center [rows, V], radius [rows, V], q as sent, drafted token, gate score, scored?) per draft."""
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.data.scenes import scene_at
     from ciar.world import load_world
     from ciar_device.loop import _Image

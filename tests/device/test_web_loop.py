@@ -19,7 +19,7 @@ SERVED: dict = {}  # the server fixture's endpoint and verifier (the retry tests
 
 @pytest.fixture(scope="module")
 def server():
-    from ciar.collab.runtime import make_verifier
+    from ciar.sim.runtime import make_verifier
     from ciar.world import load_world
     from services.device_endpoint import DeviceEndpoint
     from services.config import key_digest
@@ -86,9 +86,9 @@ def test_the_browser_the_client_and_the_clusters_device_make_the_same_image(node
     client (`ciar_device.loop` on onnxruntime, over a socket to the same endpoint) and the cluster's simulated phone
     on the same runtime (`CollabDecoder` with the onnx runtime, in process): the same tokens, decided by the same
     side, since they draw at the same position-keyed uniforms from the same draft distributions."""
-    from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.runtime import device_runtime
-    from ciar.collab.verifier import InProcessCloud
+    from ciar.sim.decoder import CollabDecoder, method_config
+    from ciar.sim.runtime import device_runtime
+    from ciar.engine.verifier import InProcessCloud
     from ciar.world import load_world
 
     prompts = _prompts(3, 60)

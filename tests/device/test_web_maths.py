@@ -27,7 +27,7 @@ def _num(v: float):
 def recorded(onnx_dir):
     """Positions the numpy device loop scored on 2 held-out prompts (every other one): the step's logits (both CFG
     rows), the guided box and the drawn token, with the Python side's draft and scores for every gate."""
-    from ciar.collab.runtime import make_verifier
+    from ciar.sim.runtime import make_verifier
     from ciar.data.scenes import scene_at
     from ciar.world import load_world
     from ciar_device import loop

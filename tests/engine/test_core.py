@@ -5,7 +5,7 @@ import torch
 
 from ciar.engine.core import SchedulerConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionLostError, VerifyRequest
-from ciar.collab.verifier import CloudVerifier
+from ciar.engine.verifier import CloudVerifier
 from ciar.decoding.sampling import SamplingParams
 
 PARAMS = SamplingParams(cfg_scale=2.0, temperature=1.0)
@@ -232,8 +232,8 @@ def test_the_engine_thread_answers_control_calls_while_a_forward_runs(tiny_cloud
     import asyncio
     import threading
 
-    from ciar.collab.service import VerifierService, session_token
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.service import VerifierService, session_token
+    from ciar.engine.verifier import CloudVerifier
 
     v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     service = VerifierService(v, "s")
@@ -271,8 +271,8 @@ def test_the_engine_thread_gives_the_same_replies_as_the_loop(tiny_cloud, stub_t
     prefix tokens and verdicts (the thread changes who steps the engine, not what it computes)."""
     import asyncio
 
-    from ciar.collab.service import VerifierService
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.service import VerifierService
+    from ciar.engine.verifier import CloudVerifier
 
     def replies(engine_thread: bool):
         v = CloudVerifier(tiny_cloud, stub_text, max_sessions=3)

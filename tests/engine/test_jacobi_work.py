@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ciar.collab.protocol import OpenRequest, SessionError
-from ciar.collab.verifier import CloudVerifier, JacobiWork
+from ciar.engine.verifier import CloudVerifier, JacobiWork
 from ciar.decoding.jacobi import generate_sjd
 from ciar.decoding.sampling import SamplingParams
 from ciar.engine.core import SchedulerConfig

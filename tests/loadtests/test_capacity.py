@@ -49,7 +49,7 @@ def test_a_point_counts_images_per_phone_however_long_an_image_takes(monkeypatch
         return {"replicas": ["r"], "forwards": 0, "real_positions": 0, "padded_positions": 0, "resumed": 0,
                 "positions_by_kind": {}, "batch_size_hist": {}}
 
-    monkeypatch.setattr("ciar.collab.trace.replay_session", replay)
+    monkeypatch.setattr("ciar.capacity.trace.replay_session", replay)
     monkeypatch.setattr(capacity, "replica_stats", replica_stats)
     monkeypatch.setattr(capacity, "running_replicas", lambda app="capacity": 1)
     args = argparse.Namespace(network="none", warmup=0.0, duration=0.05, images=3, overload="0.5:1.5")

@@ -17,7 +17,8 @@ LIMIT = 64 << 10
 
 
 def _endpoint(backend, **kw):
-    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+    from services.device_endpoint import DeviceEndpoint
+    from services.endpoint_limits import EndpointLimits
     from services.config import key_digest
 
     limits = dict(max_frame_bytes=LIMIT, max_sessions_per_device=3, messages_per_s=5000, burst=5000,
@@ -46,7 +47,7 @@ def _connections(endpoint, key):
 
 @pytest.fixture(scope="module")
 def witnesses(tiny_device, median_tau):
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
 
     # the calibrated point: under the fuzz the adaptive policy would choose from the costs it inflates, and a
@@ -63,7 +64,7 @@ def witnesses(tiny_device, median_tau):
 @pytest.fixture(scope="module")
 def fuzzed(tiny_cloud, stub_text, witnesses):
     """One fuzz run: -> (report, endpoint, fuzzer)."""
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from services.testing import InProcessBackend, loopback_endpoint
 
     verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=16)
@@ -183,7 +184,7 @@ def test_expected_answers_oracle():
 
 def test_a_broken_backend_is_reported(tiny_cloud, stub_text):
     """A backend whose close raises a bug: the fuzz lists the 500s as failures (it does not pass a broken server)."""
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from services.testing import InProcessBackend, loopback_endpoint
 
     class Broken(InProcessBackend):

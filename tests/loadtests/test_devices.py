@@ -88,7 +88,7 @@ def test_serve_latency_from_prometheus_text():
 # ---------------------------------------------------------------------------------------------------- real clients
 @pytest.fixture(scope="module")
 def endpoint():
-    from ciar.collab.runtime import make_verifier
+    from ciar.sim.runtime import make_verifier
     from ciar.world import load_world
     from services.device_endpoint import DeviceEndpoint
     from services.config import key_digest

@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from ciar.collab.decoder import method_config
+from ciar.sim.decoder import method_config
 from ciar.collab.device import DeviceModel
 from ciar.models.checkpoint import read_model_file
 from pipelines import calibrate
@@ -93,7 +93,7 @@ def test_gates_none_takes_no_knobs(tmp_path, capsys):
 def test_policy_rates_are_measured_and_the_device_starts_from_them(tmp_path, shipped_world_copy):
     from ciar.collab.defaults import EXTRA_KEY, CIARDefaults
     from ciar_device.policy import CostObserver
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.models.checkpoint import read_model_metadata
     from ciar.world import DEFAULT_WEIGHTS_DIR, load_world
 

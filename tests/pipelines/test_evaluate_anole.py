@@ -126,8 +126,8 @@ def test_same_caption_and_seed_give_the_same_image_as_in_process(run, files):
     import torch
     from PIL import Image
 
-    from ciar.collab.decoder import shared_knobs
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.decoder import shared_knobs
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.models.vq import tensor_to_images
     from ciar.world import load_world
 

@@ -67,7 +67,7 @@ def test_same_caption_and_seed_give_the_same_tokens_as_in_process(run, files):
     import torch
     from PIL import Image
 
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.models.vq import tensor_to_images
     from ciar.world import load_llamagen_world
 

@@ -137,9 +137,9 @@ def test_vq_decoder_matches_torch(world, exported):
 
 # ---------------------------------------------------------------------- the device loop on the ONNX graphs
 def test_device_loop_same_decisions(world, exported):
-    """The simulated phone on either runtime (`ciar.collab.runtime.device_runtime`) makes the same images."""
-    from ciar.collab.calibration import val_prompts
-    from ciar.collab.runtime import device_runtime, make_decoder, make_verifier
+    """The simulated phone on either runtime (`ciar.sim.runtime.device_runtime`) makes the same images."""
+    from ciar.training.calibration import val_prompts
+    from ciar.sim.runtime import device_runtime, make_decoder, make_verifier
 
     verifier = make_verifier(world)
     prompts = val_prompts(4, seed=7, start=20_000)

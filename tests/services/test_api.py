@@ -215,8 +215,8 @@ def test_a_real_device_over_the_websocket_endpoint(cluster):
     cut mid-image with a verify in flight; a wrong key is closed with its reason."""
     import torch
 
-    from ciar.collab.decoder import CollabDecoder, method_config
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.decoder import CollabDecoder, method_config
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.testing import cutting_connection
     from ciar.world import load_default_world
     from ciar_device.connection import ConnectionRefused, DeviceConnection

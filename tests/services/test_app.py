@@ -84,7 +84,7 @@ def test_ciar_png_deterministic_and_equal_to_in_process(cluster):
     assert 0 < st["cloud_call_rate"] < 1 and st["verifications"] > 0  # some tokens local, some verified
     assert st["comm_s"] > 0 and st["wall_s"] >= st["comm_s"]  # simulated link time was spent for real
 
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.world import load_default_world
 
     world = load_default_world(cluster)

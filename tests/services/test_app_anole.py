@@ -57,7 +57,7 @@ def post(body):
 
 
 def _local(world, method: str = "ciar", **knobs):
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.world import load_world
 
     w = load_world(world)
@@ -89,7 +89,7 @@ def test_an_anole_image_over_http_equals_the_in_process_one(cluster):
 def test_a_phone_over_the_device_endpoint_makes_the_same_tokens(cluster):
     import torch
 
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.testing import cutting_connection
 
     always = dict(KNOBS, gate="always")  # every span verified: several VERIFYs in 16 tokens, so the cut lands on one

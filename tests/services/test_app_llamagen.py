@@ -56,7 +56,7 @@ def post(body):
 def test_llamagen_world_served_end_to_end_and_equal_to_in_process(cluster):
     from PIL import Image
 
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.world import load_world
 
     body = {"prompt": PROMPT, "seed": 5, "method": "ciar", "response_format": "png"}

@@ -80,7 +80,7 @@ def test_model_and_method_are_one_knob():
 def test_the_schemas_take_each_knob_from_the_one_table():
     """MethodParams, CollabOverrides and DeviceLiveConfig state each knob's range as ciar.collab.knobs declares it,
     which is what CollabConfig.validate checks: at and around every bound, all of them agree."""
-    from ciar.collab.decoder import CollabConfig
+    from ciar.sim.decoder import CollabConfig
     from ciar.collab.knobs import KNOBS, LIVE_KNOBS, REQUEST_KNOBS
     from services.schemas import CollabOverrides
 

@@ -18,8 +18,9 @@ SECRET = "test-secret"
 
 @pytest.fixture(scope="module")
 def server(tiny_cloud, stub_text):
-    from ciar.collab.verifier import CloudVerifier
-    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+    from ciar.engine.verifier import CloudVerifier
+    from services.device_endpoint import DeviceEndpoint
+    from services.endpoint_limits import EndpointLimits
     from services.config import key_digest
     from services.testing import InProcessBackend, loopback_endpoint
 
@@ -36,7 +37,7 @@ def _conn(url, key=KEY, **kw):
 
 
 def _generate(client, tiny_device, median_tau, seed=3):
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
 
     cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none", policy="fixed")
@@ -46,7 +47,7 @@ def _generate(client, tiny_device, median_tau, seed=3):
 
 @pytest.fixture(scope="module")
 def reference(tiny_cloud, tiny_device, stub_text, median_tau):
-    from ciar.collab.verifier import CloudVerifier, InProcessCloud
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
 
     return _generate(InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=4)), tiny_device, median_tau)
 
@@ -213,7 +214,8 @@ def test_only_a_bad_session_token_is_answered_403():
     from types import SimpleNamespace
 
     from ciar.collab.protocol import SessionTokenError
-    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+    from services.device_endpoint import DeviceEndpoint
+    from services.endpoint_limits import EndpointLimits
 
     ep = SimpleNamespace(limits=EndpointLimits())
     wrapped = RuntimeError("the replica's call failed")
@@ -234,7 +236,8 @@ def test_a_lost_verifier_replica_is_a_410_for_a_verify_and_a_503_for_the_rest():
 
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from services.device_endpoint import DeviceEndpoint, EndpointLimits
+    from services.device_endpoint import DeviceEndpoint
+    from services.endpoint_limits import EndpointLimits
 
     ep = SimpleNamespace(limits=EndpointLimits())
     for lost in (ActorDiedError(), ActorUnavailableError("node gone", b"\x00" * 16)):

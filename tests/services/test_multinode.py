@@ -67,7 +67,7 @@ def test_an_image_crosses_the_nodes_and_equals_the_in_process_one(nodes):
     got = r.json()
     assert got["stats"]["verifications"] > 0  # the phone on one node asked a verifier on another
 
-    from ciar.collab.runtime import make_decoder, make_verifier
+    from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.world import load_default_world
 
     world = load_default_world(nodes["weights"])

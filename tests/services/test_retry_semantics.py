@@ -5,7 +5,7 @@ either after relaying it ("deliver") or instead ("drop"). For every frame of an 
 to an uninterrupted one, and afterwards the verifier must hold no session and the endpoint count none.
 
 The endpoint's verifier is `services.testing.InProcessBackend`: the Verifier deployment's own calls
-(`ciar.collab.service.VerifierService`) on a CloudVerifier in this process."""
+(`ciar.engine.service.VerifierService`) on a CloudVerifier in this process."""
 
 import time
 
@@ -34,7 +34,7 @@ CUTS = {
 
 @pytest.fixture(scope="module")
 def server(tiny_cloud, stub_text):
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from services.device_endpoint import DeviceEndpoint
     from services.config import key_digest
     from services.testing import InProcessBackend, loopback_endpoint
@@ -46,7 +46,7 @@ def server(tiny_cloud, stub_text):
 
 
 def _generate(url, tiny_device, median_tau, sid="img"):
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
     from ciar_device.connection import DeviceConnection
 

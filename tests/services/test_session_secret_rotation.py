@@ -49,14 +49,14 @@ class Redeploy:
 
 
 def _backend(tiny_cloud, stub_text, secret):
-    from ciar.collab.verifier import CloudVerifier
+    from ciar.engine.verifier import CloudVerifier
     from services.testing import InProcessBackend
 
     return InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=4), secret)
 
 
 def _generate(conn, tiny_device, median_tau, sid):
-    from ciar.collab.decoder import CollabDecoder, method_config
+    from ciar.sim.decoder import CollabDecoder, method_config
     from ciar.decoding.sampling import SamplingParams
 
     cfg = method_config("ciar", tau=median_tau, gate="interval", burst=2, network="none", policy="fixed")
@@ -78,7 +78,7 @@ def backends(tiny_cloud, stub_text):
 def test_a_resume_after_a_redeploy_that_changed_the_secret_finishes_the_image(backends, tiny_device, median_tau, cut):
     """With the cut, the device resumes after reconnecting (the flake's path); without, the new verifier answers its
     VERIFY 410 (it does not hold the session) and the device resumes."""
-    from ciar.collab.service import session_token
+    from ciar.engine.service import session_token
     from ciar.testing import cutting_connection
     from ciar_device.connection import DeviceConnection
     from services.device_endpoint import DeviceEndpoint
@@ -116,7 +116,7 @@ def test_tokens_of_this_secret_are_checked_and_of_another_one_recognised(backend
     the session as not held by it (410 / nothing to close), a RESUME with it re-creates the session, and from
     then on that token drives the session on this verifier."""
     from ciar.collab.protocol import SessionLostError, SessionTokenError, VerifyRequest
-    from ciar.collab.service import session_token
+    from ciar.engine.service import session_token
     from ciar.decoding.sampling import SamplingParams
     from ciar_device.wire import OpenRequest
 

@@ -1,8 +1,9 @@
-"""Threshold calibration (ciar.collab.calibration): the bisection behind --target-rate, pipelines.calibrate and the gate matching."""
+"""Threshold calibration (ciar.training.calibration): the bisection behind --target-rate, pipelines.calibrate and the
+gate matching."""
 
 import math
 
-from ciar.collab.calibration import bisect_threshold
+from ciar.training.calibration import bisect_threshold
 
 
 def _rate_of(scores):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ciar.collab.losses import LOSS_TERMS, InterDROConfig, inter_dro_loss
+from ciar.training.losses import LOSS_TERMS, InterDROConfig, inter_dro_loss
 
 
 def _batch(m=12, v=10, seed=0):
@@ -77,7 +77,7 @@ def test_ignore_index_and_validation():
 
 
 def _fit_radius(center, cloud_logp, width=0.1, steps=800):
-    from ciar.collab.losses import coverage_loss
+    from ciar.training.losses import coverage_loss
 
     M, V = center.shape
     r = torch.zeros(1, V, requires_grad=True)
@@ -110,7 +110,7 @@ def test_coverage_box_follows_the_error_of_tokens_with_mass_and_stays_small_else
 
 def test_coverage_gradient_depends_on_the_cloud_unlike_inter_dro():
     """The radius gradient of Inter-DRO's CE(c+r) + CE(c-r) is label-free; coverage's follows where the device errs."""
-    from ciar.collab.losses import coverage_loss
+    from ciar.training.losses import coverage_loss
 
     center = torch.tensor([[2.0, 1.0, 0.0]])
     grads = []
@@ -123,7 +123,7 @@ def test_coverage_gradient_depends_on_the_cloud_unlike_inter_dro():
 
 
 def test_distill_loss_is_zero_kl_at_the_cloud_and_follows_cfg():
-    from ciar.collab.losses import DistillConfig, distill_loss, guided_logp, truncate
+    from ciar.training.losses import DistillConfig, distill_loss, guided_logp, truncate
     from ciar.decoding.sampling import SamplingParams, logits_to_probs
 
     g = torch.Generator().manual_seed(1)

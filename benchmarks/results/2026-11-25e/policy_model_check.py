@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import torch
 
-from ciar.collab.network import get_profile
+from ciar.sim.network import get_profile
 from ciar.collab.policy import CLOUD_ONLY, Costs, OperatingPoint, choose, expected_cost
-from ciar.collab.runtime import make_decoder, make_verifier
-from ciar.collab.verifier import InProcessCloud
+from ciar.sim.runtime import make_decoder, make_verifier
+from ciar.engine.verifier import InProcessCloud
 from ciar.data.scenes import scene_at
 from ciar.world import load_world
 

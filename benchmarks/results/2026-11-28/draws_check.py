@@ -15,7 +15,7 @@ import torch
 
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/device"]
 import ciar  # noqa: E402
-from ciar.collab.runtime import make_decoder, make_verifier  # noqa: E402
+from ciar.sim.runtime import make_decoder, make_verifier  # noqa: E402
 from ciar.world import load_world  # noqa: E402
 
 torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 import sys, time, json, torch
 torch.set_num_threads(1)
 from ciar.world import load_world
-from ciar.collab.verifier import CloudVerifier
+from ciar.engine.verifier import CloudVerifier
 from ciar.collab.protocol import OpenRequest, VerifyRequest
 world = load_world(None)
 cloud = world.cloud
