@@ -140,7 +140,8 @@ class Device:
             "config": {"tau": cfg.tau, "span": cfg.span, "prefix_rate": cfg.prefix_rate, "gate": cfg.gate,
                        "burst": cfg.burst, "policy": cfg.policy,
                        "rule": cfg.rule.rule, "inter_enhance": cfg.inter_enhance,
-                       "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime},
+                       "device_slowdown": cfg.device_slowdown, "realtime": self.live.realtime,
+                       "jacobi_window": cfg.jacobi_window},
             "sampling": sampling.to_dict(),
         })
         return GenerationOutput(tokens=result.tokens.tolist(), who=result.trace, png=image, stats=stats)

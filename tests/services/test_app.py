@@ -107,6 +107,26 @@ def test_json_response_and_every_method(cluster):
     assert j["stats"]["total_tokens"] == 144
 
 
+def test_sjd_and_gsd_through_serve(cluster):
+    """The cloud's own Jacobi windows through the cluster: sjd's image is the in-process decoder's, in fewer cloud
+    passes than tokens; gsd runs; a Jacobi method without a window is a 422 naming the params."""
+    from ciar.sim.runtime import make_decoder, make_verifier
+    from ciar.world import load_default_world
+
+    body = {"prompt": PROMPT, "seed": 4, "method": "sjd", "response_format": "tokens"}
+    r = post(body).json()
+    st = r["stats"]
+    assert st["method"] == "sjd" and st["config"]["jacobi_window"] == 16 and st["cloud_call_rate"] == 1.0
+    assert st["cloud_requests"] == 1 and st["cloud_forward_passes"] < 144
+    world = load_default_world(cluster)
+    local = make_decoder(world, make_verifier(world, max_sessions=1), "sjd", network="5g").generate(PROMPT, seed=4)
+    assert r["data"][0]["tokens"] == local.tokens.tolist()
+    g = post({**body, "method": "gsd"})
+    assert g.status_code == 200 and g.json()["stats"]["config"]["rule"] == "gsd", g.text
+    bad = post({**body, "params": {"jacobi_window": 0}})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "params", bad.text
+
+
 def test_via_handle(cluster):
     h = serve.get_deployment_handle("Device", app_name="ciar")
     job = {"session_id": "handle-test", "prompt": PROMPT, "seed": 5, "method": "ciar", "network": "5g"}
