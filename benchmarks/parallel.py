@@ -42,7 +42,11 @@ from ciar.decoding.jacobi import DEFAULT_WINDOW
 from ciar_device.stats import GenerationStats
 
 VARIANTS = {"cloud": ("cloud", {}), "sjd": ("sjd", {}), "gsd": ("gsd", {}), "ciar": ("ciar", {}),
-            "ciar + Jacobi": ("ciar", {"jacobi_window": DEFAULT_WINDOW})}
+            "ciar + Jacobi": ("ciar", {"jacobi_window": DEFAULT_WINDOW}),
+            # at the device file's calibrated point (no adaptive choice, never cloud-only): what the drafting costs
+            "ciar fixed": ("ciar", {"policy": "fixed"}),
+            "ciar + Jacobi fixed": ("ciar", {"policy": "fixed", "jacobi_window": DEFAULT_WINDOW})}
+DEFAULT_VARIANTS = ("cloud", "sjd", "gsd", "ciar", "ciar + Jacobi")
 SATURATION_SESSIONS = 64  # sessions in every forward of the GPU-priced figure
 
 
@@ -58,7 +62,7 @@ def gpu_images_per_s(passes: float, positions: float, image_tokens: int, overhea
     return SATURATION_SESSIONS / (step * passes)
 
 
-def run(n: int, networks: list[str], seed: int, out: str) -> dict:
+def run(n: int, networks: list[str], seed: int, out: str, variants=DEFAULT_VARIANTS) -> dict:
     from ciar.sim.runtime import make_decoder, make_verifier
     from ciar.metrics.fid import make_fid
     from ciar.metrics.probe import load_probe
@@ -70,8 +74,11 @@ def run(n: int, networks: list[str], seed: int, out: str) -> dict:
     probe = load_probe(os.path.join(world.weights_dir, "probe.safetensors"))
     fid_net = make_fid("scenes")
     verifier = make_verifier(world, max_sessions=2)
+    if "cloud" not in variants or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants: cloud and any of {', '.join(VARIANTS)}")
+    chosen = {v: VARIANTS[v] for v in variants}
     runs = {(v, net): make_decoder(world, verifier, m, network=net, **ov)
-            for v, (m, ov) in VARIANTS.items() for net in networks}
+            for v, (m, ov) in chosen.items() for net in networks}
     for d in runs.values():  # first-call overheads out of the measurement
         d.generate(ps.captions[0], seed=10 ** 9)
     tokens = {k: [] for k in runs}
@@ -88,7 +95,7 @@ def run(n: int, networks: list[str], seed: int, out: str) -> dict:
     wall = time.perf_counter() - t0
     image_tokens = world.cloud.config.block_size
     rows, base_checks = {}, None
-    for v in VARIANTS:
+    for v in chosen:
         first = (v, networks[0])  # tokens and cloud work per link differ only where the adaptive policy reads it
         toks = torch.stack(tokens[first])
         checks = fidelity_checks(world, toks, ps, probe)
@@ -99,6 +106,7 @@ def run(n: int, networks: list[str], seed: int, out: str) -> dict:
         rows[v] = {**quality(world, toks, ps, probe, fid_net),
                    "fidelity_vs_cloud": None if v == "cloud" else paired_fidelity_ci(base_checks, checks),
                    "cloud_passes_per_image": passes, "cloud_requests_per_image": total.cloud_requests / n,
+                   "handed_to_cloud": total.handovers / n,  # images the adaptive policy gave to the cloud
                    "cloud_positions_per_image": pos, "cloud_call_rate": summarize_method(stats[first], None)
                    ["cloud_call_rate"], "paper_profile_s": priced(total, n, PAPER_PROFILE),
                    "gpu_images_per_s": gpu_images_per_s(passes, pos, image_tokens, 0.0),
@@ -113,7 +121,10 @@ def run(n: int, networks: list[str], seed: int, out: str) -> dict:
         r["speedup_paper_profile"] = base["paper_profile_s"] / r["paper_profile_s"]
         r["gpu_images_per_s_vs_cloud"] = r["gpu_images_per_s"] / base["gpu_images_per_s"]
         r["gpu_images_per_s_3ms_vs_cloud"] = r["gpu_images_per_s_3ms"] / base["gpu_images_per_s_3ms"]
-    result = {"command": f"python -m benchmarks.parallel --n {n} --networks {','.join(networks)} --seed {seed}",
+    command = f"python -m benchmarks.parallel --n {n} --networks {','.join(networks)} --seed {seed}"
+    if tuple(variants) != DEFAULT_VARIANTS:
+        command += f" --variants '{','.join(variants)}'"
+    result = {"command": command,
               "prompts": ps.source, "n": n, "image_tokens": image_tokens, "jacobi_window": DEFAULT_WINDOW,
               "wall_s": wall, "rows": rows}
     os.makedirs(out, exist_ok=True)
@@ -153,9 +164,12 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=200, help="held-out prompts")
     ap.add_argument("--networks", default="5g,4g,wifi", help="simulated links, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, cloud first (the baseline): any of {', '.join(VARIANTS)}")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    res = run(args.n, [s.strip() for s in args.networks.split(",")], args.seed, args.out)
+    res = run(args.n, [s.strip() for s in args.networks.split(",")], args.seed, args.out,
+              tuple(v.strip() for v in args.variants.split(",")))
     print(markdown(res))
     return 0
 
