@@ -10,7 +10,9 @@ A step asks two kinds of decision of the rows its forward computed:
   draw   one token the cloud samples itself (a prefix or cloud-only token, a cloud-burst token), with the burst's
          entropy stop: `Draw(logits [rows, V], sampling, seed, position, stop_entropy)`
   span   the verdict on a verification's drafts: `Span(targets [rows, k+1, V], drafts [k], draft probs [k, V]
-         float16 as sent, sampling, rule, seed, position, hidden [k+1, D] | None)`
+         float16 as sent, sampling, rule, seed, position, hidden [k+1, D] | None)`; a Jacobi round's span
+         (`jacobi=Jacobi(q, window, round)`: drafts the cloud made itself, their q on the device) also gets its window
+         drafted again (`Decided.redrafts`)
 `decide` computes all of them at once: every row's guidance, temperature, top-k and top-p in one call with per-row
 parameter tensors (`ciar.decoding.sampling.rows_to_probs`), every span of an acceptance rule in one `verify_span`
 call (one call per distinct rule configuration in the step; a deployment has one), every draw by inverse CDF at a

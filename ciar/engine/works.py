@@ -258,8 +258,9 @@ class JacobiWork(SpanFeed, OpenWork):
     """An open whose prefix tokens the cloud decodes by speculative Jacobi decoding (SJD; `OpenRequest.jacobi_window`
     > 0): after the prefill, each round feeds the last committed token and a window of drafts the cloud made itself,
     as a verification's span (scheduled, chunked and judged with the step's other spans); the judge tests the drafts
-    with the exact rule and drafts the window again from the distributions this forward computed past the commit,
-    the rest of it uniformly (`ciar.engine.judge.Jacobi`). `ciar.decoding.jacobi.generate_sjd` decodes one image the
+    with the session's rule (exact: SJD, the same distribution as one token a forward; gsd: GSD's groups) and drafts
+    the window again from the distributions this forward computed past the commit, the rest of it uniformly
+    (`ciar.engine.judge.Jacobi`). `ciar.decoding.jacobi.generate_sjd` decodes one image the
     same way outside the engine, with the same draws: the same caption and seed give the same tokens."""
 
     def __init__(self, ctx: WorkContext, request: OpenRequest, caption_emb=None, caption_mask=None, owner: str = ""):
@@ -327,9 +328,11 @@ class JacobiWork(SpanFeed, OpenWork):
         self.take_feed(piece, out)
 
     def span(self) -> Span:
-        s, k = self.s, len(self.drafts)
-        return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule, s.seed,
-                    len(s.tokens), jacobi=Jacobi(self.q, self.window, self.iteration + 1) if k else None)
+        """The round's judgement: its drafts (at least one: the window is never empty while tokens are left) with
+        their distributions on the device, the window to draft again and the round it is."""
+        s = self.s
+        return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule,
+                    s.seed, len(s.tokens), jacobi=Jacobi(self.q, self.window, self.iteration + 1))
 
     def commit(self, n: int, z: int, recovered: bool, judged: int, redraft=None) -> None:
         """The round's verdict (n drafts kept, next token z) and the window drafted again (tokens, their
