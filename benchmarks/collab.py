@@ -214,6 +214,11 @@ def fidelity_checks(world, tokens: torch.Tensor, ps: PromptSet, probe) -> tuple[
     return np.asarray(right), np.asarray(made)
 
 
+def ci_text(ci: dict | None) -> str:
+    """A `paired_fidelity_ci` as a table cell: "+0.004 [-0.017, +0.026]" ("–" for the baseline itself)."""
+    return "–" if ci is None else f"{ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"
+
+
 def paired_fidelity_ci(base: tuple, other: tuple, n_boot: int = 2000, seed: int = 0,
                        level: float = 0.95) -> dict:
     """`other`'s fidelity minus `base`'s on the same prompts and seeds (each a `fidelity_checks` pair), with a

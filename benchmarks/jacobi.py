@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.collab import fidelity_checks, load_prompts, paired_fidelity_ci, quality
+from benchmarks.collab import ci_text, fidelity_checks, load_prompts, paired_fidelity_ci, quality
 from ciar.decoding.generate import generate_cloud
 from ciar.decoding.jacobi import generate_sjd
 
@@ -92,8 +92,7 @@ def markdown(result: dict) -> str:
              "(this CPU) | speedup (this CPU) | fidelity | Δ fidelity vs cloud [95 % CI] | FID |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in result["rows"].items():
-        ci = r["fidelity_vs_cloud"]
-        d = "–" if ci is None else f"{ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"
+        d = ci_text(r["fidelity_vs_cloud"])
         lines.append(f"| {m} | {r['passes_per_image']:.1f} | ×{r['step_compression']:.2f} | "
                      f"{r['positions_per_image']:.0f} | ×{r['positions_vs_cloud']:.2f} | {r['seconds_per_image']:.3f} | "
                      f"×{r['speedup_this_cpu']:.2f} | {r['fidelity']:.3f} | {d} | {r['fid']:.2f} |")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks.collab import PAPER_PROFILE, fidelity_checks, load_prompts, paired_fidelity_ci, priced, quality
+from benchmarks.collab import PAPER_PROFILE, ci_text, fidelity_checks, load_prompts, paired_fidelity_ci, priced, quality
 from ciar.capacity.gpu_model import GPUS, ModelShapes, forward_s
 from ciar.collab.stats import summarize_method
 from ciar.decoding.jacobi import DEFAULT_WINDOW
@@ -147,8 +147,7 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|" + "---|" * len(nets) + "---|---|---|---|---|"]
     f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
     for m, r in result["rows"].items():
-        ci = r["fidelity_vs_cloud"]
-        d = "–" if ci is None else f"{ci['diff']:+.3f} [{ci['lo']:+.3f}, {ci['hi']:+.3f}]"
+        d = ci_text(r["fidelity_vs_cloud"])
         lines.append(f"| {m} | {r['cloud_passes_per_image']:.1f} | ×{r['step_compression']:.2f} | "
                      f"{r['cloud_requests_per_image']:.1f} | {r['cloud_positions_per_image']:.0f} | "
                      f"×{r['positions_vs_cloud']:.2f} | {f(r['fidelity'], '.3f')} | {d} | {f(r['fid'], '.2f')} | "

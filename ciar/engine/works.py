@@ -201,12 +201,19 @@ class OpenWork(SessionWork):
                          want=[n - 1] if self.cond_pos + n == cls else [])
         return Piece(self.slots, cls + len(self.s.tokens) - 1, 1, tokens=[self.s.tokens[-1]], want=[0])
 
+    def prefilled(self, piece: Piece) -> bool:
+        """A prefill chunk was fed: True once the whole condition is in the cache (the embedded condition is
+        dropped then)."""
+        self.cond_pos += piece.n
+        if self.cond_pos < self.ctx.cls:
+            return False
+        self.cond = None
+        return True
+
     def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
-            self.cond_pos += piece.n
-            if self.cond_pos < self.ctx.cls:
+            if not self.prefilled(piece):
                 return
-            self.cond = None
             if self.request.prefix_len == 0:  # the first image token's logits are kept for the first verification
                 self.s.first_logits = out.logits[:, 0].clone()
                 self.complete()
@@ -315,10 +322,8 @@ class JacobiWork(SpanFeed, OpenWork):
 
     def take(self, piece: Piece, out) -> None:
         if self.phase == "prefill":
-            self.cond_pos += piece.n
-            if self.cond_pos < self.ctx.cls:
+            if not self.prefilled(piece):
                 return
-            self.cond = None
             self.s.first_logits = out.logits[:, 0].clone()  # image token 0's target: the first round tests it
             k = min(self.window, self.request.prefix_len)  # the first window: uniform drafts (SJD's initialisation)
             u = keyed_uniform(stream_keys([self.s.seed], JACOBI_STREAM), torch.arange(k))
@@ -421,10 +426,8 @@ class ResumeWork(OpenWork):
 
     def take(self, piece: Piece, out) -> None:
         if piece.emb is not None:
-            self.cond_pos += piece.n
-            if self.cond_pos < self.ctx.cls:
+            if not self.prefilled(piece):
                 return
-            self.cond = None
             if not self.history:
                 self.s.first_logits = out.logits[:, 0].clone()
         else:
