@@ -94,13 +94,19 @@ class Ingress:
             observe=self.metrics.device_event)
 
     # ------------------------------------------------------------------ auth / limits / readiness
+    @staticmethod
+    def _bearer(request: Request) -> str:
+        """The key of an `Authorization: Bearer <key>` header ("" when there is none)."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        return key.strip() if scheme.lower() == "bearer" else ""
+
     def _authorized(self, request: Request) -> bool:
         if self.open:
             return True
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        key = self._bearer(request)
+        if not key:
             return False
-        digest = bytes.fromhex(key_digest(key.strip()))
+        digest = bytes.fromhex(key_digest(key))
         return any(hmac.compare_digest(digest, h) for h in self.key_hashes)
 
     def _unauthorized(self) -> JSONResponse:
@@ -150,9 +156,7 @@ class Ingress:
 
     def _device_refusal(self, request: Request) -> JSONResponse | None:
         """None for a request that carries a device key (Bearer), else the 401 to answer."""
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if self.endpoint is not None and scheme.lower() == "bearer" and \
-                self.endpoint.device_of(key.strip()) is not None:
+        if self.endpoint is not None and self.endpoint.device_of(self._bearer(request)) is not None:
             return None
         return error_body(401, "a device key is required (Authorization: Bearer <device key>)",
                           field="authorization", kind="unauthorized")

@@ -43,11 +43,15 @@ class Readiness:
         info = await self.device.info.remote()
         return info["world"]
 
-    async def world(self) -> dict:
-        """The served world (Device.world_info); asked again if the first ask failed."""
+    def _world_ask(self) -> asyncio.Task:
+        """The ask for the served world in flight or answered; a failed one is asked again."""
         if self._world_task.done() and self._world_task.exception() is not None:
             self._world_task = asyncio.ensure_future(self._ask_world())
-        return await asyncio.wait_for(asyncio.shield(self._world_task), timeout=self.timeout_s)
+        return self._world_task
+
+    async def world(self) -> dict:
+        """The served world (Device.world_info); asked again if the first ask failed."""
+        return await asyncio.wait_for(asyncio.shield(self._world_ask()), timeout=self.timeout_s)
 
     async def _probe_verifier(self) -> bool:
         try:  # (past its time the probe is cancelled: none is left waiting in the router for a replica)
@@ -62,14 +66,13 @@ class Readiness:
         world), and a Verifier replica that answered within READY_TTL_S (asked again, at most one probe at a time,
         waiting at most READY_TIMEOUT_S)."""
         missing = []
-        if self._world_task.done() and self._world_task.exception() is not None:
-            self._world_task = asyncio.ensure_future(self._ask_world())  # the last ask failed: ask again
-        if not self._world_task.done():
+        ask = self._world_ask()
+        if not ask.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._world_task), self.READY_TIMEOUT_S)
+                await asyncio.wait_for(asyncio.shield(ask), self.READY_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - no device answered yet
                 pass
-        if not self._world_task.done() or self._world_task.exception() is not None:
+        if not ask.done() or ask.exception() is not None:
             missing.append("device")
         if self.verifier is not None and time.monotonic() - self._verifier_seen > self.READY_TTL_S:
             if self._probe is None or self._probe.done():
