@@ -22,8 +22,10 @@ add one forward per open), session resumes (one replica), the Ingress and the de
 Per load point (phones at once, `warmup_s` then a window of `duration_s`; the images finishing inside it count):
 images/s, image latency p50 / p95 / p99, cloud passes and requests per image, engine steps and mean works per step,
 pieces per step by kind, forwards per step and their padding (`ModelRunner.positions`), the share of the window the
-engine thread spent stepping and each step split into forward, judge and host milliseconds (`StepSplit`: timed to
-device syncs), replay mismatches (0: every reply equalled the recording) and errors. A method's ramp stops once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
+engine thread spent stepping and each step split into forward, judge and host milliseconds (`StepSplit`: one step in
+`SPLIT_EVERY` timed to device syncs), replay mismatches (0: every reply equalled the recording) and errors. On CUDA
+the engine serves the fused step, as `serve_config.gpu.yaml` does (`verifier_fused_step`). A method's ramp stops
+once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
 measured) and phones at the p99 SLO, per method; beside each point the capacity model's prediction for the same
 phones, link and window (`ciar.capacity.gpu_model.simulate`: the measured roofline, the same session slots and
 scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
@@ -141,7 +143,10 @@ class StepSplit:
         return {"steps": steps, "step": round(per["step"], 3), "forward": round(per["forward"], 3),
                 "judge": round(per["judge"], 3),
                 "host": round(per["step"] - per["forward"] - per["judge"], 3),
-                "accelerator_busy_upper_bound": round((per["forward"] + per["judge"]) / per["step"], 3)}
+                "accelerator_busy_upper_bound": round((per["forward"] + per["judge"]) / per["step"], 3),
+                # the mean of a few timed steps moves with any one slow step: the same engine_graphs judge's mean
+                # read 1.9, 2.3 and 7.9 ms in three H200 processes (2026-11-28c); the medians beside it
+                "median": {k: round(1e3 * float(np.median(v)), 3) for k, v in self.t.items() if v}}
 
 
 async def point(client, traces: list, phones: int, warmup_s: float, duration_s: float, network: str = NETWORK,
@@ -253,6 +258,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     from ciar.engine.verifier import CloudVerifier
     from ciar.engine.core import EngineThread
     from ciar.engine.scheduler import SchedulerConfig
+    from ciar.models.gpt import fuse_feed_forward
 
     model = suite.capacity_gpt()
     cfg = model.config
@@ -269,9 +275,10 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
         SchedulerConfig(token_budget=256, max_works=8, prefill_chunk=16)
     suite.release()
     t = time.perf_counter()
+    fused = suite.dev.type == "cuda"  # the step serve_config.gpu.yaml serves (verifier_fused_step)
     v = CloudVerifier(model, None, max_sessions="auto" if suite.dev.type == "cuda" else 4 * max(loads),
-                      projector=projector, scheduler=sched, slot_wait_s=600.0)
-    out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions,
+                      projector=projector, scheduler=sched, slot_wait_s=600.0, fused=fused)
+    out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions, "fused_step": fused,
                  "image_tokens": image_tokens, "traces": {m: len(t) for m, t in traces.items()},
                  "network": network, "slo_p99_s": slo_s, "warmup_s": warmup_s, "duration_s": duration_s,
                  "images_per_point": images}
@@ -300,6 +307,8 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                                                       "unrecorded": verdicts.unrecorded}
     finally:
         core.stop()
+        if fused:
+            fuse_feed_forward(model, False)  # the suite's other sections time the plain model
     max_sessions = v.table.max_sessions
     del core, client, v  # the KV cache (most of the accelerator's memory) goes before the next section
     suite.release()
@@ -343,7 +352,8 @@ def markdown(sec: dict) -> list[str]:
         return []
     window = (f"until {sec['images_per_point']} images" if sec.get("images_per_point") else
               f"{sec['duration_s']} s") + f" after {sec['warmup_s']} s"
-    lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, link {sec['network']}, "
+    lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, fused step "
+             f"{sec.get('fused_step', False)}, link {sec['network']}, "
              f"window {window}; replayed decisions: {sec.get('verdicts')}.",
              "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | steps/s | padding | "
              "step ms: forward / judge / host | engine stepping | mismatches | model 3 ms images/s | "

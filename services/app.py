@@ -360,7 +360,8 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
                            "resources": cfg.verifier_resources},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads,
-           memory_utilization=cfg.verifier_memory_utilization, cuda_graphs=cfg.verifier_cuda_graphs)
+           memory_utilization=cfg.verifier_memory_utilization, cuda_graphs=cfg.verifier_cuda_graphs,
+           fused_step=cfg.verifier_fused_step)
 
 
 def build_app(args: dict | None = None) -> serve.Application:

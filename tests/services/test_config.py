@@ -182,6 +182,8 @@ def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     VerifierLiveConfig(**live["Verifier"])
     cfg = AppConfig(**app["args"])
     assert cfg.verifier_num_gpus == (1 if "gpu" in name else 0)
+    # the fused step where a GPU serves (timed there: 2026-11-28c-gpu); a CPU replica ignores it either way
+    assert cfg.verifier_fused_step == ("gpu" in name)
 
 
 def make_tiny_t5_folder(world: dict) -> str:
@@ -252,3 +254,5 @@ def test_verifier_sessions_are_a_count_or_auto():
         AppConfig(verifier_memory_utilization=1.5)
     with pytest.raises(ValidationError, match="slot_wait_s"):
         VerifierLiveConfig(slot_wait_s=-1)
+    with pytest.raises(ValidationError, match="verifier_fused_step"):
+        AppConfig(verifier_fused_step="sometimes")
