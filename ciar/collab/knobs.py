@@ -100,9 +100,10 @@ _KNOBS = (
          "is at or below this (0: a fixed burst)", unset="the device model's", ge=0.0, le=1.0),
     Knob("prefix_rate", float, 0.06, "fraction of the image tokens the cloud generates first (prefix injection, rho)",
          ge=0.0, le=1.0, request=True, live=True),
-    Knob("jacobi_window", int, 0, "the cloud decodes the tokens it makes itself (the prefix; every token for cloud "
-         "and sjd) by speculative Jacobi decoding with windows of this many drafts: several tokens per forward, the "
-         "same distribution (0: one token per forward; sjd's and gsd's preset: 16)", ge=0, le=64, request=True),
+    Knob("jacobi_window", int, 0, "the cloud decodes the tokens it makes itself (the prefix and the bursts after a "
+         "rejection; every token for cloud and sjd) by speculative Jacobi decoding with windows of this many drafts: "
+         "several tokens per forward, the same distribution (0: one token per forward; sjd's and gsd's preset: 16)",
+         ge=0, le=64, request=True),
     Knob("inter_enhance", bool, True, "send interval features with the locally accepted tokens (off: the paper's "
          "w/o Inter-Enhance)", request=True),
     Knob("topk", int, 200, "set size of the topk gate", ge=1),

@@ -11,8 +11,10 @@ A step asks two kinds of decision of the rows its forward computed:
          entropy stop: `Draw(logits [rows, V], sampling, seed, position, stop_entropy)`
   span   the verdict on a verification's drafts: `Span(targets [rows, k+1, V], drafts [k], draft probs [k, V]
          float16 as sent, sampling, rule, seed, position, hidden [k+1, D] | None)`; a Jacobi round's span
-         (`jacobi=Jacobi(q, window, round)`: drafts the cloud made itself, their q on the device) also gets its window
-         drafted again (`Decided.redrafts`)
+         (`jacobi=Jacobi(q, window, round, stop_entropy)`: drafts the cloud made itself, their q on the device) also
+         gets its window drafted again (`Decided.redrafts`) and, for a cloud burst's round, where its entropy stop
+         fired (`Decided.span_stops`); a verification whose rejection starts a burst by windows asks for the burst's
+         first window (`redraft=Redraft(window, round)`)
 `decide` computes all of them at once: every row's guidance, temperature, top-k and top-p in one call with per-row
 parameter tensors (`ciar.decoding.sampling.rows_to_probs`), every span of an acceptance rule in one `verify_span`
 call (one call per distinct rule configuration in the step; a deployment has one), every draw by inverse CDF at a
@@ -104,9 +106,23 @@ class Jacobi:
     """What makes a span a Jacobi round (speculative Jacobi decoding: drafts the cloud made itself): the drafts'
     distributions [k, V] float32 on the device (None: uniform, the first window), and the window to draft again
     after the verdict, from this forward's distributions past the commit and uniformly beyond, each token at
-    `uniform(seed, JACOBI_STREAM, iteration * 2**32 + image position)` (`ciar.decoding.jacobi`)."""
+    `uniform(seed, JACOBI_STREAM, iteration * 2**32 + image position)` (`ciar.decoding.jacobi`). A cloud burst's
+    round also has the burst's entropy stop (`stop_entropy` > 0): the round ends before the first position whose
+    distribution's entropy / log V is at or below it (`Decided.span_stops`), as a burst of one token a forward
+    stops there."""
 
     q: torch.Tensor | None
+    window: int
+    iteration: int
+    stop_entropy: float = 0.0
+
+
+@dataclass
+class Redraft:
+    """A verification whose rejection starts a cloud burst by Jacobi windows: the burst's first window (`window`
+    drafts, its round `iteration`) drafted from the verdict's own distributions past the commit, as a Jacobi
+    round's next window is (`Decided.redrafts`)."""
+
     window: int
     iteration: int
 
@@ -126,6 +142,14 @@ class Span:
     position: int
     hidden: torch.Tensor | None = None
     jacobi: Jacobi | None = None  # a Jacobi round: its q is on the device, and the window is drafted again
+    redraft: Redraft | None = None  # a verification: the window a burst after its rejection starts with
+
+    @property
+    def drafting(self) -> tuple[int, int] | None:
+        """(window, round) of the window drafted after the verdict, if any."""
+        if self.jacobi is not None:
+            return self.jacobi.window, self.jacobi.iteration
+        return (self.redraft.window, self.redraft.iteration) if self.redraft is not None else None
 
     @property
     def k(self) -> int:
@@ -139,9 +163,12 @@ class Decided:
     stops: list[bool]  # per draw: its entropy stop fired (the token is not taken)
     verdicts: list[tuple[int, int, bool]]  # per span: (drafts kept, next token, resampled)
     errors: dict[int, BaseException]  # span index -> why it could not be judged (its rule's configuration)
-    # span index -> a Jacobi round's window drafted again: (tokens [window], their distributions [window, V] on the
-    # device)
+    # span index -> a Jacobi round's window drafted again, or a burst's first window: (tokens [window], their
+    # distributions [window, V] on the device)
     redrafts: dict[int, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    # span index -> where a burst round's entropy stop fired (the index of the first token not taken), for the
+    # rounds that have one and stopped
+    span_stops: dict[int, int] = field(default_factory=dict)
 
 
 class Judge:
@@ -184,13 +211,18 @@ class Judge:
         draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32)) if stopping else None
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(spans):
-            # one verify_span per configuration (Jacobi rounds apart: their q is already on the device)
-            groups.setdefault(tuple(vars(s.rule).values()) + (s.jacobi is not None,), []).append(i)
+            # one verify_span per configuration (Jacobi rounds apart: their q is already on the device; spans that
+            # draft a window after the verdict apart, and those with an entropy stop)
+            groups.setdefault(tuple(vars(s.rule).values()) + (
+                s.jacobi is not None, s.drafting is not None, s.jacobi is not None and s.jacobi.stop_entropy > 0),
+                []).append(i)
         span_in = []
         for idx in groups.values():
             g = [spans[i] for i in idx]
             kmax = max(s.k for s in g)
             jacobi = g[0].jacobi is not None
+            drafting = g[0].drafting is not None
+            stopping_rounds = jacobi and g[0].jacobi.stop_entropy > 0
             rows = [source.rows(s.targets, s.k + 1) for s in g]
             t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
                                              [r[2] for r in rows for _ in r[0]])
@@ -212,10 +244,13 @@ class Judge:
                 q=None if jacobi else pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16)
                                                           for s in g])
                                                if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
-                jacobi=dict(window=max(s.jacobi.window for s in g),
-                            keys=pack.add(stream_keys([s.seed for s in g], JACOBI_STREAM)),
-                            iterations=pack.add(torch.tensor([s.jacobi.iteration for s in g], dtype=torch.long)))
-                if jacobi else None,
+                jacobi=jacobi,
+                redraft=dict(window=max(s.drafting[0] for s in g),
+                             keys=pack.add(stream_keys([s.seed for s in g], JACOBI_STREAM)),
+                             iterations=pack.add(torch.tensor([s.drafting[1] for s in g], dtype=torch.long)))
+                if drafting else None,
+                stop=pack.add(torch.tensor([s.jacobi.stop_entropy for s in g], dtype=torch.float32))
+                if stopping_rounds else None,
                 p_at=pack.add(torch.tensor(p_at, dtype=torch.long)),
                 q_at=pack.add(torch.tensor(q_at, dtype=torch.long))))
         pack.send()
@@ -241,15 +276,17 @@ class Judge:
         for g in span_in:
             group = [spans[i] for i in g["idx"]]
             try:
-                out, redraft = self._judge_group(group, g, pack, logits)
+                out, redraft, stop = self._judge_group(group, g, pack, logits)
             except (SessionError, ValueError) as e:  # a rule this verifier cannot apply: those spans fail
                 for i in g["idx"]:
                     errors[i] = e
                 continue
-            judged.append((g["idx"], redraft))
+            judged.append((g["idx"], redraft, stop is not None))
             outs += [out.num_accepted, out.next_token, out.recovered]
             if redraft is not None:
                 outs.append(redraft[0])
+            if stop is not None:
+                outs.append(stop)
         host = torch.cat([o.reshape(-1).long() for o in outs]).tolist() if outs else []  # the step's one host read
 
         # --- unpacked on the host
@@ -262,8 +299,8 @@ class Judge:
         at += n
         stops = [bool(x) for x in host[at:at + n]] if stopping else [False] * n
         at += n if stopping else 0
-        redrafts = {}
-        for idx, redraft in judged:
+        redrafts, span_stops = {}, {}
+        for idx, redraft, stopped in judged:
             b = len(idx)
             ns, zs, rs = host[at:at + b], host[at + b:at + 2 * b], host[at + 2 * b:at + 3 * b]
             at += 3 * b
@@ -274,19 +311,22 @@ class Judge:
                 for j, i in enumerate(idx):
                     redrafts[i] = (host[at + j * w:at + (j + 1) * w], redraft[1][j])
                 at += b * w
-        return Decided(bad_rows, tokens, stops, verdicts, errors, redrafts)
+            if stopped:
+                span_stops.update({i: x for i, x in zip(idx, host[at:at + b]) if x >= 0})
+                at += b
+        return Decided(bad_rows, tokens, stops, verdicts, errors, redrafts, span_stops)
 
     def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
-        """One acceptance rule's spans, every row at once. -> (verify_span's verdicts, and for Jacobi rounds the
-        windows drafted again: (tokens [B * window], distributions [B, window, V]), else None)."""
+        """One acceptance rule's spans, every row at once. -> (verify_span's verdicts; for Jacobi rounds and spans
+        that start a burst's window, the windows drafted: (tokens [B * window], distributions [B, window, V]), else
+        None; for burst rounds, where each one's entropy stop fired: [B], -1 where it did not, else None)."""
         dev, v_size = self.device, self.vocab_size
         b, kmax = len(group), g["kmax"]
         rule = group[0].rule
         both = logits[pack[g["rows"]]]  # [2T, V]: every target's cond row, then its uncond row (T = sum(k + 1))
         t = both.shape[0] // 2
         p_flat = rows_to_probs(both[:t], self._rows(pack, g["sampling"]), both[t:], pack[g["sampling"][4]])
-        jacobi = g["jacobi"]
-        if jacobi is None:
+        if not g["jacobi"]:
             q_flat = draft_distribution(pack[g["q"]])
         else:  # a Jacobi round's q as its drafts were drawn from (float32 on the device; the first window uniform)
             q_flat = torch.cat([s.jacobi.q if s.jacobi.q is not None else
@@ -325,9 +365,16 @@ class Judge:
         draws = SpanDraws.keyed(pack[g["accept_keys"]], pack[g["next_keys"]], pack[g["positions"]], kmax)
         out = verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
                           **kwargs)
-        if jacobi is None:
-            return out, None
-        return out, self._redraft(p, out.num_accepted, pack[g["lengths"]], pack[g["positions"]], jacobi, pack)
+        stop = None
+        if g["stop"] is not None:  # the first position a token would be taken at (<= n) whose entropy is low enough
+            thr = pack[g["stop"]][:, None]
+            low = (entropy_score(p) <= thr) & (thr > 0) & \
+                (torch.arange(kmax + 1, device=dev)[None] <= out.num_accepted.long()[:, None])
+            stop = torch.where(low.any(dim=1), low.long().argmax(dim=1), torch.full((), -1, device=dev))
+        if g["redraft"] is None:
+            return out, None, stop
+        return out, self._redraft(p, out.num_accepted, pack[g["lengths"]], pack[g["positions"]], g["redraft"],
+                                  pack), stop
 
     def _redraft(self, p: torch.Tensor, accepted: torch.Tensor, lengths: torch.Tensor, positions: torch.Tensor,
                  jacobi: dict, pack: HostPack) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,8 @@ class Session:
     open_request: OpenRequest | None = None  # the OPEN that created it (None after a resume)
     open_reply: object = None  # that OPEN's reply, kept until the session moves on (a repeated OPEN gets it again)
     closed: bool = False  # taken out of its table (closed, evicted, replaced): its slots are no longer its own
+    jacobi_window: int = 0  # the OPEN's: the tokens the cloud makes itself go by Jacobi windows of this many drafts
+    jacobi_rounds: int = 0  # Jacobi rounds so far (a window's drafts are keyed by their round and image position)
 
     @property
     def live(self) -> bool:
@@ -102,7 +104,7 @@ class SessionTable:
         self.reserve(need)
         slots = [self.free_slots.pop(0) for _ in range(need)]
         s = Session(slots, [], request.sampling, request.rule, None, seed=int(request.seed),
-                    last_used=time.monotonic())
+                    last_used=time.monotonic(), jacobi_window=int(request.jacobi_window))
         self.sessions[request.session_id] = s
         return s
 

@@ -247,7 +247,7 @@ class CloudVerifier:
             if isinstance(w, JacobiWork):
                 self._apply(w, w.commit, n, z, rec, len(spans), decided.redrafts.get(i))
             else:
-                self._apply(w, w.commit, n, z, rec, len(spans))
+                self._apply(w, w.commit, n, z, rec, len(spans), decided.redrafts.get(i), decided.span_stops.get(i, -1))
 
     @staticmethod
     def _apply(w: Work, fn, *args) -> None:

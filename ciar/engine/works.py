@@ -24,11 +24,11 @@ from typing import Callable
 
 import torch
 
-from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, SessionConflictError, SessionError,
-                                  SessionLostError, VerifyReply, VerifyRequest, verify_tensors)
+from ciar.collab.protocol import (InjectedFeatures, OpenReply, OpenRequest, RuleConfig, SessionConflictError,
+                                  SessionError, SessionLostError, VerifyReply, VerifyRequest, verify_tensors)
 from ciar.engine.core import Work
 from ciar.decoding.sampling import keyed_uniform, sample_at, stream_keys
-from ciar.engine.judge import Draw, Jacobi, Span
+from ciar.engine.judge import Draw, Jacobi, Redraft, Span
 from ciar.engine.runner import Piece
 from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN
 from ciar.engine.sessions import Session, SessionTable
@@ -348,6 +348,7 @@ class JacobiWork(SpanFeed, OpenWork):
         s.first_logits = None
         self.rounds.append(len(new))
         self.iteration += 1
+        s.jacobi_rounds = self.iteration  # a later burst's windows are keyed past the prefix's rounds
         left = self.request.prefix_len - len(s.tokens)
         if left <= 0:
             self.complete()
@@ -458,7 +459,11 @@ def check_projector_inputs(ctx: WorkContext, hidden, features, rows: int, what: 
 
 class VerifyWork(SpanFeed, SessionWork):
     """A verification: its feed (committed-but-unfed token, new tokens, drafts) in one piece or chunks, one judge
-    (batched with the step's other spans), then cloud-burst tokens one decode step at a time."""
+    (batched with the step's other spans), then the cloud burst after a rejection: one decode step a token, or,
+    when the session's OPEN asked for Jacobi windows (`Session.jacobi_window`), by Jacobi rounds (`_round`) whose
+    first window is drafted from the verdict's own distributions past the rejection."""
+
+    BURST_RULE = RuleConfig()  # a burst round's drafts are the cloud's own: judged exactly (SJD: the same distribution)
 
     def __init__(self, ctx: WorkContext, r: VerifyRequest):
         super().__init__(r.session_id)
@@ -483,6 +488,8 @@ class VerifyWork(SpanFeed, SessionWork):
         self.targets = None  # a PieceOutput: where all targets are when one piece fed them (the usual case)
         self.burst_tokens: list[int] = []
         self.outcome: tuple[int, int, bool, int] | None = None
+        self.round: Jacobi | None = None  # a burst round in flight: its drafts' distributions, window and round
+        self.drafts: list[int] = []
 
     def check_state(self) -> Session:
         s = self.ctx.table.get(self.session_id)
@@ -559,29 +566,81 @@ class VerifyWork(SpanFeed, SessionWork):
         lost.origin = error  # (not chained as __cause__: the transports unwrap causes and must find this one)
         self.finish(error=lost)
 
+    def burst_window(self) -> int:
+        """Drafts in the next burst round: the session's window, within the burst's tokens and the image's."""
+        return min(self.s.jacobi_window, self.request.burst - len(self.burst_tokens),
+                   self.ctx.block_size - len(self.s.tokens))
+
     def span(self) -> Span:
         """What the step's judge needs: the targets, the drafts as sent, the session's sampling and rule, and the
-        first draft's image position (the committed count after the catch-up)."""
+        first draft's image position (the committed count after the catch-up); for a session whose bursts go by
+        Jacobi windows, the burst's first window to draft. A burst round: its drafts and their distributions."""
         s, r = self.s, self.request
+        if self.round is not None:
+            return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling,
+                        self.BURST_RULE, s.seed, len(s.tokens), jacobi=self.round)
+        window = min(s.jacobi_window, r.burst) if r.burst > 0 else 0
         return Span(self.target_logits(), r.draft_tokens, r.draft_probs, s.sampling, s.rule, s.seed, self.c_new,
-                    self.target_hidden() if s.rule.rule == "cascade" else None)
+                    self.target_hidden() if s.rule.rule == "cascade" else None,
+                    redraft=Redraft(window, s.jacobi_rounds + 1) if window > 0 else None)
 
     def draw(self) -> Draw:
         """The burst token to draw at image position len(tokens), with the request's entropy stop."""
         return Draw(self.draw_from, self.s.sampling, self.s.seed, len(self.s.tokens),
                     float(self.request.burst_entropy))
 
-    def commit(self, n: int, z: int, recovered: bool, judged: int) -> None:
-        """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection, else reply."""
+    def commit(self, n: int, z: int, recovered: bool, judged: int, redraft=None, stop: int = -1) -> None:
+        """Apply the judge's verdict (n drafts kept, next token z); burst on after a rejection, else reply. With
+        `redraft` (tokens, their distributions on the device: the window the judge drafted past the commit) the
+        burst goes by Jacobi rounds."""
+        if self.round is not None:
+            self._commit_round(n, z, redraft, stop)
+            return
         s, r, c = self.s, self.request, self.ctx
         s.tokens.extend(r.new_tokens.tolist() + r.draft_tokens[:n].tolist() + [z])
         s.first_logits = None
         self.got, self.targets = {}, None
         self.outcome = (n, z, recovered, judged)
         if recovered and r.burst > 0 and len(s.tokens) < c.block_size:
-            self.phase = "burst"
+            if redraft is not None and self.burst_window() > 0:
+                self._round(redraft)
+            else:
+                self.phase = "burst"
         else:
             self.complete()
+
+    def _round(self, redraft) -> None:
+        """A burst round: feed the last committed token and a window of drafts (from the judge's redraft), judged
+        as a span (its drafts the cloud's own, each kept with min(1, p / q)); its tokens are burst tokens."""
+        s = self.s
+        k = self.burst_window()
+        tokens, q = redraft
+        self.drafts = list(tokens[:k])
+        s.jacobi_rounds += 1
+        self.round = Jacobi(q[:k], s.jacobi_window, s.jacobi_rounds, float(self.request.burst_entropy))
+        self.start = len(s.tokens) - 1
+        self.feed = [s.tokens[-1]] + self.drafts
+        self.want = list(range(k + 1))
+        self.extras = {}
+        self.fed, self.got, self.targets = 0, {}, None
+        self.phase = "feed"
+
+    def _commit_round(self, n: int, z: int, redraft, stop: int) -> None:
+        """A burst round's verdict: its kept drafts and next token are burst tokens, up to the burst's size and the
+        image's end; the entropy stop (`stop`: the first token not taken) ends the burst, as it does one token a
+        forward. Then the next round, or the reply."""
+        s, r, c = self.s, self.request, self.ctx
+        new = self.drafts[:stop] if stop >= 0 else self.drafts[:n] + [z]
+        new = new[:min(r.burst - len(self.burst_tokens), c.block_size - len(s.tokens))]
+        s.tokens.extend(new)
+        self.burst_tokens.extend(new)
+        self.round, self.got, self.targets = None, {}, None
+        if stop >= 0 or len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
+            self.complete()
+        elif redraft is None:  # (the judge drafts a round's next window; were it missing: one token a forward)
+            self.phase = "burst"
+        else:
+            self._round(redraft)
 
     def drawn(self, token: int, stop: bool) -> None:
         """Cloud burst: after a rejection the session's cloud samples up to `burst` more tokens itself, stopping

@@ -129,7 +129,7 @@ def _str_bytes(s: str, width: int) -> int:
 class RuleConfig:
     """How the cloud judges drafts (ciar.collab.acceptance)."""
 
-    rule: str = "exact"  # exact | lantern | greedy | cascade
+    rule: str = "exact"  # exact | lantern | greedy | cascade | gsd
     lantern_k: int = 1000  # LANTERN: nearest codebook neighbours considered
     lantern_delta: float = 0.15  # LANTERN: total-variation budget
     cascade_threshold: float = 0.9  # CASCADE: cosine-similarity threshold

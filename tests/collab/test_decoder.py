@@ -247,7 +247,7 @@ RECORDED_CASES = {**{m: {} for m in METHODS},
                   "ciar:link_drop_after=3": dict(link_drop_after=3),
                   "ciar:no_enhance,burst_entropy": dict(inter_enhance=False, burst_entropy=0.5),
                   "ciar:voting": dict(gate="interval", tau=52.0, voting=True),
-                  "ciar:jacobi8": dict(jacobi_window=8)}  # CIAR with its prefix by Jacobi windows
+                  "ciar:jacobi8": dict(jacobi_window=8)}  # CIAR with its prefix and bursts by Jacobi windows
 
 
 def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool | None = None,

@@ -251,3 +251,39 @@ def test_drawn_tokens_follow_their_distribution(params):
     moved = [Draw(logits, params, seed=s, position=12) for s in range(50)]
     assert judge.decide(moved, []).tokens != out.tokens[:50]
     assert not math.isnan(float(target.sum()))
+
+
+# ------------------------------------------------------------------------------------------- a burst round's stop
+def _round(rows_p: list[np.ndarray], drafts: list[int], q: list[np.ndarray], stop_entropy: float) -> Span:
+    """A Jacobi round of a cloud burst on hand-made distributions (one row, no guidance)."""
+    from ciar.engine.judge import Jacobi
+
+    logits = torch.log(torch.tensor(np.stack(rows_p), dtype=torch.float32).clamp_min(1e-30))[None]  # [1, k+1, V]
+    return Span(logits, torch.tensor(drafts), None, SamplingParams(), RuleConfig(), seed=4, position=7,
+                jacobi=Jacobi(torch.tensor(np.stack(q), dtype=torch.float32), window=len(drafts), iteration=1,
+                              stop_entropy=stop_entropy))
+
+
+def test_a_burst_round_stops_at_its_first_confident_position_among_the_taken():
+    """The entropy stop of a cloud burst by Jacobi rounds: the round ends before the first position, among those
+    whose token the round takes (the kept drafts and the next token), whose entropy / log V is at or below the
+    burst's threshold, as a burst of one token a forward would stop there; a confident position past a rejection
+    does not stop it (that token is never taken); no threshold, no stop."""
+    flat = np.full(V, 1.0 / V)  # entropy 1
+    sure = np.array([0.95, 0.01, 0.01, 0.01, 0.01, 0.01])  # entropy / log 6 ~ 0.16
+    judge = Judge(tiny_cloud())
+    # drafts drawn from the target itself (q = p): always kept; the third position is confident
+    kept = _round([flat, flat, sure, flat], [1, 2, 0], [flat, flat, sure], 0.5)
+    # the second draft has no mass under p: rejected there; the confident third position is never reached
+    never = np.array([0.2, 0.2, 0.0, 0.2, 0.2, 0.2])
+    rejected = _round([flat, never, sure, flat], [1, 2, 0], [flat, np.eye(V)[2], sure], 0.5)
+    out = judge.decide([], [kept, rejected, _round([flat, flat, sure, flat], [1, 2, 0], [flat, flat, sure], 0.1),
+                            _round([flat, flat, sure, flat], [1, 2, 0], [flat, flat, sure], 0.0)])
+    assert not out.errors
+    assert out.verdicts[0][0] == 3 and out.span_stops.get(0) == 2  # two drafts taken, then the stop
+    assert out.verdicts[1][0] == 1 and 1 not in out.span_stops
+    assert out.verdicts[2][0] == 3 and 2 not in out.span_stops  # 0.16 is above a 0.1 threshold
+    assert 3 not in out.span_stops
+    assert set(out.redrafts) == {0, 1, 2, 3}  # every round drafts its next window
+    uniform = _round([flat, flat], [3], [flat], 1.0)  # a threshold of 1 stops at once: nothing taken
+    assert judge.decide([], [uniform]).span_stops == {0: 0}
