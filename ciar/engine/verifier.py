@@ -125,12 +125,12 @@ class CloudVerifier:
 
     def observe_costs(self, works: list) -> None:
         """The replies finished works gave (`Work.cost`: compute seconds, forwards, whether a verification, queue
-        wait) feed the running estimates `cost_hint` reports."""
+        wait, tokens the cloud made itself) feed the running estimates `cost_hint` reports."""
         for w in works:
             cost = w.cost
             if cost is not None and w.error is None:
-                seconds, passes, verify, queue_s = cost
-                self.reply_costs.observe(seconds, passes, verify=verify)
+                seconds, passes, verify, queue_s, tokens = cost
+                self.reply_costs.observe(seconds, passes, verify=verify, tokens=tokens)
                 if verify:
                     self.reply_queue.update(queue_s)
 

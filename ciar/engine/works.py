@@ -246,7 +246,8 @@ class OpenWork(SessionWork):
         r = self.request
         tokens = self.reply_tokens()
         emb, mask = self.caption_emb, self.caption_mask
-        self.cost = (self.seconds, self.passes, False, None)  # the verifier's estimates read it (observe_costs)
+        # the verifier's estimates read it (observe_costs): seconds, forwards, a verification?, queue, tokens made
+        self.cost = (self.seconds, self.passes, False, None, len(tokens))
         # the wait before its first forward, less its caption's encoding (in cloud_s)
         started = self.started if self.started is not None else time.perf_counter()
         queue_s = max(0.0, started - self.created - self.encode_s)
@@ -663,7 +664,7 @@ class VerifyWork(SpanFeed, SessionWork):
         n, z, rec, judged = self.outcome
         b = self.burst_tokens
         queue_s = max(0.0, (self.started if self.started is not None else time.perf_counter()) - self.created)
-        self.cost = (self.seconds, max(self.passes, 1), True, queue_s)  # read by the verifier (observe_costs)
+        self.cost = (self.seconds, max(self.passes, 1), True, queue_s, len(b))  # read by the verifier (observe_costs)
         self.finish(VerifyReply(self.session_id, n, z, rec, self.seconds, judged, forward_passes=max(self.passes, 1),
                                 burst_tokens=torch.tensor(b, dtype=torch.long) if b else None,
                                 vocab_size=self.ctx.vocab_size, queue_s=queue_s))

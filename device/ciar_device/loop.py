@@ -252,7 +252,8 @@ class Link:
         stats.comm_s += comm_s
         stats.cloud_s += cloud_s
         stats.queue_s += queue_s
-        self.observer.observe_exchange(up, down, link_s, cloud_s, int(reply.forward_passes), queue_s, verify)
+        made = int(reply.num_burst) if verify else len(reply.prefix_tokens)  # the tokens the cloud made itself
+        self.observer.observe_exchange(up, down, link_s, cloud_s, int(reply.forward_passes), queue_s, verify, made)
 
     def latency_prior_s(self) -> float | None:
         """The link's one-way latency before any image: half the connection's handshake round trip (None: unknown)."""

@@ -359,16 +359,19 @@ class LinkEstimator:
 
 class CloudStepEstimator:
     """The verifier's two costs, from its replies: t_c, the forward that judges a span (a verify reply with one
-    forward: no burst followed), and t_s, one token it samples itself (a verify reply's further forwards, each
-    (cloud_s - t_c) / (forward_passes - 1); and a long open's seconds per forward, whose sampled steps dominate
-    it: a device whose images go to the cloud whole still sees the verifier's step change). Until one of them has
+    forward: no burst followed), and t_s, one token it samples itself: a verify reply's burst, (cloud_s - t_c) /
+    its steps, and a long open's seconds per step, whose sampled steps dominate it (a device whose images go to the
+    cloud whole still sees the verifier's step change). A *step* is a token the cloud made itself or a forward,
+    whichever there were more of (`tokens`, when the reply says): one token a forward, the forwards (a burst's
+    entropy stop spends one that makes none); by Jacobi windows (`jacobi_window`, several tokens a forward), the
+    tokens, so the model prices a burst and a cloud-only image at what a token costs there. Until one of them has
     been seen it is the mean seconds per forward of every reply.
 
     Not a least-squares line through (forward_passes - 1, cloud_s): with bursts of one or two lengths and a busy
     box's noise such a fit tilted (t_c 300 ms, t_s 10 ms), the model then gave every image to the cloud, and with
     no more verify replies the tilted line was never corrected (benchmarks/results/2026-11-25f/README.md)."""
 
-    LONG_OPEN = 32  # an open with at least this many forwards counts towards t_s (its prefill is one of them)
+    LONG_OPEN = 32  # an open with at least this many steps counts towards t_s (its prefill is one of them)
 
     def __init__(self, weight: float = 0.2, clip: float = 3.0):
         self.span = Ewma(weight, clip=clip)  # t_c
@@ -376,17 +379,20 @@ class CloudStepEstimator:
         self.per_pass = Ewma(weight, clip=clip)  # every reply's seconds per forward: the stand-in for either
         self.samples = 0  # verify replies observed
 
-    def observe(self, cloud_s: float, forward_passes: int, verify: bool = True) -> None:
+    def observe(self, cloud_s: float, forward_passes: int, verify: bool = True, tokens: int | None = None) -> None:
+        """One reply: the cloud's seconds and forwards, and `tokens` the cloud made itself (a verify reply's burst
+        tokens, an open's prefix tokens; None: one a forward)."""
         passes = max(1, int(forward_passes))
         self.per_pass.update(cloud_s / passes)
+        made = 0 if tokens is None else max(0, int(tokens))
         if verify:
             self.samples += 1
             if passes == 1:
                 self.span.update(cloud_s)
             elif self.span.samples:
-                self.step.update(max(0.0, cloud_s - self.span.value) / (passes - 1))
-        elif passes >= self.LONG_OPEN:
-            self.step.update(cloud_s / passes)
+                self.step.update(max(0.0, cloud_s - self.span.value) / max(passes - 1, made))
+        elif max(passes, made) >= self.LONG_OPEN:
+            self.step.update(cloud_s / max(passes, made))
 
     def prime(self, hint: CostHint) -> None:
         """The server's figures as t_c's and t_s's priors (`Ewma.prior`: the replies' own replace them)."""
@@ -464,11 +470,12 @@ class CostObserver:
         self.accept_next = RateEstimator(rates.get("accept_next", a), m0, decay)
 
     def observe_exchange(self, up_bytes: int, down_bytes: int, link_s: float, cloud_s: float, forward_passes: int,
-                         queue_s: float, verify: bool) -> None:
-        """One request/reply: its bytes, seconds on the link, the cloud's seconds and forwards (an open's only
-        towards the mean step: `CloudStepEstimator`) and the queue wait a verify reply reports."""
+                         queue_s: float, verify: bool, tokens: int | None = None) -> None:
+        """One request/reply: its bytes, seconds on the link, the cloud's seconds, forwards and the tokens it made
+        itself (an open's only towards the sampled step: `CloudStepEstimator`) and the queue wait a verify reply
+        reports."""
         self.link.observe(up_bytes, down_bytes, link_s)
-        self.cloud.observe(cloud_s, forward_passes, verify)
+        self.cloud.observe(cloud_s, forward_passes, verify, tokens)
         if verify:
             self.queue.update(queue_s)
             self.verifier.update(queue_s + cloud_s)

@@ -188,6 +188,19 @@ def test_cloud_step_estimator_separates_the_span_forward_from_the_sampled_steps(
     assert est.steps() == pytest.approx((0.030, 0.004)) and est.samples == 3
     est.observe(145 * 0.006, 145, verify=False)  # a cloud-only open: its steps are sampled ones
     assert est.steps() == pytest.approx((0.030, 0.006))
+    # the tokens the cloud made, when the reply says: one a forward changes nothing; a burst whose entropy stop
+    # spent a forward that made no token is priced per forward; by Jacobi windows (more tokens than forwards), per
+    # token: what a token costs there
+    est.observe(0.030 + 4 * 0.004, 5, tokens=4)
+    assert est.steps() == pytest.approx((0.030, 0.004))
+    est.observe(0.030 + 4 * 0.004, 5, tokens=3)
+    assert est.steps() == pytest.approx((0.030, 0.004))
+    est.observe(0.030 + 2 * 0.006, 3, tokens=8)  # 8 burst tokens in 2 rounds of 6 ms
+    assert est.steps() == pytest.approx((0.030, 0.0015))
+    est.observe(43 * 0.006, 43, verify=False, tokens=144)  # a Jacobi cloud-only open: 144 tokens in 43 forwards
+    assert est.steps() == pytest.approx((0.030, 43 * 0.006 / 144))
+    est.observe(10 * 0.006, 10, verify=False, tokens=9)  # a short open stays out, by windows or not
+    assert est.steps() == pytest.approx((0.030, 43 * 0.006 / 144))
 
 
 def test_rate_estimator_starts_at_its_prior_and_follows_the_device():

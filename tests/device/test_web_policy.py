@@ -210,7 +210,7 @@ def _replay(init: dict, ops: list[dict]) -> list[dict]:
                     None if h is None else P.CostHint(h.get("span_s"), h.get("step_s"), h.get("queue_s")))
         elif kind == "exchange":
             o.observe_exchange(op["up"], op["down"], op["link_s"], op["cloud_s"], op["passes"], op["queue_s"],
-                               op["verify"])
+                               op["verify"], op.get("tokens"))
         elif kind == "verdict":
             o.observe_verdict(op["span"], op["accepted"])
         elif kind == "escalation":
@@ -231,6 +231,7 @@ def _drafting_script(g: random.Random) -> list[dict]:
     escalations and the image's device step, each image decided first. A slow link (30 ms each way, 5 MB/s) and
     spans mostly accepted whole: longer spans pay."""
     link = lambda nbytes: 0.06 + nbytes / 5e6 + g.uniform(0.0, 0.002)  # noqa: E731
+    extra = random.Random(7)
     ops = [{"op": "prime", "latency_s": 0.004, "device_step_s": 0.003,
             "hint": {"span_s": 0.02, "step_s": 0.015, "queue_s": 0.001}}]
     for image in range(40):
@@ -246,9 +247,12 @@ def _drafting_script(g: random.Random) -> list[dict]:
             ops.append({"op": "escalation", "x": 1.0})
             span, passes = 4, g.choice([1, 1, 1, 3, 5])
             up, down = g.randint(8300, 14000), g.randint(70, 80)
+            # the burst tokens the reply carried (from their own generator: the script's other draws as before): one
+            # a forward, or one short (an entropy stop); bursts by windows: the unprimed script
+            tokens = extra.choice([passes - 1, max(0, passes - 2)])
             ops.append({"op": "exchange", "up": up, "down": down, "link_s": link(up + down),
-                        "cloud_s": g.uniform(0.01, 0.03) * passes,
-                        "passes": passes, "queue_s": g.choice([0.0, g.uniform(0.0, 0.01)]), "verify": True})
+                        "cloud_s": g.uniform(0.01, 0.03) * passes, "passes": passes,
+                        "queue_s": g.choice([0.0, g.uniform(0.0, 0.01)]), "verify": True, "tokens": tokens})
             ops.append({"op": "verdict", "span": span, "accepted": g.choice([0, 2, span, span])})
         ops.append({"op": "device_step", "s": g.uniform(1e-3, 6e-3) * (10 if image == 20 else 1)})  # one stall
     return ops
@@ -281,6 +285,10 @@ def _unprimed_script() -> list[dict]:
             {"op": "exchange", "up": 60000, "down": 85, "link_s": 0.015, "cloud_s": 0.05, "passes": 2,
              "queue_s": 0.01, "verify": True},
             {"op": "verdict", "span": 1, "accepted": 1}, {"op": "verdict", "span": 3, "accepted": 2},
+            {"op": "exchange", "up": 200, "down": 300, "link_s": 0.004, "cloud_s": 0.2, "passes": 40,
+             "queue_s": 0.0, "verify": False, "tokens": 144},  # a cloud-only open by Jacobi windows
+            {"op": "exchange", "up": 60000, "down": 95, "link_s": 0.015, "cloud_s": 0.07, "passes": 3,
+             "queue_s": 0.0, "verify": True, "tokens": 8},  # a burst of 8 tokens in 2 rounds
             {"op": "decide", "vocab": 16384, "calibrated": [1, 0], "remaining": 100, "price": 0.05},
             {"op": "prime", "hint": {"step_s": 0.003}},
             {"op": "decide", "vocab": 16384, "calibrated": "cloud-only", "remaining": 50}]

@@ -356,8 +356,9 @@ class Loop {
     if (log) for (const e of log.slice(seen)) { up += e.up; down += e.down; }
     st.bytes_up += up;
     st.bytes_down += down;
+    const made = isOpen ? reply.prefix_tokens.length : (reply.burst_tokens || []).length; // tokens the cloud made
     this.observer.observeExchange(up, down, Math.max(0, wall - reply.cloud_s - queueS), reply.cloud_s,
-      reply.forward_passes, queueS, !isOpen);
+      reply.forward_passes, queueS, !isOpen, made);
     if (isOpen) st.cloud_forward_passes += reply.forward_passes;
     return reply;
   }

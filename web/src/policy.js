@@ -258,10 +258,11 @@ export class LinkEstimator {
   }
 }
 
-/** The verifier's span forward t_c (verify replies with one forward) and sampled step t_s (a verify reply's further
- *  forwards, and a long open's seconds per forward), each the mean seconds per forward until first seen. */
+/** The verifier's span forward t_c (verify replies with one forward) and sampled step t_s (a verify reply's burst per
+ *  step, and a long open's seconds per step; a step: a token the cloud made itself or a forward, whichever there
+ *  were more of), each the mean seconds per forward until first seen (ciar_device.policy.CloudStepEstimator). */
 export class CloudStepEstimator {
-  static LONG_OPEN = 32; // an open with at least this many forwards counts towards t_s
+  static LONG_OPEN = 32; // an open with at least this many steps counts towards t_s
 
   constructor(weight = 0.2, clip = 3) {
     this.span = new Ewma(weight, null, clip); // t_c
@@ -270,15 +271,16 @@ export class CloudStepEstimator {
     this.samples = 0; // verify replies observed
   }
 
-  observe(cloudS, forwardPasses, verify = true) {
+  observe(cloudS, forwardPasses, verify = true, tokens = null) {
     const passes = Math.max(1, Math.trunc(forwardPasses));
     this.perPass.update(cloudS / passes);
+    const made = tokens === null || tokens === undefined ? 0 : Math.max(0, Math.trunc(tokens));
     if (verify) {
       this.samples += 1;
       if (passes === 1) this.span.update(cloudS);
-      else if (this.span.samples) this.step.update(Math.max(0, cloudS - this.span.value) / (passes - 1));
-    } else if (passes >= CloudStepEstimator.LONG_OPEN) {
-      this.step.update(cloudS / passes);
+      else if (this.span.samples) this.step.update(Math.max(0, cloudS - this.span.value) / Math.max(passes - 1, made));
+    } else if (Math.max(passes, made) >= CloudStepEstimator.LONG_OPEN) {
+      this.step.update(cloudS / Math.max(passes, made));
     }
   }
 
@@ -351,9 +353,9 @@ export class CostObserver {
 
   /** One request/reply: its bytes, seconds on the link, the cloud's seconds and forwards (an open's only towards
    *  the mean step) and the queue wait a verify reply reports. */
-  observeExchange(upBytes, downBytes, linkSeconds, cloudS, forwardPasses, queueS, verify) {
+  observeExchange(upBytes, downBytes, linkSeconds, cloudS, forwardPasses, queueS, verify, tokens = null) {
     this.link.observe(upBytes, downBytes, linkSeconds);
-    this.cloud.observe(cloudS, forwardPasses, verify);
+    this.cloud.observe(cloudS, forwardPasses, verify, tokens);
     if (verify) {
       this.queue.update(queueS);
       this.verifier.update(queueS + cloudS);

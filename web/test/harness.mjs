@@ -87,7 +87,7 @@ function observerRun({ init = {}, ops }) {
     if (op.op === "prime") {
       o.prime({ latencyS: op.latency_s ?? null, deviceStepS: op.device_step_s ?? null, hint: hintOf(op.hint) });
     } else if (op.op === "exchange") {
-      o.observeExchange(op.up, op.down, op.link_s, op.cloud_s, op.passes, op.queue_s, op.verify);
+      o.observeExchange(op.up, op.down, op.link_s, op.cloud_s, op.passes, op.queue_s, op.verify, op.tokens ?? null);
     } else if (op.op === "verdict") {
       o.observeVerdict(op.span, op.accepted);
     } else if (op.op === "escalation") {
