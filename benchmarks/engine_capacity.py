@@ -47,15 +47,19 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(REPO, "benchmarks", "traces")
 METHODS = ("ciar", "cloud")
+# the parallel-decoding phones (a suite section of their own): cloud-only by speculative Jacobi decoding, and CIAR
+# at its calibrated point with its prefix and bursts by windows of JACOBI_WINDOW
+PARALLEL_METHODS = ("sjd", "ciar_jacobi")
+JACOBI_WINDOW = 16
 SLO_P99_S = 5.0  # loadtests.capacity's default image-latency SLO
 NETWORK = "5g"
 SPLIT_EVERY = 8  # a load's steps: one in this many is timed to device syncs (StepSplit), the rest run as served
 
 
-def load_traces_dir(folder: str = TRACES) -> dict[str, list]:
+def load_traces_dir(folder: str = TRACES, methods: tuple[str, ...] = METHODS) -> dict[str, list]:
     from ciar.capacity.trace import load_traces
 
-    return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in METHODS}
+    return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in methods}
 
 
 def widened(trace, vocab_size: int):
@@ -250,8 +254,9 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
 
 
 def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
-            slo_s: float = SLO_P99_S, network: str = NETWORK) -> dict:
-    """The section: build the replica, ramp each method, then the model's prediction beside every point."""
+            slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS) -> dict:
+    """The section: build the replica, ramp each method, then the model's prediction beside every point (for the
+    methods without Jacobi windows: the model has no Jacobi work)."""
     from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
@@ -262,11 +267,11 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
 
     model = suite.capacity_gpt()
     cfg = model.config
-    traces = {m: [widened(t, cfg.vocab_size) for t in tr] for m, tr in load_traces_dir().items()}
-    image_tokens = max(t.open.prefix_len for t in traces["cloud"])
+    traces = {m: [widened(t, cfg.vocab_size) for t in tr] for m, tr in load_traces_dir(methods=methods).items()}
+    image_tokens = max(t.open.prefix_len for tr in traces.values() for t in tr)
     if cfg.block_size < image_tokens + 8:
         raise ValueError(f"the model's {cfg.block_size} image positions do not hold the traces' {image_tokens}")
-    step0 = next(s for t in traces["ciar"] for s in t.steps if s.request.device_hidden is not None)
+    step0 = next(s for tr in traces.values() for t in tr for s in t.steps if s.request.device_hidden is not None)
     torch.manual_seed(0)
     projector = IntervalProjector(ProjectorConfig(
         device_dim=step0.request.device_hidden.shape[1], cloud_dim=cfg.dim,
@@ -290,7 +295,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     client = AsyncVerifierClient(v, stepper=core, caption=random_caption(v))  # as the Verifier drives its engine
     points: dict[str, list] = {}
     try:
-        for method in METHODS:
+        for method in methods:
             verdicts = RecordedVerdicts(traces[method]).install(v)
             points[method] = []
             for phones in loads:
@@ -317,9 +322,10 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                            "images_per_s_at_saturation": max((p["images_per_s"] or 0 for p in ps), default=0)}
                        for m, ps in points.items()}
     sat = out["measured"]
-    out["measured"]["ratio_ciar_over_cloud"] = {
-        k: (sat["ciar"][k] / sat["cloud"][k] if sat["cloud"][k] else None)
-        for k in ("phones_at_slo", "images_per_s_at_saturation")}
+    if "ciar" in sat and "cloud" in sat:
+        out["measured"]["ratio_ciar_over_cloud"] = {
+            k: (sat["ciar"][k] / sat["cloud"][k] if sat["cloud"][k] else None)
+            for k in ("phones_at_slo", "images_per_s_at_saturation")}
 
     # --- the model's prediction beside every point
     if suite.bandwidth is None:
@@ -335,6 +341,8 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
         eng = Engine(sched.token_budget, sched.max_works, sched.prefill_chunk, over)
         per = out["model"]["points"][name] = {}
         for method, ps in points.items():
+            if any(t.open.jacobi_window for t in traces[method]):
+                continue  # (the model decodes an open one token a forward: no prediction is better than that)
             per[method] = []
             for p in ps:
                 m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], network, p["seconds"],
@@ -383,8 +391,13 @@ def _f(x) -> str:
 
 
 def record(folder: str, images: int = 12, seed: int = 0) -> None:
-    """Record the carried phones with the shipped world (CPU; needs the project installed)."""
+    """Record the carried phones with the shipped world (CPU; needs the project installed): CIAR and cloud-only
+    (`loadtests.capacity`'s), then the parallel-decoding ones (`PARALLEL_METHODS`: SJD, CIAR with Jacobi windows)."""
+    from ciar.sim.decoder import method_config
+    from ciar.training.calibration import val_prompts
+    from ciar.world import load_world
     from loadtests.capacity import record as record_traces
+    from loadtests.capacity import record_configs
 
     args = argparse.Namespace(traces=images, seed=seed, threads=1, traces_dir=folder, overload=None, world=None,
                               weights=None)
@@ -393,6 +406,11 @@ def record(folder: str, images: int = 12, seed: int = 0) -> None:
         if os.path.exists(path):
             os.remove(path)
     record_traces(args)
+    world = load_world(None)
+    ciar = method_config("ciar", network="none", policy="fixed", jacobi_window=JACOBI_WINDOW)
+    configs = {"sjd": method_config("sjd", network="none"),
+               "ciar_jacobi": ciar.resolve(world.device_model.ciar_defaults)}
+    record_configs(world, configs, val_prompts(images, seed=seed), seed, folder)
 
 
 def main(argv=None) -> int:

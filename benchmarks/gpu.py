@@ -29,6 +29,8 @@ then `gpu.md` summarises:
              engine on its own thread at XL shapes under trace-driven phones (benchmarks/traces), CIAR and
              cloud-only, images/s and latency per load, phones at the p99 SLO, the capacity model's prediction beside
              every point (its default overhead, and refit on the served path with host time)
+  capacity_parallel  the same for the parallel-decoding phones: SJD and CIAR with Jacobi windows (their traces
+             in benchmarks/traces; no model beside them: it decodes one token a forward)
   slot_attention  attention read in place by slot (`ciar.models.slot_attention`, a Triton kernel) vs the gathered
              keys and mask it replaces: its difference from the reference, its invariances, the served step at 2-128
              CFG rows both ways, and a loaded step (60 sessions' spans beside 4 prefills) as two bucketed forwards vs
@@ -48,7 +50,8 @@ then `gpu.md` summarises:
              measured costs instead of datasheet ones
 
 They run in the order of `--sections` (env, slot_attention, engine_graphs, served_steps, roofline, capacity_measured,
-fused_step, xl_steps, ...: the most needed first; sections not started within `--budget-s` are skipped).
+capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started within `--budget-s` are
+skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -1125,6 +1128,16 @@ class Suite:
             return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none")
         return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0)
 
+    def capacity_parallel(self) -> dict:
+        """`capacity_measured` for the parallel-decoding phones (`benchmarks.engine_capacity.PARALLEL_METHODS`): SJD
+        (cloud-only by Jacobi windows) and CIAR with its prefix and bursts by windows, on the same engine."""
+        from benchmarks.engine_capacity import PARALLEL_METHODS, measure
+
+        if self.tiny:
+            return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none",
+                           methods=PARALLEL_METHODS)
+        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0, methods=PARALLEL_METHODS)
+
     def capacity(self) -> dict:
         """The forward costs as ciar.capacity.gpu_model.forward_s reads them, with the overhead fitted per path."""
         from ciar.capacity.gpu_model import GPU, ModelShapes, overhead_gaps
@@ -1175,11 +1188,12 @@ def markdown(result: dict) -> str:
         steps = s.get(key, {}).get("steps")
         if steps:
             lines += [f"## The verifier's forward at {title} (ms, median)", ""] + _steps_table(steps) + [""]
-    if "points" in s.get("capacity_measured", {}):
-        from benchmarks.engine_capacity import markdown as capacity_table
+    for key, title in (("capacity_measured", "phones per accelerator, the real engine (measured)"),
+                       ("capacity_parallel", "the parallel-decoding phones, the real engine (measured)")):
+        if "points" in s.get(key, {}):
+            from benchmarks.engine_capacity import markdown as capacity_table
 
-        lines += ["## capacity_measured: phones per accelerator, the real engine (measured)", ""] + \
-            capacity_table(s["capacity_measured"]) + [""]
+            lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
     for name in ("slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
                  "hf_llama"):
@@ -1200,7 +1214,7 @@ def main(argv=None) -> int:
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
     ap.add_argument("--sections", default="env,slot_attention,engine_graphs,served_steps,roofline,capacity_measured,"
-                                          "fused_step,"
+                                          "capacity_parallel,fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",

@@ -64,9 +64,8 @@ RAISED = "ciar raised"  # ... the recorded images they make then (CIAR at tau x 
 def record(args) -> dict[str, list]:
     """Record `args.traces` sessions per method with the world's models, in this process; with `args.traces_dir`,
     read them from DIR/METHOD.pt when there, and write a new recording there."""
-    from ciar.sim.decoder import CollabDecoder, method_config
-    from ciar.capacity.trace import TracingClient, load_traces, save_traces
-    from ciar.engine.verifier import CloudVerifier, InProcessCloud
+    from ciar.sim.decoder import method_config
+    from ciar.capacity.trace import load_traces
     from ciar.training.calibration import val_prompts
     from ciar.world import load_world
     from ciar.world_spec import world_from_args
@@ -85,13 +84,24 @@ def record(args) -> dict[str, list]:
     configs = {"ciar": ciar, "cloud": method_config("cloud", network="none")}
     if overload:
         configs[RAISED] = method_config("ciar", network="none", policy="fixed", tau=ciar.tau * overload[1])
+    return record_configs(world, configs, prompts, args.seed, folder)
+
+
+def record_configs(world, configs: dict, prompts: list[str], seed: int, folder: str | None = None) -> dict[str, list]:
+    """One recording per named decoder config (`CollabConfig`): each prompt decoded once (seeds seed, seed + 1,
+    ...) through a `TracingClient` over an in-process verifier; saved to FOLDER/NAME.pt when `folder` is given."""
+    from ciar.capacity.trace import TracingClient, save_traces
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
+    from ciar.sim.decoder import CollabDecoder
+
+    out = {}
     for method, config in configs.items():
         verifier = CloudVerifier(world.cloud, world.text, max_sessions=2, projector=world.projector,
                                  codebook=world.codebook)
         rec = TracingClient(InProcessCloud(verifier))
         dec = CollabDecoder(world.device_model, rec, config, world.sampling)
         for i, prompt in enumerate(prompts):
-            dec.generate(prompt, seed=args.seed + i, session_id=f"{method}-{i}")
+            dec.generate(prompt, seed=seed + i, session_id=f"{method}-{i}")
         out[method] = rec.sessions
         print(f"recorded {len(rec.sessions)} {method} sessions: {np.mean([1 + len(t.steps) for t in rec.sessions]):.1f}"
               f" cloud requests per image")

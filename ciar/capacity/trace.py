@@ -41,6 +41,7 @@ class TraceStep:
     num_accepted: int
     next_token: int
     burst_tokens: list[int]
+    forward_passes: int = 0  # the reply's cloud forwards (0: not recorded; traces before 2026-11-28)
 
 
 @dataclass
@@ -51,6 +52,17 @@ class SessionTrace:
     steps: list[TraceStep] = field(default_factory=list)
     tail_device_s: float = 0.0  # device compute after the last reply (local tokens, decoding the image)
     vocab_size: int = 0
+    open_passes: int = 0  # the open reply's cloud forwards (0: not recorded)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every image token the recorded session committed, in order."""
+        out = list(self.prefix_tokens)
+        for st in self.steps:
+            out += [int(x) for x in st.request.new_tokens]
+            out += [int(x) for x in st.request.draft_tokens[:st.num_accepted]] + [int(st.next_token)]
+            out += [int(b) for b in st.burst_tokens]
+        return out
 
 
 class TracingClient:
@@ -74,7 +86,7 @@ class TracingClient:
     def open(self, request: OpenRequest) -> OpenReply:
         reply = self.inner.open(request)
         t = SessionTrace(request, reply.prefix_tokens.tolist(), (request.nbytes(), reply.nbytes()),
-                         vocab_size=self.vocab_size)
+                         vocab_size=self.vocab_size, open_passes=int(reply.forward_passes))
         self.sessions.append(t)
         self._live[request.session_id] = t
         self._last[request.session_id] = time.perf_counter()
@@ -86,7 +98,8 @@ class TracingClient:
         reply = self.inner.verify(request)
         if sid in self._live:
             self._live[sid].steps.append(TraceStep(gap, request, reply.num_accepted, reply.next_token,
-                                                   reply.burst_tokens.tolist() if reply.num_burst else []))
+                                                   reply.burst_tokens.tolist() if reply.num_burst else [],
+                                                   int(reply.forward_passes)))
         self._last[sid] = time.perf_counter()
         return reply
 
@@ -221,29 +234,51 @@ class RecordedVerdicts:
     a span's verdict (drafts kept, next token) by its first draft's position; the draw after a burst's last
     recorded token (its entropy stop fired) is a stop. `changed` counts the replacements that differed from what
     the judge decided (0 with the weights the traces were recorded with: the replay is then exact on its own);
-    `unrecorded` the decisions no trace knew (left as decided: the session has left its recorded course)."""
+    `unrecorded` the decisions no trace knew (left as decided: the session has left its recorded course).
+
+    A session opened with Jacobi windows (`OpenRequest.jacobi_window`): the device saw its prefix's and each
+    burst's tokens and forwards, not how many tokens each round committed, so the replay keeps those: the prefix's
+    first round commits one token (its window is uniform), the rest are split evenly over the recorded rounds, a
+    burst whose entropy stop fired ends with a round that takes none; every window drafted after a verdict is
+    replaced by the recorded tokens it would have to be for those rounds (`Decided.redrafts`). Such rounds count as
+    changed when the judge split them otherwise, even with the recording's weights."""
 
     def __init__(self, traces: list[SessionTrace]):
         self.draws: dict[tuple[int, int], int] = {}
         self.spans: dict[tuple[int, int], tuple[int, int]] = {}
+        self.rounds: dict[tuple[int, int], tuple[int, bool]] = {}  # a Jacobi round: (tokens it commits, a stop)
+        self.sequence: dict[int, list[int]] = {}  # seed -> every recorded token
         self.burst_ends: set[tuple[int, int]] = set()
         self.replayed = self.unrecorded = self.changed = 0
         for t in traces:
             seed = int(t.open.seed)
+            windows = int(getattr(t.open, "jacobi_window", 0)) > 0
             tokens = list(t.prefix_tokens)
             for i, tok in enumerate(tokens):
                 self._put(self.draws, (seed, i), int(tok))
+            if windows and tokens:
+                self._put_rounds(seed, 0, _split_rounds(len(tokens), t.open_passes - 1, first_one=True))
             for st in t.steps:
                 r = st.request
                 tokens += [int(x) for x in r.new_tokens]
                 self._put(self.spans, (seed, len(tokens)), (int(st.num_accepted), int(st.next_token)))
                 tokens += [int(x) for x in r.draft_tokens[:st.num_accepted]] + [int(st.next_token)]
+                stopped = st.num_accepted < len(r.draft_tokens) and len(st.burst_tokens) < int(r.burst)
+                if windows and st.num_accepted < len(r.draft_tokens) and int(r.burst) > 0:
+                    self._put_rounds(seed, len(tokens), _split_rounds(len(st.burst_tokens), st.forward_passes - 1,
+                                                                      stop=stopped))
                 for b in st.burst_tokens:
                     self._put(self.draws, (seed, len(tokens)), int(b))
                     tokens.append(int(b))
-                if st.num_accepted < len(r.draft_tokens) and len(st.burst_tokens) < int(r.burst):
+                if stopped:
                     self.burst_ends.add((seed, len(tokens)))  # the burst stopped early: its entropy stop fired
+            self.sequence[seed] = tokens
         self._decide = None
+
+    def _put_rounds(self, seed: int, position: int, plan: list[tuple[int, bool]] | None) -> None:
+        for m, stop in plan or []:  # (no plan: the counts do not fit; those rounds are left unrecorded)
+            self._put(self.rounds, (seed, position), (m, stop))
+            position += m
 
     @staticmethod
     def _put(table: dict, key, value) -> None:
@@ -272,12 +307,57 @@ class RecordedVerdicts:
             out.tokens[i], out.stops[i] = token, stop
         for i, s in enumerate(spans):
             key = (int(s.seed), int(s.position))
-            if key not in self.spans or out.verdicts[i] is None:
-                self.unrecorded += int(out.verdicts[i] is not None)
+            if out.verdicts[i] is None:
                 continue
-            n, z = self.spans[key]
+            stop = None
+            if s.jacobi is not None:  # a Jacobi round: its planned tokens, the next one from the recording
+                if key not in self.rounds:
+                    self.unrecorded += 1
+                    continue
+                m, stop = self.rounds[key]
+                n = min(m if stop else m - 1, s.k)
+                seq = self.sequence[key[0]]
+                z = seq[key[1] + n] if key[1] + n < len(seq) else out.verdicts[i][1]
+            elif key in self.spans:
+                n, z = self.spans[key]
+            else:
+                self.unrecorded += 1
+                continue
             verdict = (n, z, n < s.k)  # a draft rejected: the next token was drawn from the residual
             self.replayed += 1
-            self.changed += int(verdict != out.verdicts[i])
+            self.changed += int(verdict != out.verdicts[i] or
+                                (stop is not None and out.span_stops.get(i) != (m if stop else None)))
             out.verdicts[i] = verdict
+            if stop:
+                out.span_stops[i] = m
+            elif stop is not None:
+                out.span_stops.pop(i, None)
+            if i in out.redrafts and key[0] in self.sequence:  # the next window: the tokens the recording has there
+                tokens, q = out.redrafts[i]
+                after = key[1] + n + 1
+                recorded = self.sequence[key[0]][after:after + len(tokens)]
+                out.redrafts[i] = (recorded + list(tokens[len(recorded):]), q)
         return out
+
+
+def _split_rounds(tokens: int, rounds: int, first_one: bool = False,
+                  stop: bool = False) -> list[tuple[int, bool]] | None:
+    """Jacobi rounds that commit `tokens` in `rounds` forwards, as (tokens, stop) per round: evenly (`first_one`:
+    the first round commits one token, the rest evenly); with `stop` the last round takes none (an entropy stop).
+    None when the counts do not fit (a round that is not a stop commits at least one token)."""
+    if rounds < 1:
+        return None
+    tail = [(0, True)] if stop else []
+    rounds -= len(tail)
+    if rounds == 0:
+        return [(tokens, True)] if stop else None
+    plan: list[tuple[int, bool]] = []
+    if first_one:
+        plan.append((1, False))
+        tokens, rounds = tokens - 1, rounds - 1
+        if rounds == 0:
+            return plan + tail if tokens == 0 else None
+    if tokens < rounds:
+        return None
+    q, r = divmod(tokens, rounds)
+    return plan + [(q + 1, False)] * r + [(q, False)] * (rounds - r) + tail

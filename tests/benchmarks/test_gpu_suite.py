@@ -15,8 +15,8 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "slot_attention", "engine_graphs", "served_steps", "roofline", "capacity_measured", "fused_step",
-                              "xl_steps", "graphs", "fp32",
+    assert list(sections) == ["env", "slot_attention", "engine_graphs", "served_steps", "roofline", "capacity_measured",
+                              "capacity_parallel", "fused_step", "xl_steps", "graphs", "fp32",
                               "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
@@ -51,6 +51,15 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
+    cp = sections["capacity_parallel"]  # the same for SJD and CIAR with Jacobi windows (no model beside them)
+    for method in ("sjd", "ciar_jacobi"):
+        points = cp["points"][method]
+        assert [p["phones"] for p in points] == [1, 3]
+        assert all(p["images"] >= 3 and p["mismatches"] == 0 and p["errors"] == 0 for p in points), points
+        assert cp["verdicts"][method]["unrecorded"] == 0 and cp["verdicts"][method]["replayed"] > 0
+        assert method not in cp["model"]["points"]["default_3ms"]
+    # SJD: a cloud-only image in fewer sequential passes than its 144 tokens (the replay keeps the recorded rounds)
+    assert cp["points"]["sjd"][0]["cloud_passes_per_image"] < 144
     assert sections["fp32"]["skipped"] == "the suite already runs in float32 here"
     assert not [n for n, v in sections.items() if "broke" in v or ("skipped" in v and n != "fp32")], sections
     assert sections["oom"]["dynamic"]["replies_identical_to_undisturbed"]  # (no CUDA: no filler, the same replies)

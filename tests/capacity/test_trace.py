@@ -138,3 +138,47 @@ def test_recorded_verdicts_refuse_traces_that_share_a_seed(tiny_cloud, tiny_devi
     clash = replace(traces[2], open=replace(traces[2].open, seed=traces[0].open.seed))  # cloud-only, other tokens
     with pytest.raises(ValueError, match="distinct seeds"):
         RecordedVerdicts([traces[0], clash])
+
+
+def _record_windows(tiny_cloud, tiny_device, stub_text, tau):
+    """Sessions opened with Jacobi windows: SJD (a cloud-only image by windows) and CIAR with its prefix and bursts
+    by windows."""
+    verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    rec = TracingClient(InProcessCloud(verifier))
+    n = tiny_cloud.config.block_size
+    for i, (method, kw) in enumerate([("sjd", dict(jacobi_window=4)),
+                                      ("ciar", dict(tau=tau, burst=3, jacobi_window=4)),
+                                      ("ciar", dict(tau=tau, burst=4, burst_entropy=0.9, jacobi_window=3))]):
+        dec = CollabDecoder(tiny_device, rec, method_config(method, network="none", **kw), PARAMS, num_tokens=n)
+        dec.generate(f"prompt number {i}", seed=10 + i, session_id=f"win{i}")
+    return rec.sessions
+
+
+def test_recorded_verdicts_replay_jacobi_rounds_on_the_recorded_course(tiny_cloud, tiny_device, stub_text, median_tau):
+    """Rounds by Jacobi windows keep the recorded tokens and forwards: with the recording's weights and with random
+    ones (the rounds' split between forwards is the replay's own; the device never saw it)."""
+    from ciar.models.gpt import build_gpt
+
+    traces = _record_windows(tiny_cloud, tiny_device, stub_text, median_tau)
+    recorded = [t.open_passes + sum(s.forward_passes for s in t.steps) for t in traces]
+    assert traces[0].open.jacobi_window == 4 and recorded[0] < tiny_cloud.config.block_size  # windows at work
+    assert any(len(s.burst_tokens) > s.forward_passes - 1 for t in traces[1:] for s in t.steps)  # bursts by windows
+    torch.manual_seed(7)
+    other = build_gpt("scenes-cloud", **{k: getattr(tiny_cloud.config, k) for k in (
+        "n_layer", "dim", "n_head", "vocab_size", "cls_token_num", "caption_dim", "block_size")})
+    torch.nn.init.normal_(other.output.weight, std=0.3)
+    for cloud in (tiny_cloud, other.eval()):
+        verdicts, results = _replay_with_recorded_verdicts(cloud, stub_text, traces)
+        assert [r.mismatches for r in results] == [0, 0, 0]
+        assert [r.forward_passes for r in results] == recorded
+        assert verdicts.unrecorded == 0 and verdicts.replayed > 0
+
+
+def test_jacobi_rounds_are_split_evenly_between_the_recorded_forwards():
+    from ciar.capacity.trace import _split_rounds
+
+    assert _split_rounds(9, 4, first_one=True) == [(1, False), (3, False), (3, False), (2, False)]
+    assert _split_rounds(5, 2) == [(3, False), (2, False)]
+    assert _split_rounds(4, 2, stop=True) == [(4, False), (0, True)]  # the stop round takes none
+    assert _split_rounds(2, 1, stop=True) == [(2, True)]  # the round that stopped took two
+    assert _split_rounds(2, 4) is None and _split_rounds(3, 0) is None  # counts that cannot be
