@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import sys
 import time
 
 import numpy as np
@@ -54,6 +55,11 @@ JACOBI_WINDOW = 16
 SLO_P99_S = 5.0  # loadtests.capacity's default image-latency SLO
 NETWORK = "5g"
 SPLIT_EVERY = 8  # a load's steps: one in this many is timed to device syncs (StepSplit), the rest run as served
+# The engine thread shares the GIL with the phones' loop; at each device sync it lets go, and Python hands it back
+# only after the other thread has run its switch interval (5 ms by default). On the H200 a saturated CIAR step's host
+# time grew with the phones in the process (8.8 ms at 256, 13.3 at 512; 2026-11-28c-gpu): each method's last load
+# runs once more with this interval, to see whether that is the cause
+SWITCH_S = 0.0005
 
 
 def load_traces_dir(folder: str = TRACES, methods: tuple[str, ...] = METHODS) -> dict[str, list]:
@@ -254,9 +260,11 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
 
 
 def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
-            slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS) -> dict:
-    """The section: build the replica, ramp each method, then the model's prediction beside every point (for the
-    methods without Jacobi windows: the model has no Jacobi work)."""
+            slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS,
+            switch_s: float | None = SWITCH_S) -> dict:
+    """The section: build the replica, ramp each method (then its last load again with the interpreter's switch
+    interval at `switch_s`, when given), then the model's prediction beside every point (for the methods without
+    Jacobi windows: the model has no Jacobi work)."""
     from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
@@ -307,6 +315,22 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                       f"{p['mean_works_per_step']} works/step, mismatches {p['mismatches']}", flush=True)
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * slo_s:
                     break
+            if switch_s:  # the last load again, the interpreter handing the GIL over sooner (sys.setswitchinterval)
+                last = points[method][-1]
+                before = sys.getswitchinterval()
+                sys.setswitchinterval(switch_s)
+                try:
+                    p = asyncio.run(point(client, traces[method], last["phones"], warmup_s, duration_s, network,
+                                          images, tag=f"{method}-switch"))
+                finally:
+                    sys.setswitchinterval(before)
+                out.setdefault("switch_interval", {})[method] = {
+                    "switch_s": switch_s, "default_s": before, "phones": last["phones"],
+                    "images_per_s": p["images_per_s"], "default_images_per_s": last["images_per_s"],
+                    "ms_per_step": p["ms_per_step"], "default_ms_per_step": last["ms_per_step"],
+                    "mismatches": p["mismatches"], "errors": p["errors"]}
+                print(f"  capacity_measured {method} {last['phones']} phones, switch interval {switch_s * 1e3:g} ms: "
+                      f"{p['images_per_s'] or 0:.2f} images/s (default {last['images_per_s'] or 0:.2f})", flush=True)
             v.judge.decide = verdicts._decide
             out.setdefault("verdicts", {})[method] = {"replayed": verdicts.replayed, "changed": verdicts.changed,
                                                       "unrecorded": verdicts.unrecorded}
@@ -379,6 +403,15 @@ def markdown(sec: dict) -> list[str]:
                          f"{p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
     m = sec.get("measured", {})
     lines += ["", f"Measured: {m}"]
+    sw = sec.get("switch_interval")
+    if sw:
+        lines += ["", "The last load again with the interpreter's switch interval shortened (`sys.setswitchinterval`):",
+                  "", "| method | phones | switch interval ms | images/s | default's images/s | step ms: forward / "
+                  "judge / host | default's |", "|---|---|---|---|---|---|---|"]
+        for method, x in sw.items():
+            lines.append(f"| {method} | {x['phones']} | {x['switch_s'] * 1e3:g} | {_f(x['images_per_s'])} | "
+                         f"{_f(x['default_images_per_s'])} | {_split(x['ms_per_step'])} | "
+                         f"{_split(x['default_ms_per_step'])} |")
     return lines
 
 

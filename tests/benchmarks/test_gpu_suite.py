@@ -51,6 +51,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
+    sw = cm["switch_interval"]  # each method's last load once more, the GIL handed over sooner
+    assert {m: (x["phones"], x["mismatches"]) for m, x in sw.items()} == {"ciar": (3, 0), "cloud": (3, 0)}
+    assert all(x["switch_s"] < x["default_s"] and x["images_per_s"] for x in sw.values()), sw
     cp = sections["capacity_parallel"]  # the same for SJD and CIAR with Jacobi windows (no model beside them)
     for method in ("sjd", "ciar_jacobi"):
         points = cp["points"][method]
