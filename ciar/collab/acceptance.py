@@ -14,8 +14,8 @@ distributions p_0..p_K (one more than drafted: the bonus position). Both are pos
            ICCV 2025; the rule read from the authors' code, github.com/junhyukso/GSD, not copied): the draft x is
            tested as a group G(x) of visually valid tokens, min(1, p(G) / q(G)); G(x) holds the tokens ranked within
            `ranks` of x in p whose probability is within `prob_gap` of p(x) and whose input embeddings are within
-           squared distance `distance` of x's (the authors' 7, 0.15 and 0.5). A rejection draws from the exact
-           rule's residual. Lossy, like lantern and cascade.
+           squared distance `distance` of x's (the authors' 7, 0.15 and 0.5; a session's `RuleConfig.gsd_*`). A
+           rejection draws from the exact rule's residual. Lossy, like lantern and cascade.
 
 Randomness: every draw is a uniform the caller passes (`SpanDraws`): `accept[b, j]` for the test of draft j and
 `next[b, j]` for the token drawn at span index j (the recovered token at the first rejection, the bonus after a

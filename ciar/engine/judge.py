@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ciar.collab.acceptance import CascadeConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
+from ciar.collab.acceptance import CascadeConfig, GsdConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
 from ciar.engine.runner import PieceOutput
@@ -351,6 +351,7 @@ class Judge:
                 raise SessionError("the gsd rule needs one input embedding per image token; this cloud's "
                                    f"embeddings have {emb.shape[0]} rows for {v_size} image tokens")
             kwargs["token_embeddings"] = emb
+            kwargs["gsd"] = GsdConfig(rule.gsd_ranks, rule.gsd_prob_gap, rule.gsd_distance)  # (checked: ValueError)
         elif rule.rule == "cascade":
             kwargs["cascade"] = CascadeConfig(threshold=rule.cascade_threshold)
             kwargs["token_embeddings"] = (self.cloud.output.weight if self.cloud.output is not None

@@ -26,7 +26,7 @@ Frame = 8-byte header + body, little-endian:
 |               | str8 server name, f64 span forward s, f64 sampled step s, f64 queue wait s (0: not measured)   |
 | OPEN 3        | str8 session, i64 seed, f64 cfg_scale, f64 temperature, u32 top_k, f64 top_p, u16 prefix_len,  |
 |               | u16 jacobi_window, u8 rule, u32 lantern_k, f64 lantern_delta, f64 cascade_threshold,           |
-|               | u8 want_caption, str16 prompt                                                                  |
+|               | u16 gsd_ranks, f64 gsd_prob_gap, f64 gsd_distance, u8 want_caption, str16 prompt               |
 | OPEN_REPLY 4  | str8 session, token32, u32 V, u16 p, tokens[p], f64 cloud_s, f64 queue_s, u32 forward_passes,  |
 |               | u8 caption,                                                                                    |
 |               | [u16 L, u16 D, f16[L*D] caption embedding, bits[L] caption mask]                               |
@@ -60,7 +60,7 @@ import numpy as np
 
 # 2: VERIFY_REPLY carries the verifier's queue wait; 3: WELCOME carries the verifier's recent costs and OPEN_REPLY
 # its queue wait (issue 29)
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"CI"
 HEADER_BYTES = 8
 TOKEN_BYTES = 32  # a session token: HMAC-SHA256
@@ -133,6 +133,11 @@ class RuleConfig:
     lantern_k: int = 1000  # LANTERN: nearest codebook neighbours considered
     lantern_delta: float = 0.15  # LANTERN: total-variation budget
     cascade_threshold: float = 0.9  # CASCADE: cosine-similarity threshold
+    # GSD's group of a draft x (ciar.collab.acceptance.GsdConfig; the authors' values): the tokens ranked within
+    # gsd_ranks of x in p, within gsd_prob_gap of p(x) and within squared embedding distance gsd_distance of x
+    gsd_ranks: int = 7
+    gsd_prob_gap: float = 0.15
+    gsd_distance: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,8 @@ class Sampling:
     top_p: float = 1.0
 
 
-_OPEN_FIXED = 8 + 8 + 8 + 4 + 8 + 2 + 2 + 1 + 4 + 8 + 8 + 1  # seed, sampling, prefix_len, jacobi_window, rule,
-# want_caption
+# seed, sampling, prefix_len, jacobi_window, rule (lantern, cascade, gsd), want_caption
+_OPEN_FIXED = 8 + 8 + 8 + 4 + 8 + 2 + 2 + 1 + 4 + 8 + 8 + 2 + 8 + 8 + 1
 
 
 @dataclass
@@ -420,9 +425,11 @@ def _open_body(w: _Writer, r: OpenRequest) -> None:
     if r.rule.rule not in RULES:
         raise WireError(f"unknown acceptance rule {r.rule.rule!r}", field="rule")
     w.str_(r.session_id, 1, "session_id")
-    w.pack("qddIdHHBIddB", int(r.seed), float(s.cfg_scale), float(s.temperature), int(s.top_k), float(s.top_p),
-           int(r.prefix_len), int(r.jacobi_window), RULES.index(r.rule.rule), int(r.rule.lantern_k),
-           float(r.rule.lantern_delta), float(r.rule.cascade_threshold), int(bool(r.want_caption)))
+    rule = r.rule
+    w.pack("qddIdHHBIddHddB", int(r.seed), float(s.cfg_scale), float(s.temperature), int(s.top_k), float(s.top_p),
+           int(r.prefix_len), int(r.jacobi_window), RULES.index(rule.rule), int(rule.lantern_k),
+           float(rule.lantern_delta), float(rule.cascade_threshold), int(rule.gsd_ranks), float(rule.gsd_prob_gap),
+           float(rule.gsd_distance), int(bool(r.want_caption)))
     w.str_(r.prompt, 2, "prompt")
 
 
@@ -570,7 +577,8 @@ class _Reader:
 
 def _open_read(r: _Reader, sampling: Callable) -> OpenRequest:
     sid = r.str_(1, "session_id", MAX_SESSION_ID)
-    seed, cfg, temp, top_k, top_p, prefix_len, window, rule, lk, ld, ct, want = r.unpack("qddIdHHBIddB", "open")
+    seed, cfg, temp, top_k, top_p, prefix_len, window, rule, lk, ld, ct, gr, gp, gd, want = r.unpack(
+        "qddIdHHBIddHddB", "open")
     if rule >= len(RULES):
         raise WireError(f"unknown acceptance rule {rule}", field="rule")
     try:
@@ -578,8 +586,8 @@ def _open_read(r: _Reader, sampling: Callable) -> OpenRequest:
     except (TypeError, ValueError) as e:
         raise WireError(f"sampling: {e}", field="sampling") from None
     prompt = r.str_(2, "prompt")
-    return OpenRequest(sid, prompt, seed, params, prefix_len, RuleConfig(RULES[rule], lk, ld, ct), bool(want),
-                       window)
+    return OpenRequest(sid, prompt, seed, params, prefix_len, RuleConfig(RULES[rule], lk, ld, ct, gr, gp, gd),
+                       bool(want), window)
 
 
 def decode_header(data: bytes) -> tuple[int, int, int]:

@@ -26,9 +26,10 @@ def _open_body(r) -> dict:
     s, rule = r.sampling, r.rule
     return {"session_id": r.session_id, "prompt": r.prompt, "seed": r.seed,
             "sampling": {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p},
-            "prefix_len": r.prefix_len, "want_caption": r.want_caption,
+            "prefix_len": r.prefix_len, "jacobi_window": r.jacobi_window, "want_caption": r.want_caption,
             "rule": {"rule": rule.rule, "lantern_k": rule.lantern_k, "lantern_delta": rule.lantern_delta,
-                     "cascade_threshold": rule.cascade_threshold}}
+                     "cascade_threshold": rule.cascade_threshold, "gsd_ranks": rule.gsd_ranks,
+                     "gsd_prob_gap": rule.gsd_prob_gap, "gsd_distance": rule.gsd_distance}}
 
 
 def _js_frame(f: Frame) -> dict:

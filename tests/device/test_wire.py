@@ -28,7 +28,9 @@ def _rng(seed=0):
 
 
 def _open(sid="dev-7/s1", prompt="a small blue square at the top left on a white background"):
-    return OpenRequest(sid, prompt, 2**40 + 3, Sampling(1.5, 0.9, 100, 0.95), 9, RuleConfig("lantern", 500, 0.2, 0.8))
+    return OpenRequest(sid, prompt, 2**40 + 3, Sampling(1.5, 0.9, 100, 0.95), 9,
+                       RuleConfig("lantern", 500, 0.2, 0.8, gsd_ranks=3, gsd_prob_gap=0.25, gsd_distance=1.5),
+                       jacobi_window=12)
 
 
 def _messages():
@@ -117,7 +119,7 @@ def test_float16_and_bitpacking_are_exact():
 
 def test_other_version_and_garbage_are_refused():
     data = bytearray(encode_frame(_messages()[0]))
-    old = wire.PROTOCOL_VERSION - 1  # the previous version (2: no cost hint in WELCOME)
+    old = wire.PROTOCOL_VERSION - 1  # the previous version (4: no GSD group in OPEN)
     data[2] = old
     with pytest.raises(VersionError, match=f"version {old}.*speaks version {wire.PROTOCOL_VERSION}") as e:
         decode_frame(bytes(data))

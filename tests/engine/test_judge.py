@@ -287,3 +287,22 @@ def test_a_burst_round_stops_at_its_first_confident_position_among_the_taken():
     assert set(out.redrafts) == {0, 1, 2, 3}  # every round drafts its next window
     uniform = _round([flat, flat], [3], [flat], 1.0)  # a threshold of 1 stops at once: nothing taken
     assert judge.decide([], [uniform]).span_stops == {0: 0}
+
+
+def test_the_gsd_group_travels_in_the_sessions_rule():
+    """GSD's group thresholds are the session's (`RuleConfig.gsd_*`, sent in its OPEN): a group of the draft alone
+    (ranks 0) is the exact rule; wide thresholds accept more drafts than the exact rule; a bad value fails only
+    those spans, naming the field."""
+    from dataclasses import replace
+
+    judge = Judge(tiny_cloud())
+    spans, _ = _spans_and_draws(judge, n_spans=24)
+    spans = [replace(s, rule=RuleConfig(), hidden=None) for s in spans]
+    exact = judge.decide([], spans).verdicts
+    alone = judge.decide([], [replace(s, rule=RuleConfig("gsd", gsd_ranks=0)) for s in spans])
+    assert alone.verdicts == exact and not alone.errors
+    wide = judge.decide([], [replace(s, rule=RuleConfig("gsd", gsd_ranks=V, gsd_prob_gap=1.0, gsd_distance=1e9))
+                             for s in spans]).verdicts
+    assert sum(v[0] for v in wide) > sum(v[0] for v in exact)
+    bad = judge.decide([], [replace(spans[0], rule=RuleConfig("gsd", gsd_prob_gap=-1.0)), spans[1]])
+    assert set(bad.errors) == {0} and "prob_gap" in str(bad.errors[0]) and bad.verdicts[1] == exact[1]

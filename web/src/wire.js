@@ -11,7 +11,7 @@
 // Token ids travel bit-packed at ceil(log2 V) bits each (little-endian bit order); float16 arrays travel as their
 // bits (Uint16Array here: the device quantises with maths.toFloat16Array, exactly as numpy does).
 
-export const PROTOCOL_VERSION = 4;
+export const PROTOCOL_VERSION = 5;
 export const HEADER_BYTES = 8;
 export const TOKEN_BYTES = 32;
 export const [HELLO, WELCOME, OPEN, OPEN_REPLY, VERIFY, VERIFY_REPLY, RESUME, CLOSE, CLOSED, ERROR] =
@@ -123,7 +123,9 @@ function openBody(w, r) {
   w.i64(r.seed);
   w.f64(s.cfg_scale); w.f64(s.temperature); w.u32(s.top_k, "top_k"); w.f64(s.top_p);
   w.u16(r.prefix_len, "prefix_len"); w.u16(r.jacobi_window ?? 0, "jacobi_window"); w.u8(ruleIndex); w.u32(rule.lantern_k ?? 1000, "lantern_k");
-  w.f64(rule.lantern_delta ?? 0.15); w.f64(rule.cascade_threshold ?? 0.9); w.u8(r.want_caption ? 1 : 0);
+  w.f64(rule.lantern_delta ?? 0.15); w.f64(rule.cascade_threshold ?? 0.9);
+  w.u16(rule.gsd_ranks ?? 7, "gsd_ranks"); w.f64(rule.gsd_prob_gap ?? 0.15); w.f64(rule.gsd_distance ?? 0.5);
+  w.u8(r.want_caption ? 1 : 0);
   w.str(r.prompt, 2, "prompt");
 }
 
