@@ -617,8 +617,9 @@ class VerifyWork(SpanFeed, SessionWork):
         k = self.burst_window()
         tokens, q = redraft
         self.drafts = list(tokens[:k])
-        s.jacobi_rounds += 1
-        self.round = Jacobi(q[:k], s.jacobi_window, s.jacobi_rounds, float(self.request.burst_entropy))
+        s.jacobi_rounds += 1  # the round whose key drew these drafts; the window after it is drawn with the next
+        self.round = Jacobi(q[:k], min(s.jacobi_window, self.request.burst), s.jacobi_rounds + 1,
+                            float(self.request.burst_entropy))
         self.start = len(s.tokens) - 1
         self.feed = [s.tokens[-1]] + self.drafts
         self.want = list(range(k + 1))
