@@ -326,7 +326,9 @@ def test_adaptive_default_reports_its_point_and_the_point_reproduces_the_image(c
         assert r.status_code == 200, r.text
         st, tokens = r.json()["stats"], r.json()["data"][0]["tokens"]
         assert st["config"]["policy"] == "adaptive" and st["handovers"] in (0, 1) and st["adapted"] in (0, 1)
-        assert st["est_cloud_step_s"] > 0 and st["est_device_step_s"] > 0 and st["est_link_latency_s"] > 0
+        # durations the device measured; the link's latency is a fitted line's intercept, which noise on a busy box
+        # can push below zero on loopback (clipped to 0: a fresh-clone run with another job on the cores saw 0.0)
+        assert st["est_cloud_step_s"] > 0 and st["est_device_step_s"] > 0 and st["est_link_latency_s"] >= 0
         if st["handovers"]:
             assert (st["span_used"], st["burst_used"]) == (0, 0) and st["verifications"] == 0
             point = {"prefix_rate": 1.0}
