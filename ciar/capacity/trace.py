@@ -54,16 +54,6 @@ class SessionTrace:
     vocab_size: int = 0
     open_passes: int = 0  # the open reply's cloud forwards (0: not recorded)
 
-    @property
-    def tokens(self) -> list[int]:
-        """Every image token the recorded session committed, in order."""
-        out = list(self.prefix_tokens)
-        for st in self.steps:
-            out += [int(x) for x in st.request.new_tokens]
-            out += [int(x) for x in st.request.draft_tokens[:st.num_accepted]] + [int(st.next_token)]
-            out += [int(b) for b in st.burst_tokens]
-        return out
-
 
 class TracingClient:
     """A CloudClient that records every session it carries (`sessions`, in order of opening)."""
