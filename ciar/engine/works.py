@@ -87,6 +87,19 @@ class SpanFeed:
         if self.fed >= len(self.feed):
             self.phase = "judge"
 
+    def feed_window(self, drafts: list[int]) -> None:
+        """A Jacobi round's feed: the last committed token (none before the first) and `drafts`; its targets sit at
+        the outputs after the committed token and each draft (with no token committed yet, the first is the
+        prefill's: -1)."""
+        tokens = self.s.tokens
+        self.drafts = drafts
+        self.start = max(len(tokens) - 1, 0)
+        self.feed = tokens[self.start:] + drafts
+        first = len(tokens) - 1 - self.start
+        self.want = [first + j for j in range(len(drafts) + 1)]
+        self.fed, self.got, self.targets = 0, {}, None
+        self.phase = "feed"
+
     def target_logits(self):
         """The distributions the drafts and the next token are judged by: the piece's outputs when one piece held
         them all (`PieceOutput`), else [rows, k+1, V] gathered from the pieces that fed them."""
@@ -303,17 +316,6 @@ class JacobiWork(SpanFeed, OpenWork):
             return s.slots, self.cond_pos
         return s.slots, self.ctx.cls + max(len(s.tokens) - 1, 0)
 
-    def _round(self) -> None:
-        """A round's feed: the last committed token (none before the first) and the window's drafts; its targets
-        sit at the outputs after the committed token and each draft (the first round's first: the prefill's)."""
-        s = self.s
-        self.start = max(len(s.tokens) - 1, 0)
-        self.feed = s.tokens[self.start:] + self.drafts
-        first = len(s.tokens) - 1 - self.start
-        self.want = [first + j for j in range(len(self.drafts) + 1)]
-        self.fed, self.got, self.targets = 0, {}, None
-        self.phase = "feed"
-
     def piece(self, n: int) -> Piece:
         if self.phase == "prefill":
             return super().piece(n)
@@ -328,8 +330,7 @@ class JacobiWork(SpanFeed, OpenWork):
             self.s.first_logits = out.logits[:, 0].clone()  # image token 0's target: the first round tests it
             k = min(self.window, self.request.prefix_len)  # the first window: uniform drafts (SJD's initialisation)
             u = keyed_uniform(stream_keys([self.s.seed], JACOBI_STREAM), torch.arange(k))
-            self.drafts = sample_at(torch.full((k, self.ctx.vocab_size), 1.0 / self.ctx.vocab_size), u).tolist()
-            self._round()
+            self.feed_window(sample_at(torch.full((k, self.ctx.vocab_size), 1.0 / self.ctx.vocab_size), u).tolist())
             return
         self.take_feed(piece, out)
 
@@ -356,8 +357,8 @@ class JacobiWork(SpanFeed, OpenWork):
             return
         tokens, q = redraft
         k = min(self.window, left)
-        self.drafts, self.q = tokens[:k], q[:k]
-        self._round()
+        self.q = q[:k]
+        self.feed_window(tokens[:k])
 
 
 class ResumeWork(OpenWork):
@@ -580,7 +581,7 @@ class VerifyWork(SpanFeed, SessionWork):
         if self.round is not None:
             return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling,
                         self.BURST_RULE, s.seed, len(s.tokens), jacobi=self.round)
-        window = min(s.jacobi_window, r.burst) if r.burst > 0 else 0
+        window = min(s.jacobi_window, r.burst)  # (0 without a window or a burst)
         return Span(self.target_logits(), r.draft_tokens, r.draft_probs, s.sampling, s.rule, s.seed, self.c_new,
                     self.target_hidden() if s.rule.rule == "cascade" else None,
                     redraft=Redraft(window, s.jacobi_rounds + 1) if window > 0 else None)
@@ -616,16 +617,11 @@ class VerifyWork(SpanFeed, SessionWork):
         s = self.s
         k = self.burst_window()
         tokens, q = redraft
-        self.drafts = list(tokens[:k])
         s.jacobi_rounds += 1  # the round whose key drew these drafts; the window after it is drawn with the next
         self.round = Jacobi(q[:k], min(s.jacobi_window, self.request.burst), s.jacobi_rounds + 1,
                             float(self.request.burst_entropy))
-        self.start = len(s.tokens) - 1
-        self.feed = [s.tokens[-1]] + self.drafts
-        self.want = list(range(k + 1))
         self.extras = {}
-        self.fed, self.got, self.targets = 0, {}, None
-        self.phase = "feed"
+        self.feed_window(tokens[:k])
 
     def _commit_round(self, n: int, z: int, redraft, stop: int) -> None:
         """A burst round's verdict: its kept drafts and next token are burst tokens, up to the burst's size and the
