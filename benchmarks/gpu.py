@@ -1122,21 +1122,24 @@ class Suite:
     def capacity_measured(self) -> dict:
         """Phones per accelerator, measured: the real engine on its own thread under trace-driven phones, CIAR and
         cloud-only, with the capacity model's prediction beside every point (`benchmarks.engine_capacity`)."""
-        from benchmarks.engine_capacity import measure
+        from benchmarks.engine_capacity import METHODS
 
-        if self.tiny:  # a count of images, not a window: the same check on any machine
-            return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none")
-        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0)
+        return self._measured_phones(METHODS)
 
     def capacity_parallel(self) -> dict:
         """`capacity_measured` for the parallel-decoding phones (`benchmarks.engine_capacity.PARALLEL_METHODS`): SJD
         (cloud-only by Jacobi windows) and CIAR with its prefix and bursts by windows, on the same engine."""
-        from benchmarks.engine_capacity import PARALLEL_METHODS, measure
+        from benchmarks.engine_capacity import PARALLEL_METHODS
 
-        if self.tiny:
+        return self._measured_phones(PARALLEL_METHODS)
+
+    def _measured_phones(self, methods: tuple[str, ...]) -> dict:
+        from benchmarks.engine_capacity import measure
+
+        if self.tiny:  # a count of images, not a window: the same check on any machine
             return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none",
-                           methods=PARALLEL_METHODS)
-        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0, methods=PARALLEL_METHODS)
+                           methods=methods)
+        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0, methods=methods)
 
     def capacity(self) -> dict:
         """The forward costs as ciar.capacity.gpu_model.forward_s reads them, with the overhead fitted per path."""
