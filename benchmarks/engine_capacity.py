@@ -98,7 +98,7 @@ def random_caption(verifier):
 
 class StepSplit:
     """Where an engine's steps' time goes: the forwards (`runner.execute_step`), the judge and sampler
-    (`judge.decide`, its one host read included) and the rest (the host: admission, scheduling, inputs, applying the
+    (`judge.launch`: its device work, the host read after it being instant) and the rest (the host: admission, scheduling, inputs, applying the
     decisions), each timed to a device sync (`sync`; the forward's and the judge's calls are wrapped, a step is
     `engine.step`). Measures only while `on`, and then one step in `every`: the syncs cost what the judge's launch
     would have overlapped with the forward, so a load whose throughput is measured too samples its steps (the
@@ -108,9 +108,9 @@ class StepSplit:
         self.v, self.sync, self.on, self.every = v, sync, False, every
         self.t = {"step": [], "forward": [], "judge": []}
         self._seen, self._timing, self.total = 0, False, 0.0  # total: every measured-window step, unsynced
-        self.real = (v.runner.execute_step, v.judge.decide, v.engine.step)
+        self.real = (v.runner.execute_step, v.judge.launch, v.engine.step)
         v.runner.execute_step = self._wrap("forward", self.real[0])
-        v.judge.decide = self._wrap("judge", self.real[1])
+        v.judge.launch = self._wrap("judge", self.real[1])
         v.engine.step = self._wrap("step", self.real[2])
 
     def _wrap(self, name, fn):
@@ -137,7 +137,7 @@ class StepSplit:
             self.t[name].append(time.perf_counter() - t0)
 
     def remove(self) -> None:
-        self.v.runner.execute_step, self.v.judge.decide, self.v.engine.step = self.real
+        self.v.runner.execute_step, self.v.judge.launch, self.v.engine.step = self.real
         self.on = False
 
     @property
@@ -331,7 +331,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                     "mismatches": p["mismatches"], "errors": p["errors"]}
                 print(f"  capacity_measured {method} {last['phones']} phones, switch interval {switch_s * 1e3:g} ms: "
                       f"{p['images_per_s'] or 0:.2f} images/s (default {last['images_per_s'] or 0:.2f})", flush=True)
-            v.judge.decide = verdicts._decide
+            verdicts.uninstall(v)
             out.setdefault("verdicts", {})[method] = {"replayed": verdicts.replayed, "changed": verdicts.changed,
                                                       "unrecorded": verdicts.unrecorded}
     finally:

@@ -214,7 +214,7 @@ class RecordedVerdicts:
     """The recorded sessions' decisions, given by a verifier whose weights would decide otherwise (random weights at
     a real model's shapes: `benchmarks.gpu`'s measured capacity), so that replayed phones keep their recorded course.
 
-        verdicts = RecordedVerdicts(traces).install(verifier)    # wraps verifier.judge.decide
+        verdicts = RecordedVerdicts(traces).install(verifier)    # wraps verifier.judge.launch
         ... replay_session(...) ...                              # replies equal the recording (mismatches == 0)
         verdicts.replayed, verdicts.unrecorded, verdicts.changed
 
@@ -263,7 +263,7 @@ class RecordedVerdicts:
                 if stopped:
                     self.burst_ends.add((seed, len(tokens)))  # the burst stopped early: its entropy stop fired
             self.sequence[seed] = tokens
-        self._decide = None
+        self._launch = None
 
     def _put_rounds(self, seed: int, position: int, plan: list[tuple[int, bool]] | None) -> None:
         for m, stop in plan or []:  # (no plan: the counts do not fit; those rounds are left unrecorded)
@@ -277,12 +277,24 @@ class RecordedVerdicts:
                              f"{key[1]}: record traces with distinct seeds")
 
     def install(self, verifier) -> "RecordedVerdicts":
-        self._decide = verifier.judge.decide
-        verifier.judge.decide = self.decide
+        """The verifier's judge launches its decisions as before; what they read back is replaced (`replace`)."""
+        self._launch = verifier.judge.launch
+        verifier.judge.launch = self.launch
         return self
 
-    def decide(self, draws: list, spans: list, step_logits=None):
-        out = self._decide(draws, spans, step_logits)
+    def uninstall(self, verifier) -> None:
+        verifier.judge.launch = self._launch
+
+    def launch(self, draws: list, spans: list, step_logits=None):
+        deciding = self._launch(draws, spans, step_logits)
+        collect = deciding.collect
+        deciding.collect = lambda: self.replace(draws, spans, collect())
+        return deciding
+
+    def replace(self, draws: list, spans: list, out):
+        """The judge's decisions `out` (`Decided`) with the recorded ones put in where the recording has them.
+        (With the engine's overlap, a decode run ahead was already fed the judge's own token: the recorded one
+        then stands in the session's tokens, and the cache holds the other; random weights decide nothing.)"""
         for i, d in enumerate(draws):
             key = (int(d.seed), int(d.position))
             if key in self.draws:

@@ -42,6 +42,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +103,11 @@ class Work(Request):
     def rows(self) -> int:
         raise NotImplementedError
 
+    def after_draw(self) -> int | None:
+        """A work with a token to draw (`draw_from`): the position of the decode that feeds that token when the work
+        goes on after it, else None (the engine's overlap schedules that decode before the draw is read)."""
+        return None
+
     def kv_state(self) -> tuple[list[int], int] | None:
         """(cache slots, committed length) its session's KV cache holds now, or None when it holds none (the engine
         core writes it after each step: the one writer of cache lengths besides the slots' reset when freed)."""
@@ -131,17 +137,21 @@ class StepEngine:
     The three parts meet only here: the scheduler (`ciar.engine.scheduler`, pure Python) decides from request state
     and budgets; the runner (`ciar.engine.runner.ModelRunner`) turns pieces into tensors and returns the step's
     logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
-    (each admitted, or finished with its error), `decide(running, step logits, on_bad)` (the step's batched judge
-    and sampler, its one host read) and `retired(finished works)` (what the owner applies from them: its cost
+    (each admitted, or finished with its error), `decide(running, step logits)` (the step's batched judge and
+    sampler launched: what it returns is applied now, or after the next forward's launch with overlap) and `retired(finished works)` (what the owner applies from them: its cost
     estimates, the sessions they left of no use; called for every work once it leaves the engine) are given by the
     owner of the request state (`ciar.engine.verifier.CloudVerifier`)."""
 
-    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None):
+    def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None,
+                 overlap: bool = False):
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
+        self.overlap = bool(overlap)  # read a step's decisions after the next step's forward is launched (`step`)
+        self._pending: _Pending | None = None  # (overlap) the last step's decisions, launched, not applied
+        self.ahead = {"run": 0, "dropped": 0}  # (overlap) decodes fed from the device; those their draw ended
         self.scheduler = Scheduler(config)
         self.runner = runner
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
-        self._decide = decide or (lambda works, logits, on_bad: None)
+        self._decide = decide or (lambda works, logits: None)
         self._retired = retired or (lambda works: None)
 
     # the scheduler's state, as the engine's callers read it (the config is set live: `Verifier.reconfigure`)
@@ -156,7 +166,7 @@ class StepEngine:
 
     @property
     def busy(self) -> bool:
-        return self.scheduler.busy
+        return self.scheduler.busy or self._pending is not None
 
     def submit(self, work: Work) -> Work:
         return self.scheduler.submit(work)
@@ -191,6 +201,7 @@ class StepEngine:
         for w in works:
             w.finish(error=error)
         self.scheduler.clear()
+        self._pending = None
         self._retired(works)
 
     def run(self, works: list[Work]) -> None:
@@ -204,21 +215,41 @@ class StepEngine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()  # as CollabDecoder._generate: no autograd bookkeeping on the small per-step ops
     def step(self) -> list[Work]:
-        """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, judge the
-        spans that completed. -> the works that left the engine in this step (those finished since the last one
-        too)."""
+        """Admit queued works, run ONE forward over the pieces the scheduler picks, hand results back, decide (draw
+        the decodes' tokens, judge the spans that completed). -> the works that left the engine in this step (those
+        finished since the last one too).
+
+        With `overlap`, the step's decisions are read in the NEXT step, after its forward is launched: the host
+        applies them, retires works, schedules and builds the inputs while the accelerator runs that forward. The
+        works waiting for decisions sit that step out, except a decode that goes on (`Work.after_draw`): it feeds
+        the token being drawn straight from the accelerator (`_Ahead`), and is dropped if its draw ends the work
+        (an entropy stop). Tokens are the same either way (every draw is keyed by its position)."""
         t0 = time.perf_counter()
         finished = self._retire()  # works finished between steps (withdrawn, abandoned): their effects first
         if self.scheduler.parked:
             self.unpark_due()
         self._admit()
-        batch = self.scheduler.schedule()
+        pending, self._pending = self._pending, None
+        if pending is None:
+            batch = self.scheduler.schedule()
+        else:  # the previous step's decisions are not read yet: their works wait, but decodes go on
+            waiting = {id(w) for w in pending.decisions.works}
+            batch = self.scheduler.schedule([w for w in self.scheduler.running if id(w) not in waiting]
+                                            + [_Ahead(*a) for a in pending.decisions.ahead()])
+        pieces, step = self._forward(batch) if batch else (None, None)
+        dt = time.perf_counter() - t0
+        if pending is not None:
+            self._apply(pending)  # read while this step's forward runs
         if batch:
-            step = self._execute(batch, t0)
+            if step is not None:
+                self._take(batch, pieces, step, t0, dt)
             self.scheduler.record(batch)
-        else:
-            step = None
-        self._decide_step(batch, step)
+        decided = self._launch(batch, step)
+        if decided is not None:
+            if self.overlap:
+                self._pending = decided
+            else:
+                self._apply(decided)
         self._record_lengths()
         return finished + self._retire()
 
@@ -238,31 +269,46 @@ class StepEngine:
             if state is not None:
                 cache.set_length(*state)
 
-    def _decide_step(self, batch: list[Scheduled], step) -> None:
-        """The step's decisions in one batched pass (`decide(running works, the step's logits, on_bad)`: the
-        verifier's judge and sampler, one copy to the device and one back): the tokens its decodes draw, the verdicts
-        on the spans whose feed is complete (some need no forward at all). `on_bad(rows)` names the rows of the
-        step's logits that were not finite, before anything is applied: their pieces' works fail (`Work.fault`)
-        and take no decision. A decision pass that raises (out of memory) fails the works it was deciding for."""
+    def _launch(self, batch: list[Scheduled], step) -> "_Pending | None":
+        """The step's decisions in one batched pass (`decide(running works, the step's logits)`: the verifier's
+        judge and sampler, one copy to the device, one back), launched: the tokens its decodes draw, the verdicts on
+        the spans whose feed is complete (some need no forward at all). A pass that raises (out of memory) fails the
+        works it was deciding for."""
+        running = [w for w in self.scheduler.running if not w.done]
+        try:
+            decisions = self._decide(running, None if step is None else step.logits)
+        except Exception as e:  # noqa: BLE001 - the decisions' model work failed (out of memory): these works only
+            self._fail_deciding(running, e)
+            return None
+        return None if decisions is None else _Pending(decisions, batch, step)
+
+    def _apply(self, pending: "_Pending") -> None:
+        """Read a step's decisions and hand them to their works (`Decisions.apply(on_bad)`). `on_bad(rows)` names
+        the rows of that step's logits that were not finite, before anything is applied: their pieces' works fail
+        (`Work.fault`) and take no decision. A read that raises fails the works it was deciding for."""
+        batch, step = pending.batch, pending.step
+
         def on_bad(bad_rows: list[bool]) -> None:
             if step is None or not any(bad_rows):
                 return
             for p, (a, n) in zip(batch, step.ranges):
-                w = p.request
+                w = _work(p.request)
                 if n and any(bad_rows[a:a + n]) and not w.done:
                     self.faults["NonFiniteLogits"] = self.faults.get("NonFiniteLogits", 0) + 1
                     logger.warning("session %s: the forward gave non-finite logits", w.session_id)
                     w.fault(ForwardFault("the cloud forward gave non-finite logits: send the request again",
                                          origin=NonFiniteLogits(f"non-finite logits for session {w.session_id}")))
 
-        running = [w for w in self.scheduler.running if not w.done]
         try:
-            self._decide(running, None if step is None else step.logits, on_bad)
-        except Exception as e:  # noqa: BLE001 - the decisions' model work failed (out of memory): these works only
-            deciding = [w for w in running if w.deciding]
-            for w in deciding:
-                w.deciding = False
-            self._fault([w for w in deciding if not w.done], e, "the judge of")
+            pending.decisions.apply(on_bad)
+        except Exception as e:  # noqa: BLE001 - as a failed decision pass
+            self._fail_deciding(pending.decisions.works, e)
+
+    def _fail_deciding(self, works: list[Work], e: Exception) -> None:
+        deciding = [w for w in works if w.deciding]
+        for w in deciding:
+            w.deciding = False
+        self._fault([w for w in deciding if not w.done], e, "the judge of")
 
     def _admit(self) -> None:
         new = self.scheduler.take_waiting()
@@ -313,31 +359,82 @@ class StepEngine:
         now = time.perf_counter()
         self.scheduler.unpark(lambda w: w.deadline <= now)
 
-    def _execute(self, batch: list[Scheduled], t0: float):
-        """Run the batch on the runner and hand each work its outputs (views of the step's logits: nothing is read on
-        the host here). A forward that raises (out of memory, a broken kernel) fails the step's works with a
-        `ForwardFault` (retryable; `Work.fault` decides what the session keeps) and frees the accelerator's cached
-        blocks; the engine and every other work go on. -> the runner's `StepOutput`, or None when it failed."""
-        works = [p.request for p in batch]
+    def _forward(self, batch: list[Scheduled]):
+        """Launch the batch's forward on the runner (nothing is read on the host). A forward that raises (out of
+        memory, a broken kernel) fails the step's works with a `ForwardFault` (retryable; `Work.fault` decides what
+        the session keeps) and frees the accelerator's cached blocks; the engine and every other work go on. -> the
+        (pieces, the runner's `StepOutput`), or (None, None) when it failed."""
         try:
-            pieces = [w.piece(p.n) for w, p in zip(works, batch)]
-            out = self.runner.execute_step(pieces)
+            pieces = [p.request.piece(p.n) for p in batch]
+            return pieces, self.runner.execute_step(pieces)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its works, never the engine
-            self._fault(works, e, "the forward of")
-            return None
-        dt = time.perf_counter() - t0
-        for w in works:  # before `take`: a work that finishes now reports this step in its reply
+            self._fault([_work(p.request) for p in batch], e, "the forward of")
+            return None, None
+
+    def _take(self, batch: list[Scheduled], pieces: list[Piece], out, t0: float, dt: float) -> None:
+        """Hand each work its outputs (views of the step's logits) and record the forward; a work that finished
+        meanwhile (its previous draw ended it: a decode run ahead) takes nothing."""
+        works = [_work(p.request) for p in batch]
+        live = [(w, piece, o) for w, piece, o in zip(works, pieces, out.outputs) if not w.done]
+        run_ahead = sum(isinstance(p.request, _Ahead) for p in batch)
+        if run_ahead:
+            self.ahead["run"] += run_ahead
+            self.ahead["dropped"] += sum(isinstance(p.request, _Ahead) and p.request.done for p in batch)
+        for w, _, _ in live:  # before `take`: a work that finishes now reports this step in its reply
             if w.started is None:
                 w.started = t0
             w.passes += 1
             w.seconds += dt
             w.batch_size = len(works)
-        for w, piece, o in zip(works, pieces, out.outputs):
+        for w, piece, o in live:
             try:
                 w.take(piece, o)
             except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
                 w.finish(error=e)
-        return out
+
+
+@dataclass
+class _Pending:
+    """A step's decisions, launched and not yet applied, with the batch and output they were made from."""
+
+    decisions: object  # what the owner's `decide` returned: `works`, `ahead()`, `apply(on_bad)`
+    batch: list[Scheduled]
+    step: object  # the runner's StepOutput, or None
+
+
+class _Ahead(Request):
+    """A drawing work's next one-token decode, scheduled before its draw is read (overlap): at `position`, its token
+    taken on the accelerator from the draw (`token_from`: the draws' tokens, its index). It stands for the work in
+    the scheduler and the forward; the work takes the outputs (or, if its draw ended it, nothing)."""
+
+    def __init__(self, work: Work, position: int, token_from: tuple):
+        self.work, self._position, self.token_from = work, position, token_from
+        self.seq, self.session_id = work.seq, work.session_id
+
+    @property
+    def done(self) -> bool:
+        return self.work.done
+
+    def kind(self) -> int:
+        return DECODE
+
+    def pending(self) -> int:
+        return 1
+
+    def position(self) -> int:
+        return self._position
+
+    @property
+    def rows(self) -> int:
+        return self.work.rows
+
+    def piece(self, n: int) -> Piece:
+        return Piece(self.work.slots, self._position, 1, want=[0], token_from=self.token_from)
+
+
+def _work(request) -> Work:
+    """The work a scheduled request stands for (itself, or the work an `_Ahead` decode runs ahead for)."""
+    return request.work if isinstance(request, _Ahead) else request
 
 
 class _Driver:

@@ -41,51 +41,9 @@ from ciar.collab.acceptance import CascadeConfig, GsdConfig, LanternConfig, Neig
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
 from ciar.engine.runner import PieceOutput
+from ciar.engine.transfer import HostPack, HostRead
 from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_keys
 from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, JACOBI_STREAM, NEXT_STREAM
-
-_ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
-
-
-class HostPack:
-    """Host tensors of one step, packed into one byte buffer and sent to the device in one copy (pinned memory and
-    a non-blocking copy on CUDA; on a CPU the tensors are used where they are).
-
-        pack = HostPack(device)
-        a = pack.add(torch.tensor([...]))           # a handle
-        pack.send()
-        pack[a]                                      # that tensor on the device (a view of the sent buffer)"""
-
-    def __init__(self, device: torch.device, pack: bool | None = None):
-        """`pack`: copy through one byte buffer (default: off the CPU; True on a CPU tests the packing)."""
-        self.device = torch.device(device)
-        self.pack = self.device.type != "cpu" if pack is None else bool(pack)
-        self._host: list[torch.Tensor] = []
-        self._layout: list[tuple[int, int, torch.dtype, tuple]] = []
-        self._size = 0
-        self._sent: list[torch.Tensor] | None = None
-
-    def add(self, t: torch.Tensor) -> int:
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        self._host.append(t)
-        self._layout.append((self._size, nbytes, t.dtype, tuple(t.shape)))
-        self._size += -(-nbytes // _ALIGN) * _ALIGN
-        return len(self._host) - 1
-
-    def send(self) -> None:
-        if not self.pack:
-            self._sent = self._host
-            return
-        buf = torch.empty(self._size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        for t, (off, nbytes, _, _) in zip(self._host, self._layout):
-            if nbytes:
-                buf[off:off + nbytes] = t.reshape(-1).view(torch.uint8)
-        dev = buf.to(self.device, non_blocking=True)
-        self._sent = [dev[off:off + nbytes].view(dtype).view(shape) for off, nbytes, dtype, shape in self._layout]
-
-    def __getitem__(self, handle: int) -> torch.Tensor:
-        return self._sent[handle]
 
 
 @dataclass
@@ -192,10 +150,17 @@ class Judge:
             self._neighbors[k] = NeighborTable.from_codebook(self.codebook, k).to(self.device)
         return self._neighbors[k]
 
-    @torch.inference_mode()
     def decide(self, draws: list[Draw], spans: list[Span], step_logits: torch.Tensor | None = None) -> Decided:
         """Every draw and span of a step (see the module docstring), and which rows of the step's logits [S, V] are
         not finite: one copy to the device, one back."""
+        return self.launch(draws, spans, step_logits).collect()
+
+    @torch.inference_mode()
+    def launch(self, draws: list[Draw], spans: list[Span], step_logits: torch.Tensor | None = None) -> "Deciding":
+        """`decide` up to its host read: the step's decisions queued on the accelerator and their copy back queued
+        behind them, nothing waited for. -> `Deciding`: `collect()` reads them (waiting for that copy only);
+        `tokens` holds the draws' tokens on the device meanwhile (the next step's inputs can take them from
+        there: the engine's overlap)."""
         dev, v_size = self.device, self.vocab_size
         pack = HostPack(dev)
         errors: dict[int, BaseException] = {}
@@ -262,16 +227,17 @@ class Judge:
         if step_logits is not None and step_logits.numel():  # NaN propagates through max and min; so do infinities
             bad = ~(torch.isfinite(step_logits.amax(dim=-1)) & torch.isfinite(step_logits.amin(dim=-1)))
             outs.append(bad)
+        drawn = None
         if draws:
             both = logits[pack[draw_idx]]
             n = len(draws)
             probs = rows_to_probs(both[:n], self._rows(pack, draw_sampling), both[n:], pack[draw_sampling[4]])
             u = keyed_uniform(pack[draw_key], pack[draw_pos])
-            outs.append(sample_at(probs, u))
+            drawn = sample_at(probs, u)
+            outs.append(drawn)
             if stopping:
                 stop_at = pack[draw_stop]
                 outs.append((stop_at > 0) & (entropy_score(probs) <= stop_at))
-        verdicts: list[tuple[int, int, bool] | None] = [None] * len(spans)
         judged = []
         for g in span_in:
             group = [spans[i] for i in g["idx"]]
@@ -287,34 +253,9 @@ class Judge:
                 outs.append(redraft[0])
             if stop is not None:
                 outs.append(stop)
-        host = torch.cat([o.reshape(-1).long() for o in outs]).tolist() if outs else []  # the step's one host read
-
-        # --- unpacked on the host
-        at = 0
-        n_bad = 0 if bad is None else int(bad.numel())
-        bad_rows = [bool(x) for x in host[at:at + n_bad]]
-        at += n_bad
-        n = len(draws)
-        tokens = host[at:at + n]
-        at += n
-        stops = [bool(x) for x in host[at:at + n]] if stopping else [False] * n
-        at += n if stopping else 0
-        redrafts, span_stops = {}, {}
-        for idx, redraft, stopped in judged:
-            b = len(idx)
-            ns, zs, rs = host[at:at + b], host[at + b:at + 2 * b], host[at + 2 * b:at + 3 * b]
-            at += 3 * b
-            for i, nn, z, r in zip(idx, ns, zs, rs):
-                verdicts[i] = (nn, z, bool(r))
-            if redraft is not None:
-                w = redraft[1].shape[1]
-                for j, i in enumerate(idx):
-                    redrafts[i] = (host[at + j * w:at + (j + 1) * w], redraft[1][j])
-                at += b * w
-            if stopped:
-                span_stops.update({i: x for i, x in zip(idx, host[at:at + b]) if x >= 0})
-                at += b
-        return Decided(bad_rows, tokens, stops, verdicts, errors, redrafts, span_stops)
+        # the step's one host read, queued behind its decisions
+        return Deciding(HostRead(outs), 0 if bad is None else int(bad.numel()), len(draws), stopping, judged,
+                        len(spans), errors, drawn)
 
     def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
         """One acceptance rule's spans, every row at once. -> (verify_span's verdicts; for Jacobi rounds and spans
@@ -402,6 +343,46 @@ class Judge:
     @staticmethod
     def _rows(pack: HostPack, handles: tuple) -> RowSampling:
         return RowSampling(*(pack[h] for h in handles[:4]), *handles[5])
+
+
+class Deciding:
+    """A step's decisions queued on the accelerator (`Judge.launch`): `tokens`, the draws' tokens [draws] on the
+    device (None without draws); `collect()` -> `Decided`, the one host read."""
+
+    def __init__(self, read: HostRead, n_bad: int, n_draws: int, stopping: bool, judged: list, n_spans: int,
+                 errors: dict, tokens: torch.Tensor | None):
+        self.read, self.n_bad, self.n_draws, self.stopping = read, n_bad, n_draws, stopping
+        self.judged, self.n_spans, self.errors, self.tokens = judged, n_spans, errors, tokens
+
+    def collect(self) -> Decided:
+        """Wait for the decisions' copy (not for what was queued after it), unpack them."""
+        host = self.read.values()
+        verdicts: list[tuple[int, int, bool] | None] = [None] * self.n_spans
+        at = 0
+        n_bad = self.n_bad
+        bad_rows = [bool(x) for x in host[at:at + n_bad]]
+        at += n_bad
+        n = self.n_draws
+        tokens = host[at:at + n]
+        at += n
+        stops = [bool(x) for x in host[at:at + n]] if self.stopping else [False] * n
+        at += n if self.stopping else 0
+        redrafts, span_stops = {}, {}
+        for idx, redraft, stopped in self.judged:
+            b = len(idx)
+            ns, zs, rs = host[at:at + b], host[at + b:at + 2 * b], host[at + 2 * b:at + 3 * b]
+            at += 3 * b
+            for i, nn, z, r in zip(idx, ns, zs, rs):
+                verdicts[i] = (nn, z, bool(r))
+            if redraft is not None:
+                w = redraft[1].shape[1]
+                for j, i in enumerate(idx):
+                    redrafts[i] = (host[at + j * w:at + (j + 1) * w], redraft[1][j])
+                at += b * w
+            if stopped:
+                span_stops.update({i: x for i, x in zip(idx, host[at:at + b]) if x >= 0})
+                at += b
+        return Decided(bad_rows, tokens, stops, verdicts, self.errors, redrafts, span_stops)
 
 
 class _Source:

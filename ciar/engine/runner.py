@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ciar.engine.transfer import HostPack
 from ciar.models.gpt import GPT, batch_invariant, compiled_block, fuse_feed_forward
 
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
@@ -53,8 +54,10 @@ class NonFiniteLogits(ArithmeticError):
 class Piece:
     """What one work feeds in one forward: `n` positions from absolute sequence position `start` in cache `slots`
     (a row each: the CFG branches), either condition embeddings (`emb` [rows, n, dim]) or image tokens (`tokens`,
-    plus `extra` [(index in piece, [dim])] added to their embeddings for the interval features). `want`: indices
-    within the piece whose logits the work needs back."""
+    plus `extra` [(index in piece, [dim])] added to their embeddings for the interval features), or one token whose
+    id is on the device (`token_from`: (a tensor of token ids, an index into it): a token the previous step drew,
+    fed before the host has read it, `ciar.engine.core`'s overlap). `want`: indices within the piece whose logits
+    the work needs back."""
 
     slots: list[int]
     start: int
@@ -63,6 +66,7 @@ class Piece:
     emb: torch.Tensor | None = None
     extra: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     want: list[int] = field(default_factory=list)
+    token_from: tuple[torch.Tensor, int] | None = None
 
     @property
     def rows(self) -> int:
@@ -109,6 +113,7 @@ class ModelRunner:
         # attention runs over; a packed dynamic forward's projections run on the fed ones only), summed
         self.positions = {"fed": 0, "computed": 0}
         self.fused = bool(fused)
+        self.pack_inputs: bool | None = None  # host inputs in one byte buffer (`HostPack`; default: off a CPU)
         self._block = None
         if self.fused:
             if not self.static:
@@ -221,7 +226,8 @@ class ModelRunner:
     def _inputs(self, pieces: list[Piece], width: int, rows: int | None):
         """The step's inputs: rows in cache-slot order, each `width` positions (padding at the scratch position);
         `rows` > the pieces' rows: padding rows on the spare slot. -> (first row of each piece, embeddings
-        [R, width, dim], positions [R, width], slots [R]), on the device."""
+        [R, width, dim], positions [R, width], slots [R]), on the device. The host's part travels in one
+        non-blocking copy (`HostPack`): building a step's inputs never waits for the accelerator."""
         cloud, dev = self.cloud, self.device
         order = sorted(range(len(pieces)), key=lambda i: pieces[i].slots[0])  # rows in cache-slot order
         row0 = [0] * len(pieces)
@@ -243,19 +249,38 @@ class ModelRunner:
         if bool(fed.any()):  # every token row's tokens, row-major (CFG rows repeat their piece's tokens)
             tok[real & fed[:, None]] = torch.tensor([t for i in by_row if pieces[i].tokens is not None
                                                      for t in pieces[i].tokens], dtype=torch.long)
-        h = cloud.tok_embeddings(tok.to(dev))
+        pack = HostPack(dev, self.pack_inputs)
+        h_tok, h_pos, h_slots = pack.add(tok), pack.add(pos), pack.add(slots)
+        # tokens still on the device (drawn by the step before): one gather per source tensor, rows by index
+        sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         add_rows, add_cols, adds = [], [], []
         for i, p in enumerate(pieces):
-            if p.emb is not None:  # condition rows (prefill chunks): a piece's rows at once
-                h[row0[i]:row0[i] + p.rows, :p.n] = p.emb.to(h.dtype)
+            if p.token_from is not None:
+                src, j = p.token_from
+                entry = sources.setdefault(id(src), (src, [], []))
+                entry[1].extend(range(row0[i], row0[i] + p.rows))
+                entry[2].extend([j] * p.rows)
             for idx, add in p.extra:  # interval features, added at their positions in every row of the piece
                 add_rows.extend(range(row0[i], row0[i] + p.rows))
                 add_cols.extend([idx] * p.rows)
                 adds.extend([add] * p.rows)
+        gathers = [(src, pack.add(torch.tensor(rs, dtype=torch.long)), pack.add(torch.tensor(js, dtype=torch.long)))
+                   for src, rs, js in sources.values()]
+        h_add = pack.add(torch.tensor([add_rows, add_cols], dtype=torch.long)) if adds else None
+        pack.send()
+        tok = pack[h_tok]
+        if gathers:
+            tok = tok.clone()  # (the sent buffer is left as it came)
+            for src, rs, js in gathers:
+                tok[pack[rs], 0] = src[pack[js]].to(tok.dtype)
+        h = cloud.tok_embeddings(tok)
+        for i, p in enumerate(pieces):
+            if p.emb is not None:  # condition rows (prefill chunks): a piece's rows at once
+                h[row0[i]:row0[i] + p.rows, :p.n] = p.emb.to(h.dtype)
         if adds:
-            ar, ac = torch.tensor(add_rows, device=dev), torch.tensor(add_cols, device=dev)
+            ar, ac = pack[h_add][0], pack[h_add][1]
             h[ar, ac] = h[ar, ac] + torch.stack(adds).to(dev, h.dtype)
-        return row0, h, pos.to(dev), slots.to(dev)
+        return row0, h, pack[h_pos], pack[h_slots]
 
     # ------------------------------------------------------------------ CUDA graphs (run only where CUDA is)
     def _graph(self, rows: int, width: int, kv_len: int) -> _Graph:

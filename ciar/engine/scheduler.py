@@ -164,8 +164,9 @@ class Scheduler:
         """Admitted requests join the running set (the finished ones are dropped)."""
         self.running.extend(r for r in requests if not r.done)
 
-    def schedule(self) -> list[Scheduled]:
-        return schedule(self.running, self.config)
+    def schedule(self, requests=None) -> list[Scheduled]:
+        """The next forward's pieces from `requests` (default: the running ones)."""
+        return schedule(self.running if requests is None else requests, self.config)
 
     def record(self, batch: list[Scheduled]) -> None:
         """Account one forward over `batch` (not empty)."""

@@ -76,7 +76,7 @@ class CloudVerifier:
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
                  idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None,
                  memory_utilization: float = 0.9, slot_wait_s: float = 0.0, static: bool | None = None,
-                 fused: bool = False):
+                 fused: bool = False, overlap: bool = False):
         """`max_sessions`: KV-cache sessions (2 slots each with CFG), or "auto": as many as the accelerator's memory
         holds after loading, at `memory_utilization` of its total (`ciar.engine.runner.plan_sessions`; the plan is
         `self.memory`). `idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this
@@ -84,7 +84,9 @@ class CloudVerifier:
         step engine's token budget and limits (`ciar.engine.scheduler.SchedulerConfig`). `slot_wait_s`: how long a
         queued open or resume waits for a slot before it is refused (`open_work`; 0: refused at once). `static`:
         the model runner pads steps to buckets and, on CUDA, replays them from CUDA graphs (default: on CUDA;
-        `ciar.engine.runner`); `fused`: its static steps fused (`ciar.engine.runner.ModelRunner`)."""
+        `ciar.engine.runner`); `fused`: its static steps fused (`ciar.engine.runner.ModelRunner`); `overlap`: the
+        engine reads a step's decisions after launching the next step's forward (`ciar.engine.core.StepEngine.step`;
+        the same tokens, a gain only where an accelerator runs the forward)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
@@ -109,7 +111,7 @@ class CloudVerifier:
                                self.device, self.projector, functools.partial(device_caption, self.cloud),
                                encodes_captions=text is not None)
         self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide,
-                                 retired=self.retired)
+                                 retired=self.retired, overlap=overlap)
         # what its replies told the devices, over all of them: the hint a device's first image starts from
         self.reply_costs = CloudStepEstimator()
         self.reply_queue = Ewma(0.2)
@@ -220,41 +222,19 @@ class CloudVerifier:
         return self._waits_for_a_slot(ResumeWork(self.ctx, request, history, injected, caption_emb, caption_mask,
                                                  owner))
 
-    def decide(self, works: list, step_logits: torch.Tensor | None, on_bad) -> None:
+    def decide(self, works: list, step_logits: torch.Tensor | None) -> "Decisions | None":
         """Engine hook, once per step: the tokens the works' decodes draw and the verdicts on the spans whose feed is
-        complete, all in one `Judge.decide` (one copy to the accelerator, one back); `on_bad` first fails the works
-        whose logits in this step were not finite; then each work takes its decision."""
+        complete, all in one `Judge.launch` (one copy to the accelerator, one back, not waited for). -> `Decisions`
+        (None when there is nothing to decide): the engine applies them (`Decisions.apply`) at once, or, with
+        overlap, after it has launched the next step's forward."""
         draws = [w for w in works if not w.done and w.draw_from is not None]
         spans = [w for w in works if isinstance(w, (VerifyWork, JacobiWork)) and not w.done and w.phase == "judge"]
         if not draws and not spans and step_logits is None:
-            return
+            return None
         for w in draws + spans:
             w.deciding = True  # if the pass raises, the engine fails these works (and clears the marks)
-        decided = self.judge.decide([w.draw() for w in draws], [w.span() for w in spans], step_logits)
-        for w in draws + spans:
-            w.deciding = False
-        on_bad(decided.bad)
-        for w, token, stop in zip(draws, decided.tokens, decided.stops):
-            if not w.done:
-                self._apply(w, w.drawn, token, stop)
-        for i, w in enumerate(spans):
-            if w.done:
-                continue
-            if i in decided.errors:
-                w.finish(error=decided.errors[i])
-                continue
-            n, z, rec = decided.verdicts[i]
-            if isinstance(w, JacobiWork):
-                self._apply(w, w.commit, n, z, rec, len(spans), decided.redrafts.get(i))
-            else:
-                self._apply(w, w.commit, n, z, rec, len(spans), decided.redrafts.get(i), decided.span_stops.get(i, -1))
-
-    @staticmethod
-    def _apply(w: Work, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
-            w.finish(error=e)
+        deciding = self.judge.launch([w.draw() for w in draws], [w.span() for w in spans], step_logits)
+        return Decisions(draws, spans, deciding)
 
     def _run(self, works: list) -> list:
         """Step the engine until `works` are done; -> their results, or raise the first error (in request order)."""
@@ -376,6 +356,56 @@ class CloudVerifier:
             raise SessionError("duplicate session ids in one batch")
         if caption_emb is not None and caption_emb.shape[0] != len(requests):
             raise SessionError(f"{len(requests)} requests but {caption_emb.shape[0]} caption embeddings")
+
+
+class Decisions:
+    """One step's decisions on the accelerator (`CloudVerifier.decide`), for the engine core: `works` waits for
+    them, `ahead()` names the decodes that may run before they are read, `apply(on_bad)` reads them (the step's one
+    host read) and hands each work its own."""
+
+    def __init__(self, draws: list, spans: list, deciding):
+        self.draws, self.spans, self.deciding = draws, spans, deciding
+        self.works = draws + spans
+
+    def ahead(self) -> list[tuple[Work, int, tuple[torch.Tensor, int]]]:
+        """(work, position, (the draws' tokens on the device, its index)) for each draw whose work goes on after
+        it (`Work.after_draw`): its next decode, fed with the token before the host knows it."""
+        out = []
+        for i, w in enumerate(self.draws):
+            at = None if w.done else w.after_draw()
+            if at is not None:
+                out.append((w, at, (self.deciding.tokens, i)))
+        return out
+
+    def apply(self, on_bad) -> None:
+        """Read the decisions; `on_bad` first fails the works whose logits in their step were not finite; then each
+        work takes its decision."""
+        decided = self.deciding.collect()
+        for w in self.works:
+            w.deciding = False
+        on_bad(decided.bad)
+        for w, token, stop in zip(self.draws, decided.tokens, decided.stops):
+            if not w.done:
+                _apply(w, w.drawn, token, stop)
+        for i, w in enumerate(self.spans):
+            if w.done:
+                continue
+            if i in decided.errors:
+                w.finish(error=decided.errors[i])
+                continue
+            n, z, rec = decided.verdicts[i]
+            judged = len(self.spans)
+            if isinstance(w, JacobiWork):
+                _apply(w, w.commit, n, z, rec, judged, decided.redrafts.get(i))
+            else:
+                _apply(w, w.commit, n, z, rec, judged, decided.redrafts.get(i), decided.span_stops.get(i, -1))
+
+
+def _apply(w: Work, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - one work's bad result fails that work only
+        w.finish(error=e)
 
 
 def _caption(emb: torch.Tensor | None, mask: torch.Tensor | None, i: int):

@@ -243,6 +243,11 @@ class OpenWork(SessionWork):
         if len(self.s.tokens) >= self.request.prefix_len:
             self.complete()
 
+    def after_draw(self) -> int | None:
+        """The position of the decode that feeds the token being drawn, when the work goes on after it (the
+        engine's overlap schedules that decode before the draw is read); None: the draw is its last."""
+        return self.ctx.cls + len(self.s.tokens) if len(self.s.tokens) + 1 < self.request.prefix_len else None
+
     def reply_tokens(self) -> list[int]:
         return self.s.tokens
 
@@ -654,6 +659,13 @@ class VerifyWork(SpanFeed, SessionWork):
         self.burst_tokens.append(token)
         if len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
             self.complete()
+
+    def after_draw(self) -> int | None:
+        """As `OpenWork.after_draw`: a burst token's decode goes on unless the token is the burst's last or the
+        image's (an entropy stop may still end it: the engine then drops the decode it scheduled)."""
+        s = self.s
+        goes_on = len(self.burst_tokens) + 1 < self.request.burst and len(s.tokens) + 1 < self.ctx.block_size
+        return self.ctx.cls + len(s.tokens) if goes_on else None
 
     def complete(self) -> None:
         self.s.work = None

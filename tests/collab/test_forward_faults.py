@@ -79,12 +79,12 @@ def test_an_out_of_memory_forward_fails_only_its_step(tiny_cloud, stub_text):
 
 @torch.no_grad()
 def test_a_failed_decision_pass_fails_only_the_works_it_decided(tiny_cloud, stub_text):
-    """The step's judge and sampler raise (FAULT INJECTION: `Judge.decide` runs out of memory once): the span and
+    """The step's judge and sampler raise (FAULT INJECTION: `Judge.launch` runs out of memory once): the span and
     the open's prefix draw of that step fail with a retryable ForwardFault ("a" as before its verify, the half-opened
     "b" gone, no work left marked); sent again, the replies are the undisturbed ones."""
     want, want_b, v = _undisturbed_and_a_fresh_one(tiny_cloud, stub_text)
     tokens = list(v.sessions["a"].tokens)
-    real, calls = v.judge.decide, [0]
+    real, calls = v.judge.launch, [0]
 
     def failing(*args):
         calls[0] += 1
@@ -92,7 +92,7 @@ def test_a_failed_decision_pass_fails_only_the_works_it_decided(tiny_cloud, stub
             raise torch.OutOfMemoryError("CUDA out of memory (injected into the judge)")
         return real(*args)
 
-    v.judge.decide = failing
+    v.judge.launch = failing
     span, opening = v.submit_verify(_span(v, "a", seed=1)), v.submit_open(_open("b", seed=3))
     v.engine.run([span, opening])
     for w in (span, opening):

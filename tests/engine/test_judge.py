@@ -19,7 +19,8 @@ from scipy.stats import chisquare
 from ciar.collab.acceptance import NeighborTable
 from ciar.collab.protocol import RuleConfig
 from ciar.decoding.sampling import RowSampling, SamplingParams, logits_to_probs, rows_to_probs
-from ciar.engine.judge import Draw, HostPack, Judge, Span
+from ciar.engine.judge import Draw, Judge, Span
+from ciar.engine.transfer import HostPack
 from ciar.models.gpt import GPTConfig, build_gpt
 from ciar_device import maths
 
