@@ -98,9 +98,9 @@ def random_caption(verifier):
 
 class StepSplit:
     """Where an engine's steps' time goes: the forwards (`runner.execute_step`), the judge and sampler
-    (`judge.launch`: its device work, the host read after it being instant) and the rest (the host: admission, scheduling, inputs, applying the
-    decisions), each timed to a device sync (`sync`; the forward's and the judge's calls are wrapped, a step is
-    `engine.step`). Measures only while `on`, and then one step in `every`: the syncs cost what the judge's launch
+    (`judge.launch`: its device work; the host read after it is then instant) and the rest (the host: admission,
+    scheduling, inputs, applying the decisions), each timed to a device sync (`sync`; the forward's and the judge's
+    calls are wrapped, a step is `engine.step`). Measures only while `on`, and then one step in `every`: the syncs cost what the judge's launch
     would have overlapped with the forward, so a load whose throughput is measured too samples its steps (the
     2026-11-28c H200 run timed every step of the window and made 26-29 % fewer images/s than the run before it)."""
 
@@ -261,10 +261,10 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
 
 def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
             slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS,
-            switch_s: float | None = SWITCH_S) -> dict:
-    """The section: build the replica, ramp each method (then its last load again with the interpreter's switch
-    interval at `switch_s`, when given), then the model's prediction beside every point (for the methods without
-    Jacobi windows: the model has no Jacobi work)."""
+            switch_s: float | None = SWITCH_S, overlap: bool = True) -> dict:
+    """The section: build the replica, ramp each method (then its last load again: with the interpreter's switch
+    interval at `switch_s`, when given; with the engine's overlap, when `overlap`), then the model's prediction
+    beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
     from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
@@ -315,21 +315,27 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                       f"{p['mean_works_per_step']} works/step, mismatches {p['mismatches']}", flush=True)
                 if p["latency_s"]["p99"] is None or p["latency_s"]["p99"] > 2 * slo_s:
                     break
-            if switch_s:  # the last load again, the interpreter handing the GIL over sooner (sys.setswitchinterval)
-                last = points[method][-1]
-                before = sys.getswitchinterval()
-                sys.setswitchinterval(switch_s)
+            last = points[method][-1]
+            for name, enter, leave in _again(v, switch_s, overlap):  # the last load again, one change at a time
+                enter()
                 try:
+                    ahead0 = dict(v.engine.ahead)
                     p = asyncio.run(point(client, traces[method], last["phones"], warmup_s, duration_s, network,
-                                          images, tag=f"{method}-switch"))
+                                          images, tag=f"{method}-{name}"))
                 finally:
-                    sys.setswitchinterval(before)
-                out.setdefault("switch_interval", {})[method] = {
-                    "switch_s": switch_s, "default_s": before, "phones": last["phones"],
-                    "images_per_s": p["images_per_s"], "default_images_per_s": last["images_per_s"],
-                    "ms_per_step": p["ms_per_step"], "default_ms_per_step": last["ms_per_step"],
-                    "mismatches": p["mismatches"], "errors": p["errors"]}
-                print(f"  capacity_measured {method} {last['phones']} phones, switch interval {switch_s * 1e3:g} ms: "
+                    leave()
+                again = {"phones": last["phones"], "images_per_s": p["images_per_s"],
+                         "default_images_per_s": last["images_per_s"], "ms_per_step": p["ms_per_step"],
+                         "default_ms_per_step": last["ms_per_step"], "latency_s": p["latency_s"],
+                         "default_latency_s": last["latency_s"], "mismatches": p["mismatches"],
+                         "errors": p["errors"]}
+                if name == "switch_interval":
+                    again.update(switch_s=switch_s, default_s=_again.default_switch_s)
+                else:
+                    again.update(ahead_run=v.engine.ahead["run"] - ahead0["run"],
+                                 ahead_dropped=v.engine.ahead["dropped"] - ahead0["dropped"])
+                out.setdefault(name, {})[method] = again
+                print(f"  capacity_measured {method} {last['phones']} phones, {name}: "
                       f"{p['images_per_s'] or 0:.2f} images/s (default {last['images_per_s'] or 0:.2f})", flush=True)
             verdicts.uninstall(v)
             out.setdefault("verdicts", {})[method] = {"replayed": verdicts.replayed, "changed": verdicts.changed,
@@ -403,16 +409,30 @@ def markdown(sec: dict) -> list[str]:
                          f"{p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
     m = sec.get("measured", {})
     lines += ["", f"Measured: {m}"]
-    sw = sec.get("switch_interval")
-    if sw:
-        lines += ["", "The last load again with the interpreter's switch interval shortened (`sys.setswitchinterval`):",
-                  "", "| method | phones | switch interval ms | images/s | default's images/s | step ms: forward / "
-                  "judge / host | default's |", "|---|---|---|---|---|---|---|"]
-        for method, x in sw.items():
-            lines.append(f"| {method} | {x['phones']} | {x['switch_s'] * 1e3:g} | {_f(x['images_per_s'])} | "
-                         f"{_f(x['default_images_per_s'])} | {_split(x['ms_per_step'])} | "
-                         f"{_split(x['default_ms_per_step'])} |")
+    for name, title in (("switch_interval", "with the interpreter's switch interval shortened "
+                                            "(`sys.setswitchinterval`)"),
+                        ("overlap", "with the engine's overlap (`StepEngine.overlap`; sampled steps are synced)")):
+        if sec.get(name):
+            lines += ["", f"The last load again {title}:", "", "| method | phones | images/s | default's images/s | "
+                      "p99 s | default's | step ms: forward / judge / host | default's |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for method, x in sec[name].items():
+                lines.append(f"| {method} | {x['phones']} | {_f(x['images_per_s'])} | "
+                             f"{_f(x['default_images_per_s'])} | {_f(x['latency_s']['p99'])} | "
+                             f"{_f(x['default_latency_s']['p99'])} | {_split(x['ms_per_step'])} | {_split(x['default_ms_per_step'])} |")
     return lines
+
+
+def _again(v, switch_s: float | None, overlap: bool):
+    """The changes each method's last load is run again with, one at a time: (name, enter, leave)."""
+    out = []
+    if switch_s:  # the interpreter handing the GIL over sooner (sys.setswitchinterval): is the host time GIL waits?
+        _again.default_switch_s = sys.getswitchinterval()
+        out.append(("switch_interval", lambda: sys.setswitchinterval(switch_s),
+                    lambda: sys.setswitchinterval(_again.default_switch_s)))
+    if overlap:  # the engine reading a step's decisions after launching the next forward (StepEngine.overlap)
+        out.append(("overlap", lambda: setattr(v.engine, "overlap", True), lambda: setattr(v.engine, "overlap", False)))
+    return out
 
 
 def _split(ms: dict | None) -> str:

@@ -43,15 +43,19 @@ then `gpu.md` summarises:
              (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
              compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time, and
              after a warm-up round each step split into forward, judge (`ciar.engine.judge`) and host milliseconds
+  overlap    the engine's overlap (a step's decisions read after the next forward is launched) against the engine
+             without it, 64 sessions on one verifier with graphs: a cloud prefix (one-token decodes), then rounds of
+             spans with bursts; replies compared, tokens and spans per second, ms per step, the accelerator's busy
+             share (its kernels' union over the window, torch.profiler) and the synchronising calls per step
   memory     the KV cache sized from the GPU's memory (`max_sessions="auto"`), allocated, and the largest steps the
              scheduler allows run beside it: sessions, GiB, the peak
   capacity   the forward costs in the form `ciar.capacity.gpu_model.forward_s` reads (bandwidth, peak FLOP/s,
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, slot_attention, engine_graphs, served_steps, roofline, capacity_measured,
-capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started within `--budget-s` are
-skipped).
+They run in the order of `--sections` (env, overlap, slot_attention, engine_graphs, served_steps, roofline,
+capacity_measured, capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started
+within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -806,6 +810,104 @@ class Suite:
         return out
 
     @torch.inference_mode()
+    def overlap(self) -> dict:
+        """The engine's overlap (`StepEngine(overlap=True)`: a step's decisions read after the next forward is
+        launched) against the engine without it, on one verifier (graphs captured once) and the same seeded load:
+        `sessions` sessions opened at once with a cloud prefix (one-token decodes: the cloud-only load), then rounds
+        of spans with bursts (the CIAR load). Per way and phase: the replies (compared), tokens and spans per
+        second, steps, ms per step, the decodes run ahead; on CUDA the accelerator's busy share (the union of its
+        kernels' times over the window from the first kernel to the last, torch.profiler's CUDA activity) and the
+        synchronising calls per step (`torch.cuda.set_sync_debug_mode`: every one waits for the accelerator)."""
+        from ciar.engine.verifier import CloudVerifier
+
+        sessions, prefix, rounds, burst = (4, 8, 2, 2) if self.tiny else (64, 48, 4, 4)
+        cuda = self.dev.type == "cuda"
+        v = CloudVerifier(self.gpt(), None, max_sessions=sessions)
+        out: dict = {"sessions": sessions, "prefix": prefix, "rounds": rounds, "burst": burst,
+                     "span_drafts": SPAN - 1}
+        if cuda:
+            t = time.perf_counter()
+            out["graphs_captured"] = v.runner.capture(2 * sessions, widths=(1, 8))
+            self.sync()
+            out["capture_s"] = round(time.perf_counter() - t, 2)
+        replies = {}
+        for way, overlap in (("warmup", False), ("plain", False), ("overlap", True)):
+            v.engine.overlap = overlap
+            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=burst)  # the same sessions every way
+            res, got = {}, []
+            for phase in ("decodes", "spans"):
+                steps0, ahead0 = v.engine.steps, dict(v.engine.ahead)
+
+                def run():
+                    if phase == "decodes":
+                        return [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
+                    return [(r.num_accepted, r.next_token, r.burst_tokens.tolist() if r.num_burst else [])
+                            for _ in range(rounds) for r in v.verify_batch(spans(range(sessions)))]
+
+                self.sync()
+                t = time.perf_counter()
+                busy = syncs = None
+                if cuda and way != "warmup":
+                    busy, syncs, part = self._busy_share(run)
+                else:
+                    part = run()
+                self.sync()
+                wall = time.perf_counter() - t
+                got += part
+                steps = v.engine.steps - steps0
+                res[phase] = {"s": round(wall, 3), "steps": steps, "ms_per_step": round(1000 * wall / max(steps, 1), 2),
+                              "per_s": round((sessions * prefix if phase == "decodes" else rounds * sessions) / wall,
+                                             1),
+                              "ahead_run": v.engine.ahead["run"] - ahead0["run"],
+                              "ahead_dropped": v.engine.ahead["dropped"] - ahead0["dropped"],
+                              "busy_share": busy, "syncs_per_step": None if syncs is None else
+                              round(syncs / max(steps, 1), 2)}
+            for r in reqs:
+                v.close(r.session_id)
+            replies[way] = got
+            if way != "warmup":
+                out[way] = res
+        out["replies_identical"] = replies["overlap"] == replies["plain"]
+        out["replies_equal"] = sum(a == b for a, b in zip(replies["overlap"], replies["plain"]))
+        out["replies"] = len(replies["plain"])
+        for phase in ("decodes", "spans"):
+            out[f"{phase}_overlap_vs_plain"] = round(out["overlap"][phase]["per_s"] / out["plain"][phase]["per_s"], 3)
+        del v
+        self.release()
+        return out
+
+    def _busy_share(self, fn):
+        """fn() under torch.profiler (CUDA activity only) and the sync debug mode -> (the accelerator's busy share:
+        its kernels' union over the span from the first to the last, the synchronising calls warned of, fn's
+        result)."""
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    result = fn()
+                    self.sync()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, end = 0, None
+        for a, b in spans:
+            if end is None or a > end:
+                busy += b - a
+                end = b
+            elif b > end:
+                busy += b - end
+                end = b
+        window = (spans[-1][1] - spans[0][0]) if spans else 0
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+        return (round(busy / window, 3) if window else None), syncs, result
+
+    @torch.inference_mode()
     def memory(self) -> dict:
         """The Verifier's start-up on a GPU (serve_config.gpu.yaml's settings): the KV cache sized from the GPU's memory
         (`max_sessions="auto"`) with the XL model loaded and allocated, every CUDA-graph bucket captured, then the
@@ -1197,9 +1299,9 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
-                 "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5",
-                 "hf_llama"):
+    for name in ("overlap", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs", "fp32",
+                 "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity", "memory",
+                 "engine", "t5", "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
@@ -1216,7 +1318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,slot_attention,engine_graphs,served_steps,roofline,capacity_measured,"
+    ap.add_argument("--sections", default="env,overlap,slot_attention,engine_graphs,served_steps,roofline,"
+                                          "capacity_measured,"
                                           "capacity_parallel,fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")

@@ -160,6 +160,11 @@ class AppConfig(BaseModel):
                                       "(w1/w3 as one GEMM, each block compiled inside the graphs): x0.73-0.94 of "
                                       "the plain step's time on an H200, about a minute more start-up for its "
                                       "compilations; irrelevant on a CPU")
+    verifier_overlap: bool = Field(False, description="the verifier's engine reads a step's decisions after "
+                                   "launching the next step's forward, so that the host's work overlaps the "
+                                   "accelerator's (the same replies; a burst after a verdict starts a step later). "
+                                   "Off until the GPU suite's overlap section has measured it; on a CPU nothing "
+                                   "overlaps")
     verifier_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="with verifier_max_sessions: auto, "
                                                "the share of the GPU's total memory the replica may use (weights, "
                                                "activations and KV cache), as vLLM's gpu_memory_utilization")

@@ -138,9 +138,10 @@ class StepEngine:
     and budgets; the runner (`ciar.engine.runner.ModelRunner`) turns pieces into tensors and returns the step's
     logits and hidden states, read nowhere on the host; the works record where their outputs are. `admit(works)`
     (each admitted, or finished with its error), `decide(running, step logits)` (the step's batched judge and
-    sampler launched: what it returns is applied now, or after the next forward's launch with overlap) and `retired(finished works)` (what the owner applies from them: its cost
-    estimates, the sessions they left of no use; called for every work once it leaves the engine) are given by the
-    owner of the request state (`ciar.engine.verifier.CloudVerifier`)."""
+    sampler, launched: what it returns is applied now, or after the next forward's launch with overlap) and
+    `retired(finished works)` (what the owner applies from them: its cost estimates, the sessions they left of no
+    use; called for every work once it leaves the engine) are given by the owner of the request state
+    (`ciar.engine.verifier.CloudVerifier`)."""
 
     def __init__(self, runner, config: SchedulerConfig | None = None, admit=None, decide=None, retired=None,
                  overlap: bool = False):

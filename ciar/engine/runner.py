@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ciar.engine.transfer import HostPack
+from ciar.engine.transfer import HostPack, to_device
 from ciar.models.gpt import GPT, batch_invariant, compiled_block, fuse_feed_forward
 
 PACK_BELOW = 0.8  # a step whose real positions are below this share of its padded ones runs packed
@@ -136,10 +136,9 @@ class ModelRunner:
         """Caption embeddings [N, L, D] (a row per slot), or prompt token ids [N, L] (a Chameleon cloud: moved, never
         cast to the model's dtype), `drop` [N] bool (the CFG branch without the caption) -> the condition rows
         [N, cls, dim] a prefill feeds."""
-        cond = caption_emb.to(self.device, self.dtype) if caption_emb.is_floating_point() else \
-            caption_emb.to(self.device)
+        cond = to_device(caption_emb, self.device, self.dtype if caption_emb.is_floating_point() else None)
         with batch_invariant(self.device.type == "cpu"):
-            return self.cloud.embed_condition(cond, drop.to(self.device))
+            return self.cloud.embed_condition(cond, to_device(drop, self.device))
 
     def mark_caption(self, slot: int, mask: torch.Tensor | None, uncond: bool = False) -> None:
         """Keys a new session's slot may read: its caption's real positions (`mask` [L], t2i) and every image
@@ -149,9 +148,9 @@ class ModelRunner:
         c, kv = self.cloud.config, self.cache.key_valid
         if uncond and hasattr(self.cloud, "condition_mask"):
             drop = torch.ones(1, dtype=torch.bool, device=self.device)
-            mask = self.cloud.condition_mask(None if mask is None else mask.to(self.device)[None], drop)[0]
+            mask = self.cloud.condition_mask(None if mask is None else to_device(mask, self.device)[None], drop)[0]
         if mask is not None and c.model_type == "t2i":
-            kv[slot, :c.cls_token_num] = mask.to(self.device)
+            kv[slot, :c.cls_token_num] = to_device(mask, self.device)
             kv[slot, c.cls_token_num:] = True
         else:
             kv[slot] = True
@@ -209,7 +208,8 @@ class ModelRunner:
         packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
         if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
             packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
-                                .flatten() for i, p in enumerate(pieces)]).to(self.device)
+                                .flatten() for i, p in enumerate(pieces)])
+            packed = to_device(packed, self.device)
         return row0, self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
 
     def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:

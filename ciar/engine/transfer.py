@@ -17,9 +17,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HostPack", "HostRead"]
+__all__ = ["HostPack", "HostRead", "to_device"]
 
 _ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t.to(device, dtype)` without waiting for the accelerator: a host tensor goes to CUDA through pinned memory by a
+    non-blocking copy (a plain `.to` from pageable memory waits for everything queued before it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, dtype) if dtype is not None else t.to(device)
 
 
 class HostPack:

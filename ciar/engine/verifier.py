@@ -61,6 +61,7 @@ from ciar.engine.core import StepEngine, Work
 from ciar.engine.judge import Judge
 from ciar.engine.runner import ModelRunner, plan_sessions
 from ciar.engine.scheduler import SchedulerConfig
+from ciar.engine.transfer import to_device
 from ciar.engine.sessions import Session, SessionTable, slots_needed
 from ciar.engine.works import JacobiWork, OpenWork, ResumeWork, VerifyWork, WorkContext, check_projector_inputs
 from ciar.models.gpt import GPT
@@ -299,8 +300,9 @@ class CloudVerifier:
                 drops.append(j == 1)
                 self.runner.mark_caption(slot, w.caption_mask, uncond=j == 1)
         # float captions in the model's dtype; token ids (a Chameleon prompt) as they are
-        cond = self.runner.condition(torch.stack([e.to(self.device, self.runner.dtype) if e.is_floating_point()
-                                                  else e.to(self.device) for e in embs]), torch.tensor(drops))
+        cond = self.runner.condition(torch.stack([to_device(e, self.device, self.runner.dtype
+                                                            if e.is_floating_point() else None) for e in embs]),
+                                     torch.tensor(drops))
         row = 0
         for w in works:
             w.cond = cond[row:row + w.rows]

@@ -31,6 +31,7 @@ from ciar.decoding.sampling import keyed_uniform, sample_at, stream_keys
 from ciar.engine.judge import Draw, Jacobi, Redraft, Span
 from ciar.engine.runner import Piece
 from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN
+from ciar.engine.transfer import to_device
 from ciar.engine.sessions import Session, SessionTable
 from ciar_device.maths import JACOBI_STREAM
 
@@ -400,7 +401,8 @@ class ResumeWork(OpenWork):
         self.s.tokens = list(self.history)
         inj = self.injected
         if self.ctx.projector is not None and inj is not None and inj.positions.numel():
-            add = self.ctx.projector(inj.device_hidden.to(self.ctx.device), inj.features.to(self.ctx.device))
+            add = self.ctx.projector(to_device(inj.device_hidden, self.ctx.device),
+                                     to_device(inj.features, self.ctx.device))
             self.extras = {int(p): add[i] for i, p in enumerate(inj.positions.tolist())}
 
     def kind(self) -> int:
@@ -519,7 +521,7 @@ class VerifyWork(SpanFeed, SessionWork):
         self.want = [first + j for j in range(self.k + 1)]
         self.extras: dict[int, torch.Tensor] = {}
         if ctx.projector is not None and r.device_hidden is not None and self.m:
-            add = ctx.projector(r.device_hidden.to(ctx.device), r.features.to(ctx.device))  # [m, dim]
+            add = ctx.projector(to_device(r.device_hidden, ctx.device), to_device(r.features, ctx.device))  # [m, dim]
             off = len(s.tokens) - self.start  # new tokens follow the committed-but-unfed ones
             self.extras = {off + i: add[i] for i in range(self.m)}
         self.fed = 0

@@ -15,10 +15,14 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "slot_attention", "engine_graphs", "served_steps", "roofline", "capacity_measured",
+    assert list(sections) == ["env", "overlap", "slot_attention", "engine_graphs", "served_steps", "roofline",
+                              "capacity_measured",
                               "capacity_parallel", "fused_step", "xl_steps", "graphs", "fp32",
                               "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
                               "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
+    ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
+    assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
+    assert ov["overlap"]["decodes"]["ahead_run"] > 0 and ov["plain"]["decodes"]["ahead_run"] == 0, ov
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
@@ -51,6 +55,10 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
+    ov = cm["overlap"]  # ... and with the engine's overlap: decodes run ahead, every reply still the recording's
+    assert {m: (x["phones"], x["mismatches"], x["errors"]) for m, x in ov.items()} == {"ciar": (3, 0, 0),
+                                                                                      "cloud": (3, 0, 0)}, ov
+    assert all(x["ahead_run"] > 0 and x["images_per_s"] for x in ov.values()), ov
     sw = cm["switch_interval"]  # each method's last load once more, the GIL handed over sooner
     assert {m: (x["phones"], x["mismatches"]) for m, x in sw.items()} == {"ciar": (3, 0), "cloud": (3, 0)}
     assert all(x["switch_s"] < x["default_s"] and x["images_per_s"] for x in sw.values()), sw

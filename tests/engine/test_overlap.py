@@ -138,3 +138,40 @@ def test_overlap_fails_only_the_works_of_a_failed_forward(tiny_cloud, stub_text)
     alone = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
     assert c.result.prefix_tokens.tolist() == alone.open_batch([OpenRequest("c", PROMPT, seed=0, sampling=SAMPLED,
                                                                             prefix_len=8)])[0].prefix_tokens.tolist()
+
+
+def test_overlap_on_the_engine_thread_with_concurrent_callers(tiny_cloud, stub_text):
+    """The replica's shape: the engine on its own thread (`VerifierService`), sessions sent by concurrent asyncio
+    callers, each verifying as soon as its last reply came, one closed mid-image: with overlap the replies are the
+    engine's without it, and nothing is left running."""
+    import asyncio
+
+    from ciar.engine.service import VerifierService
+
+    async def phones(service, n=4, rounds=3):
+        async def phone(i):
+            sid = f"p{i}"
+            reply, token = await service.open(OpenRequest(sid, PROMPT, seed=i, sampling=SAMPLED, prefix_len=2 + i),
+                                              session_id=sid, device_id="d")
+            got = [reply.prefix_tokens.tolist()]
+            for r in range(rounds):
+                v = await service.verify(_span(sid, tiny_cloud.config.vocab_size, 7 * i + r, 3, 3 + i, 0.0),
+                                         session_id=sid, device_id="d", token=token)
+                got.append((v.num_accepted, v.next_token, v.burst_tokens.tolist() if v.num_burst else []))
+            await service.close(session_id=sid, device_id="d", token=token)
+            return got
+
+        return await asyncio.gather(*(phone(i) for i in range(n)))
+
+    results = []
+    for overlap in (False, True):
+        v = CloudVerifier(tiny_cloud, stub_text, max_sessions=4, overlap=overlap)
+        service = VerifierService(v, "s", batch_wait_s=0.002)
+        try:
+            results.append(asyncio.run(phones(service)))
+            asyncio.run(service.stepper.settled())
+        finally:
+            service.shutdown()
+        assert not v.engine.busy and len(v.table) == 0
+    assert results[1] == results[0]
+    assert v.engine.ahead["run"] > 0

@@ -184,6 +184,7 @@ def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     assert cfg.verifier_num_gpus == (1 if "gpu" in name else 0)
     # the fused step where a GPU serves (timed there: 2026-11-28c-gpu); a CPU replica ignores it either way
     assert cfg.verifier_fused_step == ("gpu" in name)
+    assert cfg.verifier_overlap is False  # (not measured on a GPU yet: the suite's overlap section)
 
 
 def make_tiny_t5_folder(world: dict) -> str:
@@ -256,3 +257,5 @@ def test_verifier_sessions_are_a_count_or_auto():
         VerifierLiveConfig(slot_wait_s=-1)
     with pytest.raises(ValidationError, match="verifier_fused_step"):
         AppConfig(verifier_fused_step="sometimes")
+    with pytest.raises(ValidationError, match="verifier_overlap"):
+        AppConfig(verifier_overlap="sometimes")
