@@ -47,14 +47,17 @@ then `gpu.md` summarises:
              without it, 64 sessions on one verifier with graphs: a cloud prefix (one-token decodes), then rounds of
              spans with bursts; replies compared, tokens and spans per second, ms per step, the accelerator's busy
              share (its kernels' union over the window, torch.profiler) and the synchronising calls per step
+  packed_step  span-wide served steps with few fed positions (one-token decodes beside spans: up to the saturated
+             CIAR step's 50 + 12), packed (projections on the fed tokens only) vs plain, each plain and fused: ms,
+             the logits' difference and argmax agreement
   memory     the KV cache sized from the GPU's memory (`max_sessions="auto"`), allocated, and the largest steps the
              scheduler allows run beside it: sessions, GiB, the peak
   capacity   the forward costs in the form `ciar.capacity.gpu_model.forward_s` reads (bandwidth, peak FLOP/s,
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, overlap, slot_attention, engine_graphs, served_steps, roofline,
-capacity_measured, capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started
+They run in the order of `--sections` (env, overlap, packed_step, slot_attention, engine_graphs, served_steps,
+roofline, capacity_measured, capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started
 within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
@@ -499,6 +502,68 @@ class Suite:
                 out["steps"].append({"kind": kind, "rows": rows, "static_ms": round(a, 3), "fused_ms": round(b, 3),
                                      "fused_over_static": round(b / a, 3)})
         out["tokens_float32"] = self._fused_tokens(rows_list[0] if self.tiny else 8, 6 if self.tiny else 24)
+        return out
+
+    @torch.inference_mode()
+    def packed_step(self) -> dict:
+        """A served span-wide step whose fed positions are few, packed (`ModelRunner(pack=True)`: projections and
+        feed-forward on the fed tokens, padded to a token bucket; the attention on the padded layout) against the
+        plain static step, plain and fused, as served (graphs on CUDA, captured on first use before the timing):
+        the mixes of one-token decodes and SPAN-position spans of CFG sessions a loaded replica steps (the saturated
+        CIAR step of 2026-11-28c: 50 decodes and 12 spans), ms each way, the token bucket, and the largest logit
+        difference from the plain step with the argmax agreement (bf16: GEMMs of other shapes round otherwise)."""
+        from ciar.engine.runner import ModelRunner, packed_bucket
+        from ciar.models.gpt import fuse_feed_forward
+
+        model = self.gpt()
+        c = model.config
+        pos0 = c.cls_token_num + (TINY_POS if self.tiny else IMAGE_POS)
+        mixes = ((3, 1), (6, 2)) if self.tiny else ((3, 1), (12, 4), (50, 12))  # (decodes, spans)
+        g = torch.Generator().manual_seed(5)
+
+        def pieces(decodes: int, spans: int) -> list:
+            from ciar.engine.runner import Piece
+
+            widths = [1] * decodes + [SPAN] * spans
+            return [Piece([2 * i, 2 * i + 1], pos0, w, tokens=torch.randint(0, c.vocab_size, (w,), generator=g)
+                          .tolist(), want=list(range(w))) for i, w in enumerate(widths)]
+
+        steps = {m: pieces(*m) for m in mixes}
+        ways = ("plain", "packed", "fused", "fused_packed")
+        times, logits, start_up = {}, {}, {}
+        for way in ways:
+            t = time.perf_counter()
+            runner = ModelRunner(model, 2 * max(d + s for d, s in mixes), static=True, fused="fused" in way,
+                                 pack="packed" in way)
+            try:
+                for m, ps in steps.items():
+                    logits[way, m] = runner.execute_step(ps).logits.float().clone()  # (captures, compiles)
+                self.sync()
+                start_up[way] = round(time.perf_counter() - t, 1)
+                for m, ps in steps.items():
+                    times[way, m] = self.time_ms(lambda: runner.execute_step(ps))
+            finally:
+                fuse_feed_forward(model, False)
+                del runner
+                self.release()
+        out: dict = {"image_position": pos0 - c.cls_token_num, "span_positions": SPAN, "first_use_s": start_up,
+                     "steps": []}
+        for m in mixes:
+            d, sp = m
+            rows, fed = 2 * (d + sp), 2 * (d + sp * SPAN)
+            row = {"decodes": d, "spans": sp, "rows": rows, "fed": fed,
+                   "tokens_bucket": packed_bucket(next(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b >= rows),
+                                                  8, fed)}
+            for way in ways:
+                row[f"{way}_ms"] = round(times[way, m], 3)
+            row["packed_over_plain"] = round(times["packed", m] / times["plain", m], 3)
+            row["fused_packed_over_fused"] = round(times["fused_packed", m] / times["fused", m], 3)
+            for way in ("packed", "fused_packed"):
+                ref = logits["fused" if way == "fused_packed" else "plain", m]
+                row[f"{way}_max_logit_diff"] = round(float((logits[way, m] - ref).abs().max()), 5)
+                row[f"{way}_argmax_equal"] = round(float((logits[way, m].argmax(-1) == ref.argmax(-1)).float()
+                                                         .mean()), 4)
+            out["steps"].append(row)
         return out
 
     def _kernels(self, runner, pieces) -> int:
@@ -1299,9 +1364,9 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("overlap", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs", "fp32",
-                 "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity", "memory",
-                 "engine", "t5", "hf_llama"):
+    for name in ("overlap", "packed_step", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
+                 "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity",
+                 "memory", "engine", "t5", "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]
@@ -1318,8 +1383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,overlap,slot_attention,engine_graphs,served_steps,roofline,"
-                                          "capacity_measured,"
+    ap.add_argument("--sections", default="env,overlap,packed_step,slot_attention,engine_graphs,served_steps,"
+                                          "roofline,capacity_measured,"
                                           "capacity_parallel,fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")

@@ -160,6 +160,11 @@ class AppConfig(BaseModel):
                                       "(w1/w3 as one GEMM, each block compiled inside the graphs): x0.73-0.94 of "
                                       "the plain step's time on an H200, about a minute more start-up for its "
                                       "compilations; irrelevant on a CPU")
+    verifier_packed_step: bool = Field(False, description="on a GPU with verifier_cuda_graphs, span-wide steps "
+                                       "whose fed positions are few (one-token decodes beside spans) run their "
+                                       "projections and feed-forward on the fed tokens only (the same replies; "
+                                       "more graphs captured at start-up). Off until the GPU suite's packed_step "
+                                       "section has measured it; irrelevant on a CPU")
     verifier_overlap: bool = Field(False, description="the verifier's engine reads a step's decisions after "
                                    "launching the next step's forward, so that the host's work overlaps the "
                                    "accelerator's (the same replies; a burst after a verdict starts a step later). "

@@ -55,7 +55,7 @@ logger = logging.getLogger("ray.serve")  # the replica's log
 class Verifier:
     def __init__(self, world: dict | str | None, max_sessions: int | str, secret: str, live: dict | None = None,
                  threads: int = 1, memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 fused_step: bool = False, overlap: bool = False):
+                 fused_step: bool = False, overlap: bool = False, packed_step: bool = False):
         """`world`: the served world (`ciar.world_spec`; the builder passes it validated, as a dict); the GPT, the
         caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here."""
         torch.set_num_threads(threads)
@@ -67,7 +67,8 @@ class Verifier:
                                   scheduler=self.live.scheduler(), memory_utilization=memory_utilization,
                                   slot_wait_s=self.live.slot_wait_s,
                                   static=None if cuda_graphs else False,  # static steps + graphs on CUDA
-                                  fused=fused_step and cuda_graphs and device == "cuda", overlap=overlap)
+                                  fused=fused_step and cuda_graphs and device == "cuda", overlap=overlap,
+                                  pack=packed_step and cuda_graphs and device == "cuda")
         if self.core.memory is not None:  # sized by the accelerator's memory ("auto")
             logger.info("KV cache: %d sessions (%s)", self.core.table.max_sessions, self.core.memory.how)
         if self.core.runner.graphs:  # every bucket the live config can reach, captured before the first request

@@ -24,6 +24,10 @@ Two ways to run a step:
            runs eagerly (`static=True`), and gives the recorded tokens of every method
            (tests/collab/test_decoder.py), which is what makes its GPU replays trustworthy; the replays themselves
            are checked against eager static steps by `benchmarks.gpu` (section `engine_graphs`).
+  packed   (an option of static steps, `pack=True`) a span-wide static step whose fed positions are few (one-token
+           decodes beside spans: a 1-token row padded to 8) runs its projections and feed-forward on the fed tokens
+           only, padded to a token bucket, and its attention on the padded layout (`GPT.forward_cached(packed=...)`,
+           as the dynamic path does); each (bucket, token bucket) its own graph.
   fused    (an option of static steps, `fused=True`) the feed-forward's input projections as one GEMM and, on CUDA,
            each block compiled inside the graphs (its elementwise chains fused); timed against the plain static
            step by `benchmarks.gpu` (section `fused_step`).
@@ -43,6 +47,17 @@ PACK_BELOW = 0.8  # a step whose real positions are below this share of its padd
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # static steps' batch rows (padded up to the next)
 WIDTH_BUCKETS = (1, 2, 4, 8, 16)  # static steps' positions per row: one-token decodes and spans
 WIDE_BUCKETS = (32, 64, 128)  # ... and prefill or history chunks, which run as a forward of their own (`groups`)
+PACKED_WIDTHS = (8, 16)  # static steps of these widths may run packed (spans beside one-token decodes)
+TOKEN_BUCKETS = tuple(2 ** i for i in range(13))  # a packed static step's fed tokens, padded up to one of these
+
+
+def packed_bucket(rows: int, width: int, fed: int) -> int | None:
+    """The token bucket a static step of `rows` x `width` positions with `fed` fed ones packs into, or None: not a
+    packed width, or too little padding to pay (the bucket not below `PACK_BELOW` of the padded positions)."""
+    if width not in PACKED_WIDTHS:
+        return None
+    n = next((b for b in TOKEN_BUCKETS if b >= fed), None)
+    return n if n is not None and n < PACK_BELOW * rows * width else None
 
 
 class NonFiniteLogits(ArithmeticError):
@@ -82,18 +97,21 @@ class _Graph:
     pos: torch.Tensor
     slots: torch.Tensor
     out: torch.Tensor
+    packed: torch.Tensor | None = None
 
 
 class ModelRunner:
     """The cloud GPT and its KV cache, driven one batch of pieces at a time."""
 
     def __init__(self, cloud: GPT, slots: int, static: bool | None = None, graphs: bool | None = None,
-                 fused: bool = False):
+                 fused: bool = False, pack: bool = False):
         """`slots`: KV-cache rows (2 per session with CFG). `static`: pad steps to buckets (default: on CUDA);
         `graphs`: replay static steps from CUDA graphs (default: static on CUDA). `fused` (static steps): the
         feed-forward's two input projections as one GEMM (`FeedForward.fuse`, done to `cloud`) and, on CUDA, every
         block compiled (`ciar.models.gpt.compiled_block`: its elementwise chains fused) inside the graphs; on a CPU
-        the same code runs eagerly. Off by default until the GPU suite's `fused_step` has measured it."""
+        the same code runs eagerly. Off by default until the GPU suite's `fused_step` has measured it. `pack`
+        (static steps): span-wide steps with few fed positions run packed (`packed_bucket`); off by default until
+        the GPU suite's `served_steps` has measured it."""
         self.cloud = cloud.eval()
         cuda = self.device.type == "cuda"
         self.static = cuda if static is None else bool(static)
@@ -106,12 +124,16 @@ class ModelRunner:
         c = cloud.config
         # keys a static step reads: the caption and a quarter, a half, three quarters or all of the image
         self.kv_buckets = tuple(sorted({c.cls_token_num + math.ceil(c.block_size * q / 4) for q in (1, 2, 3, 4)}))
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, int, int | None], _Graph] = {}
         self._pool = None
         self.steps = {"dynamic": 0, "static": 0, "graph": 0}  # forwards by path
         # positions fed (rows x piece length) and computed (rows x width of each forward's padded layout, what its
-        # attention runs over; a packed dynamic forward's projections run on the fed ones only), summed
-        self.positions = {"fed": 0, "computed": 0}
+        # attention runs over; a packed forward's projections run on the fed ones only), summed; and the tokens the
+        # packed static forwards' projections ran on (their buckets)
+        self.positions = {"fed": 0, "computed": 0, "packed": 0}
+        self.pack = bool(pack)
+        if self.pack and not self.static:
+            raise ValueError("packed static steps need static steps (dynamic steps pack on their own)")
         self.fused = bool(fused)
         self.pack_inputs: bool | None = None  # host inputs in one byte buffer (`HostPack`; default: off a CPU)
         self._block = None
@@ -120,9 +142,12 @@ class ModelRunner:
                 raise ValueError("the fused step is a static step")
             fuse_feed_forward(cloud)
             self._block = compiled_block() if cuda else None
+            self._packed_block = compiled_block(packed=True) if cuda else None
 
-    def _static_forward(self, h, pos, slots, kv_len):
-        return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True, block=self._block)
+    def _static_forward(self, h, pos, slots, kv_len, packed=None):
+        block = self._block if packed is None else getattr(self, "_packed_block", None)
+        return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True, block=block,
+                                         packed=packed)
 
     @property
     def device(self) -> torch.device:
@@ -186,20 +211,24 @@ class ModelRunner:
         if bucket is not None:
             rows, width, kv_len = bucket
             self.positions["computed"] += rows * width
-            row0, h, pos, slots = self._inputs(pieces, width, rows)
+            tokens = packed_bucket(rows, width, sum(p.rows * p.n for p in pieces)) if self.pack else None
+            self.positions["packed"] += tokens or 0
+            row0, h, pos, slots, packed = self._inputs(pieces, width, rows, tokens)
             if self.graphs:
                 self.steps["graph"] += 1
-                g = self._graph(rows, width, kv_len)
+                g = self._graph(rows, width, kv_len, tokens)
                 g.h.copy_(h)
                 g.pos.copy_(pos)
                 g.slots.copy_(slots)
+                if packed is not None:
+                    g.packed.copy_(packed)
                 g.graph.replay()
                 return row0, g.out
             self.steps["static"] += 1
-            return row0, self._static_forward(h, pos, slots, kv_len)
+            return row0, self._static_forward(h, pos, slots, kv_len, packed)
         self.steps["dynamic"] += 1
         width = max(p.n for p in pieces)
-        row0, h, pos, slots = self._inputs(pieces, width, None)
+        row0, h, pos, slots, _ = self._inputs(pieces, width, None)
         n_rows = h.shape[0]
         self.positions["computed"] += n_rows * width
         # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
@@ -223,11 +252,12 @@ class ModelRunner:
         k = next((b for b in self.kv_buckets if b >= keys), None)
         return None if r is None or w is None or k is None else (r, w, k)
 
-    def _inputs(self, pieces: list[Piece], width: int, rows: int | None):
+    def _inputs(self, pieces: list[Piece], width: int, rows: int | None, tokens: int | None = None):
         """The step's inputs: rows in cache-slot order, each `width` positions (padding at the scratch position);
         `rows` > the pieces' rows: padding rows on the spare slot. -> (first row of each piece, embeddings
-        [R, width, dim], positions [R, width], slots [R]), on the device. The host's part travels in one
-        non-blocking copy (`HostPack`): building a step's inputs never waits for the accelerator."""
+        [R, width, dim], positions [R, width], slots [R], and with `tokens` the packed index [tokens]: the flat
+        indices of the fed positions, then one padding position repeated), on the device. The host's part travels
+        in one non-blocking copy (`HostPack`): building a step's inputs never waits for the accelerator."""
         cloud, dev = self.cloud, self.device
         order = sorted(range(len(pieces)), key=lambda i: pieces[i].slots[0])  # rows in cache-slot order
         row0 = [0] * len(pieces)
@@ -251,6 +281,12 @@ class ModelRunner:
                                                      for t in pieces[i].tokens], dtype=torch.long)
         pack = HostPack(dev, self.pack_inputs)
         h_tok, h_pos, h_slots = pack.add(tok), pack.add(pos), pack.add(slots)
+        h_packed = None
+        if tokens is not None:
+            flat = real.flatten()
+            fed_at = flat.nonzero().flatten()
+            spare = int((~flat).nonzero()[0, 0])  # a padding position (there is one: the step is mostly padding)
+            h_packed = pack.add(torch.cat([fed_at, torch.full((tokens - len(fed_at),), spare, dtype=torch.long)]))
         # tokens still on the device (drawn by the step before): one gather per source tensor, rows by index
         sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         add_rows, add_cols, adds = [], [], []
@@ -280,15 +316,15 @@ class ModelRunner:
         if adds:
             ar, ac = pack[h_add][0], pack[h_add][1]
             h[ar, ac] = h[ar, ac] + torch.stack(adds).to(dev, h.dtype)
-        return row0, h, pack[h_pos], pack[h_slots]
+        return row0, h, pack[h_pos], pack[h_slots], None if h_packed is None else pack[h_packed]
 
     # ------------------------------------------------------------------ CUDA graphs (run only where CUDA is)
-    def _graph(self, rows: int, width: int, kv_len: int) -> _Graph:
-        g = self._graphs.get((rows, width, kv_len))
-        return g if g is not None else self._capture(rows, width, kv_len)
+    def _graph(self, rows: int, width: int, kv_len: int, tokens: int | None = None) -> _Graph:
+        g = self._graphs.get((rows, width, kv_len, tokens))
+        return g if g is not None else self._capture(rows, width, kv_len, tokens)
 
     @torch.inference_mode()
-    def _capture(self, rows: int, width: int, kv_len: int) -> _Graph:
+    def _capture(self, rows: int, width: int, kv_len: int, tokens: int | None = None) -> _Graph:
         """Capture the static forward of one bucket (after two warm-up runs on a side stream, as CUDA graphs need);
         its inputs point at the spare slot's scratch position until a step writes them. All graphs share one
         memory pool: a step's output is read before the next replay."""
@@ -297,9 +333,10 @@ class ModelRunner:
         h = torch.zeros(rows, width, c.dim, dtype=self.dtype, device=dev)
         pos = torch.full((rows, width), self.scratch_pos, dtype=torch.long, device=dev)
         slots = torch.full((rows,), self.pad_slot, dtype=torch.long, device=dev)
+        packed = None if tokens is None else torch.full((tokens,), rows * width - 1, dtype=torch.long, device=dev)
 
         def run():
-            return self._static_forward(h, pos, slots, kv_len)
+            return self._static_forward(h, pos, slots, kv_len, packed)
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -312,7 +349,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
-        g = self._graphs[(rows, width, kv_len)] = _Graph(graph, h, pos, slots, out)
+        g = self._graphs[(rows, width, kv_len, tokens)] = _Graph(graph, h, pos, slots, out, packed)
         return g
 
     def capture(self, max_rows: int, widths=WIDTH_BUCKETS + WIDE_BUCKETS) -> int:
@@ -325,8 +362,19 @@ class ModelRunner:
             for w in sorted(widths, reverse=True):
                 for k in sorted(self.kv_buckets, reverse=True):
                     self._graph(r, w, k)
+                    for n in self.token_buckets(r, w):
+                        self._graph(r, w, k, n)
         torch.cuda.synchronize(self.device)
         return len(self._graphs)
+
+    def token_buckets(self, rows: int, width: int) -> list[int]:
+        """The token buckets a packed static step of `rows` x `width` can take (none when this runner does not pack):
+        more fed positions than half the rows (a smaller row bucket would hold the step otherwise), fewer than
+        `PACK_BELOW` of the padded ones."""
+        if not self.pack:
+            return []
+        return sorted({n for n in (packed_bucket(rows, width, fed) for fed in range(rows // 2 + 1, rows * width + 1))
+                       if n is not None})
 
     @staticmethod
     def _pick(pieces: list[Piece], row0: list[int], hid: torch.Tensor) -> torch.Tensor | None:

@@ -77,7 +77,7 @@ class CloudVerifier:
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
                  idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None,
                  memory_utilization: float = 0.9, slot_wait_s: float = 0.0, static: bool | None = None,
-                 fused: bool = False, overlap: bool = False):
+                 fused: bool = False, overlap: bool = False, pack: bool = False):
         """`max_sessions`: KV-cache sessions (2 slots each with CFG), or "auto": as many as the accelerator's memory
         holds after loading, at `memory_utilization` of its total (`ciar.engine.runner.plan_sessions`; the plan is
         `self.memory`). `idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this
@@ -85,9 +85,10 @@ class CloudVerifier:
         step engine's token budget and limits (`ciar.engine.scheduler.SchedulerConfig`). `slot_wait_s`: how long a
         queued open or resume waits for a slot before it is refused (`open_work`; 0: refused at once). `static`:
         the model runner pads steps to buckets and, on CUDA, replays them from CUDA graphs (default: on CUDA;
-        `ciar.engine.runner`); `fused`: its static steps fused (`ciar.engine.runner.ModelRunner`); `overlap`: the
-        engine reads a step's decisions after launching the next step's forward (`ciar.engine.core.StepEngine.step`;
-        the same tokens, a gain only where an accelerator runs the forward)."""
+        `ciar.engine.runner`); `fused`: its static steps fused, `pack`: its span-wide static steps with few fed
+        positions packed (`ciar.engine.runner.ModelRunner`); `overlap`: the engine reads a step's decisions after
+        launching the next step's forward (`ciar.engine.core.StepEngine.step`; the same tokens, a gain only where an
+        accelerator runs the forward)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
@@ -102,7 +103,7 @@ class CloudVerifier:
         elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an integer >= 1 or 'auto', got {max_sessions!r}")
         self.slot_wait_s = float(slot_wait_s)
-        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static, fused=fused)  # the model, its KV cache
+        self.runner = ModelRunner(cloud, 2 * max_sessions, static=static, fused=fused, pack=pack)  # model, KV cache
         self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None

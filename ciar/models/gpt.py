@@ -421,19 +421,31 @@ def _static_block(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, kv_len
     return TransformerBlock.forward_cached(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, None, kv_len)
 
 
-_COMPILED_BLOCK = None
+def _static_packed_block(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, kv_len, packed, b, t):
+    return TransformerBlock.forward_cached(layer, x, freqs, mask, k_cache, v_cache, slot_idx, pos, None, kv_len,
+                                           packed, (b, t))
 
 
-def compiled_block():
+def _unpack(hp: torch.Tensor, packed: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """A packed forward's states [N, dim] back in the padded layout [B, T, dim] (zeros where nothing was fed)."""
+    out = hp.new_zeros(b * t, hp.shape[-1])
+    out[packed] = hp
+    return out.view(b, t, hp.shape[-1])
+
+
+_COMPILED_BLOCK: dict = {}
+
+
+def compiled_block(packed: bool = False):
     """One transformer block of a static forward (`GPT.forward_cached(..., static=True, block=...)`) compiled by
     `torch.compile` (dynamic shapes: one compilation serves every layer and every bucket but for a few
     specialisations, where a compiled forward would unroll every layer per shape). The compiler fuses each block's
     elementwise chains (RMSNorm with the residual add, RoPE in real arithmetic with its cast, SiLU with its product)
-    into a few kernels; the GEMMs, the cache writes and the attention stay library calls. Made once per process."""
-    global _COMPILED_BLOCK
-    if _COMPILED_BLOCK is None:
-        _COMPILED_BLOCK = torch.compile(_static_block, dynamic=True)
-    return _COMPILED_BLOCK
+    into a few kernels; the GEMMs, the cache writes and the attention stay library calls. Made once per process.
+    `packed`: the block of a packed static forward (its tokens [N, dim], the attention on the padded layout)."""
+    if packed not in _COMPILED_BLOCK:
+        _COMPILED_BLOCK[packed] = torch.compile(_static_packed_block if packed else _static_block, dynamic=True)
+    return _COMPILED_BLOCK[packed]
 
 
 def repeatable_attention(device) -> None:
@@ -618,16 +630,18 @@ class GPT(nn.Module):
         rolled-back pointer are ignored. `kv_len` bounds the keys read (default: max(input_pos) + 1).
 
         `static`: the same computation with no decision taken on the inputs' values (no host read of positions or
-        slots, every row's keys gathered, `kv_len` given, positions [B, T], not packed): one sequence of kernels per
-        shape, which a CUDA graph can capture (`ciar.engine.runner.ModelRunner`). `block` (static only): each layer
-        runs as block(layer, h, freqs [B, T, D/2, 2], mask, k_cache, v_cache, slots [B, T], positions, kv_len),
-        e.g. `compiled_block`.
+        slots, every row's keys gathered, `kv_len` given, positions [B, T]): one sequence of kernels per shape, which
+        a CUDA graph can capture (`ciar.engine.runner.ModelRunner`); `packed` then has a fixed length (a bucket: its
+        spare entries name one padding position of the batch, computed and never read). `block` (static only): each
+        layer runs as block(layer, h, freqs [B, T, D/2, 2], mask, k_cache, v_cache, slots [B, T], positions, kv_len),
+        e.g. `compiled_block`, or packed as block(layer, h [N, dim], freqs [1, N, D/2, 2], ..., kv_len, packed, B, T),
+        e.g. `compiled_block(packed=True)`.
         """
         b, t, _ = h.shape
         rows = torch.arange(b, device=h.device) if slots is None else slots
         if static:
-            if kv_len is None or packed is not None or input_pos.dim() != 2:
-                raise ValueError("a static forward takes kv_len, [B, T] positions and no packing")
+            if kv_len is None or input_pos.dim() != 2:
+                raise ValueError("a static forward takes kv_len and [B, T] positions")
             runs = None
         else:
             runs = kv_runs(slots, b)
@@ -653,23 +667,27 @@ class GPT(nn.Module):
                 cache.key_valid[rows, :kv_len], input_pos, kv_len,
                 p0 is not None and t == 1 and kv_len == p0 + 1 and p0 >= self.config.cls_token_num, h.dtype)
         h = _dropout(self.tok_dropout, h)
+        dim = h.shape[-1]
         if block is not None:
             if not static:
                 raise ValueError("a block function runs static forwards only")
+            if packed is not None:
+                freqs = freqs.reshape(b * t, *freqs.shape[2:])[packed][None]  # [1, N, D/2, 2]
+                hp = h.reshape(b * t, dim)[packed]
+                for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+                    hp = block(layer, hp, freqs, mask, k_cache, v_cache, slot_idx, write_pos, kv_len, packed, b, t)
+                return _unpack(self.norm(hp), packed, b, t)
             for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
                 h = block(layer, h, freqs, mask, k_cache, v_cache, slot_idx, write_pos, kv_len)
             return self.norm(h)
         freqs = rotary_factors(freqs)  # [B or 1, T, 1, D/2] complex, once for every layer
         if packed is not None:
             freqs = freqs.reshape(b * t, *freqs.shape[2:])[packed][None]  # the real tokens' factors [1, N, 1, D/2]
-            dim = h.shape[-1]
             hp = h.reshape(b * t, dim)[packed]
             for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
                 hp = layer.forward_cached(hp, freqs, mask, k_cache, v_cache, slot_idx, write_pos, runs, kv_len,
                                           packed, (b, t))
-            out = hp.new_zeros(b * t, dim)
-            out[packed] = self.norm(hp)
-            return out.view(b, t, dim)
+            return _unpack(self.norm(hp), packed, b, t)
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
             h = layer.forward_cached(h, freqs, mask, k_cache, v_cache, slot_idx, write_pos, runs, kv_len)
         return self.norm(h)

@@ -15,14 +15,17 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "overlap", "slot_attention", "engine_graphs", "served_steps", "roofline",
-                              "capacity_measured",
-                              "capacity_parallel", "fused_step", "xl_steps", "graphs", "fp32",
-                              "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
-                              "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
+    assert list(sections) == ["env", "overlap", "packed_step", "slot_attention", "engine_graphs", "served_steps",
+                              "roofline", "capacity_measured", "capacity_parallel", "fused_step", "xl_steps", "graphs",
+                              "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
+                              "engine_bisect", "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
     assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
     assert ov["overlap"]["decodes"]["ahead_run"] > 0 and ov["plain"]["decodes"]["ahead_run"] == 0, ov
+    ps = sections["packed_step"]  # decodes beside spans packed: the plain step's logits (to the bit on this CPU)
+    assert [x["tokens_bucket"] for x in ps["steps"]] == [16, 32], ps
+    assert all(x[f"{w}_max_logit_diff"] == 0 and x[f"{w}_argmax_equal"] == 1 for x in ps["steps"]
+               for w in ("packed", "fused_packed")), ps
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)

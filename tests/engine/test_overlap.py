@@ -69,11 +69,14 @@ def _tokens_only(load):
 @torch.no_grad()
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("budget", [1024, 8])
-def test_overlap_gives_every_reply_of_the_engine_without_it(tiny_cloud, stub_text, static, budget):
+def test_overlap_and_packed_steps_give_every_reply_of_the_engine_without_them(tiny_cloud, stub_text, static,
+                                                                               budget):
     config = SchedulerConfig(token_budget=budget, prefill_chunk=4)
     plain = CloudVerifier(tiny_cloud, stub_text, max_sessions=6, scheduler=config, static=static)
-    ahead = CloudVerifier(tiny_cloud, stub_text, max_sessions=6, scheduler=config, static=static, overlap=True)
-    ahead.runner.pack_inputs = static  # the inputs through one byte buffer, as on CUDA
+    # (static: also the span-wide steps packed, and the inputs through one byte buffer, as on CUDA)
+    ahead = CloudVerifier(tiny_cloud, stub_text, max_sessions=6, scheduler=config, static=static, overlap=True,
+                          pack=static)
+    ahead.runner.pack_inputs = static
     want = _load(plain)
     got = _load(ahead)
     if budget < 1024:  # pieces cut to the budget: a reply's forwards depend on what shared its steps; tokens do not
@@ -83,6 +86,7 @@ def test_overlap_gives_every_reply_of_the_engine_without_it(tiny_cloud, stub_tex
     assert plain.engine.ahead == {"run": 0, "dropped": 0}
     if budget == 1024:  # (an entropy stop fired under a decode run ahead: it was dropped, not counted)
         assert ahead.engine.ahead["dropped"] > 0
+        assert (ahead.runner.positions["packed"] > 0) == static  # steps of spans and decodes ran packed
 
 
 @torch.no_grad()

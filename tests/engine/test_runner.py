@@ -99,3 +99,56 @@ def test_a_pieces_logits_do_not_depend_on_what_shares_its_step():
 
     (prefill_alone, alone), (prefill_with, together) = run(False), run(True)
     assert torch.equal(prefill_alone, prefill_with) and torch.equal(alone, together)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pack_inputs", [False, True])
+def test_a_packed_static_step_gives_the_unpacked_steps_outputs(cloud, pack_inputs):
+    """Spans beside one-token decodes, padded to the span bucket's width: packed (`ModelRunner(pack=True)`: the
+    projections and feed-forward on the fed tokens only, padded to a token bucket, the attention on the padded
+    layout) the step gives every piece the logits and hidden states of the unpacked step, to the bit on this CPU; the
+    projections ran on the bucket's tokens; a step with little padding (spans alone) is not packed."""
+    from ciar.engine.runner import packed_bucket
+
+    sizes = []  # the packed index each forward took (its length), None: unpacked
+
+    def run(pack: bool):
+        runner = ModelRunner(cloud, slots=12, static=True, pack=pack)
+        runner.pack_inputs = pack_inputs
+        runner.execute_step([_prefill(runner, cloud, (2 * i, 2 * i + 1), i) for i in range(5)])
+        forward = cloud.forward_cached
+
+        def spy(*a, packed=None, **k):
+            sizes.append(None if packed is None else int(packed.numel()))
+            return forward(*a, packed=packed, **k)
+
+        runner.cloud = type("Spied", (), {"forward_cached": staticmethod(spy),
+                                          "__getattr__": lambda self, n: getattr(cloud, n)})()
+        c = cloud.config
+        decode = [Piece([2 * i, 2 * i + 1], c.cls_token_num, 1, tokens=[7 + i], want=[0]) for i in (1, 2, 4)]
+        mixed = runner.execute_step([_span(cloud, (0, 1), 6, 3)] + decode + [_span(cloud, (6, 7), 3, 9)])
+        spans = runner.execute_step([_span(cloud, (8, 9), 8, 5)])  # 16 of 16 positions fed: nothing to pack
+        return [(o.logits.clone(), o.hidden.clone()) for o in mixed.outputs + spans.outputs], dict(runner.positions)
+
+    plain, plain_positions = run(False)
+    assert sizes == [None, None]
+    packed, positions = run(True)
+    assert sizes == [None, None, 32, None]
+    for (lp, hp), (lq, hq) in zip(plain, packed):
+        assert torch.equal(lp, lq) and torch.equal(hp, hq)
+    fed = 2 * (6 + 3 + 3)  # the mixed step: 24 fed of 10 rows x 8 (bucket 16 x 8 = 128): 32 tokens
+    assert packed_bucket(16, 8, fed) == 32 and positions["packed"] == 32 and plain_positions["packed"] == 0
+    assert positions["fed"] == plain_positions["fed"] and positions["computed"] == plain_positions["computed"]
+
+
+def test_packed_buckets():
+    from ciar.engine.runner import packed_bucket
+
+    assert packed_bucket(128, 8, 292) == 512  # 50 decodes and 12 spans of CFG rows: 512 of 1,024 positions
+    assert packed_bucket(128, 8, 900) is None  # little padding: unpacked
+    assert packed_bucket(128, 1, 100) is None and packed_bucket(4, 32, 20) is None  # not a span width
+    runner = ModelRunner(build_gpt("scenes-cloud", n_layer=1, dim=32, n_head=2, vocab_size=16, cls_token_num=4,
+                                   caption_dim=8, block_size=8), slots=4, static=True, pack=True)
+    assert runner.token_buckets(8, 8) == [8, 16, 32] and runner.token_buckets(8, 1) == []
+    with pytest.raises(ValueError, match="static"):
+        ModelRunner(runner.cloud, slots=4, static=False, pack=True)

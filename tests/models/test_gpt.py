@@ -503,11 +503,30 @@ def test_a_fused_feed_forward_is_one_gemm_over_the_same_weights_and_unfuses():
         assert torch.equal(ff(x), before)
 
 
-def _static_step(model, cache, block=None):
+def _static_step(model, cache, block=None, packed=None):
     rows, width, kv = 4, 2, CLS + 9
     h = torch.randn(rows, width, SMALL["dim"], generator=torch.Generator().manual_seed(3))
     pos = torch.arange(kv - width, kv)[None].expand(rows, width).contiguous()
-    return model.forward_cached(cache, h, pos, torch.arange(rows), kv_len=kv, static=True, block=block)
+    return model.forward_cached(cache, h, pos, torch.arange(rows), kv_len=kv, static=True, block=block,
+                                packed=packed)
+
+
+# a packed static step: the positions of rows 0 and 2 (rows 1 and 3 stand for padding: their keys are written as
+# zeros, which rows 0 and 2 never read), then spare entries naming one of those (a token bucket of 6)
+PACKED = torch.tensor([0, 1, 4, 5, 5, 5])
+
+
+def test_a_packed_static_step_gives_the_fed_positions_of_the_unpacked_one(model):
+    """`GPT.forward_cached(static=True, packed=...)`, eagerly and through a block function: the fed positions'
+    states are the unpacked step's (the projections of one row do not see the others'), the rest zeros."""
+    from ciar.models.gpt import _static_packed_block
+
+    with torch.no_grad():
+        ref = _static_step(model, model.new_cache(4)).reshape(8, -1)
+        for block in (None, _static_packed_block):
+            got = _static_step(model, model.new_cache(4), block, PACKED).reshape(8, -1)
+            close(got[PACKED], ref[PACKED])
+            assert torch.equal(got[[2, 3, 6, 7]], torch.zeros(4, got.shape[-1]))
 
 
 def test_a_block_function_runs_static_forwards_only(model):
@@ -536,6 +555,8 @@ def test_the_compiled_block_matches_the_eager_one(model):
 
     with torch.no_grad():
         close(_static_step(model, model.new_cache(4), compiled_block()), _static_step(model, model.new_cache(4)))
+        close(_static_step(model, model.new_cache(4), compiled_block(packed=True), PACKED),
+              _static_step(model, model.new_cache(4), None, PACKED))
 
 
 def test_c2i_cached_decode_equals_full_forward():

@@ -185,6 +185,7 @@ def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     # the fused step where a GPU serves (timed there: 2026-11-28c-gpu); a CPU replica ignores it either way
     assert cfg.verifier_fused_step == ("gpu" in name)
     assert cfg.verifier_overlap is False  # (not measured on a GPU yet: the suite's overlap section)
+    assert cfg.verifier_packed_step is False  # (nor this: packed_step)
 
 
 def make_tiny_t5_folder(world: dict) -> str:
@@ -259,3 +260,5 @@ def test_verifier_sessions_are_a_count_or_auto():
         AppConfig(verifier_fused_step="sometimes")
     with pytest.raises(ValidationError, match="verifier_overlap"):
         AppConfig(verifier_overlap="sometimes")
+    with pytest.raises(ValidationError, match="verifier_packed_step"):
+        AppConfig(verifier_packed_step="sometimes")
