@@ -5,6 +5,8 @@
     decided.bad                                          # rows of step_logits that were not finite
     decided.tokens[i], decided.stops[i]                  # draws[i]'s token, and whether its entropy stop fired
     decided.verdicts[i]                                  # spans[i]'s (drafts kept, next token, resampled)
+    deciding = judge.launch(draws, spans, step_logits)   # the same, queued: deciding.tokens on the device at once,
+    decided = deciding.collect()                         # the host read later (the engine's overlap)
 
 A step asks two kinds of decision of the rows its forward computed:
   draw   one token the cloud samples itself (a prefix or cloud-only token, a cloud-burst token), with the burst's

@@ -111,7 +111,7 @@ class ModelRunner:
         block compiled (`ciar.models.gpt.compiled_block`: its elementwise chains fused) inside the graphs; on a CPU
         the same code runs eagerly. Off by default until the GPU suite's `fused_step` has measured it. `pack`
         (static steps): span-wide steps with few fed positions run packed (`packed_bucket`); off by default until
-        the GPU suite's `served_steps` has measured it."""
+        the GPU suite's `packed_step` has measured it."""
         self.cloud = cloud.eval()
         cuda = self.device.type == "cuda"
         self.static = cuda if static is None else bool(static)
@@ -136,7 +136,7 @@ class ModelRunner:
             raise ValueError("packed static steps need static steps (dynamic steps pack on their own)")
         self.fused = bool(fused)
         self.pack_inputs: bool | None = None  # host inputs in one byte buffer (`HostPack`; default: off a CPU)
-        self._block = None
+        self._block = self._packed_block = None  # compiled blocks (fused, on CUDA): unpacked and packed steps
         if self.fused:
             if not self.static:
                 raise ValueError("the fused step is a static step")
@@ -145,7 +145,7 @@ class ModelRunner:
             self._packed_block = compiled_block(packed=True) if cuda else None
 
     def _static_forward(self, h, pos, slots, kv_len, packed=None):
-        block = self._block if packed is None else getattr(self, "_packed_block", None)
+        block = self._block if packed is None else self._packed_block
         return self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, static=True, block=block,
                                          packed=packed)
 
