@@ -86,8 +86,9 @@ class Work(Request):
         self.drop_session = False
 
     # --- subclass interface
-    def admit(self) -> None:
-        """Validate against the live session state, take slots, set up the feed (raise to fail the work)."""
+    def admit(self, *state) -> None:
+        """Validate against the live state its owner hands it (a verifier's work: its session), set up the feed
+        (raise to fail the work)."""
 
     def piece(self, n: int) -> Piece:
         """Its next `n` positions (n <= pending()) as the model runner's input."""

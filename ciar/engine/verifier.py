@@ -108,9 +108,9 @@ class CloudVerifier:
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
         self.judge = Judge(cloud, codebook)
-        # what the works read besides their requests (`ciar.engine.works`): they never see the verifier itself
-        self.ctx = WorkContext(cloud.config.cls_token_num, cloud.config.block_size, self.vocab_size, self.table,
-                               self.device, self.projector, functools.partial(device_caption, self.cloud),
+        # what the works read besides their requests and sessions (`ciar.engine.works`): never the verifier itself
+        self.ctx = WorkContext(cloud.config.cls_token_num, cloud.config.block_size, self.vocab_size, self.device,
+                               self.projector, functools.partial(device_caption, self.cloud),
                                encodes_captions=text is not None)
         self.engine = StepEngine(self.runner, scheduler, admit=self.admit_works, decide=self.decide,
                                  retired=self.retired, overlap=overlap)
@@ -255,9 +255,7 @@ class CloudVerifier:
             if w.done:  # cancelled while queued (its session was replaced by a resume admitted before it)
                 continue
             try:
-                if isinstance(w, ResumeWork):
-                    self.close(w.session_id)  # a stale copy of the same session
-                w.admit()
+                self._admit(w)
             except CapacityError as e:
                 if w.deadline is not None and time.perf_counter() < w.deadline:
                     w.parked = True  # wait for a slot (the engine parks it; a close or its deadline brings it back)
@@ -275,6 +273,20 @@ class CloudVerifier:
                 starting.append(w)
         if starting:
             self._start(starting)
+
+    def _admit(self, w: Work) -> None:
+        """A work's session, found (a verification) or opened (an open, a resume: the table's slots), handed to the
+        work (`admit(session)`); an OPEN of a session already held is answered as its first was (`repeat`)."""
+        if not isinstance(w, OpenWork):
+            w.admit(self.table.get(w.session_id))
+            return
+        held = self.table.sessions.get(w.session_id)
+        if held is not None and w.REPEATABLE:
+            w.repeat(held)
+            return
+        if isinstance(w, ResumeWork):
+            self.close(w.session_id)  # a stale copy of the same session
+        w.admit(self.table.open(w.request))
 
     def _start(self, works: list["OpenWork"]) -> None:
         """Create the sessions of admitted opens/resumes: encode captions (those not given), mark caption
@@ -351,7 +363,7 @@ class CloudVerifier:
             raise SessionError("duplicate session ids in one verification batch")
         works = [VerifyWork(self.ctx, r) for r in requests]
         for w in works:
-            w.check_state()  # all or nothing: raise before anything is queued
+            w.check_state(self.table.get(w.session_id))  # all or nothing: raise before anything is queued
         return self._run([self.engine.submit(w) for w in works])
 
     def _check_batch(self, requests: list[OpenRequest], caption_emb: torch.Tensor | None) -> None:

@@ -4,9 +4,10 @@
 A work is data about its request: what the scheduler reads (its kind, rows, pending positions, position), its next
 piece for the model runner (`piece`), where its outputs are after a forward (`take`), and the decision it needs
 (`draw`: a token to sample; `span`: drafts to judge) and what it does with it (`drawn`, `commit`). It reads its
-session (`ciar.engine.sessions.Session`) and writes the session's committed tokens; it never touches the KV cache
-(the core writes lengths from `kv_state`), never closes a session (it sets `drop_session`) and never calls its owner:
-what it reads besides its request is a `WorkContext` (the model's shape, the session table, the projector).
+session (`ciar.engine.sessions.Session`, which its owner found or opened for it and hands to `admit`) and writes the
+session's committed tokens; it never opens or closes a session (it sets `drop_session`), never touches the KV cache
+(the core writes lengths from `kv_state`) and never calls its owner: what it reads besides its request and its
+session is a `WorkContext` (the model's shape, the projector).
 
 Cache invariant per session (CFG: a cond slot and an uncond slot with the same tokens): the session's committed
 image tokens t_0..t_{c-1} are in `tokens`; the cache holds the condition and t_0..t_{c-2} ("fed" = c - 1); the
@@ -32,7 +33,7 @@ from ciar.engine.judge import Draw, Jacobi, Redraft, Span
 from ciar.engine.runner import Piece
 from ciar.engine.scheduler import DECODE, HISTORY, PREFILL, SPAN
 from ciar.engine.transfer import to_device
-from ciar.engine.sessions import Session, SessionTable
+from ciar.engine.sessions import Session
 from ciar_device.maths import JACOBI_STREAM
 
 __all__ = ["WorkContext", "SessionWork", "SpanFeed", "OpenWork", "JacobiWork", "ResumeWork", "VerifyWork",
@@ -41,14 +42,13 @@ __all__ = ["WorkContext", "SessionWork", "SpanFeed", "OpenWork", "JacobiWork", "
 
 @dataclass(frozen=True)
 class WorkContext:
-    """What a work reads besides its request and its session: the cloud model's shape, the open sessions (an
-    admission opens or finds its session there), the interval projector (features the device sent, added at their
-    positions) and a function giving the caption a device conditions on (an OPEN that asks for it)."""
+    """What a work reads besides its request and its session: the cloud model's shape, the interval projector
+    (features the device sent, added at their positions) and a function giving the caption a device conditions on
+    (an OPEN that asks for it)."""
 
     cls: int  # condition positions before the first image token (cls_token_num)
     block_size: int  # image tokens
     vocab_size: int
-    table: SessionTable
     device: torch.device
     projector: torch.nn.Module | None = None
     caption: Callable[[torch.Tensor], torch.Tensor] | None = None  # cond -> the device's caption (float)
@@ -56,9 +56,13 @@ class WorkContext:
 
 
 class SessionWork(Work):
-    """A work on one session (`s`, set at admission): the session's cache slots are its rows (2 with CFG)."""
+    """A work on one session (`s`, set at admission): the session's cache slots are its rows (2 with CFG).
+    `admit(session)`: the session its owner found (a verification) or opened (an open, a resume) for it."""
 
     s: Session | None = None
+
+    def admit(self, session: Session) -> None:
+        raise NotImplementedError
 
     @property
     def slots(self) -> list[int]:
@@ -143,15 +147,12 @@ class OpenWork(SessionWork):
         self.cond: torch.Tensor | None = None  # [rows, cls, dim] embedded condition
         self.cond_pos = 0  # condition positions fed
 
-    def admit(self) -> None:
-        held = self.ctx.table.sessions.get(self.session_id)
-        if held is not None and self.REPEATABLE:
-            self.repeat(held)
-            return
-        self.s = self.ctx.table.open(self.request)
-        self.s.work = self
-        self.s.owner = self.owner
-        self.s.open_request = self.request if self.REPEATABLE else None
+    def admit(self, session: Session) -> None:
+        """Build `session`, opened for this request (an OPEN of a session already held is a `repeat` instead)."""
+        self.s = session
+        session.work = self
+        session.owner = self.owner
+        session.open_request = self.request if self.REPEATABLE else None
 
     def repeat(self, held: Session) -> None:
         """An OPEN of a session this verifier holds: the same device's same OPEN (its reply was lost) is answered as
@@ -396,8 +397,8 @@ class ResumeWork(OpenWork):
         self.extras: dict[int, torch.Tensor] = {}
         self.fed = 0  # history tokens fed
 
-    def admit(self) -> None:
-        super().admit()  # (the verifier closed a stale copy of the same session first: `admit_works`)
+    def admit(self, session: Session) -> None:
+        super().admit(session)  # (the verifier closed a stale copy of the same session first: `admit_works`)
         self.s.tokens = list(self.history)
         inj = self.injected
         if self.ctx.projector is not None and inj is not None and inj.positions.numel():
@@ -500,8 +501,8 @@ class VerifyWork(SpanFeed, SessionWork):
         self.round: Jacobi | None = None  # a burst round in flight: its drafts' distributions, window and round
         self.drafts: list[int] = []
 
-    def check_state(self) -> Session:
-        s = self.ctx.table.get(self.session_id)
+    def check_state(self, s: Session) -> Session:
+        """`s` (the session this verification names) can take it now, or SessionError."""
         if s.work is not None:
             raise SessionError(f"session {self.session_id!r} has a request in flight")
         if len(s.tokens) + self.m + self.k > self.ctx.block_size:
@@ -509,8 +510,8 @@ class VerifyWork(SpanFeed, SessionWork):
                                f"drafts exceeds the {self.ctx.block_size} image tokens")
         return s
 
-    def admit(self) -> None:
-        s = self.s = self.check_state()
+    def admit(self, session: Session) -> None:
+        s = self.s = self.check_state(session)
         s.work = self
         s.open_reply = None  # the session moves on: its OPEN is no longer repeatable
         r, ctx = self.request, self.ctx
