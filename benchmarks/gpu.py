@@ -56,9 +56,9 @@ then `gpu.md` summarises:
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, overlap, packed_step, slot_attention, engine_graphs, served_steps,
-roofline, capacity_measured, capacity_parallel, fused_step, xl_steps, ...: the most needed first; sections not started
-within `--budget-s` are skipped).
+They run in the order of `--sections` (env, overlap, packed_step, engine_graphs, served_steps, roofline,
+capacity_measured (whose refit model reads the three before it), capacity_parallel, slot_attention, fused_step,
+xl_steps, ...: the newest and most needed first; sections not started within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -911,9 +911,9 @@ class Suite:
 
                 self.sync()
                 t = time.perf_counter()
-                busy = syncs = None
+                busy = syncs = kernels = None
                 if cuda and way != "warmup":
-                    busy, syncs, part = self._busy_share(run)
+                    busy, syncs, kernels, part = self._busy_share(run)
                 else:
                     part = run()
                 self.sync()
@@ -925,8 +925,8 @@ class Suite:
                                              1),
                               "ahead_run": v.engine.ahead["run"] - ahead0["run"],
                               "ahead_dropped": v.engine.ahead["dropped"] - ahead0["dropped"],
-                              "busy_share": busy, "syncs_per_step": None if syncs is None else
-                              round(syncs / max(steps, 1), 2)}
+                              "busy_share": busy, "kernels_profiled": kernels,
+                              "syncs_per_step": None if syncs is None else round(syncs / max(steps, 1), 2)}
             for r in reqs:
                 v.close(r.session_id)
             replies[way] = got
@@ -943,8 +943,8 @@ class Suite:
 
     def _busy_share(self, fn):
         """fn() under torch.profiler (CUDA activity only) and the sync debug mode -> (the accelerator's busy share:
-        its kernels' union over the span from the first to the last, the synchronising calls warned of, fn's
-        result)."""
+        its kernels' union over the span from the first to the last, the synchronising calls warned of, the kernels
+        the profiler saw, fn's result)."""
         import warnings
 
         from torch.profiler import ProfilerActivity, profile
@@ -970,7 +970,7 @@ class Suite:
                 end = b
         window = (spans[-1][1] - spans[0][0]) if spans else 0
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        return (round(busy / window, 3) if window else None), syncs, result
+        return (round(busy / window, 3) if window else None), syncs, len(spans), result
 
     @torch.inference_mode()
     def memory(self) -> dict:
@@ -1383,9 +1383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,overlap,packed_step,slot_attention,engine_graphs,served_steps,"
-                                          "roofline,capacity_measured,"
-                                          "capacity_parallel,fused_step,"
+    ap.add_argument("--sections", default="env,overlap,packed_step,engine_graphs,served_steps,roofline,"
+                                          "capacity_measured,capacity_parallel,slot_attention,fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",

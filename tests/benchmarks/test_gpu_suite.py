@@ -15,9 +15,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "overlap", "packed_step", "slot_attention", "engine_graphs", "served_steps",
-                              "roofline", "capacity_measured", "capacity_parallel", "fused_step", "xl_steps", "graphs",
-                              "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
+    assert list(sections) == ["env", "overlap", "packed_step", "engine_graphs", "served_steps", "roofline",
+                              "capacity_measured", "capacity_parallel", "slot_attention", "fused_step", "xl_steps",
+                              "graphs", "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
                               "engine_bisect", "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
     assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
