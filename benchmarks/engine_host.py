@@ -34,8 +34,9 @@ SHAPES = {1024: dict(block=144, cls=16, cfg_scale=4.0, top_k=0),
           16384: dict(block=256, cls=120, cfg_scale=7.5, top_k=1000)}
 
 
-def measure(vocab: int, sessions: int, rounds: int, seed: int = 0) -> dict:
-    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times."""
+def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None) -> dict:
+    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times.
+    `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight."""
     import torch
 
     try:
@@ -72,7 +73,8 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0) -> dict:
     cloud.forward_cached = forward_stub
     cloud.logits = logits_stub
     v = CloudVerifier(cloud, None, max_sessions=sessions,
-                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=2 * sessions, prefill_chunk=1 << 12),
+                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=max_works or 2 * sessions,
+                                                prefill_chunk=1 << 12),
                       static=False)
     sampling = SamplingParams(cfg_scale=shape["cfg_scale"], top_k=shape["top_k"])
     emb = torch.randn(sessions, shape["cls"], 32, generator=g)

@@ -1,0 +1,209 @@
+"""What sharing a process costs the verifier's engine: its steps on the engine thread under a replica's event loop,
+beside the same steps driven directly, in one run (the forward stubbed, as `benchmarks.engine_host` does).
+
+    python -m benchmarks.engine_thread --out benchmarks/results/DATE/engine_thread
+    python -m benchmarks.engine_thread --tiny --out /tmp/et       # seconds: the code path, no measurement
+
+A Verifier replica runs its engine on a thread (`ciar.engine.core.EngineThread`) and its event loop beside it: the
+loop builds each request's work (`CloudVerifier.verify_work`: the structure checks) and hands results back, while the
+engine thread steps. Both are Python in one interpreter, so they share one GIL. On an H200 (2026-11-28c-gpu,
+`capacity_measured`) the saturated CIAR step's host time grew with the phones in the process (8.8 ms at 256, 13.3 ms
+at 512) with 64 works a step either way; this measures, on whatever box runs it, how much of a step is that sharing:
+
+  threaded  `phones` sessions, each an asyncio task on the loop that sends a VERIFY (a 4-token span, uniform draft
+            distributions, no burst) as soon as its last was answered; the engine on its thread, `max_works` works a
+            step; per step, the wall time of `engine.step` (its forward and head stubbed: host time)
+  direct    the same sessions and requests, no loop and no thread: before each step the sessions answered in the
+            last one send their next VERIFY (built outside the timed step), then `engine.step` is timed
+
+Reported per phones count: median ms per step and works per step both ways, verifies per second, and the ratio
+threaded / direct; the threaded run again with the interpreter's switch interval at `--switch-ms`. The ratio is the
+result (times are this box's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+SPAN = 4
+
+
+def _verifier(vocab: int, sessions: int, max_works: int, seed: int = 0):
+    """A CloudVerifier whose forward and head cost nothing (STUBS: `benchmarks.engine_host`), `sessions` opened."""
+    import torch
+
+    from ciar.decoding.sampling import SamplingParams
+    from ciar.engine.scheduler import SchedulerConfig
+    from ciar.engine.verifier import CloudVerifier
+    from ciar.models.gpt import GPTConfig, build_gpt
+    from ciar_device.wire import OpenRequest
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig(dim=64, n_layer=1, n_head=2, vocab_size=vocab, cls_token_num=16, block_size=144, caption_dim=32,
+                    token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0)
+    torch.manual_seed(seed)
+    cloud = build_gpt(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2 * max_works * (SPAN + 1) + 512, vocab, generator=g) * 4.0
+    at = [0]
+
+    def forward_stub(cache, h, *args, **kwargs):  # STUB: the forward costs nothing; its output is its input
+        return h
+
+    def logits_stub(picked):  # STUB: the head returns a view of a pool of random logits
+        at[0] = (at[0] + 37) % 512
+        return pool[at[0]:at[0] + picked.shape[0]]
+
+    cloud.forward_cached, cloud.logits = forward_stub, logits_stub
+    v = CloudVerifier(cloud, None, max_sessions=sessions, static=False,
+                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=max_works, prefill_chunk=1 << 12))
+    v.open_batch([OpenRequest(f"s{i}", "", i, SamplingParams(cfg_scale=4.0), 1, want_caption=False)
+                  for i in range(sessions)], caption_emb=torch.randn(sessions, 16, 32, generator=g))
+    return v, torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16), g
+
+
+def _request(v, i: int, q, g):
+    import torch
+
+    from ciar_device.wire import VerifyRequest
+
+    s = v.sessions[f"s{i}"]
+    if len(s.tokens) > v.config.block_size - 2 * (SPAN + 1):  # near the image's end: start it again
+        s.tokens[:] = s.tokens[:1]
+    return VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
+                         torch.randint(0, v.vocab_size, (SPAN,), generator=g), q, burst=0)
+
+
+def _timed_steps(v) -> list:
+    """Wrap `engine.step`: -> the list it appends (seconds, works in the step) to."""
+    steps, real = [], v.engine.step
+
+    def step():
+        t0 = time.perf_counter()
+        out = real()
+        steps.append((time.perf_counter() - t0, v.engine.step_log[-1]["works"] if v.engine.step_log else 0))
+        return out
+
+    v.engine.step = step
+    return steps
+
+
+def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
+             switch_s: float | None = None) -> dict:
+    from ciar.engine.core import EngineThread
+
+    v, q, g = _verifier(vocab, phones, max_works)
+    steps = _timed_steps(v)
+    core = EngineThread(v.engine, wait_s=0.0)
+    stop, done = [False], [0]
+
+    async def phone(i: int):
+        while not stop[0]:
+            await core.run(v.verify_work(_request(v, i, q, g)))
+            done[0] += 1
+
+    async def main():
+        tasks = [asyncio.create_task(phone(i)) for i in range(phones)]
+        await asyncio.sleep(warmup_s)
+        steps.clear()
+        d0, t0 = done[0], time.perf_counter()
+        await asyncio.sleep(seconds)
+        rate = (done[0] - d0) / (time.perf_counter() - t0)
+        measured = list(steps)
+        stop[0] = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return rate, measured
+
+    before = sys.getswitchinterval()
+    if switch_s:
+        sys.setswitchinterval(switch_s)
+    try:
+        rate, measured = asyncio.run(main())
+    finally:
+        sys.setswitchinterval(before)
+        core.stop()
+    return _summary(measured, rate)
+
+
+def direct(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float) -> dict:
+    v, q, g = _verifier(vocab, phones, max_works)
+    steps = _timed_steps(v)
+    idle = list(range(phones))
+    works: dict[int, object] = {}
+    t_end = time.perf_counter() + warmup_s + seconds
+    measuring_from, done, d0, t0 = time.perf_counter() + warmup_s, 0, None, None
+    while time.perf_counter() < t_end:
+        if d0 is None and time.perf_counter() >= measuring_from:
+            steps.clear()
+            d0, t0 = done, time.perf_counter()
+        for i in idle:
+            works[i] = v.submit_verify(_request(v, i, q, g))
+        idle = []
+        v.engine.step()
+        for i, w in list(works.items()):
+            if w.done:
+                if w.error is not None:
+                    raise w.error
+                done += 1
+                idle.append(i)
+                del works[i]
+    return _summary(list(steps), (done - d0) / (time.perf_counter() - t0))
+
+
+def _summary(steps: list, rate: float) -> dict:
+    busy = [(t, n) for t, n in steps if n]
+    return {"steps": len(busy), "step_ms": round(1e3 * statistics.median(t for t, _ in busy), 3),
+            "works_per_step": round(statistics.mean(n for _, n in busy), 1), "verifies_per_s": round(rate, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for engine_thread.json and engine_thread.md")
+    ap.add_argument("--phones", type=int, nargs="+", default=[64, 256, 512])
+    ap.add_argument("--max-works", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--warmup-s", type=float, default=1.0)
+    ap.add_argument("--switch-ms", type=float, default=0.5)
+    ap.add_argument("--tiny", action="store_true", help="8 phones, 4 works a step, half a second each way")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.phones, args.max_works, args.seconds, args.warmup_s = [8], 4, 0.5, 0.2
+    rows = []
+    for phones in args.phones:
+        row = {"phones": phones, "max_works": args.max_works}
+        row["direct"] = direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s)
+        row["threaded"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s)
+        row["threaded_switch"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
+                                          args.switch_ms / 1000)
+        row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
+        row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "engine_thread.json"), "w") as f:
+        json.dump({"command": "python -m benchmarks.engine_thread " + " ".join(argv or sys.argv[1:]),
+                   "switch_ms": args.switch_ms, "vocab": args.vocab, "rows": rows}, f, indent=1)
+    lines = [f"The forward stubbed; vocabulary {args.vocab}; {args.max_works} works a step at most; median ms per "
+             f"step of the steps that held works; switch interval {args.switch_ms:g} ms in the last columns.", "",
+             "| phones | direct ms/step | works/step | threaded ms/step | works/step | verifies/s direct | threaded | "
+             "threaded / direct | switch ms/step | switch / threaded |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, t, s = r["direct"], r["threaded"], r["threaded_switch"]
+        lines.append(f"| {r['phones']} | {d['step_ms']} | {d['works_per_step']} | {t['step_ms']} | "
+                     f"{t['works_per_step']} | {d['verifies_per_s']} | {t['verifies_per_s']} | "
+                     f"×{r['threaded_over_direct']} | {s['step_ms']} | ×{r['switch_over_threaded']} |")
+    with open(os.path.join(args.out, "engine_thread.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
