@@ -896,9 +896,11 @@ class Suite:
             self.sync()
             out["capture_s"] = round(time.perf_counter() - t, 2)
         replies = {}
-        for way, overlap in (("warmup", False), ("plain", False), ("overlap", True)):
-            v.engine.overlap = overlap
-            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=burst)  # the same sessions every way
+
+        def load(profiled: bool) -> tuple[dict, list]:
+            """The seeded sessions' prefixes, then their rounds of spans, timed per phase; their replies; then
+            closed."""
+            reqs, emb, spans = self._span_sessions(sessions, prefix, burst=burst)  # the same sessions every time
             res, got = {}, []
             for phase in ("decodes", "spans"):
                 steps0, ahead0 = v.engine.steps, dict(v.engine.ahead)
@@ -911,8 +913,7 @@ class Suite:
 
                 self.sync()
                 t = time.perf_counter()
-                busy = syncs = kernels = None
-                if cuda and way != "warmup":
+                if profiled:
                     busy, syncs, kernels, part = self._busy_share(run)
                 else:
                     part = run()
@@ -920,18 +921,28 @@ class Suite:
                 wall = time.perf_counter() - t
                 got += part
                 steps = v.engine.steps - steps0
-                res[phase] = {"s": round(wall, 3), "steps": steps, "ms_per_step": round(1000 * wall / max(steps, 1), 2),
-                              "per_s": round((sessions * prefix if phase == "decodes" else rounds * sessions) / wall,
-                                             1),
-                              "ahead_run": v.engine.ahead["run"] - ahead0["run"],
-                              "ahead_dropped": v.engine.ahead["dropped"] - ahead0["dropped"],
-                              "busy_share": busy, "kernels_profiled": kernels,
-                              "syncs_per_step": None if syncs is None else round(syncs / max(steps, 1), 2)}
+                if profiled:
+                    res[phase] = {"busy_share": busy, "kernels_profiled": kernels,
+                                  "syncs_per_step": round(syncs / max(steps, 1), 2)}
+                else:
+                    made = sessions * prefix if phase == "decodes" else rounds * sessions  # tokens, or spans
+                    res[phase] = {"s": round(wall, 3), "steps": steps,
+                                  "ms_per_step": round(1e3 * wall / max(steps, 1), 2), "per_s": round(made / wall, 1),
+                                  "ahead_run": v.engine.ahead["run"] - ahead0["run"],
+                                  "ahead_dropped": v.engine.ahead["dropped"] - ahead0["dropped"]}
             for r in reqs:
                 v.close(r.session_id)
-            replies[way] = got
-            if way != "warmup":
-                out[way] = res
+            return res, got
+
+        for way, overlap in (("warmup", False), ("plain", False), ("overlap", True)):
+            v.engine.overlap = overlap
+            res, replies[way] = load(False)
+            if way == "warmup":
+                continue
+            out[way] = res
+            if cuda:  # again under the profiler and the sync debug mode (their own costs kept out of the timing)
+                for phase, extra in load(True)[0].items():
+                    res[phase].update(extra)
         out["replies_identical"] = replies["overlap"] == replies["plain"]
         out["replies_equal"] = sum(a == b for a, b in zip(replies["overlap"], replies["plain"]))
         out["replies"] = len(replies["plain"])
