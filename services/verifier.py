@@ -178,6 +178,8 @@ class Verifier:
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
                 "max_sessions": self.core.table.max_sessions, "forwards_by_path": dict(self.core.runner.steps),
                 "forward_faults": dict(self.core.engine.faults), "step_running_s": self.stepper.stalled_s(),
+                "overlap": self.core.engine.overlap, "decodes_run_ahead": dict(self.core.engine.ahead),
+                "packed_step": self.core.runner.pack, "packed_tokens": self.core.runner.positions["packed"],
                 "memory": self.core.memory.to_dict() if self.core.memory is not None else None,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "time": time.time()}

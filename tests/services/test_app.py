@@ -148,6 +148,8 @@ def test_concurrent_devices_batch_spans(cluster):
     assert max(s["verifier_batch_size"]["max"] for s in stats) > 1  # spans of several sessions in one forward
     vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
     assert any(int(size) > 1 for size in vstats["batch_size_hist"]), vstats
+    # the engine's options as configured (serve_config.yaml: neither; a GPU configuration may turn them on)
+    assert (vstats["overlap"], vstats["packed_step"], vstats["decodes_run_ahead"]["run"]) == (False, False, 0)
 
 
 def test_prometheus_metrics(cluster):
