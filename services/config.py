@@ -167,7 +167,7 @@ class AppConfig(BaseModel):
                                        "section has measured it; irrelevant on a CPU")
     verifier_overlap: bool = Field(False, description="the verifier's engine reads a step's decisions after "
                                    "launching the next step's forward, so that the host's work overlaps the "
-                                   "accelerator's (the same replies; a burst after a verdict starts a step later). "
+                                   "accelerator's (the same replies; a burst by Jacobi windows starts a step later). "
                                    "Off until the GPU suite's overlap section has measured it; on a CPU nothing "
                                    "overlaps")
     verifier_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="with verifier_max_sessions: auto, "

@@ -109,6 +109,11 @@ class Work(Request):
         goes on after it, else None (the engine's overlap schedules that decode before the draw is read)."""
         return None
 
+    def after_verdict(self) -> int | None:
+        """A work with a span to judge: where a decode that may follow its verdict starts, less the drafts the
+        verdict keeps (`ciar.engine.works.VerifyWork.after_verdict`), else None."""
+        return None
+
     def kv_state(self) -> tuple[list[int], int] | None:
         """(cache slots, committed length) its session's KV cache holds now, or None when it holds none (the engine
         core writes it after each step: the one writer of cache lengths besides the slots' reset when freed)."""
@@ -149,7 +154,9 @@ class StepEngine:
         self.faults: dict[str, int] = {}  # failed forwards by error type, and pieces with non-finite logits
         self.overlap = bool(overlap)  # read a step's decisions after the next step's forward is launched (`step`)
         self._pending: _Pending | None = None  # (overlap) the last step's decisions, launched, not applied
-        self.ahead = {"run": 0, "dropped": 0}  # (overlap) decodes fed from the device; those their draw ended
+        # (overlap) decodes fed from the device, those of them that followed a verdict, and those dropped (their
+        # decision ended the work or started no such decode)
+        self.ahead = {"run": 0, "after_verdicts": 0, "dropped": 0}
         self.scheduler = Scheduler(config)
         self.runner = runner
         self._admit_works = admit or (lambda works: [w.admit() for w in works])
@@ -378,10 +385,11 @@ class StepEngine:
         meanwhile (its previous draw ended it: a decode run ahead) takes nothing."""
         works = [_work(p.request) for p in batch]
         live = [(w, piece, o) for w, piece, o in zip(works, pieces, out.outputs) if not w.done]
-        run_ahead = sum(isinstance(p.request, _Ahead) for p in batch)
-        if run_ahead:
-            self.ahead["run"] += run_ahead
-            self.ahead["dropped"] += sum(isinstance(p.request, _Ahead) and p.request.done for p in batch)
+        ahead = [p.request for p in batch if isinstance(p.request, _Ahead)]
+        if ahead:
+            self.ahead["run"] += len(ahead)
+            self.ahead["after_verdicts"] += sum(a.offset_from is not None for a in ahead)
+            self.ahead["dropped"] += sum(a.done for a in ahead)
         for w, _, _ in live:  # before `take`: a work that finishes now reports this step in its reply
             if w.started is None:
                 w.started = t0
@@ -405,12 +413,14 @@ class _Pending:
 
 
 class _Ahead(Request):
-    """A drawing work's next one-token decode, scheduled before its draw is read (overlap): at `position`, its token
-    taken on the accelerator from the draw (`token_from`: the draws' tokens, its index). It stands for the work in
-    the scheduler and the forward; the work takes the outputs (or, if its draw ended it, nothing)."""
+    """A work's next one-token decode, scheduled before the decision it follows is read (overlap): at `position`
+    (plus, with `offset_from`, a value the device holds: a verification's drafts kept), its token taken on the
+    accelerator (`token_from`: the draws' tokens or the verdicts' next tokens, its index). It stands for the work in
+    the scheduler and the forward; the work takes the outputs (or nothing, if the decision ended it or started no
+    such decode)."""
 
-    def __init__(self, work: Work, position: int, token_from: tuple):
-        self.work, self._position, self.token_from = work, position, token_from
+    def __init__(self, work: Work, position: int, token_from: tuple, offset_from: tuple | None = None):
+        self.work, self._position, self.token_from, self.offset_from = work, position, token_from, offset_from
         self.seq, self.session_id = work.seq, work.session_id
 
     @property
@@ -431,7 +441,8 @@ class _Ahead(Request):
         return self.work.rows
 
     def piece(self, n: int) -> Piece:
-        return Piece(self.work.slots, self._position, 1, want=[0], token_from=self.token_from)
+        return Piece(self.work.slots, self._position, 1, want=[0], token_from=self.token_from,
+                     offset_from=self.offset_from)
 
 
 def _work(request) -> Work:

@@ -241,6 +241,7 @@ class Judge:
                 stop_at = pack[draw_stop]
                 outs.append((stop_at > 0) & (entropy_score(probs) <= stop_at))
         judged = []
+        on_device: dict[int, tuple] = {}  # span index -> (its group's drafts kept, next tokens, its row)
         for g in span_in:
             group = [spans[i] for i in g["idx"]]
             try:
@@ -250,6 +251,8 @@ class Judge:
                     errors[i] = e
                 continue
             judged.append((g["idx"], redraft, stop is not None))
+            for j, i in enumerate(g["idx"]):
+                on_device[i] = (out.num_accepted, out.next_token, j)
             outs += [out.num_accepted, out.next_token, out.recovered]
             if redraft is not None:
                 outs.append(redraft[0])
@@ -257,7 +260,7 @@ class Judge:
                 outs.append(stop)
         # the step's one host read, queued behind its decisions
         return Deciding(HostRead(outs), 0 if bad is None else int(bad.numel()), len(draws), stopping, judged,
-                        len(spans), errors, drawn)
+                        len(spans), errors, drawn, on_device)
 
     def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
         """One acceptance rule's spans, every row at once. -> (verify_span's verdicts; for Jacobi rounds and spans
@@ -349,12 +352,14 @@ class Judge:
 
 class Deciding:
     """A step's decisions queued on the accelerator (`Judge.launch`): `tokens`, the draws' tokens [draws] on the
-    device (None without draws); `collect()` -> `Decided`, the one host read."""
+    device (None without draws); `verdicts[i]`, span i's verdict on the device: (drafts kept, next token: tensors
+    of its group, its index in them); `collect()` -> `Decided`, the one host read."""
 
     def __init__(self, read: HostRead, n_bad: int, n_draws: int, stopping: bool, judged: list, n_spans: int,
-                 errors: dict, tokens: torch.Tensor | None):
+                 errors: dict, tokens: torch.Tensor | None, verdicts: dict | None = None):
         self.read, self.n_bad, self.n_draws, self.stopping = read, n_bad, n_draws, stopping
         self.judged, self.n_spans, self.errors, self.tokens = judged, n_spans, errors, tokens
+        self.verdicts = verdicts or {}
 
     def collect(self) -> Decided:
         """Wait for the decisions' copy (not for what was queued after it), unpack them."""

@@ -71,8 +71,9 @@ class Piece:
     (a row each: the CFG branches), either condition embeddings (`emb` [rows, n, dim]) or image tokens (`tokens`,
     plus `extra` [(index in piece, [dim])] added to their embeddings for the interval features), or one token whose
     id is on the device (`token_from`: (a tensor of token ids, an index into it): a token the previous step drew,
-    fed before the host has read it, `ciar.engine.core`'s overlap). `want`: indices within the piece whose logits
-    the work needs back."""
+    fed before the host has read it, `ciar.engine.core`'s overlap), possibly at a position the device knows too
+    (`offset_from`: (a tensor, an index, its largest value): the piece starts at `start` + that value, e.g. a
+    verification's drafts kept). `want`: indices within the piece whose logits the work needs back."""
 
     slots: list[int]
     start: int
@@ -82,6 +83,12 @@ class Piece:
     extra: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     want: list[int] = field(default_factory=list)
     token_from: tuple[torch.Tensor, int] | None = None
+    offset_from: tuple[torch.Tensor, int, int] | None = None
+
+    @property
+    def keys(self) -> int:
+        """The keys its rows may read: its furthest position + 1 (with `offset_from`, at the offset's largest)."""
+        return self.start + self.n + (self.offset_from[2] if self.offset_from is not None else 0)
 
     @property
     def rows(self) -> int:
@@ -233,7 +240,7 @@ class ModelRunner:
         self.positions["computed"] += n_rows * width
         # keys up to the furthest REAL position: padding queries (at the scratch position, past kv_len) then see
         # every valid key of their row, so their softmax stays finite, and nobody reads the scratch entries
-        kv_len = max(p.start + p.n for p in pieces)
+        kv_len = max(p.keys for p in pieces)
         packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
         if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
             packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
@@ -246,7 +253,7 @@ class ModelRunner:
         every bucket."""
         rows = sum(p.rows for p in pieces)
         width = max(p.n for p in pieces)
-        keys = max(p.start + p.n for p in pieces)
+        keys = max(p.keys for p in pieces)
         r = next((b for b in ROW_BUCKETS if b >= rows), None)
         w = next((b for b in WIDTH_BUCKETS + WIDE_BUCKETS if b >= width), None)
         k = next((b for b in self.kv_buckets if b >= keys), None)
@@ -287,21 +294,25 @@ class ModelRunner:
             fed_at = flat.nonzero().flatten()
             spare = int((~flat).nonzero()[0, 0])  # a padding position (there is one: the step is mostly padding)
             h_packed = pack.add(torch.cat([fed_at, torch.full((tokens - len(fed_at),), spare, dtype=torch.long)]))
-        # tokens still on the device (drawn by the step before): one gather per source tensor, rows by index
+        # tokens (and position offsets) still on the device, from the step before: one gather per source tensor
         sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        offsets: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         add_rows, add_cols, adds = [], [], []
         for i, p in enumerate(pieces):
-            if p.token_from is not None:
-                src, j = p.token_from
-                entry = sources.setdefault(id(src), (src, [], []))
-                entry[1].extend(range(row0[i], row0[i] + p.rows))
-                entry[2].extend([j] * p.rows)
+            for table, src in ((sources, p.token_from), (offsets, p.offset_from)):
+                if src is not None:
+                    entry = table.setdefault(id(src[0]), (src[0], [], []))
+                    entry[1].extend(range(row0[i], row0[i] + p.rows))
+                    entry[2].extend([src[1]] * p.rows)
             for idx, add in p.extra:  # interval features, added at their positions in every row of the piece
                 add_rows.extend(range(row0[i], row0[i] + p.rows))
                 add_cols.extend([idx] * p.rows)
                 adds.extend([add] * p.rows)
-        gathers = [(src, pack.add(torch.tensor(rs, dtype=torch.long)), pack.add(torch.tensor(js, dtype=torch.long)))
-                   for src, rs, js in sources.values()]
+        def indices(table):  # -> (source, handle of its rows, handle of its indices) per source
+            return [(src, pack.add(torch.tensor(rs, dtype=torch.long)), pack.add(torch.tensor(js, dtype=torch.long)))
+                    for src, rs, js in table.values()]
+
+        gathers, shifts = indices(sources), indices(offsets)
         h_add = pack.add(torch.tensor([add_rows, add_cols], dtype=torch.long)) if adds else None
         pack.send()
         tok = pack[h_tok]
@@ -310,13 +321,18 @@ class ModelRunner:
             for src, rs, js in gathers:
                 tok[pack[rs], 0] = src[pack[js]].to(tok.dtype)
         h = cloud.tok_embeddings(tok)
+        pos = pack[h_pos]
+        if shifts:  # (one-position pieces: the offset moves their only position)
+            pos = pos.clone()
+            for src, rs, js in shifts:
+                pos[pack[rs], 0] += src[pack[js]].to(pos.dtype)
         for i, p in enumerate(pieces):
             if p.emb is not None:  # condition rows (prefill chunks): a piece's rows at once
                 h[row0[i]:row0[i] + p.rows, :p.n] = p.emb.to(h.dtype)
         if adds:
             ar, ac = pack[h_add][0], pack[h_add][1]
             h[ar, ac] = h[ar, ac] + torch.stack(adds).to(dev, h.dtype)
-        return row0, h, pack[h_pos], pack[h_slots], None if h_packed is None else pack[h_packed]
+        return row0, h, pos, pack[h_slots], None if h_packed is None else pack[h_packed]
 
     # ------------------------------------------------------------------ CUDA graphs (run only where CUDA is)
     def _graph(self, rows: int, width: int, kv_len: int, tokens: int | None = None) -> _Graph:

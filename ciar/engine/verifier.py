@@ -382,14 +382,21 @@ class Decisions:
         self.draws, self.spans, self.deciding = draws, spans, deciding
         self.works = draws + spans
 
-    def ahead(self) -> list[tuple[Work, int, tuple[torch.Tensor, int]]]:
-        """(work, position, (the draws' tokens on the device, its index)) for each draw whose work goes on after
-        it (`Work.after_draw`): its next decode, fed with the token before the host knows it."""
+    def ahead(self) -> list[tuple]:
+        """(work, position, token_from, offset_from) for each decode that may run before these decisions are read:
+        a draw's whose work goes on after it (`Work.after_draw`), fed the drawn token; and the first burst decode of
+        a verification whose verdict may start a burst one token a forward (`VerifyWork.after_verdict`), fed the
+        verdict's next token at the position past the drafts it keeps (dropped if no burst follows)."""
         out = []
         for i, w in enumerate(self.draws):
             at = None if w.done else w.after_draw()
             if at is not None:
-                out.append((w, at, (self.deciding.tokens, i)))
+                out.append((w, at, (self.deciding.tokens, i), None))
+        for i, w in enumerate(self.spans):
+            at = None if w.done or i not in self.deciding.verdicts else w.after_verdict()
+            if at is not None:
+                kept, nxt, j = self.deciding.verdicts[i]
+                out.append((w, at, (nxt, j), (kept, j, w.k)))
         return out
 
     def apply(self, on_bad) -> None:

@@ -663,6 +663,15 @@ class VerifyWork(SpanFeed, SessionWork):
         if len(self.burst_tokens) >= r.burst or len(s.tokens) >= c.block_size:
             self.complete()
 
+    def after_verdict(self) -> int | None:
+        """A verification (not a burst round) whose verdict may start a cloud burst one token a forward: the position
+        of that burst's first decode, less the drafts the verdict keeps (the engine's overlap runs the decode before
+        the verdict is read, fed its next token there, and drops it when no burst follows); None otherwise."""
+        s, r = self.s, self.request
+        if self.round is not None or r.burst <= 0 or s.jacobi_window > 0:
+            return None
+        return self.ctx.cls + self.c_new if self.c_new + 1 < self.ctx.block_size else None
+
     def after_draw(self) -> int | None:
         """As `OpenWork.after_draw`: a burst token's decode goes on unless the token is the burst's last or the
         image's (an entropy stop may still end it: the engine then drops the decode it scheduled)."""

@@ -1,6 +1,7 @@
 """The engine's overlap (`StepEngine(overlap=True)`, `CloudVerifier(overlap=True)`): a step's decisions are read after
 the next step's forward is launched, the works waiting for them sit that step out, and a decode that goes on feeds
-its drawn token straight from the accelerator (`ciar.engine.core._Ahead`). On a CPU nothing runs concurrently, but the
+its drawn token straight from the accelerator (`ciar.engine.core._Ahead`), as does the first decode of a burst that a
+verdict may start, at the position past the drafts the verdict keeps. On a CPU nothing runs concurrently, but the
 order of operations is the one a GPU runs: every reply must be what the engine gives without overlap (every draw is
 keyed by its position; on a CPU a row's logits do not depend on its batch), with decodes actually run ahead and some
 dropped (a burst's entropy stop ended the work under them)."""
@@ -82,9 +83,11 @@ def test_overlap_and_packed_steps_give_every_reply_of_the_engine_without_them(ti
     if budget < 1024:  # pieces cut to the budget: a reply's forwards depend on what shared its steps; tokens do not
         want, got = _tokens_only(want), _tokens_only(got)
     assert got == want
-    assert ahead.engine.ahead["run"] > 0  # decodes were fed their token from the device
-    assert plain.engine.ahead == {"run": 0, "dropped": 0}
-    if budget == 1024:  # (an entropy stop fired under a decode run ahead: it was dropped, not counted)
+    # decodes were fed their token from the device, bursts' first ones at the position past the drafts a verdict
+    # kept (before the host knew it)
+    assert ahead.engine.ahead["run"] > 0 and ahead.engine.ahead["after_verdicts"] > 0, ahead.engine.ahead
+    assert plain.engine.ahead == {"run": 0, "after_verdicts": 0, "dropped": 0}
+    if budget == 1024:  # (an entropy stop, or a verdict that started no burst: the decode was dropped, not counted)
         assert ahead.engine.ahead["dropped"] > 0
         assert (ahead.runner.positions["packed"] > 0) == static  # steps of spans and decodes ran packed
 
