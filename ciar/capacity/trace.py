@@ -293,8 +293,10 @@ class RecordedVerdicts:
 
     def replace(self, draws: list, spans: list, out):
         """The judge's decisions `out` (`Decided`) with the recorded ones put in where the recording has them.
-        (With the engine's overlap, a decode run ahead was already fed the judge's own token: the recorded one
-        then stands in the session's tokens, and the cache holds the other; random weights decide nothing.)"""
+        (With the engine's overlap, a decode run ahead was already fed the judge's own token, after a verdict at
+        the judge's own position: the recorded one then stands in the session's tokens, and the cache holds the
+        other; with random weights the tokens decide nothing, and the steps, pieces and counts keep the recording's
+        course.)"""
         for i, d in enumerate(draws):
             key = (int(d.seed), int(d.position))
             if key in self.draws:
