@@ -117,6 +117,22 @@ def _variant(name: str, cuda: bool):
         torch.use_deterministic_algorithms(saved[1])
 
 
+def busy_share(intervals: list[tuple[float, float]]) -> float | None:
+    """The share of the window from the first interval's start to the last one's end that some interval covers
+    (kernels that overlap or touch counted once), or None without intervals."""
+    busy, end, first = 0.0, None, None
+    for a, b in sorted(intervals):
+        first = a if first is None else first
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    window = (end - first) if intervals else 0
+    return round(busy / window, 3) if window else None
+
+
 def _cfg_pieces(rows: int, start: int, width: int, tokens: list[list[int]] | None = None) -> list:
     """`rows` // 2 CFG sessions on the slot pairs (2i, 2i + 1), each feeding `width` positions from `start`
     (`tokens[i]`, default zeros) and wanting every one: the runner's pieces of a served step."""
@@ -969,19 +985,10 @@ class Suite:
                     self.sync()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-        busy, end = 0, None
-        for a, b in spans:
-            if end is None or a > end:
-                busy += b - a
-                end = b
-            elif b > end:
-                busy += b - end
-                end = b
-        window = (spans[-1][1] - spans[0][0]) if spans else 0
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        return (round(busy / window, 3) if window else None), syncs, len(spans), result
+        return busy_share(spans), syncs, len(spans), result
 
     @torch.inference_mode()
     def memory(self) -> dict:

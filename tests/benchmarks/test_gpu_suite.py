@@ -102,6 +102,16 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
         measured_gpu(result, "graph")
 
 
+def test_the_busy_share_is_the_union_of_the_kernels_over_their_window():
+    from benchmarks.gpu import busy_share
+
+    assert busy_share([]) is None
+    assert busy_share([(0, 10)]) == 1.0
+    assert busy_share([(10, 20), (0, 5)]) == 0.75  # a gap of 5 in a window of 20 (in any order)
+    assert busy_share([(0, 10), (2, 4), (8, 15), (20, 25)]) == 0.8  # nested and overlapping once; the last apart
+    assert busy_share([(0, 10), (10, 20)]) == 1.0  # touching
+
+
 def test_without_a_gpu_the_full_suite_says_so(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
