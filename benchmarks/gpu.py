@@ -528,7 +528,7 @@ class Suite:
         the mixes of one-token decodes and SPAN-position spans of CFG sessions a loaded replica steps (the saturated
         CIAR step of 2026-11-28c: 50 decodes and 12 spans), ms each way, the token bucket, and the largest logit
         difference from the plain step with the argmax agreement (bf16: GEMMs of other shapes round otherwise)."""
-        from ciar.engine.runner import ModelRunner, packed_bucket
+        from ciar.engine.runner import ModelRunner
         from ciar.models.gpt import fuse_feed_forward
 
         model = self.gpt()
@@ -546,14 +546,16 @@ class Suite:
 
         steps = {m: pieces(*m) for m in mixes}
         ways = ("plain", "packed", "fused", "fused_packed")
-        times, logits, start_up = {}, {}, {}
+        times, logits, start_up, buckets = {}, {}, {}, {}
         for way in ways:
             t = time.perf_counter()
             runner = ModelRunner(model, 2 * max(d + s for d, s in mixes), static=True, fused="fused" in way,
                                  pack="packed" in way)
             try:
                 for m, ps in steps.items():
+                    before = runner.positions["packed"]
                     logits[way, m] = runner.execute_step(ps).logits.float().clone()  # (captures, compiles)
+                    buckets[way, m] = runner.positions["packed"] - before or None  # the token bucket it ran
                 self.sync()
                 start_up[way] = round(time.perf_counter() - t, 1)
                 for m, ps in steps.items():
@@ -567,9 +569,7 @@ class Suite:
         for m in mixes:
             d, sp = m
             rows, fed = 2 * (d + sp), 2 * (d + sp * SPAN)
-            row = {"decodes": d, "spans": sp, "rows": rows, "fed": fed,
-                   "tokens_bucket": packed_bucket(next(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b >= rows),
-                                                  8, fed)}
+            row = {"decodes": d, "spans": sp, "rows": rows, "fed": fed, "tokens_bucket": buckets["packed", m]}
             for way in ways:
                 row[f"{way}_ms"] = round(times[way, m], 3)
             row["packed_over_plain"] = round(times["packed", m] / times["plain", m], 3)
