@@ -404,9 +404,7 @@ class ModelRunner:
                 sel_cols.extend(p.want)
         if not sel_rows:
             return None
-        dev = hid.device
-        sel = torch.tensor([sel_rows, sel_cols], dtype=torch.long)
-        sel = sel.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else sel
+        sel = to_device(torch.tensor([sel_rows, sel_cols], dtype=torch.long), hid.device)
         return hid[sel[0], sel[1]]
 
     def _outputs(self, pieces: list[Piece], parts) -> "StepOutput":
