@@ -34,9 +34,11 @@ SHAPES = {1024: dict(block=144, cls=16, cfg_scale=4.0, top_k=0),
           16384: dict(block=256, cls=120, cfg_scale=7.5, top_k=1000)}
 
 
-def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None) -> dict:
-    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times.
-    `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight."""
+def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, seed: int = 0):
+    """A one-layer CloudVerifier at SHAPES[vocab] whose forward and head cost nothing (STUBS: the forward returns its
+    input; the head a view of a pool of `pool_rows` + 512 sharp random logits, rotating through it), `sessions`
+    sessions opened, at most `max_works` works a step. -> (verifier, the stubs' state: {"forward_s": seconds spent
+    in them}, the generator that made the pool and the captions)."""
     import torch
 
     try:
@@ -46,7 +48,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     from ciar.engine.verifier import CloudVerifier
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.gpt import GPTConfig, build_gpt
-    from ciar_device.wire import OpenRequest, VerifyRequest
+    from ciar_device.wire import OpenRequest
 
     torch.set_num_threads(1)
     shape = SHAPES[vocab]
@@ -55,9 +57,8 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
                     ffn_dropout_p=0.0)
     torch.manual_seed(seed)
     cloud = build_gpt(cfg).eval()
-    rows_per_step = sessions * 2 * (SPAN + 1)
     g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(rows_per_step + 512, vocab, generator=g) * 4.0  # sharp: spans get rejected, bursts follow
+    pool = torch.randn(pool_rows + 512, vocab, generator=g) * 4.0  # sharp: spans get rejected, bursts follow
     state = {"at": 0, "forward_s": 0.0}
 
     def forward_stub(cache, h, *args, **kwargs):  # STUB: the forward costs nothing; its output is its input
@@ -73,13 +74,23 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     cloud.forward_cached = forward_stub
     cloud.logits = logits_stub
     v = CloudVerifier(cloud, None, max_sessions=sessions,
-                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=max_works or 2 * sessions,
-                                                prefill_chunk=1 << 12),
+                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=max_works, prefill_chunk=1 << 12),
                       static=False)
     sampling = SamplingParams(cfg_scale=shape["cfg_scale"], top_k=shape["top_k"])
     emb = torch.randn(sessions, shape["cls"], 32, generator=g)
     v.open_batch([OpenRequest(f"s{i}", "", i, sampling, 1, want_caption=False) for i in range(sessions)],
                  caption_emb=emb)
+    return v, state, g
+
+
+def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None) -> dict:
+    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times.
+    `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight."""
+    import torch
+
+    from ciar_device.wire import VerifyRequest
+
+    v, state, g = stubbed_verifier(vocab, sessions, max_works or 2 * sessions, sessions * 2 * (SPAN + 1), seed)
     q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
     per_step, per_round, steps_per_round = [], [], []
     for r in range(rounds + 1):  # the first round warms up

@@ -31,40 +31,15 @@ import statistics
 import sys
 import time
 
-SPAN = 4
+from benchmarks.engine_host import SHAPES, SPAN, stubbed_verifier
 
 
 def _verifier(vocab: int, sessions: int, max_works: int, seed: int = 0):
-    """A CloudVerifier whose forward and head cost nothing (STUBS: `benchmarks.engine_host`), `sessions` opened."""
+    """`benchmarks.engine_host`'s verifier with its forward and head stubbed, `sessions` opened; the uniform draft
+    distributions of a span."""
     import torch
 
-    from ciar.decoding.sampling import SamplingParams
-    from ciar.engine.scheduler import SchedulerConfig
-    from ciar.engine.verifier import CloudVerifier
-    from ciar.models.gpt import GPTConfig, build_gpt
-    from ciar_device.wire import OpenRequest
-
-    torch.set_num_threads(1)
-    cfg = GPTConfig(dim=64, n_layer=1, n_head=2, vocab_size=vocab, cls_token_num=16, block_size=144, caption_dim=32,
-                    token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0)
-    torch.manual_seed(seed)
-    cloud = build_gpt(cfg).eval()
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(2 * max_works * (SPAN + 1) + 512, vocab, generator=g) * 4.0
-    at = [0]
-
-    def forward_stub(cache, h, *args, **kwargs):  # STUB: the forward costs nothing; its output is its input
-        return h
-
-    def logits_stub(picked):  # STUB: the head returns a view of a pool of random logits
-        at[0] = (at[0] + 37) % 512
-        return pool[at[0]:at[0] + picked.shape[0]]
-
-    cloud.forward_cached, cloud.logits = forward_stub, logits_stub
-    v = CloudVerifier(cloud, None, max_sessions=sessions, static=False,
-                      scheduler=SchedulerConfig(token_budget=1 << 20, max_works=max_works, prefill_chunk=1 << 12))
-    v.open_batch([OpenRequest(f"s{i}", "", i, SamplingParams(cfg_scale=4.0), 1, want_caption=False)
-                  for i in range(sessions)], caption_emb=torch.randn(sessions, 16, 32, generator=g))
+    v, _, g = stubbed_verifier(vocab, sessions, max_works, 2 * max_works * (SPAN + 1), seed)
     return v, torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16), g
 
 
@@ -167,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="folder for engine_thread.json and engine_thread.md")
     ap.add_argument("--phones", type=int, nargs="+", default=[64, 256, 512])
     ap.add_argument("--max-works", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=1024, choices=sorted(SHAPES))
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--switch-ms", type=float, default=0.5)
