@@ -100,9 +100,10 @@ class StepSplit:
     """Where an engine's steps' time goes: the forwards (`runner.execute_step`), the judge and sampler
     (`judge.launch`: its device work; the host read after it is then instant) and the rest (the host: admission,
     scheduling, inputs, applying the decisions), each timed to a device sync (`sync`; the forward's and the judge's
-    calls are wrapped, a step is `engine.step`). Measures only while `on`, and then one step in `every`: the syncs cost what the judge's launch
-    would have overlapped with the forward, so a load whose throughput is measured too samples its steps (the
-    2026-11-28c H200 run timed every step of the window and made 26-29 % fewer images/s than the run before it)."""
+    calls are wrapped, a step is `engine.step`). Measures only while `on`, and then one step in `every`: the syncs
+    cost what the judge's launch would have overlapped with the forward, so a load whose throughput is measured too
+    samples its steps (the 2026-11-28c H200 run timed every step of the window and made 26-29 % fewer images/s than
+    the run before it)."""
 
     def __init__(self, v, sync, every: int = 1):
         self.v, self.sync, self.on, self.every = v, sync, False, every
@@ -330,7 +331,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                          "default_latency_s": last["latency_s"], "mismatches": p["mismatches"],
                          "errors": p["errors"]}
                 if name == "switch_interval":
-                    again.update(switch_s=switch_s, default_s=_again.default_switch_s)
+                    again.update(switch_s=switch_s, default_s=sys.getswitchinterval())  # (restored by `leave`)
                 else:
                     again.update(ahead_run=v.engine.ahead["run"] - ahead0["run"],
                                  ahead_dropped=v.engine.ahead["dropped"] - ahead0["dropped"])
@@ -419,7 +420,8 @@ def markdown(sec: dict) -> list[str]:
             for method, x in sec[name].items():
                 lines.append(f"| {method} | {x['phones']} | {_f(x['images_per_s'])} | "
                              f"{_f(x['default_images_per_s'])} | {_f(x['latency_s']['p99'])} | "
-                             f"{_f(x['default_latency_s']['p99'])} | {_split(x['ms_per_step'])} | {_split(x['default_ms_per_step'])} |")
+                             f"{_f(x['default_latency_s']['p99'])} | {_split(x['ms_per_step'])} | "
+                             f"{_split(x['default_ms_per_step'])} |")
     return lines
 
 
@@ -427,9 +429,8 @@ def _again(v, switch_s: float | None, overlap: bool):
     """The changes each method's last load is run again with, one at a time: (name, enter, leave)."""
     out = []
     if switch_s:  # the interpreter handing the GIL over sooner (sys.setswitchinterval): is the host time GIL waits?
-        _again.default_switch_s = sys.getswitchinterval()
-        out.append(("switch_interval", lambda: sys.setswitchinterval(switch_s),
-                    lambda: sys.setswitchinterval(_again.default_switch_s)))
+        default = sys.getswitchinterval()
+        out.append(("switch_interval", lambda: sys.setswitchinterval(switch_s), lambda: sys.setswitchinterval(default)))
     if overlap:  # the engine reading a step's decisions after launching the next forward (StepEngine.overlap)
         out.append(("overlap", lambda: setattr(v.engine, "overlap", True), lambda: setattr(v.engine, "overlap", False)))
     return out

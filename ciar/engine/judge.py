@@ -356,10 +356,9 @@ class Deciding:
     of its group, its index in them); `collect()` -> `Decided`, the one host read."""
 
     def __init__(self, read: HostRead, n_bad: int, n_draws: int, stopping: bool, judged: list, n_spans: int,
-                 errors: dict, tokens: torch.Tensor | None, verdicts: dict | None = None):
+                 errors: dict, tokens: torch.Tensor | None, verdicts: dict):
         self.read, self.n_bad, self.n_draws, self.stopping = read, n_bad, n_draws, stopping
-        self.judged, self.n_spans, self.errors, self.tokens = judged, n_spans, errors, tokens
-        self.verdicts = verdicts or {}
+        self.judged, self.n_spans, self.errors, self.tokens, self.verdicts = judged, n_spans, errors, tokens, verdicts
 
     def collect(self) -> Decided:
         """Wait for the decisions' copy (not for what was queued after it), unpack them."""

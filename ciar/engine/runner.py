@@ -308,6 +308,7 @@ class ModelRunner:
                 add_rows.extend(range(row0[i], row0[i] + p.rows))
                 add_cols.extend([idx] * p.rows)
                 adds.extend([add] * p.rows)
+
         def indices(table):  # -> (source, handle of its rows, handle of its indices) per source
             return [(src, pack.add(torch.tensor(rs, dtype=torch.long)), pack.add(torch.tensor(js, dtype=torch.long)))
                     for src, rs, js in table.values()]
