@@ -230,9 +230,10 @@ class StepEngine:
 
         With `overlap`, the step's decisions are read in the NEXT step, after its forward is launched: the host
         applies them, retires works, schedules and builds the inputs while the accelerator runs that forward. The
-        works waiting for decisions sit that step out, except a decode that goes on (`Work.after_draw`): it feeds
-        the token being drawn straight from the accelerator (`_Ahead`), and is dropped if its draw ends the work
-        (an entropy stop). Tokens are the same either way (every draw is keyed by its position)."""
+        works waiting for decisions sit that step out, except a decode that goes on (`Work.after_draw`), or the first
+        decode of a burst a verdict may start (`Work.after_verdict`): it feeds the token being drawn straight from
+        the accelerator (`_Ahead`), and is dropped if the decision ends the work (an entropy stop) or starts no
+        burst. Tokens are the same either way (every draw is keyed by its position)."""
         t0 = time.perf_counter()
         finished = self._retire()  # works finished between steps (withdrawn, abandoned): their effects first
         if self.scheduler.parked:
