@@ -70,7 +70,8 @@ def _timed_steps(v) -> list:
 
 
 def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
-             switch_s: float | None = None) -> dict:
+             switch_s: float | None = None, counts: tuple[int, int] | None = None) -> dict:
+    """`counts` (warm-up verifies, measured verifies): windows counted in answers instead of seconds."""
     from ciar.engine.core import EngineThread
 
     v, q, g = _verifier(vocab, phones, max_works)
@@ -83,12 +84,20 @@ def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: 
             await core.run(v.verify_work(_request(v, i, q, g)))
             done[0] += 1
 
+    async def window(seconds_: float, count: int | None):
+        if count is None:
+            await asyncio.sleep(seconds_)
+            return
+        target = done[0] + count
+        while done[0] < target:
+            await asyncio.sleep(0.001)
+
     async def main():
         tasks = [asyncio.create_task(phone(i)) for i in range(phones)]
-        await asyncio.sleep(warmup_s)
+        await window(warmup_s, counts and counts[0])
         steps.clear()
         d0, t0 = done[0], time.perf_counter()
-        await asyncio.sleep(seconds)
+        await window(seconds, counts and counts[1])
         rate = (done[0] - d0) / (time.perf_counter() - t0)
         measured = list(steps)
         stop[0] = True
@@ -106,17 +115,21 @@ def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: 
     return _summary(measured, rate)
 
 
-def direct(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float) -> dict:
+def direct(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
+           counts: tuple[int, int] | None = None) -> dict:
     v, q, g = _verifier(vocab, phones, max_works)
     steps = _timed_steps(v)
     idle = list(range(phones))
     works: dict[int, object] = {}
-    t_end = time.perf_counter() + warmup_s + seconds
-    measuring_from, done, d0, t0 = time.perf_counter() + warmup_s, 0, None, None
-    while time.perf_counter() < t_end:
-        if d0 is None and time.perf_counter() >= measuring_from:
+    done, d0, t0 = 0, None, None
+    warm_until = time.perf_counter() + warmup_s
+    while True:
+        now = time.perf_counter()
+        if d0 is None and (now >= warm_until if counts is None else done >= counts[0]):
             steps.clear()
-            d0, t0 = done, time.perf_counter()
+            d0, t0 = done, now
+        if d0 is not None and (now >= t0 + seconds if counts is None else done >= d0 + counts[1]):
+            break
         for i in idle:
             works[i] = v.submit_verify(_request(v, i, q, g))
         idle = []
@@ -146,17 +159,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--switch-ms", type=float, default=0.5)
-    ap.add_argument("--tiny", action="store_true", help="8 phones, 4 works a step, half a second each way")
+    ap.add_argument("--verifies", type=int, nargs=2, metavar=("WARMUP", "MEASURED"),
+                    help="windows counted in answered verifies instead of seconds")
+    ap.add_argument("--tiny", action="store_true", help="8 phones, 4 works a step, 16 + 64 verifies each way")
     args = ap.parse_args(argv)
-    if args.tiny:
-        args.phones, args.max_works, args.seconds, args.warmup_s = [8], 4, 0.5, 0.2
+    if args.tiny:  # (counted, not timed: the same check on any machine)
+        args.phones, args.max_works, args.verifies = [8], 4, (16, 64)
+    counts = tuple(args.verifies) if args.verifies else None
     rows = []
     for phones in args.phones:
         row = {"phones": phones, "max_works": args.max_works}
-        row["direct"] = direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s)
-        row["threaded"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s)
+        row["direct"] = direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts)
+        row["threaded"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts=counts)
         row["threaded_switch"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
-                                          args.switch_ms / 1000)
+                                          args.switch_ms / 1000, counts)
         row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
         row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
         rows.append(row)
