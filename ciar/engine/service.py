@@ -84,19 +84,47 @@ class EngineStalledError(RuntimeError):
 
 
 class VerifierService:
-    def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True):
+    def __init__(self, core, secret: str, batch_wait_s: float = 0.0, on_step=None, engine_thread: bool = True,
+                 stepper=None):
         """`core`: a `ciar.engine.verifier.CloudVerifier`; `secret`: signs session tokens; `batch_wait_s`: an idle
         engine waits this long for company; `on_step(engine, finished)`: called after every step (metrics; on the
         engine's thread). `engine_thread`: the engine steps on its own thread (`ciar.engine.core.EngineThread`),
         and the caller's event loop only submits and awaits; False: it steps on the caller's loop
-        (`AsyncStepper`, the engine before issue 37: every call waits for the forward in progress)."""
+        (`AsyncStepper`, the engine before issue 37: every call waits for the forward in progress). `stepper`: a
+        driver made by the caller instead (the engine's own process: `ciar.engine.process`)."""
         self.core = core
         self.secret = secret
         self.key_id = key_id(secret)
         self._adopted: dict[str, tuple[str, object]] = {}  # session id -> (another secret's token, its Session)
-        self.stepper = EngineThread(core.engine, batch_wait_s, on_step) if engine_thread else \
-            AsyncStepper(core.engine, batch_wait_s, on_step)
+        if stepper is None:
+            stepper = EngineThread(core.engine, batch_wait_s, on_step) if engine_thread else \
+                AsyncStepper(core.engine, batch_wait_s, on_step)
+        self.stepper = stepper
         self.opened = self.resumed = 0
+
+    @property
+    def num_sessions(self) -> int:
+        return self.core.num_sessions
+
+    def configure(self, scheduler=None, idle_timeout_s: float | None = None, slot_wait_s: float | None = None,
+                  batch_wait_s: float | None = None) -> None:
+        """Live settings, applied on the engine's side between steps like every change to what it owns:
+        `scheduler` (a `SchedulerConfig`: works a step, token budget), the sessions' idle timeout, how long an
+        open waits for a slot, and how long an idle engine waits for company. None: left as it is."""
+        if scheduler is not None:
+            self.stepper.call(setattr, self.core.engine, "config", scheduler)
+        if idle_timeout_s is not None:
+            self.stepper.call(setattr, self.core.table, "idle_timeout_s", idle_timeout_s)
+        if slot_wait_s is not None:
+            self.stepper.call(setattr, self.core, "slot_wait_s", slot_wait_s)
+        if batch_wait_s is not None:
+            self.stepper.wait_s = batch_wait_s
+
+    async def stats(self) -> dict:
+        """The engine's counters (`CloudVerifier.stats`), the calls served, and how long the step running now has
+        run."""
+        return {**self.core.stats(), "opened": self.opened, "resumed": self.resumed,
+                "step_running_s": self.stepper.stalled_s()}
 
     def check_stalled(self, limit_s: float) -> None:
         """Raise `EngineStalledError` when the engine's current step has run longer than `limit_s` (a forward that

@@ -57,7 +57,7 @@ from ciar.collab.device import device_caption
 from ciar.collab.projector import IntervalProjector
 from ciar.collab.protocol import (CapacityError, InjectedFeatures, OpenReply, OpenRequest, SessionError,
                                   SessionLostError, VerifyReply, VerifyRequest)
-from ciar.engine.core import StepEngine, Work
+from ciar.engine.core import KINDS, StepEngine, Work
 from ciar.engine.judge import Judge
 from ciar.engine.runner import ModelRunner, plan_sessions
 from ciar.engine.scheduler import SchedulerConfig
@@ -144,6 +144,19 @@ class CloudVerifier:
         drafted yet (WELCOME, `CloudClient.cost_hint`); None before its first verify reply or long open."""
         hint = self.reply_costs.hint(self.reply_queue.value)
         return hint if hint.span_s is not None or hint.step_s is not None else None
+
+    def stats(self) -> dict:
+        """What the engine has done and holds, as plain values (the Verifier deployment's `stats`, in-process or
+        from the engine's own process: `ciar.engine.process`)."""
+        engine, runner = self.engine, self.runner
+        return {"sessions": self.num_sessions, "free_slots": self.free_slot_count, "busy": engine.busy,
+                "max_sessions": self.table.max_sessions, "forwards": engine.steps,
+                "positions_by_kind": dict(zip(KINDS, engine.kind_positions)),
+                "real_positions": engine.real_positions, "padded_positions": engine.padded_positions,
+                "forwards_by_path": dict(runner.steps), "forward_faults": dict(engine.faults),
+                "overlap": engine.overlap, "decodes_run_ahead": dict(engine.ahead), "packed_step": runner.pack,
+                "packed_tokens": runner.positions["packed"],
+                "memory": self.memory.to_dict() if self.memory is not None else None}
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,538 @@
+"""The verifier's engine core in a process of its own: the replica's event loop and the engine stop sharing one GIL.
+
+    spec = CoreSpec(world=world, max_sessions=64, scheduler=SchedulerConfig(max_works=16))
+    engine = EngineProcess(spec, secret, batch_wait_s=0.005)     # starts the core; returns once it is ready
+    reply, token = await engine.open(request, session_id=sid, device_id=dev)
+    reply = await engine.verify(request, session_id=sid, device_id=dev, token=token)
+    reply = await engine.resume(request, history, injected, session_id=sid, device_id=dev, token=token)
+    await engine.close(session_id=sid, device_id=dev, token=token)
+    engine.configure(scheduler=..., idle_timeout_s=..., slot_wait_s=..., batch_wait_s=...)
+    stats = await engine.stats()
+    engine.shutdown()
+
+Why (issue 48). With the engine on a thread of the replica's process (`ciar.engine.core.EngineThread`), everything
+the replica's Python does (Ray's handle calls, unpickling requests, building works, answering) takes turns with the
+engine's host work on one interpreter lock. `benchmarks.engine_thread` measured what that costs on a 2-core CPU with
+the forward stubbed: the engine's steps ×1.3-1.6 longer than the same steps driven alone, ×0.67-0.72 the verifies
+per second (2026-11-28e); on an H200 the saturated CIAR step's host time grew with the phones in the process. This
+is vLLM v1's answer: the engine core runs in a process of its own and the replica only passes requests to it.
+
+`EngineProcess` has the calls of `ciar.engine.service.VerifierService` (the same ones, with the same errors: they
+are raised in the core and re-raised here with their attributes), so the Verifier deployment serves either
+(`verifier_engine_process`). Its core is `python -m ciar.engine.process FD`, started by `subprocess` with one end
+of a Unix socket pair (not multiprocessing's spawn, which re-runs the parent's main module: a Ray worker's). The
+core builds the CloudVerifier from the spec there (`build_verifier`: the world loaded, the KV cache sized and the
+CUDA graphs captured in the process that owns the accelerator) and serves a `VerifierService` on one thread: an
+asyncio loop that reads the socket between steps and steps the engine itself (`_CoreStepper`). Nothing in the core
+shares its interpreter with the replica's loop, Ray's threads or simulated phones.
+
+Messages (pickled tuples, framed by `multiprocessing.connection.Connection`):
+  replica -> core  ("start", spec, secret, batch_wait_s)    first: build, then answer "ready" (or "dead")
+                   ("call", id, method, args, kwargs)       a VerifierService call, `stats` or `configure`
+                   ("cancel", id)                           the caller went away: the call's task is cancelled, so
+                                                            its work is withdrawn as in-process (`_Driver.run`)
+                   ("turned", n)                            step n's callers have had their loop turn (below)
+  core -> replica  ("ready", info) | ("dead", traceback)
+                   ("reply", id, ok, value)                 a call's result, or the exception it raised
+                   ("stepping", started)                    a step begins (time.monotonic, for the watchdog)
+                   ("step", works, spans, seconds, sessions)  a step ended (metrics)
+                   ("turn", n)                              step n answered callers: the core waits (at most the
+                                                            company wait) until they have had a loop turn, so that
+                                                            the requests they send next join the next step, as
+                                                            `EngineThread._let_callers_answer` does in-process
+
+The replica pickles its requests on its loop and a writer thread sends them, so a busy core never blocks the loop;
+a reader thread unpickles what comes back and settles each caller's future on its loop. When the core dies (killed,
+out of memory, a crash), every call in flight fails with `EngineProcessError`, and so do later calls and
+`check_stalled`, so that Serve's health check replaces the replica. When the replica goes away the core reads the
+end of its socket and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import itertools
+import logging
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from ciar.engine.core import AsyncStepper
+from ciar.engine.scheduler import SchedulerConfig
+from ciar.engine.service import EngineStalledError, VerifierService
+from ciar.engine.works import VerifyWork
+
+logger = logging.getLogger(__name__)
+
+CALLS = ("open", "verify", "resume", "close", "evict_idle", "cost_hint", "ready", "stats", "configure")
+
+
+class EngineProcessError(RuntimeError):
+    """The engine's process is gone (it died, or failed to start): the replica cannot serve, and its calls fail."""
+
+
+@dataclass
+class CoreSpec:
+    """What the core builds its CloudVerifier from (the Verifier deployment's settings; picklable). `world`: the
+    served world (`ciar.world_spec`, a dict or a path; None: the shipped default); `capture_rows`: on CUDA with
+    graphs, every bucket up to this many rows is captured before the first request. `factory`: "module:function"
+    called with `factory_kwargs` instead, returning a ready CloudVerifier (benchmarks' stubbed engines, tests)."""
+
+    world: dict | str | None = None
+    max_sessions: int | str = 16
+    threads: int = 1
+    memory_utilization: float = 0.9
+    cuda_graphs: bool = True
+    fused_step: bool = False
+    overlap: bool = False
+    packed_step: bool = False
+    scheduler: SchedulerConfig | None = None
+    idle_timeout_s: float | None = None
+    slot_wait_s: float = 0.0
+    capture_rows: int | None = None
+    factory: str | None = None
+    factory_kwargs: dict = field(default_factory=dict)
+
+
+def build_verifier(spec: CoreSpec, log=logger.info):
+    """The CloudVerifier a Verifier replica serves, built from `spec` on this process's accelerator (CUDA when there
+    is one): the world loaded, the cache sized ("auto": by the accelerator's memory), the graphs captured."""
+    import torch
+
+    from ciar.engine.verifier import CloudVerifier
+    from ciar.world import load_world
+
+    torch.set_num_threads(spec.threads)
+    if spec.factory:
+        module, _, name = spec.factory.partition(":")
+        return getattr(importlib.import_module(module), name)(**spec.factory_kwargs)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = load_world(spec.world, device=device)
+    core = CloudVerifier(world.cloud, world.text, max_sessions=spec.max_sessions, projector=world.projector,
+                         codebook=world.codebook, idle_timeout_s=spec.idle_timeout_s, scheduler=spec.scheduler,
+                         memory_utilization=spec.memory_utilization, slot_wait_s=spec.slot_wait_s,
+                         static=None if spec.cuda_graphs else False,  # static steps + graphs on CUDA
+                         fused=spec.fused_step and spec.cuda_graphs and device == "cuda", overlap=spec.overlap,
+                         pack=spec.packed_step and spec.cuda_graphs and device == "cuda")
+    if core.memory is not None:
+        log("KV cache: %d sessions (%s)", core.table.max_sessions, core.memory.how)
+    if core.runner.graphs and spec.capture_rows:  # every bucket the live config can reach, before any request
+        t = time.perf_counter()
+        n = core.runner.capture(spec.capture_rows)
+        log("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t)
+    return core
+
+
+def step_counts(finished) -> int:
+    """Verifications a step answered (the Verifier's spans counter)."""
+    return sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
+
+
+def _dumps(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# ---------------------------------------------------------------------------------------------------- the replica
+
+
+class EngineProcess:
+    def __init__(self, spec: CoreSpec, secret: str, batch_wait_s: float = 0.0, on_step=None,
+                 start_timeout_s: float | None = None):
+        """Start the core and wait until it has built its verifier (`info`: its vocabulary, sessions, memory
+        plan). `on_step(works, spans, seconds)`: called after each of its steps, on the reader thread (metrics).
+        `start_timeout_s`: None waits as long as building takes (a large world, graph captures); the core's death
+        ends the wait either way. Raises `EngineProcessError` with the core's traceback when it fails to start."""
+        self.on_step = on_step
+        self.wait_s = batch_wait_s
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the replica's imports
+        self.proc = subprocess.Popen([sys.executable, "-m", "ciar.engine.process", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env=env, close_fds=True)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._conn.send_bytes(_dumps(("start", spec, secret, batch_wait_s)))
+        if start_timeout_s is not None and not self._conn.poll(start_timeout_s):
+            self.proc.kill()
+            raise EngineProcessError(f"the engine's process did not start in {start_timeout_s:g} s")
+        try:
+            kind, *rest = pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            self.proc.wait()
+            raise EngineProcessError(f"the engine's process exited while starting (exit code "
+                                     f"{self.proc.returncode})") from e
+        if kind != "ready":
+            self.proc.wait()
+            raise EngineProcessError(f"the engine's process failed to start:\n{rest[0]}")
+        self.info: dict = rest[0]
+        self.vocab_size: int = self.info["vocab_size"]
+        self.num_sessions = 0  # as of the core's last step (the sessions gauge)
+        self.step_started: float | None = None
+        self.steps = 0
+        self._dead: str | None = None
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._calls: dict[int, tuple] = {}  # id -> (loop, future)
+        self._answered: set = set()  # the loops of callers answered since the last "turn"
+        self._lock = threading.Lock()
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="ciar-engine-writer", daemon=True)
+        self._reader = threading.Thread(target=self._read, name="ciar-engine-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    # ---------------------------------------------------------------- the calls (VerifierService's)
+    async def open(self, request, *, session_id: str, device_id: str):
+        return await self._call("open", request, session_id=session_id, device_id=device_id)
+
+    async def verify(self, request, *, session_id: str, device_id: str, token: str):
+        return await self._call("verify", request, session_id=session_id, device_id=device_id, token=token)
+
+    async def resume(self, request, history, injected=None, *, session_id: str, device_id: str, token: str):
+        return await self._call("resume", request, history, injected, session_id=session_id, device_id=device_id,
+                                token=token)
+
+    async def close(self, *, session_id: str, device_id: str, token: str) -> None:
+        return await self._call("close", session_id=session_id, device_id=device_id, token=token)
+
+    async def cost_hint(self):
+        return await self._call("cost_hint")
+
+    async def ready(self) -> dict:
+        return await self._call("ready")
+
+    async def stats(self) -> dict:
+        """The core's `VerifierService.stats`, its process id and resident memory, and its failed steps."""
+        return await self._call("stats")
+
+    def evict_idle(self, max_idle_s: float) -> None:
+        self._send(("call", 0, "evict_idle", (max_idle_s,), {}))
+
+    def configure(self, scheduler=None, idle_timeout_s: float | None = None, slot_wait_s: float | None = None,
+                  batch_wait_s: float | None = None) -> None:
+        """`VerifierService.configure`, applied in the core between steps."""
+        if batch_wait_s is not None:
+            self.wait_s = batch_wait_s
+        self._send(("call", 0, "configure", (scheduler, idle_timeout_s, slot_wait_s, batch_wait_s), {}))
+
+    def stalled_s(self) -> float:
+        """How long the core's step running now has run (0 between steps), as its messages tell."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def check_stalled(self, limit_s: float) -> None:
+        """`VerifierService.check_stalled`, and `EngineProcessError` when the core is gone (the health check)."""
+        if self._dead is not None:
+            raise EngineProcessError(self._dead)
+        stalled = self.stalled_s()
+        if stalled > limit_s:
+            raise EngineStalledError(f"the verifier's forward has run for {stalled:.0f} s (limit {limit_s:g} s, "
+                                     f"forward_timeout_s): the engine is stuck")
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the core (it finishes the step it is in) and wait for it; killed past `timeout_s`."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self._send(("stop",))
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._died("the engine's process was shut down")
+
+    # ---------------------------------------------------------------- plumbing
+    async def _call(self, method: str, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineProcessError(self._dead)
+            call = next(self._ids)
+            self._calls[call] = (loop, fut)
+        self._send(("call", call, method, args, kwargs))
+        try:
+            ok, value = await fut
+        except asyncio.CancelledError:  # the caller went away: its work is withdrawn in the core
+            with self._lock:
+                self._calls.pop(call, None)
+            self._send(("cancel", call))
+            raise
+        if not ok:
+            raise value
+        return value
+
+    def _send(self, message) -> None:
+        self._out.put(_dumps(message))
+
+    def _write(self) -> None:
+        while True:
+            data = self._out.get()
+            if data is None:
+                return
+            try:
+                self._conn.send_bytes(data)
+            except OSError:  # the core is gone: the reader says so to every caller
+                return
+
+    def _read(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                code = self.proc.wait()
+                self._died("the engine's process was shut down" if self._stopping else
+                           f"the engine's process exited (exit code {code})")
+                return
+            except Exception as e:  # noqa: BLE001 - a message this side cannot read: a bug, said once
+                logger.exception("unreadable message from the engine's process")
+                self._died(f"unreadable message from the engine's process: {e!r}")
+                self.proc.kill()
+                return
+            kind = message[0]
+            if kind == "reply":
+                _, call, ok, value = message
+                with self._lock:
+                    entry = self._calls.pop(call, None)
+                if entry is not None:
+                    loop, fut = entry
+                    self._answered.add(loop)
+                    _settle(loop, fut, (ok, value))
+            elif kind == "stepping":
+                self.step_started = message[1]
+            elif kind == "step":
+                _, works, spans, seconds, self.num_sessions = message
+                self.step_started = None
+                self.steps += 1
+                if self.on_step is not None:
+                    try:
+                        self.on_step(works, spans, seconds)
+                    except Exception:  # noqa: BLE001 - metrics must not stop the reader
+                        logger.exception("on_step failed")
+            elif kind == "turn":
+                self._turn(message[1])
+
+    def _turn(self, n: int) -> None:
+        """Tell the core once every loop answered since the last turn has run what the replies woke up (two hops:
+        the callbacks that settle the futures, then the tasks they resume)."""
+        loops, self._answered = self._answered, set()
+        pending = [len(loops)]
+
+        def mark():
+            with self._lock:
+                pending[0] -= 1
+                last = pending[0] == 0
+            if last:
+                self._send(("turned", n))
+
+        if not loops:
+            self._send(("turned", n))
+        for loop in loops:
+            try:
+                loop.call_soon_threadsafe(loop.call_soon, mark)
+            except RuntimeError:  # a closed loop answers nothing
+                mark()
+
+    def _died(self, why: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = why
+            calls, self._calls = self._calls, {}
+        self.step_started = None
+        self._out.put(None)
+        for loop, fut in calls.values():
+            _settle(loop, fut, (False, EngineProcessError(why)))
+
+
+def _settle(loop, fut, result) -> None:
+    def settle():
+        if not fut.done():
+            fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed: nobody waits any more
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------- the core
+
+
+class _CoreStepper(AsyncStepper):
+    """The core's driver: the engine steps on the core's loop (one thread), the socket read between steps. Each
+    step is announced and reported to the replica (`stepping`, `step`), and after a step that answered calls it
+    waits, at most `wait_s`, for the replica's callers to have had their turn (`turn` / `turned`). A step that
+    raises fails its works and the core goes on, as the engine thread does."""
+
+    def __init__(self, engine, wait_s: float, send, sessions):
+        super().__init__(engine, wait_s)
+        self.send, self.sessions = send, sessions  # sessions(): how many are open
+        self.turns = 0
+        self.turned: dict[int, asyncio.Future] = {}
+        self.steps_failed = 0
+        self.answered = False  # the last step answered callers that may send again at once
+        self.replies = 0  # replies sent (the core counts them: a step that answered calls asks for a turn)
+
+    async def _loop(self) -> None:
+        engine = self.engine
+        if self.wait_s > 0 and not self.answered:
+            await asyncio.sleep(self.wait_s)  # company: what arrives meanwhile joins the first step
+        while engine.busy or engine.scheduler.parked:
+            if not engine.busy:  # only works waiting for a slot: look again soon (a close unparks them)
+                await asyncio.sleep(min(0.01, engine.parked_timeout() or 0.0))
+                engine.unpark_due()
+                continue
+            started, forwards = time.monotonic(), engine.steps
+            self.send(("stepping", started))
+            try:
+                finished = engine.step()
+            except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the core goes on
+                self.steps_failed += 1
+                engine.fail_all(e)
+                finished = []
+            size = engine.step_log[-1]["works"] if engine.steps != forwards and engine.step_log else 0  # 0: no forward
+            self.send(("step", size, step_counts(finished), time.monotonic() - started, self.sessions()))
+            replies = self.replies
+            await asyncio.sleep(0)  # the calls this step finished resume and send their replies
+            self.answered = self.replies > replies
+            if self.answered and self.wait_s > 0:
+                await self._turn()
+        self.answered = False
+
+    async def _turn(self) -> None:
+        self.turns += 1
+        n = self.turns
+        fut = self.turned[n] = asyncio.get_running_loop().create_future()
+        self.send(("turn", n))
+        try:
+            await asyncio.wait_for(fut, self.wait_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.turned.pop(n, None)
+
+    def stalled_s(self) -> float:
+        return 0.0  # the replica keeps the step's start (`EngineProcess.stalled_s`)
+
+
+class _Core:
+    """The core's side: one `VerifierService` on one thread, fed by the socket."""
+
+    def __init__(self, conn: Connection, core, secret: str, batch_wait_s: float):
+        self.conn, self.core = conn, core
+        self.stepper = _CoreStepper(core.engine, batch_wait_s, self.send, lambda: core.num_sessions)
+        self.service = VerifierService(core, secret, stepper=self.stepper)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.stopped: asyncio.Future | None = None
+
+    def send(self, message) -> None:
+        try:
+            data = _dumps(message)
+        except Exception as e:  # noqa: BLE001 - a value pickle cannot take: the caller gets why
+            if message[0] != "reply":
+                raise
+            data = _dumps(("reply", message[1], False, EngineProcessError(
+                f"the engine's reply could not be sent: {type(e).__name__}: {e}")))
+        self.conn.send_bytes(data)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stopped = loop.create_future()
+        loop.add_reader(self.conn.fileno(), self._readable)
+        try:
+            await self.stopped
+        finally:
+            loop.remove_reader(self.conn.fileno())
+            for task in self.tasks.values():
+                task.cancel()
+
+    def _readable(self) -> None:
+        try:
+            while self.conn.poll(0):
+                self._handle(pickle.loads(self.conn.recv_bytes()))
+        except (EOFError, OSError):  # the replica is gone
+            if not self.stopped.done():
+                self.stopped.set_result(None)
+
+    def _handle(self, message) -> None:
+        kind = message[0]
+        if kind == "call":
+            _, call, method, args, kwargs = message
+            task = asyncio.get_running_loop().create_task(self._serve(call, method, args, kwargs))
+            if call:
+                self.tasks[call] = task
+        elif kind == "cancel":
+            task = self.tasks.get(message[1])
+            if task is not None:
+                task.cancel()
+        elif kind == "turned":
+            fut = self.stepper.turned.get(message[1])
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif kind == "stop" and not self.stopped.done():
+            self.stopped.set_result(None)
+
+    async def _serve(self, call: int, method: str, args: tuple, kwargs: dict) -> None:
+        try:
+            if method not in CALLS:
+                raise ValueError(f"the engine's process has no call {method!r}")
+            value = self.stats() if method == "stats" else getattr(self.service, method)(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+            ok = True
+        except asyncio.CancelledError:
+            return  # the caller went away (its work withdrawn by the service's own handling)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error, as in-process
+            ok, value = False, e
+        finally:
+            self.tasks.pop(call, None)
+        if call:
+            self.stepper.replies += 1
+            self.send(("reply", call, ok, value))
+        elif not ok:
+            logger.error("engine call %s failed: %r", method, value)
+
+    async def stats(self) -> dict:
+        return {**await self.service.stats(), "engine_process": os.getpid(), "core_rss_mb": _rss_mb(),
+                "steps_failed": self.stepper.steps_failed}
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def _core_main(fd: int) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    conn = Connection(fd)
+    try:
+        kind, spec, secret, batch_wait_s = pickle.loads(conn.recv_bytes())
+        assert kind == "start", kind
+        core = build_verifier(spec)
+        info = {"vocab_size": core.vocab_size, "max_sessions": core.table.max_sessions, "pid": os.getpid(),
+                "memory": core.memory.to_dict() if core.memory is not None else None}
+    except (EOFError, OSError):
+        return 1
+    except BaseException:  # noqa: BLE001 - the replica gets the traceback
+        conn.send_bytes(_dumps(("dead", traceback.format_exc())))
+        return 1
+    conn.send_bytes(_dumps(("ready", info)))
+    asyncio.run(_Core(conn, core, secret, batch_wait_s).run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_core_main(int(sys.argv[1])))

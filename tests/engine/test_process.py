@@ -1,0 +1,188 @@
+"""The engine core in a process of its own (`ciar.engine.process.EngineProcess`): the calls of `VerifierService`,
+served by a core process that builds its verifier from a spec. Every reply must be the in-process engine's; errors
+keep their types and attributes; a caller that goes away withdraws its work in the core; a core that dies fails the
+calls in flight, later calls and the health check; one that fails to start says why."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+
+from ciar.collab.protocol import OpenRequest, SessionError, SessionLostError, SessionTokenError, VerifyRequest
+from ciar.decoding.sampling import SamplingParams
+from ciar.engine.process import CoreSpec, EngineProcess, EngineProcessError
+from ciar.engine.service import VerifierService
+
+PROMPT = "a small red circle at the top on a gray background"
+SAMPLED = SamplingParams(cfg_scale=2.0, temperature=1.0)
+FACTORY = f"{__name__}:tiny_core"  # the core imports this module by the name pytest gave it (the same sys.path)
+
+
+def tiny_core(max_sessions: int = 4, overlap: bool = False, fail: bool = False):
+    """The core's factory: conftest's small RANDOM-weight cloud and stub caption encoder (not the trained world)."""
+    from conftest import CAPTION_DIM, CAPTION_LEN, StubTextEncoder
+
+    from ciar.engine.verifier import CloudVerifier
+    from ciar.models.gpt import build_gpt
+
+    if fail:
+        raise RuntimeError("injected: this core cannot be built")
+    torch.manual_seed(0)
+    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
+                  caption_dim=CAPTION_DIM, block_size=36)
+    torch.nn.init.normal_(m.output.weight, std=0.3)
+    return CloudVerifier(m.eval(), StubTextEncoder(), max_sessions=max_sessions, overlap=overlap)
+
+
+def _span(sid: str, vocab: int, seed: int, k: int, burst: int) -> VerifyRequest:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(k, vocab, generator=g) * 2, -1)
+    drafts = torch.multinomial(q, 1, generator=g).flatten()
+    return VerifyRequest(sid, torch.zeros(0, dtype=torch.long), drafts, q.half(), burst=burst)
+
+
+async def _phones(service, n: int = 4, rounds: int = 3):
+    """Concurrent callers, each verifying as soon as its last reply came; the last one loses its session midway
+    (closed) and resumes it from its history. -> every reply, by caller."""
+    async def phone(i):
+        sid = f"p{i}"
+        reply, token = await service.open(OpenRequest(sid, PROMPT, seed=i, sampling=SAMPLED, prefix_len=2 + i),
+                                          session_id=sid, device_id="d")
+        history = reply.prefix_tokens.tolist()
+        got = [history[:]]
+        for r in range(rounds):
+            if i == n - 1 and r == 1:  # the session is lost: VERIFY says so, RESUME re-creates it
+                await service.close(session_id=sid, device_id="d", token=token)
+                with pytest.raises(SessionLostError) as lost:
+                    await service.verify(_span(sid, 64, 7 * i + r, 3, 2), session_id=sid, device_id="d",
+                                         token=token)
+                assert lost.value.session_id == sid  # (its attributes came through the socket)
+                await service.resume(OpenRequest(sid, PROMPT, seed=i, sampling=SAMPLED, prefix_len=2 + i),
+                                     torch.tensor(history), None, session_id=sid, device_id="d", token=token)
+            v = await service.verify(_span(sid, 64, 7 * i + r, 3, 2 + i), session_id=sid, device_id="d",
+                                     token=token)
+            got.append((v.num_accepted, v.next_token, v.burst_tokens.tolist() if v.num_burst else []))
+            # (the drafts the verdict kept, its next token and the burst: the session's history goes on)
+            history += _span(sid, 64, 7 * i + r, 3, 0).draft_tokens[:v.num_accepted].tolist() + [v.next_token]
+            history += v.burst_tokens.tolist() if v.num_burst else []
+        await service.close(session_id=sid, device_id="d", token=token)
+        return got
+
+    return await asyncio.gather(*(phone(i) for i in range(n)))
+
+
+@pytest.fixture
+def engine():
+    made = []
+
+    def start(batch_wait_s=0.002, **kwargs):
+        e = EngineProcess(CoreSpec(factory=FACTORY, factory_kwargs=kwargs), "secret", batch_wait_s=batch_wait_s)
+        made.append(e)
+        return e
+
+    yield start
+    for e in made:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_core_process_gives_the_engine_threads_replies(engine, overlap):
+    local = VerifierService(tiny_core(overlap=overlap), "secret", batch_wait_s=0.002)
+    try:
+        want = asyncio.run(_phones(local))
+    finally:
+        local.shutdown()
+    steps = []
+    e = engine(overlap=overlap)
+    e.on_step = lambda works, spans, seconds: steps.append((works, spans))
+    assert e.vocab_size == 64 and e.info["max_sessions"] == 4 and e.info["pid"] == e.proc.pid
+    assert asyncio.run(_phones(e)) == want
+    stats = asyncio.run(e.stats())
+    assert stats["engine_process"] == e.proc.pid and stats["sessions"] == 0 and not stats["busy"]
+    assert stats["opened"] == 4 and stats["resumed"] == 1 and e.steps == len(steps)
+    assert stats["forwards"] == sum(works > 0 for works, _ in steps)  # (with overlap a step may only apply decisions)
+    assert stats["overlap"] == overlap and stats["steps_failed"] == 0
+    assert sum(spans for _, spans in steps) == 4 * 3  # every verification counted once, as it was answered
+    assert e.stalled_s() == 0.0
+    e.check_stalled(1.0)
+
+
+def test_errors_keep_their_types_and_the_core_goes_on(engine):
+    e = engine()
+
+    async def go():
+        reply, token = await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
+                                    session_id="a", device_id="d")
+        with pytest.raises(SessionTokenError):  # another device's call
+            await e.verify(_span("a", 64, 0, 3, 0), session_id="a", device_id="other", token=token)
+        with pytest.raises(SessionError, match="differ"):
+            await e.verify(_span("b", 64, 0, 3, 0), session_id="a", device_id="d", token=token)
+        with pytest.raises(SessionLostError):
+            _, other = await e.open(OpenRequest("b", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
+                                    session_id="b", device_id="d")
+            await e.close(session_id="b", device_id="d", token=other)
+            await e.verify(_span("b", 64, 0, 3, 0), session_id="b", device_id="d", token=other)
+        v = await e.verify(_span("a", 64, 0, 3, 0), session_id="a", device_id="d", token=token)
+        hint = await e.cost_hint()
+        return v, hint, await e.ready()
+
+    v, hint, ready = asyncio.run(go())
+    assert 0 <= v.num_accepted <= 3 and hint is not None and ready == {"sessions": 1, "free_slots": 6}  # (2 slots a session)
+
+
+def test_a_caller_that_goes_away_withdraws_its_work_in_the_core(engine):
+    e = engine()
+
+    async def go():
+        _, token = await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
+                                session_id="a", device_id="d")
+        before = await e.stats()
+        e.configure(batch_wait_s=60.0)  # an idle engine waits a minute for company: the next work sits queued
+        task = asyncio.create_task(e.verify(_span("a", 64, 0, 3, 0), session_id="a", device_id="d", token=token))
+        await asyncio.sleep(0)  # (the verify is sent)
+        queued = await e.stats()  # (answered after the verify was admitted: the core serves in order)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return before, queued, await e.stats()
+
+    before, queued, after = asyncio.run(go())
+    assert queued["busy"] and not after["busy"]
+    assert after["forwards"] == before["forwards"]  # withdrawn before it ran
+
+
+def test_a_core_that_dies_fails_the_calls_in_flight_later_calls_and_the_health_check(engine):
+    e = engine()
+
+    async def go():
+        _, token = await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
+                                session_id="a", device_id="d")
+        e.configure(batch_wait_s=60.0)  # an idle engine waits a minute for company: the next work sits queued
+        task = asyncio.create_task(e.verify(_span("a", 64, 0, 3, 0), session_id="a", device_id="d", token=token))
+        await asyncio.sleep(0)
+        assert (await e.stats())["busy"]
+        os.kill(e.proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineProcessError, match="exited"):
+            await task
+        with pytest.raises(EngineProcessError):
+            await e.ready()
+
+    asyncio.run(go())
+    with pytest.raises(EngineProcessError):
+        e.check_stalled(1.0)
+    assert e.proc.returncode == -signal.SIGKILL
+
+
+def test_a_core_that_cannot_start_says_why():
+    with pytest.raises(EngineProcessError, match="injected: this core cannot be built"):
+        EngineProcess(CoreSpec(factory=FACTORY, factory_kwargs={"fail": True}), "secret")
+
+
+def test_shutdown_stops_the_core(engine):
+    e = engine()
+    e.shutdown()
+    assert e.proc.returncode == 0
+    with pytest.raises(EngineProcessError, match="shut down"):
+        asyncio.run(e.ready())
