@@ -361,7 +361,8 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads,
            memory_utilization=cfg.verifier_memory_utilization, cuda_graphs=cfg.verifier_cuda_graphs,
-           fused_step=cfg.verifier_fused_step, overlap=cfg.verifier_overlap, packed_step=cfg.verifier_packed_step)
+           fused_step=cfg.verifier_fused_step, overlap=cfg.verifier_overlap, packed_step=cfg.verifier_packed_step,
+           engine_process=cfg.verifier_engine_process)
 
 
 def build_app(args: dict | None = None) -> serve.Application:

@@ -170,6 +170,12 @@ class AppConfig(BaseModel):
                                    "accelerator's (the same replies; a burst by Jacobi windows starts a step later). "
                                    "Off until the GPU suite's overlap section has measured it; on a CPU nothing "
                                    "overlaps")
+    verifier_engine_process: bool = Field(False, description="the verifier's engine core runs in a process of its "
+                                          "own (ciar.engine.process), which loads the model and owns the "
+                                          "accelerator; the replica's process only passes calls to it, so the "
+                                          "engine's host work no longer shares one interpreter lock with the "
+                                          "replica's (Ray's handle calls, requests, replies). The same replies; "
+                                          "off until the GPU suite has measured it")
     verifier_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="with verifier_max_sessions: auto, "
                                                "the share of the GPU's total memory the replica may use (weights, "
                                                "activations and KV cache), as vLLM's gpu_memory_utilization")

@@ -41,12 +41,9 @@ import ray
 import torch
 from ray import serve
 
-from ciar.engine.core import KINDS
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.engine.process import CoreSpec, EngineProcess, build_verifier, step_counts
 from ciar.engine.service import VerifierService
-from ciar.engine.verifier import CloudVerifier
-from ciar.engine.works import VerifyWork
-from ciar.world import load_world
 from services.config import VerifierLiveConfig
 
 logger = logging.getLogger("ray.serve")  # the replica's log
@@ -55,31 +52,29 @@ logger = logging.getLogger("ray.serve")  # the replica's log
 class Verifier:
     def __init__(self, world: dict | str | None, max_sessions: int | str, secret: str, live: dict | None = None,
                  threads: int = 1, memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 fused_step: bool = False, overlap: bool = False, packed_step: bool = False):
+                 fused_step: bool = False, overlap: bool = False, packed_step: bool = False,
+                 engine_process: bool = False):
         """`world`: the served world (`ciar.world_spec`; the builder passes it validated, as a dict); the GPT, the
-        caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here."""
+        caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here, or,
+        with `engine_process`, in the engine's own process (`ciar.engine.process`), which then owns the
+        accelerator while this replica only passes calls to it."""
         torch.set_num_threads(threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        world = load_world(world, device=device)
         self.live = VerifierLiveConfig(**(live or {}))
-        self.core = CloudVerifier(world.cloud, world.text, max_sessions=max_sessions, projector=world.projector,
-                                  codebook=world.codebook, idle_timeout_s=self.live.idle_timeout_s,
-                                  scheduler=self.live.scheduler(), memory_utilization=memory_utilization,
-                                  slot_wait_s=self.live.slot_wait_s,
-                                  static=None if cuda_graphs else False,  # static steps + graphs on CUDA
-                                  fused=fused_step and cuda_graphs and device == "cuda", overlap=overlap,
-                                  pack=packed_step and cuda_graphs and device == "cuda")
-        if self.core.memory is not None:  # sized by the accelerator's memory ("auto")
-            logger.info("KV cache: %d sessions (%s)", self.core.table.max_sessions, self.core.memory.how)
-        if self.core.runner.graphs:  # every bucket the live config can reach, captured before the first request
-            t = time.perf_counter()
-            n = self.core.runner.capture(2 * self.live.max_batch_size)
-            logger.info("captured %d CUDA graphs in %.1f s", n, time.perf_counter() - t)
+        spec = CoreSpec(world=world, max_sessions=max_sessions, threads=threads,
+                        memory_utilization=memory_utilization, cuda_graphs=cuda_graphs, fused_step=fused_step,
+                        overlap=overlap, packed_step=packed_step, scheduler=self.live.scheduler(),
+                        idle_timeout_s=self.live.idle_timeout_s, slot_wait_s=self.live.slot_wait_s,
+                        capture_rows=2 * self.live.max_batch_size)
         self._steps_seen = 0
         # the calls (ownership, repeated OPENs, withdrawn works): the same code serves the endpoint's socket tests
-        self.service = VerifierService(self.core, secret, self.live.batch_wait_timeout_s, self._on_step)
-        self.stepper = self.service.stepper
-        self.vocab_size = self.core.vocab_size
+        if engine_process:
+            self.service = EngineProcess(spec, secret, self.live.batch_wait_timeout_s, self._count)
+            self.vocab_size = self.service.vocab_size
+            logger.info("engine core in process %d", self.service.proc.pid)
+        else:
+            core = build_verifier(spec, log=logger.info)
+            self.service = VerifierService(core, secret, self.live.batch_wait_timeout_s, self._on_step)
+            self.vocab_size = core.vocab_size
         self.batch_hist: Counter[int] = Counter()  # works per forward -> forwards
         self.spans_verified = 0
         self._evictor: asyncio.Task | None = None
@@ -101,10 +96,8 @@ class Verifier:
     def reconfigure(self, config: dict) -> None:
         self.live = VerifierLiveConfig(**(config or {}))  # raises a ValidationError naming the field
         # applied on the engine's side between steps, like every change to what it owns
-        self.stepper.call(setattr, self.core.engine, "config", self.live.scheduler())
-        self.stepper.call(setattr, self.core.table, "idle_timeout_s", self.live.idle_timeout_s)
-        self.stepper.call(setattr, self.core, "slot_wait_s", self.live.slot_wait_s)
-        self.stepper.wait_s = self.live.batch_wait_timeout_s
+        self.service.configure(self.live.scheduler(), self.live.idle_timeout_s, self.live.slot_wait_s,
+                               self.live.batch_wait_timeout_s)
 
     # ------------------------------------------------------------------ housekeeping
     def _ensure_evictor(self) -> None:
@@ -115,16 +108,21 @@ class Verifier:
         while True:
             await asyncio.sleep(max(0.5, min(10.0, self.live.idle_timeout_s / 4)))
             self.service.evict_idle(self.live.idle_timeout_s)
-            self.m_sessions.set(self.core.num_sessions)
+            self.m_sessions.set(self.service.num_sessions)
 
     # ------------------------------------------------------------------ the step loop
     def _on_step(self, engine, finished) -> None:
-        size = engine.step_log[-1]["works"] if engine.step_log else 0
-        if size and engine.steps != self._steps_seen:
-            self._steps_seen = engine.steps
+        """After each step of the engine thread (on it)."""
+        size = engine.step_log[-1]["works"] if engine.step_log and engine.steps != self._steps_seen else 0
+        self._steps_seen = engine.steps
+        self._count(size, step_counts(finished))
+
+    def _count(self, size: int, spans: int, seconds: float = 0.0) -> None:
+        """A step's works (0: it ran no forward) and the verifications it answered (after each step of the engine,
+        on its thread, or on the reader thread of its process)."""
+        if size:
             self.batch_hist[size] += 1
             self.m_batch.observe(size)
-        spans = sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
         if spans:
             self.spans_verified += spans
             self.m_spans.inc(spans)
@@ -133,7 +131,7 @@ class Verifier:
     async def open(self, request: OpenRequest, *, session_id: str, device_id: str) -> tuple[OpenReply, str]:
         self._ensure_evictor()
         out = await self.service.open(request, session_id=session_id, device_id=device_id)
-        self.m_sessions.set(self.core.num_sessions)
+        self.m_sessions.set(self.service.num_sessions)
         return out
 
     async def verify(self, request: VerifyRequest, *, session_id: str, device_id: str, token: str) -> VerifyReply:
@@ -145,12 +143,12 @@ class Verifier:
         reply = await self.service.resume(request, history, injected, session_id=session_id, device_id=device_id,
                                           token=token)
         self.m_resumes.inc()
-        self.m_sessions.set(self.core.num_sessions)
+        self.m_sessions.set(self.service.num_sessions)
         return reply
 
     async def close(self, *, session_id: str, device_id: str, token: str) -> None:
         await self.service.close(session_id=session_id, device_id=device_id, token=token)
-        self.m_sessions.set(self.core.num_sessions)
+        self.m_sessions.set(self.service.num_sessions)
 
     async def cost_hint(self):
         """This replica's recent span forward, sampled step and queue wait (`CloudVerifier.cost_hint`): where a
@@ -168,19 +166,13 @@ class Verifier:
         return {"replica_id": self.replica_id, **await self.service.ready()}
 
     async def stats(self) -> dict:
-        return {"replica_id": self.replica_id, "sessions": self.core.num_sessions,
-                "free_slots": self.core.free_slot_count, "spans_verified": self.spans_verified,
-                "opened": self.service.opened, "resumed": self.service.resumed, "forwards": self.core.engine.steps,
-                "positions_by_kind": dict(zip(KINDS, self.core.engine.kind_positions)),
-                "real_positions": self.core.engine.real_positions,
-                "padded_positions": self.core.engine.padded_positions,
+        return {"replica_id": self.replica_id, **await self.service.stats(), "spans_verified": self.spans_verified,
                 "batch_size_hist": {str(k): v for k, v in sorted(self.batch_hist.items())},
                 "live": self.live.model_dump(), "rss_mb": psutil.Process().memory_info().rss / 2**20,
-                "max_sessions": self.core.table.max_sessions, "forwards_by_path": dict(self.core.runner.steps),
-                "forward_faults": dict(self.core.engine.faults), "step_running_s": self.stepper.stalled_s(),
-                "overlap": self.core.engine.overlap, "decodes_run_ahead": dict(self.core.engine.ahead),
-                "packed_step": self.core.runner.pack, "packed_tokens": self.core.runner.positions["packed"],
-                "memory": self.core.memory.to_dict() if self.core.memory is not None else None,
-                "node_id": ray.get_runtime_context().get_node_id(),
-                "time": time.time()}
+                "engine_process": getattr(self.service, "proc", None) and self.service.proc.pid,
+                "node_id": ray.get_runtime_context().get_node_id(), "time": time.time()}
 
+    def __del__(self):  # the replica going away: stop the engine (its thread, or its process)
+        service = getattr(self, "service", None)
+        if service is not None:
+            service.shutdown()

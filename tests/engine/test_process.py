@@ -186,3 +186,25 @@ def test_shutdown_stops_the_core(engine):
     assert e.proc.returncode == 0
     with pytest.raises(EngineProcessError, match="shut down"):
         asyncio.run(e.ready())
+
+
+def test_the_core_exits_when_its_replica_dies(tmp_path):
+    """A replica killed outright (SIGKILL: Ray killing its actor) leaves no core behind: the core reads the end of
+    its socket and exits."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from ciar.engine.process import CoreSpec, EngineProcess; "
+         f"e = EngineProcess(CoreSpec(factory={FACTORY!r}), 's'); print(e.proc.pid, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        core = psutil.Process(int(parent.stdout.readline()))
+        assert core.is_running()
+    finally:
+        parent.kill()
+        parent.wait()
+    core.wait(timeout=120)  # it exits (psutil.TimeoutExpired otherwise; a bound for a hung core, not a speed)
+    assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE

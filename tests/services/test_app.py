@@ -41,12 +41,12 @@ def app_args(weights: str) -> dict:
             "allow_simulation_params": True}  # test_link_drop_... drives params.link_drop_after
 
 
-def deploy(weights: str, **device_live) -> None:
+def deploy(weights: str, app: dict | None = None, **device_live) -> None:
     """A config deploy with live knobs in the deployments' user_config (as serve_config.yaml does). The devices run
     the calibrated point (policy fixed): the tests drive CIAR's mechanics and compare images across requests; on this
     random world an adaptive device gives its later images to the cloud whole (test_adaptive_default_... drives
     the shipped default)."""
-    deploy_config(app_args(weights), user_configs={
+    deploy_config({**app_args(weights), **(app or {})}, user_configs={
         "Device": {"tau": TAU, "span": 4, "prefix_rate": 0.06, "realtime": True, "policy": "fixed", **device_live},
         "Verifier": {"max_batch_size": 16, "batch_wait_timeout_s": 0.02, "idle_timeout_s": 30}})
 
@@ -150,6 +150,33 @@ def test_concurrent_devices_batch_spans(cluster):
     assert any(int(size) > 1 for size in vstats["batch_size_hist"]), vstats
     # the engine's options as configured (serve_config.yaml: neither; a GPU configuration may turn them on)
     assert (vstats["overlap"], vstats["packed_step"], vstats["decodes_run_ahead"]["run"]) == (False, False, 0)
+
+
+def test_the_engine_core_in_a_process_of_its_own_makes_the_same_images(cluster):
+    """verifier_engine_process: the Verifier replica starts its engine core in a process of its own, which loads
+    the world and serves the replica's calls (`ciar.engine.process`). Images made one at a time and concurrently
+    (spans of several sessions in its steps) are the engine thread's, token for token; the replica's stats come
+    from the core."""
+    bodies = [{"prompt": f"{PROMPT} {i}", "seed": i, "method": method, "network": "4g",
+               "response_format": "tokens"} for i, method in enumerate(["ciar", "cloud", "eagle", "eagle", "ciar"])]
+
+    def images():
+        first = post(bodies[0])
+        with ThreadPoolExecutor(4) as pool:
+            rs = [first] + list(pool.map(post, bodies[1:]))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+        return [r.json()["data"][0]["tokens"] for r in rs]
+
+    want = images()
+    deploy(cluster, app={"verifier_engine_process": True})
+    try:
+        got = images()
+        vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
+    finally:
+        deploy(cluster)
+    assert got == want
+    assert vstats["engine_process"] and vstats["core_rss_mb"] > 0 and vstats["forwards"] > 0
+    assert vstats["spans_verified"] > 0 and sum(vstats["batch_size_hist"].values()) == vstats["forwards"]
 
 
 def test_prometheus_metrics(cluster):
