@@ -1,24 +1,30 @@
 """What sharing a process costs the verifier's engine: its steps on the engine thread under a replica's event loop,
-beside the same steps driven directly, in one run (the forward stubbed, as `benchmarks.engine_host` does).
+and in a process of its own, beside the same steps driven directly, in one run (the forward stubbed, as
+`benchmarks.engine_host` does).
 
     python -m benchmarks.engine_thread --out benchmarks/results/DATE/engine_thread
     python -m benchmarks.engine_thread --tiny --out /tmp/et       # seconds: the code path, no measurement
 
 A Verifier replica runs its engine on a thread (`ciar.engine.core.EngineThread`) and its event loop beside it: the
-loop builds each request's work (`CloudVerifier.verify_work`: the structure checks) and hands results back, while the
-engine thread steps. Both are Python in one interpreter, so they share one GIL. On an H200 (2026-11-28c-gpu,
-`capacity_measured`) the saturated CIAR step's host time grew with the phones in the process (8.8 ms at 256, 13.3 ms
-at 512) with 64 works a step either way; this measures, on whatever box runs it, how much of a step is that sharing:
+loop checks each call's token, builds its work (`CloudVerifier.verify_work`: the structure checks) and hands results
+back, while the engine thread steps. Both are Python in one interpreter, so they share one GIL. On an H200
+(2026-11-28c-gpu, `capacity_measured`) the saturated CIAR step's host time grew with the phones in the process
+(8.8 ms at 256, 13.3 ms at 512) with 64 works a step either way; this measures, on whatever box runs it, how much
+of a step is that sharing, and what the engine core in a process of its own (`ciar.engine.process`) gives back:
 
+  direct    the sessions' VERIFYs with no loop and no thread: before each step the sessions answered in the last one
+            send their next VERIFY (built outside the timed step), then `engine.step` is timed
   threaded  `phones` sessions, each an asyncio task on the loop that sends a VERIFY (a 4-token span, uniform draft
-            distributions, no burst) as soon as its last was answered; the engine on its thread, `max_works` works a
-            step; per step, the wall time of `engine.step` (its forward and head stubbed: host time)
-  direct    the same sessions and requests, no loop and no thread: before each step the sessions answered in the
-            last one send their next VERIFY (built outside the timed step), then `engine.step` is timed
+            distributions, no burst) through a `VerifierService` as soon as its last was answered; the engine on
+            its thread, `max_works` works a step; per step, the wall time of `engine.step` (its forward and head
+            stubbed: host time); again with the interpreter's switch interval at `--switch-ms`
+  process   the same phones through an `EngineProcess`: the core (the same stubbed verifier, built there) steps in
+            its own process; per step, the time the core measured around `engine.step`
 
-Reported per phones count: median ms per step and works per step both ways, verifies per second, and the ratio
-threaded / direct; the threaded run again with the interpreter's switch interval at `--switch-ms`. The ratio is the
-result (times are this box's).
+Reported per phones count: median ms per step and works per step each way, verifies per second, and the ratios
+threaded / direct and process / direct (ms per step) and process / threaded (verifies per second). The ratios are
+the result (times are this box's; on a 2-core box the process way has one core for the phones and one for the
+core, which the other ways share).
 """
 
 from __future__ import annotations
@@ -34,25 +40,36 @@ import time
 from benchmarks.engine_host import SHAPES, SPAN, stubbed_verifier
 
 
-def _verifier(vocab: int, sessions: int, max_works: int, seed: int = 0):
-    """`benchmarks.engine_host`'s verifier with its forward and head stubbed, `sessions` opened; the uniform draft
-    distributions of a span."""
-    import torch
-
-    v, _, g = stubbed_verifier(vocab, sessions, max_works, 2 * max_works * (SPAN + 1), seed)
-    return v, torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16), g
+SECRET, DEVICE = "bench-secret", "bench"
 
 
-def _request(v, i: int, q, g):
+def core(vocab: int, sessions: int, max_works: int, seed: int = 0):
+    """`benchmarks.engine_host`'s verifier with its forward and head stubbed, `sessions` opened (s0, s1, ...); a
+    session near its image's end starts it again when its next VERIFY is built, so phones can verify for ever. The
+    process way's core builds it too (`CoreSpec.factory`)."""
+    v, _, _ = stubbed_verifier(vocab, sessions, max_works, 2 * max_works * (SPAN + 1), seed)
+    build = v.verify_work
+
+    def verify_work(request):
+        s = v.sessions[request.session_id]
+        if len(s.tokens) > v.config.block_size - 2 * (SPAN + 1):  # near the image's end: start it again
+            s.tokens[:] = s.tokens[:1]
+        return build(request)
+
+    v.verify_work = verify_work
+    return v
+
+
+def _requests(vocab: int, seed: int = 1):
+    """-> request(i): phone i's next VERIFY (a 4-token span of random drafts, uniform draft distributions)."""
     import torch
 
     from ciar_device.wire import VerifyRequest
 
-    s = v.sessions[f"s{i}"]
-    if len(s.tokens) > v.config.block_size - 2 * (SPAN + 1):  # near the image's end: start it again
-        s.tokens[:] = s.tokens[:1]
-    return VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
-                         torch.randint(0, v.vocab_size, (SPAN,), generator=g), q, burst=0)
+    q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    return lambda i: VerifyRequest(f"s{i}", torch.zeros(0, dtype=torch.long),
+                                   torch.randint(0, vocab, (SPAN,), generator=g), q, burst=0)
 
 
 def _timed_steps(v) -> list:
@@ -69,19 +86,19 @@ def _timed_steps(v) -> list:
     return steps
 
 
-def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
-             switch_s: float | None = None, counts: tuple[int, int] | None = None) -> dict:
-    """`counts` (warm-up verifies, measured verifies): windows counted in answers instead of seconds."""
-    from ciar.engine.core import EngineThread
+async def _phones(service, phones: int, request, seconds: float, warmup_s: float, counts, steps: list):
+    """`phones` asyncio tasks on this loop, each sending its next VERIFY through `service` (a VerifierService or an
+    EngineProcess: the token checked, the work built and queued, the reply awaited) as soon as its last was
+    answered. -> (verifies per second over the measured window, the steps `steps` got meanwhile)."""
+    from ciar.engine.service import session_token
 
-    v, q, g = _verifier(vocab, phones, max_works)
-    steps = _timed_steps(v)
-    core = EngineThread(v.engine, wait_s=0.0)
     stop, done = [False], [0]
 
     async def phone(i: int):
+        sid = f"s{i}"
+        token = session_token(SECRET, sid, DEVICE)
         while not stop[0]:
-            await core.run(v.verify_work(_request(v, i, q, g)))
+            await service.verify(request(i), session_id=sid, device_id=DEVICE, token=token)
             done[0] += 1
 
     async def window(seconds_: float, count: int | None):
@@ -92,32 +109,59 @@ def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: 
         while done[0] < target:
             await asyncio.sleep(0.001)
 
-    async def main():
-        tasks = [asyncio.create_task(phone(i)) for i in range(phones)]
-        await window(warmup_s, counts and counts[0])
-        steps.clear()
-        d0, t0 = done[0], time.perf_counter()
-        await window(seconds, counts and counts[1])
-        rate = (done[0] - d0) / (time.perf_counter() - t0)
-        measured = list(steps)
-        stop[0] = True
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return rate, measured
+    tasks = [asyncio.create_task(phone(i)) for i in range(phones)]
+    await window(warmup_s, counts and counts[0])
+    steps.clear()
+    d0, t0 = done[0], time.perf_counter()
+    await window(seconds, counts and counts[1])
+    rate = (done[0] - d0) / (time.perf_counter() - t0)
+    measured = list(steps)
+    stop[0] = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return rate, measured
 
+
+def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
+             switch_s: float | None = None, counts: tuple[int, int] | None = None) -> dict:
+    """The replica's engine thread (`VerifierService`). `counts` (warm-up verifies, measured verifies): windows
+    counted in answers instead of seconds."""
+    from ciar.engine.service import VerifierService
+
+    v = core(vocab, phones, max_works)
+    steps = _timed_steps(v)
+    service = VerifierService(v, SECRET, batch_wait_s=0.0)
     before = sys.getswitchinterval()
     if switch_s:
         sys.setswitchinterval(switch_s)
     try:
-        rate, measured = asyncio.run(main())
+        rate, measured = asyncio.run(_phones(service, phones, _requests(vocab), seconds, warmup_s, counts, steps))
     finally:
         sys.setswitchinterval(before)
-        core.stop()
+        service.shutdown()
+    return _summary(measured, rate)
+
+
+def process(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
+            counts: tuple[int, int] | None = None) -> dict:
+    """The engine core in a process of its own (`ciar.engine.process.EngineProcess`): the phones on this loop, the
+    core (the same stubbed verifier, built there) stepping there; each step's time as the core measured it."""
+    from ciar.engine.process import CoreSpec, EngineProcess
+
+    steps: list = []
+    spec = CoreSpec(factory="benchmarks.engine_thread:core", factory_kwargs={"vocab": vocab, "sessions": phones, "max_works": max_works})
+    engine = EngineProcess(spec, SECRET, batch_wait_s=0.0,
+                           on_step=lambda works, spans, sec: steps.append((sec, works)))
+    try:
+        rate, measured = asyncio.run(_phones(engine, phones, _requests(vocab), seconds, warmup_s, counts, steps))
+    finally:
+        engine.shutdown()
     return _summary(measured, rate)
 
 
 def direct(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
            counts: tuple[int, int] | None = None) -> dict:
-    v, q, g = _verifier(vocab, phones, max_works)
+    v = core(vocab, phones, max_works)
+    request = _requests(vocab)
     steps = _timed_steps(v)
     idle = list(range(phones))
     works: dict[int, object] = {}
@@ -131,7 +175,7 @@ def direct(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: fl
         if d0 is not None and (now >= t0 + seconds if counts is None else done >= d0 + counts[1]):
             break
         for i in idle:
-            works[i] = v.submit_verify(_request(v, i, q, g))
+            works[i] = v.engine.submit(v.verify_work(request(i)))
         idle = []
         v.engine.step()
         for i, w in list(works.items()):
@@ -173,8 +217,12 @@ def main(argv=None) -> int:
         row["threaded"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts=counts)
         row["threaded_switch"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
                                           args.switch_ms / 1000, counts)
+        row["process"] = process(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts)
         row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
+        row["process_over_direct"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
         row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
+        row["process_over_threaded_verifies"] = round(row["process"]["verifies_per_s"] /
+                                                      row["threaded"]["verifies_per_s"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -183,13 +231,17 @@ def main(argv=None) -> int:
                    "switch_ms": args.switch_ms, "vocab": args.vocab, "rows": rows}, f, indent=1)
     lines = [f"The forward stubbed; vocabulary {args.vocab}; {args.max_works} works a step at most; median ms per "
              f"step of the steps that held works; switch interval {args.switch_ms:g} ms in the last columns.", "",
-             "| phones | direct ms/step | works/step | threaded ms/step | works/step | verifies/s direct | threaded | "
-             "threaded / direct | switch ms/step | switch / threaded |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| phones | direct ms/step | works/step | threaded ms/step | works/step | process ms/step | works/step | "
+             "verifies/s direct | threaded | process | step: threaded / direct | process / direct | "
+             "verifies/s: process / threaded | switch ms/step | switch / threaded |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        d, t, s = r["direct"], r["threaded"], r["threaded_switch"]
+        d, t, p, s = r["direct"], r["threaded"], r["process"], r["threaded_switch"]
         lines.append(f"| {r['phones']} | {d['step_ms']} | {d['works_per_step']} | {t['step_ms']} | "
-                     f"{t['works_per_step']} | {d['verifies_per_s']} | {t['verifies_per_s']} | "
-                     f"×{r['threaded_over_direct']} | {s['step_ms']} | ×{r['switch_over_threaded']} |")
+                     f"{t['works_per_step']} | {p['step_ms']} | {p['works_per_step']} | {d['verifies_per_s']} | "
+                     f"{t['verifies_per_s']} | {p['verifies_per_s']} | ×{r['threaded_over_direct']} | "
+                     f"×{r['process_over_direct']} | ×{r['process_over_threaded_verifies']} | {s['step_ms']} | "
+                     f"×{r['switch_over_threaded']} |")
     with open(os.path.join(args.out, "engine_thread.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -51,8 +51,10 @@ end of its socket and exits.
 from __future__ import annotations
 
 import asyncio
+import copyreg
 import importlib
 import inspect
+import io
 import itertools
 import logging
 import os
@@ -138,8 +140,34 @@ def step_counts(finished) -> int:
     return sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
 
 
+def _tensor(dtype, shape, data: bytes):
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def _reduce_tensor(x):
+    """A tensor as its dtype, shape and bytes: torch's own pickling costs ~200 us to write and ~250 us to read a
+    VERIFY's three small tensors (its storage protocol), this ~15 us each way."""
+    import torch
+
+    x = x.detach().to("cpu").contiguous()
+    return _tensor, (x.dtype, tuple(x.shape), x.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = copyreg.dispatch_table.copy()
+
+
 def _dumps(message) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    import torch
+
+    if torch.Tensor not in _Pickler.dispatch_table:
+        _Pickler.dispatch_table[torch.Tensor] = _reduce_tensor
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return out.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------------- the replica
@@ -272,23 +300,32 @@ class EngineProcess:
         return value
 
     def _send(self, message) -> None:
-        self._out.put(_dumps(message))
+        self._out.put(message)
 
     def _write(self) -> None:
+        """Sends what the callers queued, every message queued meanwhile in one frame (one pickle, one write)."""
         while True:
-            data = self._out.get()
-            if data is None:
-                return
+            batch = [self._out.get()]
+            while True:
+                try:
+                    batch.append(self._out.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            batch = [m for m in batch if m is not None]
             try:
-                self._conn.send_bytes(data)
+                if batch:
+                    self._conn.send_bytes(_dumps(batch))
             except OSError:  # the core is gone: the reader says so to every caller
+                return
+            if stop:
                 return
 
     def _read(self) -> None:
         conn = self._conn
         while True:
             try:
-                message = pickle.loads(conn.recv_bytes())
+                batch = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 code = self.proc.wait()
                 self._died("the engine's process was shut down" if self._stopping else
@@ -299,28 +336,38 @@ class EngineProcess:
                 self._died(f"unreadable message from the engine's process: {e!r}")
                 self.proc.kill()
                 return
-            kind = message[0]
-            if kind == "reply":
-                _, call, ok, value = message
-                with self._lock:
-                    entry = self._calls.pop(call, None)
-                if entry is not None:
-                    loop, fut = entry
-                    self._answered.add(loop)
-                    _settle(loop, fut, (ok, value))
-            elif kind == "stepping":
-                self.step_started = message[1]
-            elif kind == "step":
-                _, works, spans, seconds, self.num_sessions = message
-                self.step_started = None
-                self.steps += 1
-                if self.on_step is not None:
-                    try:
-                        self.on_step(works, spans, seconds)
-                    except Exception:  # noqa: BLE001 - metrics must not stop the reader
-                        logger.exception("on_step failed")
-            elif kind == "turn":
-                self._turn(message[1])
+            settle: dict = {}  # loop -> [(future, result)]: one wake-up per loop per frame
+            for message in batch:
+                self._take(message, settle)
+            for loop, results in settle.items():
+                _settle_all(loop, results)
+
+    def _take(self, message, settle: dict) -> None:
+        kind = message[0]
+        if kind == "reply":
+            _, call, ok, value = message
+            with self._lock:
+                entry = self._calls.pop(call, None)
+            if entry is not None:
+                loop, fut = entry
+                self._answered.add(loop)
+                settle.setdefault(loop, []).append((fut, (ok, value)))
+        elif kind == "stepping":
+            self.step_started = message[1]
+        elif kind == "step":
+            _, works, spans, seconds, self.num_sessions = message
+            self.step_started = None
+            self.steps += 1
+            if self.on_step is not None:
+                try:
+                    self.on_step(works, spans, seconds)
+                except Exception:  # noqa: BLE001 - metrics must not stop the reader
+                    logger.exception("on_step failed")
+        elif kind == "turn":
+            for loop, results in settle.items():  # the replies before the turn are settled first
+                _settle_all(loop, results)
+            settle.clear()
+            self._turn(message[1])
 
     def _turn(self, n: int) -> None:
         """Tell the core once every loop answered since the last turn has run what the replies woke up (two hops:
@@ -350,14 +397,19 @@ class EngineProcess:
             calls, self._calls = self._calls, {}
         self.step_started = None
         self._out.put(None)
+        by_loop: dict = {}
         for loop, fut in calls.values():
-            _settle(loop, fut, (False, EngineProcessError(why)))
+            by_loop.setdefault(loop, []).append((fut, (False, EngineProcessError(why))))
+        for loop, results in by_loop.items():
+            _settle_all(loop, results)
 
 
-def _settle(loop, fut, result) -> None:
+def _settle_all(loop, results: list) -> None:
+    """Set each (future, result) on `loop`, its futures' loop, in one wake-up of it."""
     def settle():
-        if not fut.done():
-            fut.set_result(result)
+        for fut, result in results:
+            if not fut.done():
+                fut.set_result(result)
 
     try:
         loop.call_soon_threadsafe(settle)
@@ -374,9 +426,9 @@ class _CoreStepper(AsyncStepper):
     waits, at most `wait_s`, for the replica's callers to have had their turn (`turn` / `turned`). A step that
     raises fails its works and the core goes on, as the engine thread does."""
 
-    def __init__(self, engine, wait_s: float, send, sessions):
+    def __init__(self, engine, wait_s: float, send, flush, sessions):
         super().__init__(engine, wait_s)
-        self.send, self.sessions = send, sessions  # sessions(): how many are open
+        self.send, self.flush, self.sessions = send, flush, sessions  # sessions(): how many are open
         self.turns = 0
         self.turned: dict[int, asyncio.Future] = {}
         self.steps_failed = 0
@@ -394,6 +446,7 @@ class _CoreStepper(AsyncStepper):
                 continue
             started, forwards = time.monotonic(), engine.steps
             self.send(("stepping", started))
+            self.flush()  # (with the replies of the calls answered since the last step)
             try:
                 finished = engine.step()
             except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the core goes on
@@ -430,19 +483,28 @@ class _Core:
 
     def __init__(self, conn: Connection, core, secret: str, batch_wait_s: float):
         self.conn, self.core = conn, core
-        self.stepper = _CoreStepper(core.engine, batch_wait_s, self.send, lambda: core.num_sessions)
+        self.stepper = _CoreStepper(core.engine, batch_wait_s, self.send, self.flush, lambda: core.num_sessions)
         self.service = VerifierService(core, secret, stepper=self.stepper)
         self.tasks: dict[int, asyncio.Task] = {}
         self.stopped: asyncio.Future | None = None
+        self.outbox: list = []
 
     def send(self, message) -> None:
+        """Queue a message for the replica: what is sent within one turn of the core's loop goes in one frame."""
+        self.outbox.append(message)
+        if len(self.outbox) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        batch, self.outbox = self.outbox, []
+        if not batch:
+            return
         try:
-            data = _dumps(message)
-        except Exception as e:  # noqa: BLE001 - a value pickle cannot take: the caller gets why
-            if message[0] != "reply":
-                raise
-            data = _dumps(("reply", message[1], False, EngineProcessError(
-                f"the engine's reply could not be sent: {type(e).__name__}: {e}")))
+            data = _dumps(batch)
+        except Exception:  # noqa: BLE001 - a value pickle cannot take: its caller gets why, the others their own
+            batch = [m if _picklable(m) else ("reply", m[1], False, EngineProcessError(
+                f"the engine's reply could not be sent: {_pickle_error(m)}")) for m in batch]
+            data = _dumps(batch)
         self.conn.send_bytes(data)
 
     async def run(self) -> None:
@@ -459,7 +521,8 @@ class _Core:
     def _readable(self) -> None:
         try:
             while self.conn.poll(0):
-                self._handle(pickle.loads(self.conn.recv_bytes()))
+                for message in pickle.loads(self.conn.recv_bytes()):
+                    self._handle(message)
         except (EOFError, OSError):  # the replica is gone
             if not self.stopped.done():
                 self.stopped.set_result(None)
@@ -507,6 +570,18 @@ class _Core:
                 "steps_failed": self.stepper.steps_failed}
 
 
+def _picklable(message) -> bool:
+    return _pickle_error(message) is None
+
+
+def _pickle_error(message) -> str | None:
+    try:
+        _dumps(message)
+    except Exception as e:  # noqa: BLE001 - said to the caller
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _rss_mb() -> float:
     try:
         with open("/proc/self/statm") as f:
@@ -534,5 +609,7 @@ def _core_main(fd: int) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(_core_main(int(sys.argv[1])))
+if __name__ == "__main__":  # the core: run from the module itself, so that what it pickles names ciar.engine.process
+    from ciar.engine import process
+
+    sys.exit(process._core_main(int(sys.argv[1])))

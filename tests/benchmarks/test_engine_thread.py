@@ -1,16 +1,16 @@
-"""benchmarks.engine_thread at --tiny: both ways run the same sessions through the real engine (forward stubbed) and
+"""benchmarks.engine_thread at --tiny: every way (direct, the engine thread, the engine process) runs the same sessions through the real engine (forward stubbed) and
 the report is written; the numbers mean nothing at this size."""
 
 import json
 
 
-def test_the_tiny_engine_thread_benchmark_runs_both_ways(tmp_path):
+def test_the_tiny_engine_thread_benchmark_runs_every_way(tmp_path):
     from benchmarks.engine_thread import main
 
     assert main(["--tiny", "--out", str(tmp_path)]) == 0
     rows = json.load(open(tmp_path / "engine_thread.json"))["rows"]
     assert [r["phones"] for r in rows] == [8]
-    for way in ("direct", "threaded", "threaded_switch"):
+    for way in ("direct", "threaded", "threaded_switch", "process"):
         x = rows[0][way]
         assert x["steps"] > 0 and x["step_ms"] > 0 and 0 < x["works_per_step"] <= 4 and x["verifies_per_s"] > 0, x
     assert "| 8 |" in open(tmp_path / "engine_thread.md").read()

@@ -208,3 +208,16 @@ def test_the_core_exits_when_its_replica_dies(tmp_path):
         parent.wait()
     core.wait(timeout=120)  # it exits (psutil.TimeoutExpired otherwise; a bound for a hung core, not a speed)
     assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+
+
+def test_tensors_cross_the_socket_as_they_were():
+    """The core's own tensor pickling (dtype, shape, bytes): every dtype the calls carry, empty, 0-d, strided."""
+    import pickle
+
+    from ciar.engine.process import _dumps
+
+    for x in [torch.randn(3, 4), torch.zeros(0, dtype=torch.long), torch.tensor(5), torch.randn(2, 3).half(),
+              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t(),
+              torch.randn(2, requires_grad=True)]:
+        y = pickle.loads(_dumps(x))
+        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x.detach())
