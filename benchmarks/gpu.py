@@ -521,6 +521,35 @@ class Suite:
         return out
 
     @torch.inference_mode()
+    def engine_process(self) -> dict:
+        """The engine's host side on this machine's CPU (the forward stubbed: `benchmarks.engine_thread`): the same
+        phones through the engine thread (the replica's loop and the engine sharing one interpreter) and through
+        the engine core in a process of its own (`ciar.engine.process`, `verifier_engine_process`), beside the steps
+        driven directly; ms per step, verifies per second and the ratios. The 2-core box measured the process
+        ×1.0-1.4 the thread's verifies/s with its steps at the direct pace (2026-11-29); here it has cores to
+        spare."""
+        from benchmarks import engine_thread as et
+
+        loads = [8] if self.tiny else [256, 512]
+        works = 4 if self.tiny else 64
+        counts = (16, 64) if self.tiny else None  # (the tiny check counts answers: any machine passes it)
+        out = {"vocab": 1024, "max_works": works, "rows": []}
+        threads = torch.get_num_threads()  # (the stubbed engines run on one; the other sections keep theirs)
+        for phones in loads:
+            row = {"phones": phones}
+            try:
+                for way, fn in (("direct", et.direct), ("threaded", et.threaded), ("process", et.process)):
+                    row[way] = fn(1024, phones, works, 3.0, 1.0, counts=counts)
+            finally:
+                torch.set_num_threads(threads)
+            row["threaded_over_direct_step"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
+            row["process_over_direct_step"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
+            row["process_over_threaded_verifies"] = round(row["process"]["verifies_per_s"] /
+                                                          row["threaded"]["verifies_per_s"], 2)
+            out["rows"].append(row)
+            print(f"  engine_process {phones} phones: {json.dumps(row)}", flush=True)
+        return out
+
     def packed_step(self) -> dict:
         """A served span-wide step whose fed positions are few, packed (`ModelRunner(pack=True)`: projections and
         feed-forward on the fed tokens, padded to a token bucket; the attention on the padded layout) against the
@@ -1382,7 +1411,7 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("overlap", "packed_step", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
+    for name in ("overlap", "packed_step", "engine_process", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
                  "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity",
                  "memory", "engine", "t5", "hf_llama"):
         if name in s:
@@ -1401,7 +1430,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,overlap,packed_step,engine_graphs,served_steps,roofline,"
+    ap.add_argument("--sections", default="env,overlap,packed_step,engine_process,engine_graphs,served_steps,roofline,"
                                           "capacity_measured,capacity_parallel,slot_attention,fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")

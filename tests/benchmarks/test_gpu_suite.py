@@ -15,7 +15,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "overlap", "packed_step", "engine_graphs", "served_steps", "roofline",
+    assert list(sections) == ["env", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps", "roofline",
                               "capacity_measured", "capacity_parallel", "slot_attention", "fused_step", "xl_steps",
                               "graphs", "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
                               "engine_bisect", "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
@@ -26,6 +26,10 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert [x["tokens_bucket"] for x in ps["steps"]] == [16, 32], ps
     assert all(x[f"{w}_max_logit_diff"] == 0 and x[f"{w}_argmax_equal"] == 1 for x in ps["steps"]
                for w in ("packed", "fused_packed")), ps
+    ep = sections["engine_process"]  # the same phones through the engine thread and the engine's own process
+    assert [r["phones"] for r in ep["rows"]] == [8], ep
+    assert all(r[w]["verifies_per_s"] > 0 and 0 < r[w]["works_per_step"] <= 4 for r in ep["rows"]
+               for w in ("direct", "threaded", "process")), ep
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
