@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-ms", type=float, default=0.5)
     ap.add_argument("--verifies", type=int, nargs=2, metavar=("WARMUP", "MEASURED"),
                     help="windows counted in answered verifies instead of seconds")
+    ap.add_argument("--reps", type=int, default=1, help="each way this many times, interleaved; medians reported")
     ap.add_argument("--tiny", action="store_true", help="8 phones, 4 works a step, 16 + 64 verifies each way")
     args = ap.parse_args(argv)
     if args.tiny:  # (counted, not timed: the same check on any machine)
@@ -212,12 +213,22 @@ def main(argv=None) -> int:
     counts = tuple(args.verifies) if args.verifies else None
     rows = []
     for phones in args.phones:
-        row = {"phones": phones, "max_works": args.max_works}
-        row["direct"] = direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts)
-        row["threaded"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts=counts)
-        row["threaded_switch"] = threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
-                                          args.switch_ms / 1000, counts)
-        row["process"] = process(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts)
+        row = {"phones": phones, "max_works": args.max_works, "reps": args.reps}
+        ways = {"direct": lambda: direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts),
+                "threaded": lambda: threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
+                                             counts=counts),
+                "threaded_switch": lambda: threaded(args.vocab, phones, args.max_works, args.seconds,
+                                                    args.warmup_s, args.switch_ms / 1000, counts),
+                "process": lambda: process(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
+                                           counts)}
+        runs: dict[str, list] = {way: [] for way in ways}
+        for _ in range(args.reps):  # interleaved: every way sees the same box
+            for way, run in ways.items():
+                runs[way].append(run())
+        for way, rs in runs.items():
+            row[way] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+            if args.reps > 1:
+                row[f"{way}_reps"] = rs
         row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
         row["process_over_direct"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
         row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
@@ -230,7 +241,8 @@ def main(argv=None) -> int:
         json.dump({"command": "python -m benchmarks.engine_thread " + " ".join(argv or sys.argv[1:]),
                    "switch_ms": args.switch_ms, "vocab": args.vocab, "rows": rows}, f, indent=1)
     lines = [f"The forward stubbed; vocabulary {args.vocab}; {args.max_works} works a step at most; median ms per "
-             f"step of the steps that held works; switch interval {args.switch_ms:g} ms in the last columns.", "",
+             f"step of the steps that held works; switch interval {args.switch_ms:g} ms in the last columns; "
+             f"medians of {args.reps} interleaved repetitions.", "",
              "| phones | direct ms/step | works/step | threaded ms/step | works/step | process ms/step | works/step | "
              "verifies/s direct | threaded | process | step: threaded / direct | process / direct | "
              "verifies/s: process / threaded | switch ms/step | switch / threaded |",

@@ -433,7 +433,7 @@ class _CoreStepper(AsyncStepper):
         self.turned: dict[int, asyncio.Future] = {}
         self.steps_failed = 0
         self.answered = False  # the last step answered callers that may send again at once
-        self.replies = 0  # replies sent (the core counts them: a step that answered calls asks for a turn)
+        self.replies = 0  # replies queued (the core counts them: a step that answered calls asks for a turn)
 
     async def _loop(self) -> None:
         engine = self.engine
@@ -444,7 +444,7 @@ class _CoreStepper(AsyncStepper):
                 await asyncio.sleep(min(0.01, engine.parked_timeout() or 0.0))
                 engine.unpark_due()
                 continue
-            started, forwards = time.monotonic(), engine.steps
+            started, forwards, replies = time.monotonic(), engine.steps, self.replies
             self.send(("stepping", started))
             self.flush()  # (with the replies of the calls answered since the last step)
             try:
@@ -455,8 +455,7 @@ class _CoreStepper(AsyncStepper):
                 finished = []
             size = engine.step_log[-1]["works"] if engine.steps != forwards and engine.step_log else 0  # 0: no forward
             self.send(("step", size, step_counts(finished), time.monotonic() - started, self.sessions()))
-            replies = self.replies
-            await asyncio.sleep(0)  # the calls this step finished resume and send their replies
+            await asyncio.sleep(0)  # the calls this step finished resume and send their replies (a VERIFY's: sent)
             self.answered = self.replies > replies
             if self.answered and self.wait_s > 0:
                 await self._turn()
@@ -488,6 +487,7 @@ class _Core:
         self.tasks: dict[int, asyncio.Task] = {}
         self.stopped: asyncio.Future | None = None
         self.outbox: list = []
+        self.works: dict = {}  # call id -> its VERIFY's work, until answered
 
     def send(self, message) -> None:
         """Queue a message for the replica: what is sent within one turn of the core's loop goes in one frame."""
@@ -531,6 +531,9 @@ class _Core:
         kind = message[0]
         if kind == "call":
             _, call, method, args, kwargs = message
+            if method == "verify" and call:
+                self._verify(call, *args, **kwargs)
+                return
             task = asyncio.get_running_loop().create_task(self._serve(call, method, args, kwargs))
             if call:
                 self.tasks[call] = task
@@ -538,12 +541,40 @@ class _Core:
             task = self.tasks.get(message[1])
             if task is not None:
                 task.cancel()
+            work = self.works.pop(message[1], None)
+            if work is not None:  # a VERIFY not answered yet: withdrawn (`StepEngine.withdraw`), as in-process
+                self.core.engine.withdraw(work)
         elif kind == "turned":
             fut = self.stepper.turned.get(message[1])
             if fut is not None and not fut.done():
                 fut.set_result(None)
         elif kind == "stop" and not self.stopped.done():
             self.stopped.set_result(None)
+
+    def _verify(self, call: int, request, **kwargs) -> None:
+        """The hot call without a task of its own: the work built and queued now, its reply sent by its callback
+        (what `VerifierService.verify` awaits, as data: a verifier's steps answer thousands a second)."""
+        try:
+            work = self.service.verify_work(request, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the caller gets the error, as in-process
+            self._answer(call, e)
+            return
+        self.works[call] = work
+        work.on_done = lambda w: self._answer(call, w.error) if w.error is not None else self._answer(call, w)
+        if work.done:
+            work.on_done(work)
+        else:
+            self.core.engine.submit(work)
+            self.stepper._kick(asyncio.get_running_loop())
+
+    def _answer(self, call: int, outcome) -> None:
+        """A VERIFY's reply: its work's result, or an error."""
+        self.works.pop(call, None)
+        self.stepper.replies += 1
+        if isinstance(outcome, BaseException):
+            self.send(("reply", call, False, outcome))
+        else:
+            self.send(("reply", call, True, outcome.result))
 
     async def _serve(self, call: int, method: str, args: tuple, kwargs: dict) -> None:
         try:

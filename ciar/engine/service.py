@@ -210,9 +210,15 @@ class VerifierService:
         return reply, session_token(self.secret, session_id, device_id)
 
     async def verify(self, request, *, session_id: str, device_id: str, token: str):
+        return await self.stepper.run(self.verify_work(request, session_id=session_id, device_id=device_id,
+                                                       token=token))
+
+    def verify_work(self, request, *, session_id: str, device_id: str, token: str):
+        """A VERIFY's work, its token and session checked, not queued (`verify` runs it; the engine's process
+        queues it with a callback instead: `ciar.engine.process`)."""
         self.check(session_id, device_id, token)
         self._same(request, session_id)
-        return await self.stepper.run(self.core.verify_work(request))
+        return self.core.verify_work(request)
 
     async def resume(self, request, history, injected=None, *, session_id: str, device_id: str, token: str):
         """A token of another secret (for this session and device) is accepted and adopted: `check` says why."""
