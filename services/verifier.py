@@ -23,7 +23,10 @@ as the first, the works of callers that went away withdrawn) are `ciar.engine.se
 The engine steps on its own thread (`ciar.engine.core.EngineThread`, the one owner of the engine, the sessions
 and the cache: no lock; a step's size is bounded by the token budget, and what arrives meanwhile joins the next
 step); the replica's event loop only submits and awaits, so control calls (close, stats, cost_hint, ready) are
-answered while a forward runs. Works per step,
+answered while a forward runs. With `verifier_engine_process` the engine core runs in a process of its own
+instead (`ciar.engine.process.EngineProcess`: it loads the world and owns the accelerator; this replica passes the
+calls to it and takes its metrics from its step reports), so that the engine's host work does not share this
+process's interpreter lock. Works per step,
 the token budget and the wait for company when the engine is idle are live settings (`user_config` ->
 `reconfigure`). The works of every forward are recorded (Prometheus histogram `ciar_verifier_batch_size` and
 `stats()`).
@@ -45,6 +48,7 @@ from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, Verif
 from ciar.engine.process import CoreSpec, EngineProcess, build_verifier, step_counts
 from ciar.engine.service import VerifierService
 from services.config import VerifierLiveConfig
+from services.verifier_client import fast_tensors
 
 logger = logging.getLogger("ray.serve")  # the replica's log
 
@@ -59,6 +63,7 @@ class Verifier:
         with `engine_process`, in the engine's own process (`ciar.engine.process`), which then owns the
         accelerator while this replica only passes calls to it."""
         torch.set_num_threads(threads)
+        fast_tensors()  # (its replies' tensors)
         self.live = VerifierLiveConfig(**(live or {}))
         spec = CoreSpec(world=world, max_sessions=max_sessions, threads=threads,
                         memory_utilization=memory_utilization, cuda_graphs=cuda_graphs, fused_step=fused_step,

@@ -26,7 +26,8 @@ CUDA graphs captured in the process that owns the accelerator) and serves a `Ver
 asyncio loop that reads the socket between steps and steps the engine itself (`_CoreStepper`). Nothing in the core
 shares its interpreter with the replica's loop, Ray's threads or simulated phones.
 
-Messages (pickled tuples, framed by `multiprocessing.connection.Connection`):
+Messages (pickled tuples, framed by `multiprocessing.connection.Connection`; a frame holds every message one side
+queued meanwhile: the replica's as a list of pickled messages, each pickled by its caller, the core's as a list):
   replica -> core  ("start", spec, secret, batch_wait_s)    first: build, then answer "ready" (or "dead")
                    ("call", id, method, args, kwargs)       a VerifierService call, `stats` or `configure`
                    ("cancel", id)                           the caller went away: the call's task is cancelled, so
@@ -140,20 +141,32 @@ def step_counts(finished) -> int:
     return sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
 
 
-def _tensor(dtype, shape, data: bytes):
+def tensor_from_bytes(packed):
+    """The tensor `tensor_to_bytes` packed."""
+    if packed[0] == "torch":  # (a tensor the fast form does not take, in torch's own pickle)
+        return pickle.loads(packed[1])
     import torch
 
+    _, dtype, shape, data = packed
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
 
 
-def _reduce_tensor(x):
-    """A tensor as its dtype, shape and bytes: torch's own pickling costs ~200 us to write and ~250 us to read a
-    VERIFY's three small tensors (its storage protocol), this ~15 us each way."""
+def tensor_to_bytes(x):
+    """A CPU tensor as its dtype, shape and bytes: torch's own pickling costs ~200 us to write and ~250 us to read a
+    VERIFY's three small tensors (its storage protocol), this ~15 us each way. Another tensor (on an accelerator,
+    with a gradient, sparse, quantized, a subclass) keeps torch's own pickle, so it comes back as it went."""
     import torch
 
-    x = x.detach().to("cpu").contiguous()
-    return _tensor, (x.dtype, tuple(x.shape), x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if type(x) is not torch.Tensor or x.device.type != "cpu" or x.requires_grad or x.layout != torch.strided or \
+            x.is_quantized or x.is_conj() or x.is_neg():
+        return ("torch", pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
+    x = x.contiguous()
+    return ("raw", x.dtype, tuple(x.shape), x.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _reduce_tensor(x):
+    return tensor_from_bytes, (tensor_to_bytes(x),)
 
 
 class _Pickler(pickle.Pickler):
@@ -286,8 +299,10 @@ class EngineProcess:
             if self._dead is not None:
                 raise EngineProcessError(self._dead)
             call = next(self._ids)
+        data = _dumps(("call", call, method, args, kwargs))  # (what cannot be pickled fails its own caller, here)
+        with self._lock:
             self._calls[call] = (loop, fut)
-        self._send(("call", call, method, args, kwargs))
+        self._out.put(data)
         try:
             ok, value = await fut
         except asyncio.CancelledError:  # the caller went away: its work is withdrawn in the core
@@ -300,10 +315,11 @@ class EngineProcess:
         return value
 
     def _send(self, message) -> None:
-        self._out.put(message)
+        self._out.put(_dumps(message))
 
     def _write(self) -> None:
-        """Sends what the callers queued, every message queued meanwhile in one frame (one pickle, one write)."""
+        """Sends what the callers queued (each message pickled by its caller), every message queued meanwhile in one
+        frame (one write)."""
         while True:
             batch = [self._out.get()]
             while True:
@@ -521,11 +537,15 @@ class _Core:
     def _readable(self) -> None:
         try:
             while self.conn.poll(0):
-                for message in pickle.loads(self.conn.recv_bytes()):
-                    self._handle(message)
+                for data in pickle.loads(self.conn.recv_bytes()):  # (a frame: the messages the replica queued)
+                    self._handle(pickle.loads(data))
         except (EOFError, OSError):  # the replica is gone
             if not self.stopped.done():
                 self.stopped.set_result(None)
+        except Exception as e:  # noqa: BLE001 - a frame the core cannot read: it exits (its calls fail), not hangs
+            logger.exception("unreadable message from the replica: the engine's process exits")
+            if not self.stopped.done():
+                self.stopped.set_exception(e)
 
     def _handle(self, message) -> None:
         kind = message[0]
@@ -636,7 +656,10 @@ def _core_main(fd: int) -> int:
         conn.send_bytes(_dumps(("dead", traceback.format_exc())))
         return 1
     conn.send_bytes(_dumps(("ready", info)))
-    asyncio.run(_Core(conn, core, secret, batch_wait_s).run())
+    try:
+        asyncio.run(_Core(conn, core, secret, batch_wait_s).run())
+    except Exception:  # noqa: BLE001 - logged where it happened; the exit code tells the replica
+        return 1
     return 0
 
 

@@ -217,7 +217,46 @@ def test_tensors_cross_the_socket_as_they_were():
     from ciar.engine.process import _dumps
 
     for x in [torch.randn(3, 4), torch.zeros(0, dtype=torch.long), torch.tensor(5), torch.randn(2, 3).half(),
-              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t(),
-              torch.randn(2, requires_grad=True)]:
+              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t()]:
         y = pickle.loads(_dumps(x))
-        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x.detach())
+        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x) and y.is_contiguous()
+    # what the fast form does not take keeps torch's own pickle: a gradient, a subclass, a sparse or conjugate view
+    for x in [torch.randn(2, requires_grad=True), torch.nn.Parameter(torch.randn(2)), torch.randn(3, 3).to_sparse(),
+              torch.randn(3, dtype=torch.cfloat).conj()]:
+        y = pickle.loads(_dumps(x))
+        assert type(y) is type(x) and y.requires_grad == x.requires_grad and y.layout == x.layout
+        assert torch.equal(y.detach().to_dense().resolve_conj(), x.detach().to_dense().resolve_conj())
+
+
+def test_a_frame_the_core_cannot_read_ends_it_and_fails_the_calls(engine):
+    """A frame the core cannot unpickle (a replica and a core of different code) ends the core: the replica's calls
+    fail with EngineProcessError, they do not hang."""
+    import sys
+    import types
+
+    e = engine()
+    here = types.ModuleType("only_in_the_replica")  # a module the core cannot import
+
+    class Unreadable:
+        pass
+
+    Unreadable.__module__, Unreadable.__qualname__ = here.__name__, "Unreadable"
+    here.Unreadable = Unreadable
+    sys.modules[here.__name__] = here
+    try:
+        e._send(("call", 0, "ready", (Unreadable(),), {}))
+    finally:
+        del sys.modules[here.__name__]
+    with pytest.raises(EngineProcessError, match="exit code 1"):
+        asyncio.run(e.ready())
+
+
+def test_a_call_that_cannot_be_pickled_fails_its_caller_only(engine):
+    e = engine()
+
+    async def go():
+        with pytest.raises(Exception, match="pickle"):
+            await e.verify(lambda: None, session_id="a", device_id="d", token="t")
+        return await e.ready()
+
+    assert asyncio.run(go()) == {"sessions": 0, "free_slots": 8}
