@@ -253,7 +253,7 @@ class EngineProcess:
 
     async def stats(self) -> dict:
         """The core's `VerifierService.stats`, its process id and resident memory, and its failed steps."""
-        return await self._call("stats")
+        return {**await self._call("stats"), "step_running_s": self.stalled_s()}  # (the core answers between steps)
 
     def evict_idle(self, max_idle_s: float) -> None:
         self._send(("call", 0, "evict_idle", (max_idle_s,), {}))
