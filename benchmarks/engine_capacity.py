@@ -31,6 +31,11 @@ phones, link and window (`ciar.capacity.gpu_model.simulate`: the measured roofli
 scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
 with host time: the median of the served step minus its modelled forward (`served_steps`) plus the judge's and the
 host's milliseconds per step (`engine_graphs`, graphs); measured / predicted per point.
+
+The suite's `capacity_process` section runs each method's last load again with the engine core in a process of its
+own (`ciar.engine.process`, as `verifier_engine_process` serves it; `measure_process`): the same replica built in
+the core (`process_core`: one core replays both methods' recorded verdicts, their seeds `SEED_STRIDE` apart), the
+same phones on the suite's loop, each call through the core's socket; images/s and latency beside the thread's.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ import time
 
 import numpy as np
 import torch
+
+from ciar.engine.scheduler import KINDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACES = os.path.join(REPO, "benchmarks", "traces")
@@ -160,16 +167,112 @@ class StepSplit:
                 "median": {k: round(1e3 * float(np.median(v)), 3) for k, v in self.t.items() if v}}
 
 
+class EngineProbe:
+    """What a load point reads of an engine in this process (its scheduler's and runner's counters, `StepSplit`)."""
+
+    def __init__(self, client):
+        self.v, self.core = client.verifier, client.stepper
+
+    def start(self) -> None:
+        sched, runner = self.v.engine.scheduler, self.v.runner
+        self.base = (sched.steps, sched.real_positions, sched.padded_positions, runner.positions["fed"],
+                     runner.positions["computed"], sum(runner.steps.values()))
+        self.stepping = StepSplit(self.v, lambda: torch.cuda.synchronize() if self.v.device.type == "cuda" else None,
+                                  every=SPLIT_EVERY)
+        self.stepping.on = True
+
+    def stop(self, seconds: float) -> dict:
+        self.stepping.remove()
+        sched, runner, base = self.v.engine.scheduler, self.v.runner, self.base
+        steps = sched.steps - base[0]
+        real, padded = sched.real_positions - base[1], sched.padded_positions - base[2]
+        fed, computed = runner.positions["fed"] - base[3], runner.positions["computed"] - base[4]
+        forwards = sum(runner.steps.values()) - base[5]
+        log = sched.step_log[-min(steps, len(sched.step_log)):] if steps else []
+        kinds = {k: float(np.mean([s["kinds"].count(k) for s in log])) for k in KINDS} if log else None
+        return {
+            "steps": steps, "steps_per_s": steps / seconds if seconds else None,
+            "mean_works_per_step": float(np.mean([s["works"] for s in log])) if log else None,
+            "mean_rows_per_step": float(np.mean([s["rows"] for s in log])) if log else None,
+            # of the positions the forwards computed, the share that was padding (rows and widths up to the
+            # buckets); `padding_one_width`: had every step been one forward padded to its widest piece
+            "padding": 1.0 - fed / computed if computed else None,
+            "padding_one_width": 1.0 - real / padded if padded else None,
+            "forwards_per_step": forwards / steps if steps else None,
+            "pieces_per_step": kinds,  # (the scheduler's last STEP_LOG steps of the window)
+            "ms_per_step": self.stepping.report(),  # forward, judge and host, each timed to a device sync
+            "engine_stepping": self.stepping.seconds / seconds if seconds else None}
+
+    async def close_all(self) -> None:
+        v = self.v
+        self.core.call(lambda: [v.close(sid) for sid in list(v.sessions)])  # the cancelled phones', on its thread
+        await self.core.settled()
+
+
+class ProcessProbe:
+    """What a load point reads of an engine in its own process: the steps it reported (`EngineProcess.on_step`:
+    works, seconds around `engine.step`, as the core measured them)."""
+
+    def __init__(self, client):
+        self.client, self.on, self.steps = client, False, []
+        client.engine.on_step = lambda works, spans, sec: self.on and self.steps.append((works, sec))
+
+    def start(self) -> None:
+        self.steps.clear()
+        self.on = True
+
+    def stop(self, seconds: float) -> dict:
+        self.on = False
+        busy = [(n, sec) for n, sec in self.steps if n]
+        return {"steps": len(busy), "steps_per_s": len(busy) / seconds if seconds else None,
+                "mean_works_per_step": float(np.mean([n for n, _ in busy])) if busy else None,
+                "ms_per_step": {"step": round(1e3 * float(np.median([sec for _, sec in busy])), 3)} if busy else None,
+                "engine_stepping": sum(sec for _, sec in busy) / seconds if seconds else None}
+
+    async def close_all(self) -> None:
+        for sid in list(self.client.tokens):
+            await self.client.close(sid)
+
+
+class ProcessClient:
+    """The replay interface (open / verify / resume / close) over an `EngineProcess`, as a device's calls reach a
+    Verifier replica: each session's token kept from its open."""
+
+    DEVICE = "capacity-phone"
+
+    def __init__(self, engine):
+        self.engine, self.tokens = engine, {}
+
+    async def open(self, request):
+        reply, self.tokens[request.session_id] = await self.engine.open(request, session_id=request.session_id,
+                                                                        device_id=self.DEVICE)
+        return reply
+
+    async def verify(self, request):
+        return await self.engine.verify(request, session_id=request.session_id, device_id=self.DEVICE,
+                                        token=self.tokens[request.session_id])
+
+    async def resume(self, request, history, injected=None):
+        return await self.engine.resume(request, history, injected, session_id=request.session_id,
+                                        device_id=self.DEVICE, token=self.tokens[request.session_id])
+
+    async def close(self, session_id: str) -> None:
+        token = self.tokens.pop(session_id, None)
+        if token is not None:
+            await self.engine.close(session_id=session_id, device_id=self.DEVICE, token=token)
+
+
 async def point(client, traces: list, phones: int, warmup_s: float, duration_s: float, network: str = NETWORK,
-                images: int | None = None, tag: str = "p") -> dict:
+                images: int | None = None, tag: str = "p", probe=None) -> dict:
     """One load: `phones` phones replaying `traces` back to back (phone k starts at trace k), for `warmup_s` and a
     window that ends after `duration_s` or, with `images`, as soon as that many images finished inside it (a
     count: what a test asks for on any machine; `duration_s` is then a hang guard). Phones still working at its
-    end are cancelled (their works withdrawn) and every session left open is closed."""
+    end are cancelled (their works withdrawn) and every session left open is closed. `probe`: what reads the
+    engine's counters (default: `EngineProbe`, the engine in this process)."""
     from ciar.sim.network import NetworkModel
     from ciar.capacity.trace import replay_session
 
-    v, core = client.verifier, client.stepper
+    probe = probe or EngineProbe(client)
     state = {"measuring": False}
     done, errors = [], []
     enough = asyncio.Event()
@@ -194,12 +297,7 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
 
     tasks = [asyncio.ensure_future(phone(k)) for k in range(phones)]
     await asyncio.sleep(warmup_s)
-    sched = v.engine.scheduler
-    runner = v.runner
-    base = (sched.steps, sched.real_positions, sched.padded_positions, len(sched.step_log), runner.positions["fed"],
-            runner.positions["computed"], sum(runner.steps.values()))
-    stepping = StepSplit(v, lambda: torch.cuda.synchronize() if v.device.type == "cuda" else None, every=SPLIT_EVERY)
-    stepping.on = True
+    probe.start()
     state["measuring"] = True
     t0 = time.perf_counter()
     try:
@@ -208,19 +306,11 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
         pass
     seconds = time.perf_counter() - t0
     state["measuring"] = False
-    stepping.remove()
-    steps = sched.steps - base[0]
-    real, padded = sched.real_positions - base[1], sched.padded_positions - base[2]
-    fed, computed = runner.positions["fed"] - base[4], runner.positions["computed"] - base[5]
-    forwards = sum(runner.steps.values()) - base[6]
-    log = sched.step_log[-min(steps, len(sched.step_log)):] if steps else []
-    kinds = {k: float(np.mean([s["kinds"].count(k) for s in log])) for k in ("span", "decode", "history", "prefill")} \
-        if log else None
+    engine = probe.stop(seconds)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    core.call(lambda: [v.close(sid) for sid in list(v.sessions)])  # the cancelled phones' sessions, on its thread
-    await core.settled()
+    await probe.close_all()
     lat = [r.latency_s for r in done]
     n_img = len(done)
     return {
@@ -229,17 +319,7 @@ async def point(client, traces: list, phones: int, warmup_s: float, duration_s: 
         "latency_s": {q: float(np.percentile(lat, int(q[1:]))) if lat else None for q in ("p50", "p95", "p99")},
         "cloud_passes_per_image": float(np.mean([r.forward_passes for r in done])) if done else None,
         "cloud_requests_per_image": float(np.mean([r.exchanges for r in done])) if done else None,
-        "steps": steps, "steps_per_s": steps / seconds if seconds else None,
-        "mean_works_per_step": float(np.mean([s["works"] for s in log])) if log else None,
-        "mean_rows_per_step": float(np.mean([s["rows"] for s in log])) if log else None,
-        # of the positions the forwards computed, the share that was padding (rows and widths up to the buckets);
-        # `padding_one_width`: had every step been one forward padded to its widest piece
-        "padding": 1.0 - fed / computed if computed else None,
-        "padding_one_width": 1.0 - real / padded if padded else None,
-        "forwards_per_step": forwards / steps if steps else None,
-        "pieces_per_step": kinds,  # (the scheduler's last STEP_LOG steps of the window)
-        "ms_per_step": stepping.report(),  # forward, judge and host, each timed to a device sync
-        "engine_stepping": stepping.seconds / seconds if seconds else None,
+        **engine,
         "mismatches": sum(r.mismatches for r in done), "errors": len(errors), "error_samples": errors[:3],
     }
 
@@ -260,23 +340,44 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
     return {"overhead_s": max(0.0, forward_gap) + host, "forward_gap_s": forward_gap, "judge_and_host_s": host}
 
 
-def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
-            slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS,
-            switch_s: float | None = SWITCH_S, overlap: bool = True) -> dict:
-    """The section: build the replica, ramp each method (then its last load again: with the interpreter's switch
-    interval at `switch_s`, when given; with the engine's overlap, when `overlap`), then the model's prediction
-    beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
-    from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
-    from ciar.collab.projector import IntervalProjector, ProjectorConfig
-    from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
-    from ciar.engine.verifier import CloudVerifier
-    from ciar.engine.core import EngineThread
-    from ciar.engine.scheduler import SchedulerConfig
-    from ciar.models.gpt import fuse_feed_forward
+# the tiny capacity model (the CPU check): the carried traces' vocabulary (1,024 codes) and image length (144 tokens)
+TINY_CAPACITY = dict(n_layer=2, dim=64, n_head=4, vocab_size=1024, caption_dim=32, cls_token_num=8, block_size=160)
 
-    model = suite.capacity_gpt()
-    cfg = model.config
-    traces = {m: [widened(t, cfg.vocab_size) for t in tr] for m, tr in load_traces_dir(methods=methods).items()}
+
+def xl_model(dev, dtype, **overrides):
+    """LlamaGen-XL's GPT (block of 256 image tokens; `overrides`: other shapes) with RANDOM weights, built on `dev`
+    in `dtype`. The head starts at zero in training's init: every logit equal would make greedy tokens all 0, so it
+    gets random weights as every other layer has."""
+    from ciar.models.gpt import build_gpt
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = build_gpt("GPT-XL", **{"block_size": 256, **overrides})
+        torch.nn.init.normal_(model.output.weight, std=0.05)
+    return model.to(dtype).eval()
+
+
+def capacity_model(tiny: bool):
+    """The model the measured replica serves: XL on the GPU in bf16; tiny: `TINY_CAPACITY` on the CPU."""
+    if tiny:
+        return xl_model("cpu", torch.float32, **TINY_CAPACITY)
+    return xl_model("cuda", torch.bfloat16)
+
+
+def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_stride: int = 0):
+    """The measured replica's CloudVerifier over `model` (no caption encoder: `random_caption`), and the methods'
+    traces widened to its vocabulary: serve_config.gpu.yaml's scheduler (tiny: a small one), a seeded random interval
+    projector of the model's width, the KV cache sized from the accelerator's memory ("auto"; on a CPU
+    4 x `max_load` sessions), the fused step on CUDA (as `verifier_fused_step` serves it). `seed_stride`: method i's
+    traces get seeds + i x stride (one replica replaying several methods' recorded verdicts: distinct seeds).
+    -> (verifier, {method: traces}, image tokens)."""
+    from ciar.collab.projector import IntervalProjector, ProjectorConfig
+    from ciar.engine.scheduler import SchedulerConfig
+    from ciar.engine.verifier import CloudVerifier
+
+    cfg, dev, dtype = model.config, model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
+    traces = {m: [reseeded(widened(t, cfg.vocab_size), i * seed_stride) for t in tr]
+              for i, (m, tr) in enumerate(load_traces_dir(methods=methods).items())}
     image_tokens = max(t.open.prefix_len for tr in traces.values() for t in tr)
     if cfg.block_size < image_tokens + 8:
         raise ValueError(f"the model's {cfg.block_size} image positions do not hold the traces' {image_tokens}")
@@ -284,14 +385,36 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     torch.manual_seed(0)
     projector = IntervalProjector(ProjectorConfig(
         device_dim=step0.request.device_hidden.shape[1], cloud_dim=cfg.dim,
-        feature_dim=step0.request.features.shape[1])).to(suite.dev, suite.dtype)
-    sched = SchedulerConfig(token_budget=16384, max_works=64, prefill_chunk=120) if not suite.tiny else \
+        feature_dim=step0.request.features.shape[1])).to(dev, dtype)
+    sched = SchedulerConfig(token_budget=16384, max_works=64, prefill_chunk=120) if not tiny else \
         SchedulerConfig(token_budget=256, max_works=8, prefill_chunk=16)
+    v = CloudVerifier(model, None, max_sessions="auto" if dev.type == "cuda" else 4 * max_load,
+                      projector=projector, scheduler=sched, slot_wait_s=600.0, fused=dev.type == "cuda")
+    return v, traces, image_tokens
+
+
+def reseeded(trace, by: int):
+    return trace if not by else dataclasses.replace(trace, open=dataclasses.replace(
+        trace.open, seed=int(trace.open.seed) + by))
+
+
+def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
+            slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS,
+            switch_s: float | None = SWITCH_S, overlap: bool = True) -> dict:
+    """The section: build the replica, ramp each method (then its last load again: with the interpreter's switch
+    interval at `switch_s`, when given; with the engine's overlap, when `overlap`), then the model's prediction
+    beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
+    from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
+    from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
+    from ciar.engine.core import EngineThread
+    from ciar.models.gpt import fuse_feed_forward
+
+    model = suite.capacity_gpt()
+    cfg = model.config
     suite.release()
     t = time.perf_counter()
-    fused = suite.dev.type == "cuda"  # the step serve_config.gpu.yaml serves (verifier_fused_step)
-    v = CloudVerifier(model, None, max_sessions="auto" if suite.dev.type == "cuda" else 4 * max(loads),
-                      projector=projector, scheduler=sched, slot_wait_s=600.0, fused=fused)
+    v, traces, image_tokens = replica(model, methods, suite.tiny, max(loads))
+    sched, fused = v.engine.config, v.runner.fused
     out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions, "fused_step": fused,
                  "image_tokens": image_tokens, "traces": {m: len(t) for m, t in traces.items()},
                  "network": network, "slo_p99_s": slo_s, "warmup_s": warmup_s, "duration_s": duration_s,
@@ -382,6 +505,63 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                     "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
                     "measured_over_predicted_images_per_s":
                         p["images_per_s"] / m["images_per_s"] if m["images_per_s"] and p["images_per_s"] else None})
+    return out
+
+
+SEED_STRIDE = 1000  # one core replays every method: method i's traces get seeds + i x this (`replica`)
+
+
+def process_core(tiny: bool, methods: tuple[str, ...], max_load: int):
+    """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model`, every
+    bucket's graph captured on CUDA, every method's recorded verdicts installed at once (their seeds apart), and the
+    random captions given to its opens and resumes (it has no caption encoder)."""
+    from ciar.capacity.trace import RecordedVerdicts
+
+    v, traces, _ = replica(capacity_model(tiny), methods, tiny, max_load, seed_stride=SEED_STRIDE)
+    if v.device.type == "cuda":
+        v.runner.capture(2 * v.engine.config.max_works)
+    verdicts = RecordedVerdicts([t for tr in traces.values() for t in tr]).install(v)
+    caption, open_work, resume_work, stats = random_caption(v), v.open_work, v.resume_work, v.stats
+    v.open_work = lambda request, caption_emb=None, caption_mask=None, owner="": open_work(
+        request, caption(request), caption_mask, owner)
+    v.resume_work = lambda request, history, injected=None, caption_emb=None, caption_mask=None, owner="": \
+        resume_work(request, history, injected, caption(request), caption_mask, owner)
+    v.stats = lambda: {**stats(), "verdicts": {"replayed": verdicts.replayed, "changed": verdicts.changed,
+                                               "unrecorded": verdicts.unrecorded}}
+    return v
+
+
+def measure_process(suite, loads: dict[str, int], warmup_s: float, duration_s: float, images: int | None = None,
+                    network: str = NETWORK, methods: tuple[str, ...] = METHODS) -> dict:
+    """The section `capacity_process`: each method's load again (`loads`: capacity_measured's last, by method)
+    with the engine core in a process of its own (`ciar.engine.process.EngineProcess`, as
+    `verifier_engine_process` serves it): the same replica built there, the same trace-driven phones on this
+    process's loop, each call through the core's socket. Per method: images/s, latency, steps and works per step
+    (as the core reported them) beside capacity_measured's figures at the same load."""
+    from ciar.engine.process import CoreSpec, EngineProcess
+
+    suite.release()  # (the core takes the accelerator's memory: nothing of this process's may hold it)
+    t = time.perf_counter()
+    spec = CoreSpec(factory="benchmarks.engine_capacity:process_core",
+                    factory_kwargs={"tiny": suite.tiny, "methods": tuple(methods), "max_load": max(loads.values())})
+    engine = EngineProcess(spec, "capacity-secret", batch_wait_s=0.003)  # (the thread's company wait)
+    out: dict = {"start_up_s": round(time.perf_counter() - t, 1), "sessions": engine.info["max_sessions"],
+                 "points": {}}
+    client = ProcessClient(engine)
+    probe = ProcessProbe(client)
+    try:
+        for i, method in enumerate(methods):
+            traces = [reseeded(widened(tr, engine.vocab_size), i * SEED_STRIDE)
+                      for tr in load_traces_dir(methods=(method,))[method]]
+            p = asyncio.run(point(client, traces, loads[method], warmup_s, duration_s, network, images,
+                                  tag=f"{method}-process", probe=probe))
+            out["points"][method] = p
+            print(f"  capacity_process {method} {loads[method]} phones: {p['images_per_s'] or 0:.2f} images/s, "
+                  f"p99 {p['latency_s']['p99']}, {p['mean_works_per_step']} works/step", flush=True)
+        out["core"] = {k: v for k, v in asyncio.run(engine.stats()).items()
+                       if k in ("verdicts", "forwards", "steps_failed", "core_rss_mb", "forwards_by_path")}
+    finally:
+        engine.shutdown()
     return out
 
 

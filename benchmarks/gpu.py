@@ -221,28 +221,18 @@ class Suite:
     def gpt(self):
         """The XL GPT (tiny: a small one), random weights, built on the device in its dtype."""
         if self._gpt is None:
-            from ciar.models.gpt import build_gpt
+            from benchmarks.engine_capacity import xl_model
 
-            torch.manual_seed(0)
-            with torch.device(self.dev):
-                model = build_gpt("GPT-XL", **({**dict(block_size=256), **(TINY if self.tiny else {})}))
-                # the head starts at zero (training's init): every logit equal would make greedy tokens all 0 and
-                # the graph-vs-eager token check empty, so give it random weights as every other layer has
-                torch.nn.init.normal_(model.output.weight, std=0.05)
-            self._gpt = model.to(self.dtype).eval()
+            # (its head random too: with training's zero head the graph-vs-eager token check would be empty)
+            self._gpt = xl_model(self.dev, self.dtype, **(TINY if self.tiny else {}))
         return self._gpt
 
     def capacity_gpt(self):
         """The model `capacity_measured` serves: the XL GPT; tiny: the tiny one widened to the carried traces'
         vocabulary (1,024 codes) and image length (144 tokens)."""
-        if not self.tiny:
-            return self.gpt()
-        from ciar.models.gpt import build_gpt
+        from benchmarks.engine_capacity import capacity_model
 
-        torch.manual_seed(0)
-        model = build_gpt("GPT-XL", **{**TINY, "vocab_size": 1024, "block_size": 160})
-        torch.nn.init.normal_(model.output.weight, std=0.05)
-        return model.to(self.dev, self.dtype).eval()
+        return self.gpt() if not self.tiny else capacity_model(tiny=True)
 
     def weight_bytes(self, model) -> int:
         """Bytes one forward reads of the weights (every parameter but the token embedding, which is gathered)."""
@@ -1340,6 +1330,25 @@ class Suite:
 
         return self._measured_phones(METHODS)
 
+    def capacity_process(self) -> dict:
+        """`capacity_measured`'s last load of each method again, with the engine core in a process of its own
+        (`verifier_engine_process`): images/s and p99 beside the engine thread's at the same load."""
+        from benchmarks.engine_capacity import METHODS, measure_process
+
+        measured = self.result["sections"].get("capacity_measured", {}).get("points", {})
+        loads = {m: measured[m][-1]["phones"] if measured.get(m) else (3 if self.tiny else 256) for m in METHODS}
+        if self.tiny:
+            out = measure_process(self, loads, warmup_s=0.0, duration_s=600.0, images=3, network="none")
+        else:
+            out = measure_process(self, loads, warmup_s=4.0, duration_s=12.0)
+        for m, p in out["points"].items():  # beside the thread's
+            if measured.get(m):
+                thread = measured[m][-1]
+                p["thread_images_per_s"], p["thread_latency_s"] = thread["images_per_s"], thread["latency_s"]
+                p["process_over_thread_images_per_s"] = p["images_per_s"] / thread["images_per_s"] \
+                    if p["images_per_s"] and thread["images_per_s"] else None
+        return out
+
     def capacity_parallel(self) -> dict:
         """`capacity_measured` for the parallel-decoding phones (`benchmarks.engine_capacity.PARALLEL_METHODS`): SJD
         (cloud-only by Jacobi windows) and CIAR with its prefix and bursts by windows, on the same engine."""
@@ -1411,7 +1420,7 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("overlap", "packed_step", "engine_process", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
+    for name in ("overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
                  "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity",
                  "memory", "engine", "t5", "hf_llama"):
         if name in s:
@@ -1431,7 +1440,8 @@ def main(argv=None) -> int:
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
     ap.add_argument("--sections", default="env,overlap,packed_step,engine_process,engine_graphs,served_steps,roofline,"
-                                          "capacity_measured,capacity_parallel,slot_attention,fused_step,"
+                                          "capacity_measured,capacity_process,capacity_parallel,slot_attention,"
+                                          "fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"
                                           "engine_bisect,dense_copy,anole_shape,engine,t5,hf_llama")
     ap.add_argument("--cudnn-attention", action="store_true",

@@ -15,9 +15,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps", "roofline",
-                              "capacity_measured", "capacity_parallel", "slot_attention", "fused_step", "xl_steps",
-                              "graphs", "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
+    assert list(sections) == ["env", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps",
+                              "roofline", "capacity_measured", "capacity_process", "capacity_parallel",
+                              "slot_attention", "fused_step", "xl_steps", "graphs", "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
                               "engine_bisect", "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
     assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
@@ -62,6 +62,13 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
+    cp = sections["capacity_process"]  # the last loads again, the engine core in its own process
+    for method in ("ciar", "cloud"):
+        p = cp["points"][method]
+        assert p["phones"] == 3 and p["images"] >= 3 and p["mismatches"] == 0 and p["errors"] == 0, p
+        assert p["thread_images_per_s"] == cm["points"][method][-1]["images_per_s"] and p["steps"] > 0, p
+    assert cp["core"]["verdicts"]["unrecorded"] == 0 and cp["core"]["verdicts"]["replayed"] > 0, cp
+    assert cp["points"]["cloud"]["cloud_passes_per_image"] == 144 > cp["points"]["ciar"]["cloud_passes_per_image"]
     ov = cm["overlap"]  # ... and with the engine's overlap: decodes run ahead, every reply still the recording's
     assert {m: (x["phones"], x["mismatches"], x["errors"]) for m, x in ov.items()} == {"ciar": (3, 0, 0),
                                                                                       "cloud": (3, 0, 0)}, ov
