@@ -17,13 +17,18 @@ import ray
 import torch
 
 
+def _setup(fast: bool) -> None:
+    torch.set_num_threads(1)
+    if fast:  # this actor's calls carry tensors in the fast form
+        from services.verifier_client import fast_tensors
+
+        fast_tensors()
+
+
 @ray.remote(num_cpus=0.5)
 class Receiver:
     def __init__(self, fast: bool):
-        torch.set_num_threads(1)
-        if fast:
-            from services.verifier_client import fast_tensors
-            fast_tensors()
+        _setup(fast)
 
     def verify(self, request):
         from ciar.collab.protocol import VerifyReply
@@ -39,10 +44,7 @@ class Receiver:
 @ray.remote(num_cpus=0.5)
 class Caller:
     def __init__(self, fast: bool):
-        torch.set_num_threads(1)
-        if fast:
-            from services.verifier_client import fast_tensors
-            fast_tensors()
+        _setup(fast)
 
     def run(self, receiver, calls: int, vocab: int):
         from ciar.collab.protocol import VerifyRequest
