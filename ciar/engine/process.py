@@ -15,7 +15,9 @@ the replica's Python does (Ray's handle calls, unpickling requests, building wor
 engine's host work on one interpreter lock. `benchmarks.engine_thread` measured what that costs on a 2-core CPU with
 the forward stubbed: the engine's steps ×1.3-1.6 longer than the same steps driven alone, ×0.67-0.72 the verifies
 per second (2026-11-28e); on an H200 the saturated CIAR step's host time grew with the phones in the process. This
-is vLLM v1's answer: the engine core runs in a process of its own and the replica only passes requests to it.
+is vLLM v1's answer: the engine core runs in a process of its own and the replica only passes requests to it. On
+the same box its steps ran at the direct pace (×0.64-1.10 the direct steps, where the thread's took ×1.12-1.87) and
+the same phones got ×1.18-1.25 the thread's verifies per second (2026-11-29).
 
 `EngineProcess` has the calls of `ciar.engine.service.VerifierService` (the same ones, with the same errors: they
 are raised in the core and re-raised here with their attributes), so the Verifier deployment serves either
@@ -24,16 +26,21 @@ of a Unix socket pair (not multiprocessing's spawn, which re-runs the parent's m
 core builds the CloudVerifier from the spec there (`build_verifier`: the world loaded, the KV cache sized and the
 CUDA graphs captured in the process that owns the accelerator) and serves a `VerifierService` on one thread: an
 asyncio loop that reads the socket between steps and steps the engine itself (`_CoreStepper`). Nothing in the core
-shares its interpreter with the replica's loop, Ray's threads or simulated phones.
+shares its interpreter with the replica's loop, Ray's threads or simulated phones. A VERIFY, the hot call, is data
+there: its work is built and queued as its message is read, and its reply sent by the work's callback (no task per
+call). Tensors cross as dtype, shape and bytes (`tensor_to_bytes`), not by torch's storage pickling.
 
-Messages (pickled tuples, framed by `multiprocessing.connection.Connection`; a frame holds every message one side
-queued meanwhile: the replica's as a list of pickled messages, each pickled by its caller, the core's as a list):
-  replica -> core  ("start", spec, secret, batch_wait_s)    first: build, then answer "ready" (or "dead")
-                   ("call", id, method, args, kwargs)       a VerifierService call, `stats` or `configure`
-                   ("cancel", id)                           the caller went away: the call's task is cancelled, so
-                                                            its work is withdrawn as in-process (`_Driver.run`)
+Messages (pickled tuples, framed by `multiprocessing.connection.Connection`; after the first frame each way, a
+frame holds every message one side queued meanwhile: the replica's as a list of pickled messages, each pickled by
+its caller, so that what cannot be pickled fails its own call; the core's as a list):
+  replica -> core  ("start", spec, secret, batch_wait_s)    the first frame: build, then answer "ready" (or "dead")
+                   ("call", id, method, args, kwargs)       a VerifierService call, `stats` or `configure` (id 0:
+                                                            no reply wanted)
+                   ("cancel", id)                           the caller went away: its VERIFY's work is withdrawn, as
+                                                            in-process (`_Driver.run`); another call's task cancelled
                    ("turned", n)                            step n's callers have had their loop turn (below)
-  core -> replica  ("ready", info) | ("dead", traceback)
+                   ("stop",)                                end the core (it finishes the step it is in)
+  core -> replica  ("ready", info) | ("dead", traceback)    the first frame
                    ("reply", id, ok, value)                 a call's result, or the exception it raised
                    ("stepping", started)                    a step begins (time.monotonic, for the watchdog)
                    ("step", works, spans, seconds, sessions)  a step ended (metrics)
@@ -43,10 +50,10 @@ queued meanwhile: the replica's as a list of pickled messages, each pickled by i
                                                             `EngineThread._let_callers_answer` does in-process
 
 The replica pickles its requests on its loop and a writer thread sends them, so a busy core never blocks the loop;
-a reader thread unpickles what comes back and settles each caller's future on its loop. When the core dies (killed,
-out of memory, a crash), every call in flight fails with `EngineProcessError`, and so do later calls and
-`check_stalled`, so that Serve's health check replaces the replica. When the replica goes away the core reads the
-end of its socket and exits.
+a reader thread unpickles what comes back and settles its callers' futures, one wake-up of each loop per frame. When
+the core dies (killed, out of memory, a crash, a frame it cannot read), every call in flight fails with
+`EngineProcessError`, and so do later calls and `check_stalled`, so that Serve's health check replaces the replica.
+When the replica goes away the core reads the end of its socket and exits.
 """
 
 from __future__ import annotations
@@ -187,14 +194,13 @@ def _dumps(message) -> bytes:
 
 
 class EngineProcess:
-    def __init__(self, spec: CoreSpec, secret: str, batch_wait_s: float = 0.0, on_step=None,
-                 start_timeout_s: float | None = None):
+    def __init__(self, spec: CoreSpec, secret: str, batch_wait_s: float = 0.0, on_step=None):
         """Start the core and wait until it has built its verifier (`info`: its vocabulary, sessions, memory
-        plan). `on_step(works, spans, seconds)`: called after each of its steps, on the reader thread (metrics).
-        `start_timeout_s`: None waits as long as building takes (a large world, graph captures); the core's death
-        ends the wait either way. Raises `EngineProcessError` with the core's traceback when it fails to start."""
+        plan), as long as that takes (a large world, graph captures); its death ends the wait. `batch_wait_s`: an
+        idle engine waits this long for company; `on_step(works, spans, seconds)`: called after each of its steps,
+        on the reader thread (metrics). Raises `EngineProcessError` with the core's traceback when it fails to
+        start."""
         self.on_step = on_step
-        self.wait_s = batch_wait_s
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the replica's imports
         self.proc = subprocess.Popen([sys.executable, "-m", "ciar.engine.process", str(theirs.fileno())],
@@ -202,9 +208,6 @@ class EngineProcess:
         theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send_bytes(_dumps(("start", spec, secret, batch_wait_s)))
-        if start_timeout_s is not None and not self._conn.poll(start_timeout_s):
-            self.proc.kill()
-            raise EngineProcessError(f"the engine's process did not start in {start_timeout_s:g} s")
         try:
             kind, *rest = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as e:
@@ -261,8 +264,6 @@ class EngineProcess:
     def configure(self, scheduler=None, idle_timeout_s: float | None = None, slot_wait_s: float | None = None,
                   batch_wait_s: float | None = None) -> None:
         """`VerifierService.configure`, applied in the core between steps."""
-        if batch_wait_s is not None:
-            self.wait_s = batch_wait_s
         self._send(("call", 0, "configure", (scheduler, idle_timeout_s, slot_wait_s, batch_wait_s), {}))
 
     def stalled_s(self) -> float:
@@ -580,21 +581,16 @@ class _Core:
             self._answer(call, e)
             return
         self.works[call] = work
-        work.on_done = lambda w: self._answer(call, w.error) if w.error is not None else self._answer(call, w)
-        if work.done:
-            work.on_done(work)
-        else:
-            self.core.engine.submit(work)
-            self.stepper._kick(asyncio.get_running_loop())
+        work.on_done = lambda w: self._answer(call, w)
+        self.core.engine.submit(work)
+        self.stepper._kick(asyncio.get_running_loop())
 
     def _answer(self, call: int, outcome) -> None:
-        """A VERIFY's reply: its work's result, or an error."""
+        """A VERIFY's reply: its finished work's result or error, or the error that refused it."""
         self.works.pop(call, None)
         self.stepper.replies += 1
-        if isinstance(outcome, BaseException):
-            self.send(("reply", call, False, outcome))
-        else:
-            self.send(("reply", call, True, outcome.result))
+        error = outcome if isinstance(outcome, BaseException) else outcome.error
+        self.send(("reply", call, False, error) if error is not None else ("reply", call, True, outcome.result))
 
     async def _serve(self, call: int, method: str, args: tuple, kwargs: dict) -> None:
         try:
