@@ -1,9 +1,13 @@
-"""Helpers for tests: a folder of small RANDOM-weight models in the shipped layout (not a trained world)."""
+"""Helpers for tests: a folder of small RANDOM-weight models in the shipped layout (not a trained world), and the
+small random cloud and stub caption encoder of the collaborative-decoding tests (also what a test's engine process
+builds: `tests/engine/test_process.py`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
+from types import SimpleNamespace
 
 import torch
 
@@ -554,3 +558,32 @@ def write_sharded_random_anole_files(folder: str, shapes: dict | None = None, se
         del state
         fields["device_checkpoint"] = _write_anole_device(folder, cloud, n_codes)
     return fields
+
+
+CAPTION_LEN, CAPTION_DIM = 8, 16
+
+
+class StubTextEncoder:
+    """Test double for ciar.text.TextEncoder: a deterministic pseudo-embedding per prompt (crc32-seeded)."""
+
+    dim = CAPTION_DIM
+
+    def encode(self, prompts):
+        emb = torch.zeros(len(prompts), CAPTION_LEN, CAPTION_DIM)
+        mask = torch.zeros(len(prompts), CAPTION_LEN, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
+            n = min(CAPTION_LEN, max(1, len(p.split())))
+            emb[i, CAPTION_LEN - n:] = torch.randn(n, CAPTION_DIM, generator=g)
+            mask[i, CAPTION_LEN - n:] = True  # left padding, as the real encoder
+        return SimpleNamespace(emb=emb, mask=mask)
+
+
+def tiny_cloud_model():
+    """A 2-layer, 64-wide RANDOM cloud GPT over 64 codes (36 image positions, `StubTextEncoder`'s captions), its head
+    random (a zero-initialised head would make every token uniform)."""
+    torch.manual_seed(0)
+    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
+                  caption_dim=CAPTION_DIM, block_size=36)
+    torch.nn.init.normal_(m.output.weight, std=0.3)
+    return m.eval()

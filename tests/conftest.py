@@ -8,8 +8,6 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import zlib  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -129,34 +127,12 @@ def weights_dir():
 # tests/collab, the wire codec's and the device endpoint's tests.
 
 
-CAPTION_LEN, CAPTION_DIM = 8, 16
-
-
-class StubTextEncoder:
-    """Test double for ciar.text.TextEncoder: a deterministic pseudo-embedding per prompt (crc32-seeded)."""
-
-    dim = CAPTION_DIM
-
-    def encode(self, prompts):
-        emb = torch.zeros(len(prompts), CAPTION_LEN, CAPTION_DIM)
-        mask = torch.zeros(len(prompts), CAPTION_LEN, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            g = torch.Generator().manual_seed(zlib.crc32(p.encode()))
-            n = min(CAPTION_LEN, max(1, len(p.split())))
-            emb[i, CAPTION_LEN - n:] = torch.randn(n, CAPTION_DIM, generator=g)
-            mask[i, CAPTION_LEN - n:] = True  # left padding, as the real encoder
-        return SimpleNamespace(emb=emb, mask=mask)
+from ciar.testing import CAPTION_DIM, CAPTION_LEN, StubTextEncoder, tiny_cloud_model  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
 def tiny_cloud():
-    from ciar.models.gpt import build_gpt
-
-    torch.manual_seed(0)
-    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
-                  caption_dim=CAPTION_DIM, block_size=36)
-    torch.nn.init.normal_(m.output.weight, std=0.3)  # the zero-initialised head would make every token uniform
-    return m.eval()
+    return tiny_cloud_model()
 
 
 @pytest.fixture(scope="module")

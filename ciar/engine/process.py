@@ -168,8 +168,10 @@ def tensor_to_bytes(x):
     if type(x) is not torch.Tensor or x.device.type != "cpu" or x.requires_grad or x.layout != torch.strided or \
             x.is_quantized or x.is_conj() or x.is_neg():
         return ("torch", pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
-    x = x.contiguous()
-    return ("raw", x.dtype, tuple(x.shape), x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    flat = x.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # (a single element may carry any stride, even from .contiguous())
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return ("raw", x.dtype, tuple(x.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
 
 
 def _reduce_tensor(x):

@@ -21,19 +21,13 @@ FACTORY = f"{__name__}:tiny_core"  # the core imports this module by the name py
 
 
 def tiny_core(max_sessions: int = 4, overlap: bool = False, fail: bool = False):
-    """The core's factory: conftest's small RANDOM-weight cloud and stub caption encoder (not the trained world)."""
-    from conftest import CAPTION_DIM, CAPTION_LEN, StubTextEncoder
-
+    """The core's factory: the tests' small RANDOM-weight cloud and stub caption encoder (not the trained world)."""
     from ciar.engine.verifier import CloudVerifier
-    from ciar.models.gpt import build_gpt
+    from ciar.testing import StubTextEncoder, tiny_cloud_model
 
     if fail:
         raise RuntimeError("injected: this core cannot be built")
-    torch.manual_seed(0)
-    m = build_gpt("scenes-cloud", n_layer=2, dim=64, n_head=4, vocab_size=64, cls_token_num=CAPTION_LEN,
-                  caption_dim=CAPTION_DIM, block_size=36)
-    torch.nn.init.normal_(m.output.weight, std=0.3)
-    return CloudVerifier(m.eval(), StubTextEncoder(), max_sessions=max_sessions, overlap=overlap)
+    return CloudVerifier(tiny_cloud_model(), StubTextEncoder(), max_sessions=max_sessions, overlap=overlap)
 
 
 def _span(sid: str, vocab: int, seed: int, k: int, burst: int) -> VerifyRequest:
@@ -217,7 +211,9 @@ def test_tensors_cross_the_socket_as_they_were():
     from ciar.engine.process import _dumps
 
     for x in [torch.randn(3, 4), torch.zeros(0, dtype=torch.long), torch.tensor(5), torch.randn(2, 3).half(),
-              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t()]:
+              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t(),
+              torch.as_strided(torch.arange(3), (1,), (0,)),  # one element, stride 0 (what .contiguous() keeps)
+              torch.as_strided(torch.arange(3), (0, 2), (0, 0)), torch.zeros(1, 3)[:, :1].expand(4, 1)]:
         y = pickle.loads(_dumps(x))
         assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x) and y.is_contiguous()
     # what the fast form does not take keeps torch's own pickle: a gradient, a subclass, a sparse or conjugate view
