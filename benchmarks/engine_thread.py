@@ -148,7 +148,8 @@ def process(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: f
     from ciar.engine.process import CoreSpec, EngineProcess
 
     steps: list = []
-    spec = CoreSpec(factory="benchmarks.engine_thread:core", factory_kwargs={"vocab": vocab, "sessions": phones, "max_works": max_works})
+    spec = CoreSpec(factory="benchmarks.engine_thread:core",
+                    factory_kwargs={"vocab": vocab, "sessions": phones, "max_works": max_works})
     engine = EngineProcess(spec, SECRET, batch_wait_s=0.0,
                            on_step=lambda works, spans, sec: steps.append((sec, works)))
     try:

@@ -1420,9 +1420,9 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs", "served_steps", "fused_step", "graphs",
-                 "fp32", "profile", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy", "capacity",
-                 "memory", "engine", "t5", "hf_llama"):
+    for name in ("overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs",
+                 "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
+                 "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5", "hf_llama"):
         if name in s:
             body = {k: v for k, v in s[name].items() if k != "traceback"}
             lines += [f"## {name}", "", "```json", json.dumps(body, default=str)[:4000], "```", ""]

@@ -1,5 +1,6 @@
-"""benchmarks.engine_thread at --tiny: every way (direct, the engine thread, the engine process) runs the same sessions through the real engine (forward stubbed) and
-the report is written; the numbers mean nothing at this size."""
+"""benchmarks.engine_thread at --tiny: every way (direct, the engine thread, the engine process) runs the same
+sessions through the real engine (forward stubbed) and the report is written; the numbers mean nothing at this
+size."""
 
 import json
 

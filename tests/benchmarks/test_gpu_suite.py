@@ -17,8 +17,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     sections = result["sections"]
     assert list(sections) == ["env", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps",
                               "roofline", "capacity_measured", "capacity_process", "capacity_parallel",
-                              "slot_attention", "fused_step", "xl_steps", "graphs", "fp32", "profile", "capacity", "memory", "oom", "repeat", "engine_repeat",
-                              "engine_bisect", "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
+                              "slot_attention", "fused_step", "xl_steps", "graphs", "fp32", "profile", "capacity",
+                              "memory", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
+                              "anole_shape", "engine", "t5", "hf_llama"]
     ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
     assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
     assert ov["overlap"]["decodes"]["ahead_run"] > 0 and ov["plain"]["decodes"]["ahead_run"] == 0, ov

@@ -152,33 +152,6 @@ def test_concurrent_devices_batch_spans(cluster):
     assert (vstats["overlap"], vstats["packed_step"], vstats["decodes_run_ahead"]["run"]) == (False, False, 0)
 
 
-def test_the_engine_core_in_a_process_of_its_own_makes_the_same_images(cluster):
-    """verifier_engine_process: the Verifier replica starts its engine core in a process of its own, which loads
-    the world and serves the replica's calls (`ciar.engine.process`). Images made one at a time and concurrently
-    (spans of several sessions in its steps) are the engine thread's, token for token; the replica's stats come
-    from the core."""
-    bodies = [{"prompt": f"{PROMPT} {i}", "seed": i, "method": method, "network": "4g",
-               "response_format": "tokens"} for i, method in enumerate(["ciar", "cloud", "eagle", "eagle", "ciar"])]
-
-    def images():
-        first = post(bodies[0])
-        with ThreadPoolExecutor(4) as pool:
-            rs = [first] + list(pool.map(post, bodies[1:]))
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
-        return [r.json()["data"][0]["tokens"] for r in rs]
-
-    want = images()
-    deploy(cluster, app={"verifier_engine_process": True})
-    try:
-        got = images()
-        vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
-    finally:
-        deploy(cluster)
-    assert got == want
-    assert vstats["engine_process"] and vstats["core_rss_mb"] > 0 and vstats["forwards"] > 0
-    assert vstats["spans_verified"] > 0 and sum(vstats["batch_size_hist"].values()) == vstats["forwards"]
-
-
 def test_prometheus_metrics(cluster):
     """The application's own metrics reach Ray's Prometheus endpoint (after at least one generation)."""
     post({"prompt": PROMPT, "seed": 0, "method": "ciar", "response_format": "tokens"})
@@ -443,3 +416,79 @@ def test_verifier_replica_killed_mid_request(cluster):
     # exact despite the re-prefill on the new replica: same tokens as an undisturbed run
     again = post({**body, "stream": False}).json()
     assert again["data"][0]["tokens"] == result["data"][0]["tokens"] and again["stats"]["resumes"] == 0
+
+
+def test_the_verifier_with_its_engine_in_a_process_of_its_own_answers_as_with_its_thread(cluster):
+    """The Verifier deployment's class with `verifier_engine_process` (its engine core in a process of its own,
+    which loads the world: `ciar.engine.process`) beside the same class with its engine thread, in this process:
+    concurrent sessions' calls give the same replies, and its stats and metrics come from the core. (Through Serve:
+    the slow test below.)"""
+    import asyncio
+
+    import torch
+
+    from ciar.collab.protocol import OpenRequest, VerifyRequest
+    from ciar.decoding.sampling import SamplingParams
+    from services.config import AppConfig
+    from services.verifier import Verifier
+
+    world = AppConfig(**app_args(cluster)).world_dict()
+
+    async def calls(v):
+        async def session(i):
+            sid = f"v{i}"
+            reply, token = await v.open(OpenRequest(sid, PROMPT, i, SamplingParams(cfg_scale=2.0), 3),
+                                        session_id=sid, device_id="d")
+            got = [reply.prefix_tokens.tolist()]
+            for r in range(3):
+                g = torch.Generator().manual_seed(10 * i + r)
+                q = torch.softmax(torch.randn(4, v.vocab_size, generator=g), -1)
+                span = VerifyRequest(sid, torch.zeros(0, dtype=torch.long), torch.multinomial(q, 1, generator=g)[:, 0],
+                                     q.half(), burst=2)
+                out = await v.verify(span, session_id=sid, device_id="d", token=token)
+                got.append((out.num_accepted, out.next_token, out.burst_tokens.tolist() if out.num_burst else []))
+            await v.close(session_id=sid, device_id="d", token=token)
+            return got
+
+        replies = await asyncio.gather(*(session(i) for i in range(3)))
+        return replies, await v.stats()
+
+    thread = Verifier(world, 4, "secret")
+    try:
+        want, _ = asyncio.run(calls(thread))
+    finally:
+        thread.service.shutdown()
+    process = Verifier(world, 4, "secret", engine_process=True)
+    try:
+        got, st = asyncio.run(calls(process))
+        process.check_health()
+    finally:
+        process.service.shutdown()
+    assert got == want
+    assert st["engine_process"] == process.service.proc.pid and st["core_rss_mb"] > 0 and st["opened"] == 3
+    assert st["spans_verified"] == 9 and sum(st["batch_size_hist"].values()) == st["forwards"] > 0
+
+
+@pytest.mark.slow  # (a redeploy: about a minute on 2 cores; the test above runs the same class in this process)
+def test_the_engine_core_in_a_process_of_its_own_makes_the_same_images(cluster):
+    """verifier_engine_process: the Verifier replica starts its engine core in a process of its own, which loads
+    the world and serves the replica's calls (`ciar.engine.process`). Images made one at a time and concurrently
+    (spans of several sessions in its steps) are the engine thread's, token for token; the replica's stats come
+    from the core. Last in the module: it leaves the deployment as it redeployed it."""
+    bodies = [{"prompt": f"{PROMPT} {i}", "seed": i, "method": method, "response_format": "tokens"}
+              for i, method in enumerate(["ciar", "eagle", "ciar"])]
+
+    def images():
+        first = post(bodies[0])
+        with ThreadPoolExecutor(2) as pool:
+            rs = [first] + list(pool.map(post, bodies[1:]))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+        return [r.json()["data"][0]["tokens"] for r in rs]
+
+    want = images()
+    deploy(cluster, app={"verifier_engine_process": True})  # (the module's last test: its deployment stays)
+    got = images()
+    vstats = serve.get_deployment_handle("Verifier", app_name="ciar").stats.remote().result()
+    assert got == want
+    assert vstats["engine_process"] and vstats["core_rss_mb"] > 0 and vstats["forwards"] > 0
+    assert vstats["spans_verified"] > 0 and sum(vstats["batch_size_hist"].values()) == vstats["forwards"]
