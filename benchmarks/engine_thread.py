@@ -195,6 +195,34 @@ def _summary(steps: list, rate: float) -> dict:
             "works_per_step": round(statistics.mean(n for _, n in busy), 1), "verifies_per_s": round(rate, 1)}
 
 
+def compare(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
+            counts: tuple[int, int] | None = None, reps: int = 1, switch_s: float | None = None) -> dict:
+    """Every way at one phones count, `reps` times interleaved (every way sees the same box), medians, and the
+    ratios: threaded / direct and process / direct (ms per step), process / threaded (verifies per second); with
+    `switch_s`, the threaded way again at that switch interval (switch / threaded)."""
+    row = {"phones": phones, "max_works": max_works, "reps": reps}
+    ways = {"direct": lambda: direct(vocab, phones, max_works, seconds, warmup_s, counts),
+            "threaded": lambda: threaded(vocab, phones, max_works, seconds, warmup_s, counts=counts)}
+    if switch_s:
+        ways["threaded_switch"] = lambda: threaded(vocab, phones, max_works, seconds, warmup_s, switch_s, counts)
+    ways["process"] = lambda: process(vocab, phones, max_works, seconds, warmup_s, counts)
+    runs: dict[str, list] = {way: [] for way in ways}
+    for _ in range(reps):
+        for way, run in ways.items():
+            runs[way].append(run())
+    for way, rs in runs.items():
+        row[way] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        if reps > 1:
+            row[f"{way}_reps"] = rs
+    row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
+    row["process_over_direct"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
+    if switch_s:
+        row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
+    row["process_over_threaded_verifies"] = round(row["process"]["verifies_per_s"] /
+                                                  row["threaded"]["verifies_per_s"], 2)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for engine_thread.json and engine_thread.md")
@@ -214,27 +242,8 @@ def main(argv=None) -> int:
     counts = tuple(args.verifies) if args.verifies else None
     rows = []
     for phones in args.phones:
-        row = {"phones": phones, "max_works": args.max_works, "reps": args.reps}
-        ways = {"direct": lambda: direct(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts),
-                "threaded": lambda: threaded(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
-                                             counts=counts),
-                "threaded_switch": lambda: threaded(args.vocab, phones, args.max_works, args.seconds,
-                                                    args.warmup_s, args.switch_ms / 1000, counts),
-                "process": lambda: process(args.vocab, phones, args.max_works, args.seconds, args.warmup_s,
-                                           counts)}
-        runs: dict[str, list] = {way: [] for way in ways}
-        for _ in range(args.reps):  # interleaved: every way sees the same box
-            for way, run in ways.items():
-                runs[way].append(run())
-        for way, rs in runs.items():
-            row[way] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-            if args.reps > 1:
-                row[f"{way}_reps"] = rs
-        row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
-        row["process_over_direct"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
-        row["switch_over_threaded"] = round(row["threaded_switch"]["step_ms"] / row["threaded"]["step_ms"], 2)
-        row["process_over_threaded_verifies"] = round(row["process"]["verifies_per_s"] /
-                                                      row["threaded"]["verifies_per_s"], 2)
+        row = compare(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts, args.reps,
+                      args.switch_ms / 1000)
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -56,9 +56,10 @@ then `gpu.md` summarises:
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, overlap, packed_step, engine_graphs, served_steps, roofline,
-capacity_measured (whose refit model reads the three before it), capacity_parallel, slot_attention, fused_step,
-xl_steps, ...: the newest and most needed first; sections not started within `--budget-s` are skipped).
+They run in the order of `--sections` (env, overlap, packed_step, engine_process, engine_graphs, served_steps,
+roofline, capacity_measured (whose refit model reads the three before it), capacity_process, capacity_parallel,
+slot_attention, fused_step, xl_steps, ...: the newest and most needed first; sections not started within
+`--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them
@@ -510,13 +511,12 @@ class Suite:
         out["tokens_float32"] = self._fused_tokens(rows_list[0] if self.tiny else 8, 6 if self.tiny else 24)
         return out
 
-    @torch.inference_mode()
     def engine_process(self) -> dict:
         """The engine's host side on this machine's CPU (the forward stubbed: `benchmarks.engine_thread`): the same
         phones through the engine thread (the replica's loop and the engine sharing one interpreter) and through
         the engine core in a process of its own (`ciar.engine.process`, `verifier_engine_process`), beside the steps
         driven directly; ms per step, verifies per second and the ratios. The 2-core box measured the process
-        ×1.0-1.4 the thread's verifies/s with its steps at the direct pace (2026-11-29); here it has cores to
+        ×1.18-1.25 the thread's verifies/s with its steps at the direct pace (2026-11-29); here it has cores to
         spare."""
         from benchmarks import engine_thread as et
 
@@ -526,20 +526,15 @@ class Suite:
         out = {"vocab": 1024, "max_works": works, "rows": []}
         threads = torch.get_num_threads()  # (the stubbed engines run on one; the other sections keep theirs)
         for phones in loads:
-            row = {"phones": phones}
             try:
-                for way, fn in (("direct", et.direct), ("threaded", et.threaded), ("process", et.process)):
-                    row[way] = fn(1024, phones, works, 3.0, 1.0, counts=counts)
+                row = et.compare(1024, phones, works, 3.0, 1.0, counts)
             finally:
                 torch.set_num_threads(threads)
-            row["threaded_over_direct_step"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
-            row["process_over_direct_step"] = round(row["process"]["step_ms"] / row["direct"]["step_ms"], 2)
-            row["process_over_threaded_verifies"] = round(row["process"]["verifies_per_s"] /
-                                                          row["threaded"]["verifies_per_s"], 2)
             out["rows"].append(row)
             print(f"  engine_process {phones} phones: {json.dumps(row)}", flush=True)
         return out
 
+    @torch.inference_mode()
     def packed_step(self) -> dict:
         """A served span-wide step whose fed positions are few, packed (`ModelRunner(pack=True)`: projections and
         feed-forward on the fed tokens, padded to a token bucket; the attention on the padded layout) against the
