@@ -376,8 +376,7 @@ def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_str
     from ciar.engine.verifier import CloudVerifier
 
     cfg, dev, dtype = model.config, model.tok_embeddings.weight.device, model.tok_embeddings.weight.dtype
-    traces = {m: [reseeded(widened(t, cfg.vocab_size), i * seed_stride) for t in tr]
-              for i, (m, tr) in enumerate(load_traces_dir(methods=methods).items())}
+    traces = method_traces(methods, cfg.vocab_size, seed_stride)
     image_tokens = max(t.open.prefix_len for tr in traces.values() for t in tr)
     if cfg.block_size < image_tokens + 8:
         raise ValueError(f"the model's {cfg.block_size} image positions do not hold the traces' {image_tokens}")
@@ -393,7 +392,14 @@ def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_str
     return v, traces, image_tokens
 
 
-def reseeded(trace, by: int):
+def method_traces(methods: tuple[str, ...], vocab_size: int, seed_stride: int = 0) -> dict[str, list]:
+    """The carried traces of `methods`, widened to `vocab_size`; method i's seeds + i x `seed_stride` (what the
+    replica and its phones both read: `replica`, `measure_process`)."""
+    loaded = load_traces_dir(methods=methods)
+    return {m: [_reseeded(widened(t, vocab_size), i * seed_stride) for t in loaded[m]] for i, m in enumerate(methods)}
+
+
+def _reseeded(trace, by: int):
     return trace if not by else dataclasses.replace(trace, open=dataclasses.replace(
         trace.open, seed=int(trace.open.seed) + by))
 
@@ -549,11 +555,10 @@ def measure_process(suite, loads: dict[str, int], warmup_s: float, duration_s: f
                  "points": {}}
     client = ProcessClient(engine)
     probe = ProcessProbe(client)
+    traces = method_traces(tuple(methods), engine.vocab_size, SEED_STRIDE)  # (the seeds the core replays)
     try:
-        for i, method in enumerate(methods):
-            traces = [reseeded(widened(tr, engine.vocab_size), i * SEED_STRIDE)
-                      for tr in load_traces_dir(methods=(method,))[method]]
-            p = asyncio.run(point(client, traces, loads[method], warmup_s, duration_s, network, images,
+        for method in methods:
+            p = asyncio.run(point(client, traces[method], loads[method], warmup_s, duration_s, network, images,
                                   tag=f"{method}-process", probe=probe))
             out["points"][method] = p
             print(f"  capacity_process {method} {loads[method]} phones: {p['images_per_s'] or 0:.2f} images/s, "
