@@ -6,7 +6,8 @@
 The GPU suite's `capacity_measured` section (issue 48, item 5). What runs is what a Verifier replica runs: a
 `CloudVerifier` (the KV cache sized from the accelerator's memory, static buckets, every CUDA graph captured at
 start-up, serve_config.gpu.yaml's scheduler: 64 works, 16,384 positions, 120-position prefill chunks) stepped by its
-own `EngineThread` (3 ms batch wait), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint)
+own `EngineThread` (3 ms batch wait; the process's heap frozen once it is built, as the replica's is:
+`ciar.engine.heap`, undone after the section), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint)
 and a random interval projector of the XL width. The phones are trace-driven (`ciar.capacity.trace.replay_session`):
 sessions recorded on a CPU with the shipped scenes world (`benchmarks/traces/`, CIAR at its calibrated point and
 cloud-only, 12 images each, 144 image tokens), replayed back to back with their recorded device compute slept and
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -412,6 +414,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
     from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
+    from ciar.engine import heap
     from ciar.engine.core import EngineThread
     from ciar.models.gpt import fuse_feed_forward
 
@@ -429,6 +432,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
         out["graphs_captured"] = v.runner.capture(2 * sched.max_works)
         suite.sync()
     out["start_up_s"] = round(time.perf_counter() - t, 1)
+    out["heap_frozen"] = heap.freeze(log=lambda *a: None)  # as the Verifier replica does (undone after the section)
     core = EngineThread(v.engine, wait_s=0.003)
     client = AsyncVerifierClient(v, stepper=core, caption=random_caption(v))  # as the Verifier drives its engine
     points: dict[str, list] = {}
@@ -472,6 +476,8 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
                                                       "unrecorded": verdicts.unrecorded}
     finally:
         core.stop()
+        out["heap"] = heap.stats()
+        gc.unfreeze()  # (the suite's process: its later sections' garbage collected as before)
         if fused:
             fuse_feed_forward(model, False)  # the suite's other sections time the plain model
     max_sessions = v.table.max_sessions

@@ -16,11 +16,18 @@ bursts of a round share steps. Each checkout runs in a process of its own, one t
 interleaved over `--reps` repetitions so both see the same box. Reported per (vocabulary, sessions): milliseconds per
 step and per round (medians over the measured rounds), steps per round, and the ratio before / after. Times are this
 box's; the ratios are the result (the docstring of each results file says which box).
+
+Denormal numbers are flushed to zero in both checkouts' processes (`torch.set_flush_denormal`; `--denormals` keeps
+them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stay under 87 in every row
+of an image), so their softmax makes float32 denormals, which this CPU computes some ×10 slower (an 80 x 1,024
+softmax: 0.64 ms against 0.06 ms flushed); a cost of the stub, not of the engine, that the real workload does not
+pay and that weighed on both checkouts alike (figures before 2026-11-29b kept it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -43,9 +50,10 @@ def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, 
 
     try:
         from ciar.engine.scheduler import SchedulerConfig
+        from ciar.engine.verifier import CloudVerifier
     except ImportError:  # a checkout from before the engine had a package of its own
         from ciar.collab.scheduler import SchedulerConfig
-    from ciar.engine.verifier import CloudVerifier
+        from ciar.collab.verifier import CloudVerifier
     from ciar.decoding.sampling import SamplingParams
     from ciar.models.gpt import GPTConfig, build_gpt
     from ciar_device.wire import OpenRequest
@@ -83,17 +91,36 @@ def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, 
     return v, state, g
 
 
-def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None) -> dict:
-    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times.
-    `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight."""
+def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None,
+            freeze: bool = False) -> dict:
+    """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times (medians,
+    and the steps' mean, p99 and longest), and the collector's pauses in the measured rounds (gen-2 ones apart).
+    `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight.
+    `freeze`: the heap frozen once the verifier is built, as an engine's process does (`ciar.engine.heap.freeze`:
+    one full collection, then `gc.freeze`)."""
     import torch
 
     from ciar_device.wire import VerifyRequest
 
     v, state, g = stubbed_verifier(vocab, sessions, max_works or 2 * sessions, sessions * 2 * (SPAN + 1), seed)
     q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    pauses: list[tuple[int, float]] = []  # (generation, ms) of each collection in the measured rounds
+    started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and measuring:
+            pauses.append((info["generation"], 1e3 * (time.perf_counter() - started[0])))
+
+    measuring = False
+    gc.callbacks.append(on_gc)
     per_step, per_round, steps_per_round = [], [], []
     for r in range(rounds + 1):  # the first round warms up
+        measuring = r > 0
         for i in range(sessions):
             v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
                                           torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
@@ -109,19 +136,34 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             per_step += steps
             per_round.append(round_s)
             steps_per_round.append(len(steps))
-    return {"vocab": vocab, "sessions": sessions, "rounds": rounds,
+    gc.callbacks.remove(on_gc)
+    t0 = time.perf_counter()
+    gc.collect()  # what a full collection in this process costs now (a gen-2 pause)
+    full_collect_ms = 1e3 * (time.perf_counter() - t0)
+    ordered = sorted(per_step)
+    full = [ms for gen, ms in pauses if gen == 2]
+    return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze,
             "step_ms": 1e3 * statistics.median(per_step), "round_ms": 1e3 * statistics.median(per_round),
             "steps_per_round": statistics.mean(steps_per_round),
-            "span_step_ms": 1e3 * statistics.median(per_step[::max(1, round(statistics.mean(steps_per_round)))])}
+            "span_step_ms": 1e3 * statistics.median(per_step[::max(1, round(statistics.mean(steps_per_round)))]),
+            "mean_step_ms": 1e3 * statistics.mean(per_step),
+            "p99_step_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+            "max_step_ms": 1e3 * ordered[-1], "steps": len(per_step),
+            "gc_pauses": len(pauses), "gc_pause_ms": sum(ms for _, ms in pauses),
+            "gen2_pauses": len(full), "gen2_max_ms": max(full, default=0.0), "full_collect_ms": full_collect_ms,
+            "heap_objects": len(gc.get_objects()) + gc.get_freeze_count()}
 
 
-def _child(tree: str, vocab: int, sessions: int, rounds: int) -> dict:
-    """One measurement in a fresh process importing `ciar` from `tree` (this file loaded by its path)."""
+def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False) -> dict:
+    """One measurement in a fresh process importing `ciar` from `tree` (this file loaded by its path), with the
+    CPU's denormal numbers flushed to zero unless `denormals` (see the module docstring), its heap frozen or not."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "device")]), OMP_NUM_THREADS="1")
-    code = ("import importlib.util, json, sys; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/device']; "
+    code = ("import importlib.util, json, sys, torch; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/device']; "
+            f"torch.set_flush_denormal({not denormals}); "
             "spec = importlib.util.spec_from_file_location('engine_host', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); import ciar; "
-            "r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])); r['ciar'] = ciar.__file__; "
+            f"r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), freeze={freeze}); "
+            "r['ciar'] = ciar.__file__; "
             "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), tree, str(vocab), str(sessions),
                           str(rounds)], env=env, cwd="/", capture_output=True, text=True)
@@ -142,6 +184,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="16 sessions, vocabulary 1024, 2 rounds, 1 rep")
+    ap.add_argument("--denormals", action="store_true",
+                    help="keep the CPU's denormal arithmetic (default: flushed to zero; see the module docstring)")
+    ap.add_argument("--heap", action="store_true",
+                    help="also run this checkout with its heap frozen (`ciar.engine.heap`): the steps' tails side "
+                         "by side (engine_heap.md)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.sessions, args.vocab, args.rounds, args.reps = [16], [1024], 2, 1
@@ -151,12 +198,14 @@ def main(argv=None) -> int:
         if not os.path.isdir(os.path.join(args.before, "ciar")):
             ap.error(f"--before {args.before}: not a checkout of this project (no ciar/ folder)")
         trees = {"before": os.path.abspath(args.before), "after": here}
+    if args.heap:
+        trees["frozen"] = here  # this checkout again, its heap frozen
     runs = []
     for vocab in args.vocab:
         for sessions in args.sessions:
             for rep in range(args.reps):
                 for name, tree in trees.items():  # interleaved: both see the same box
-                    r = _child(tree, vocab, sessions, args.rounds)
+                    r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen")
                     r.update(tree=name, rep=rep)
                     runs.append(r)
                     print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "
@@ -172,6 +221,9 @@ def main(argv=None) -> int:
             for name in trees:
                 for key in ("step_ms", "round_ms", "steps_per_round"):
                     row[f"{name}_{key}"] = med(name, key)
+                for key in ("mean_step_ms", "p99_step_ms", "max_step_ms", "gen2_pauses", "gen2_max_ms",
+                            "full_collect_ms"):
+                    row[f"{name}_{key}"] = med(name, key)
             if "before" in trees:
                 row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
                 row["round_ratio"] = row["before_round_ms"] / row["after_round_ms"]
@@ -179,7 +231,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "engine_host.json"), "w") as f:
         json.dump({"command": "python -m benchmarks.engine_host " + " ".join(argv or sys.argv[1:]),
-                   "trees": trees, "rows": rows, "runs": runs}, f, indent=1)
+                   "denormals_flushed": not args.denormals, "trees": trees, "rows": rows, "runs": runs}, f, indent=1)
     lines = ["| vocabulary | sessions | " + " | ".join(
         f"{n} ms/step | {n} ms/round | {n} steps/round" for n in trees) +
         (" | step ×less | round ×less |" if "before" in trees else " |"),
@@ -194,6 +246,21 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "engine_host.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.heap:  # the tails: each cell the median over the repetitions
+        heap = ["| vocabulary | sessions | " + " | ".join(
+            f"{n} mean ms | {n} p99 ms | {n} max ms | {n} gen-2 pauses | {n} longest gen-2 ms | {n} full collection ms"
+            for n in trees) + " |",
+            "|---|---|" + "---|---|---|---|---|---|" * len(trees)]
+        for r in rows:
+            cells = [str(r["vocab"]), str(r["sessions"])]
+            for n in trees:
+                cells += [f"{r[f'{n}_mean_step_ms']:.2f}", f"{r[f'{n}_p99_step_ms']:.2f}", f"{r[f'{n}_max_step_ms']:.1f}",
+                          f"{r[f'{n}_gen2_pauses']:g}", f"{r[f'{n}_gen2_max_ms']:.1f}",
+                          f"{r[f'{n}_full_collect_ms']:.1f}"]
+            heap.append("| " + " | ".join(cells) + " |")
+        with open(os.path.join(args.out, "engine_heap.md"), "w") as f:
+            f.write("\n".join(heap) + "\n")
+        print("\n".join(heap))
     return 0
 
 

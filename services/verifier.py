@@ -45,6 +45,7 @@ import torch
 from ray import serve
 
 from ciar.collab.protocol import InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
+from ciar.engine import heap
 from ciar.engine.process import CoreSpec, EngineProcess, build_verifier, step_counts
 from ciar.engine.service import VerifierService
 from services.config import VerifierLiveConfig
@@ -87,6 +88,8 @@ class Verifier:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (unit use)
             self.replica_id = "local"
+        else:  # a replica's process serves: its start-up out of the collector's reach (`ciar.engine.heap`)
+            heap.freeze(log=logger.info)
         self._metrics()
 
     def _metrics(self) -> None:

@@ -77,6 +77,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from ciar.engine import heap
 from ciar.engine.core import AsyncStepper
 from ciar.engine.scheduler import SchedulerConfig
 from ciar.engine.service import EngineStalledError, VerifierService
@@ -646,6 +647,7 @@ def _core_main(fd: int) -> int:
         kind, spec, secret, batch_wait_s = pickle.loads(conn.recv_bytes())
         assert kind == "start", kind
         core = build_verifier(spec)
+        heap.freeze()  # (this process is the engine's: its start-up out of the collector's reach)
         info = {"vocab_size": core.vocab_size, "max_sessions": core.table.max_sessions, "pid": os.getpid(),
                 "memory": core.memory.to_dict() if core.memory is not None else None}
     except (EOFError, OSError):

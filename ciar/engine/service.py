@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from ciar.engine import heap
 from ciar.engine.core import AsyncStepper, EngineThread
 from ciar.collab.protocol import SessionError, SessionLostError, SessionTokenError
 
@@ -121,10 +122,10 @@ class VerifierService:
             self.stepper.wait_s = batch_wait_s
 
     async def stats(self) -> dict:
-        """The engine's counters (`CloudVerifier.stats`), the calls served, and how long the step running now has
-        run."""
+        """The engine's counters (`CloudVerifier.stats`), the calls served, how long the step running now has run,
+        and the collector of the process the engine steps in (`ciar.engine.heap`)."""
         return {**self.core.stats(), "opened": self.opened, "resumed": self.resumed,
-                "step_running_s": self.stepper.stalled_s()}
+                "step_running_s": self.stepper.stalled_s(), "heap": heap.stats()}
 
     def check_stalled(self, limit_s: float) -> None:
         """Raise `EngineStalledError` when the engine's current step has run longer than `limit_s` (a forward that

@@ -1,6 +1,7 @@
 """benchmarks.gpu: the suite a lent GPU runs in one call, exercised here at tiny shapes on the CPU (`--tiny`: every
 section's code runs; the figures mean nothing). On a CUDA machine the gpu-marked test runs the graph check for real."""
 
+import gc
 import json
 import os
 
@@ -49,6 +50,8 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     tok = fused["tokens_float32"]  # in float32 both decode the same greedy tokens (the same bits on this CPU)
     assert tok["tokens"] == 6 and tok["max_logit_diff_before_any_token_differs"] < 1e-4, tok
     cm = sections["capacity_measured"]  # the real engine on its thread under trace-driven phones, CIAR and cloud-only
+    assert cm["heap_frozen"] > 0 and cm["heap"]["frozen"] > 0  # as a replica's: its start-up frozen
+    assert gc.get_freeze_count() == 0  # ... and undone after the section
     for method in ("ciar", "cloud"):
         points = cm["points"][method]
         assert [p["phones"] for p in points] == [1, 3]

@@ -98,6 +98,8 @@ def test_the_core_process_gives_the_engine_threads_replies(engine, overlap):
     assert stats["opened"] == 4 and stats["resumed"] == 1 and e.steps == len(steps)
     assert stats["forwards"] == sum(works > 0 for works, _ in steps)  # (with overlap a step may only apply decisions)
     assert stats["overlap"] == overlap and stats["steps_failed"] == 0
+    assert stats["heap"]["frozen"] > 0  # the core froze its start-up (ciar.engine.heap), and says so
+    assert asyncio.run(local.stats())["heap"]["frozen"] == 0  # ... not this test's process, a library user's
     assert sum(spans for _, spans in steps) == 4 * 3  # every verification counted once, as it was answered
     assert e.stalled_s() == 0.0
     e.check_stalled(1.0)
