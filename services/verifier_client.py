@@ -33,7 +33,7 @@ _FAST_TENSORS = False
 
 
 def fast_tensors() -> None:
-    """This process's Ray calls carry CPU tensors as dtype, shape and bytes (`ciar.engine.process.tensor_to_bytes`)
+    """This process's Ray calls carry CPU tensors as dtype, shape and bytes (`ciar.engine.codec`)
     instead of torch's pickle, whose storage protocol costs ~200 us to write and ~250 us to read a VERIFY's three
     small tensors, on the event loop of the replica that reads them. Called once per process by what sends tensors
     over handles: the Verifier replicas (replies), the simulated phones (`RayCloudClient`) and the device socket
@@ -42,7 +42,7 @@ def fast_tensors() -> None:
     import ray
 
     if not _FAST_TENSORS and ray.is_initialized():  # (a client over a test double of the handle: nothing to do)
-        from ciar.engine.process import tensor_from_bytes, tensor_to_bytes
+        from ciar.engine.codec import tensor_from_bytes, tensor_to_bytes
 
         ray.util.register_serializer(torch.Tensor, serializer=tensor_to_bytes, deserializer=tensor_from_bytes)
         _FAST_TENSORS = True

@@ -28,7 +28,7 @@ CUDA graphs captured in the process that owns the accelerator) and serves a `Ver
 asyncio loop that reads the socket between steps and steps the engine itself (`_CoreStepper`). Nothing in the core
 shares its interpreter with the replica's loop, Ray's threads or simulated phones. A VERIFY, the hot call, is data
 there: its work is built and queued as its message is read, and its reply sent by the work's callback (no task per
-call). Tensors cross as dtype, shape and bytes (`tensor_to_bytes`), not by torch's storage pickling.
+call). Tensors cross as dtype, shape and bytes (`ciar.engine.codec`), not by torch's storage pickling.
 
 Messages (pickled tuples, framed by `multiprocessing.connection.Connection`; after the first frame each way, a
 frame holds every message one side queued meanwhile: the replica's as a list of pickled messages, each pickled by
@@ -59,10 +59,8 @@ When the replica goes away the core reads the end of its socket and exits.
 from __future__ import annotations
 
 import asyncio
-import copyreg
 import importlib
 import inspect
-import io
 import itertools
 import logging
 import os
@@ -78,6 +76,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from ciar.engine import heap
+from ciar.engine.codec import dumps
 from ciar.engine.core import AsyncStepper
 from ciar.engine.scheduler import SchedulerConfig
 from ciar.engine.service import EngineStalledError, VerifierService
@@ -149,50 +148,6 @@ def step_counts(finished) -> int:
     return sum(isinstance(w, VerifyWork) and w.error is None for w in finished)
 
 
-def tensor_from_bytes(packed):
-    """The tensor `tensor_to_bytes` packed."""
-    if packed[0] == "torch":  # (a tensor the fast form does not take, in torch's own pickle)
-        return pickle.loads(packed[1])
-    import torch
-
-    _, dtype, shape, data = packed
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
-
-
-def tensor_to_bytes(x):
-    """A CPU tensor as its dtype, shape and bytes: torch's own pickling costs ~200 us to write and ~250 us to read a
-    VERIFY's three small tensors (its storage protocol), this ~15 us each way. Another tensor (on an accelerator,
-    with a gradient, sparse, quantized, a subclass) keeps torch's own pickle, so it comes back as it went."""
-    import torch
-
-    if type(x) is not torch.Tensor or x.device.type != "cpu" or x.requires_grad or x.layout != torch.strided or \
-            x.is_quantized or x.is_conj() or x.is_neg():
-        return ("torch", pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
-    flat = x.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:  # (a single element may carry any stride, even from .contiguous())
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return ("raw", x.dtype, tuple(x.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-
-
-def _reduce_tensor(x):
-    return tensor_from_bytes, (tensor_to_bytes(x),)
-
-
-class _Pickler(pickle.Pickler):
-    dispatch_table = copyreg.dispatch_table.copy()
-
-
-def _dumps(message) -> bytes:
-    import torch
-
-    if torch.Tensor not in _Pickler.dispatch_table:
-        _Pickler.dispatch_table[torch.Tensor] = _reduce_tensor
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
-    return out.getvalue()
-
-
 # ---------------------------------------------------------------------------------------------------- the replica
 
 
@@ -210,7 +165,7 @@ class EngineProcess:
                                      pass_fds=(theirs.fileno(),), env=env, close_fds=True)
         theirs.close()
         self._conn = Connection(ours.detach())
-        self._conn.send_bytes(_dumps(("start", spec, secret, batch_wait_s)))
+        self._conn.send_bytes(dumps(("start", spec, secret, batch_wait_s)))
         try:
             kind, *rest = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as e:
@@ -303,7 +258,7 @@ class EngineProcess:
             if self._dead is not None:
                 raise EngineProcessError(self._dead)
             call = next(self._ids)
-        data = _dumps(("call", call, method, args, kwargs))  # (what cannot be pickled fails its own caller, here)
+        data = dumps(("call", call, method, args, kwargs))  # (what cannot be pickled fails its own caller, here)
         with self._lock:
             self._calls[call] = (loop, fut)
         self._out.put(data)
@@ -319,7 +274,7 @@ class EngineProcess:
         return value
 
     def _send(self, message) -> None:
-        self._out.put(_dumps(message))
+        self._out.put(dumps(message))
 
     def _write(self) -> None:
         """Sends what the callers queued (each message pickled by its caller), every message queued meanwhile in one
@@ -335,7 +290,7 @@ class EngineProcess:
             batch = [m for m in batch if m is not None]
             try:
                 if batch:
-                    self._conn.send_bytes(_dumps(batch))
+                    self._conn.send_bytes(dumps(batch))
             except OSError:  # the core is gone: the reader says so to every caller
                 return
             if stop:
@@ -520,11 +475,11 @@ class _Core:
         if not batch:
             return
         try:
-            data = _dumps(batch)
+            data = dumps(batch)
         except Exception:  # noqa: BLE001 - a value pickle cannot take: its caller gets why, the others their own
             batch = [m if _picklable(m) else ("reply", m[1], False, EngineProcessError(
                 f"the engine's reply could not be sent: {_pickle_error(m)}")) for m in batch]
-            data = _dumps(batch)
+            data = dumps(batch)
         self.conn.send_bytes(data)
 
     async def run(self) -> None:
@@ -626,7 +581,7 @@ def _picklable(message) -> bool:
 
 def _pickle_error(message) -> str | None:
     try:
-        _dumps(message)
+        dumps(message)
     except Exception as e:  # noqa: BLE001 - said to the caller
         return f"{type(e).__name__}: {e}"
     return None
@@ -653,9 +608,9 @@ def _core_main(fd: int) -> int:
     except (EOFError, OSError):
         return 1
     except BaseException:  # noqa: BLE001 - the replica gets the traceback
-        conn.send_bytes(_dumps(("dead", traceback.format_exc())))
+        conn.send_bytes(dumps(("dead", traceback.format_exc())))
         return 1
-    conn.send_bytes(_dumps(("ready", info)))
+    conn.send_bytes(dumps(("ready", info)))
     try:
         asyncio.run(_Core(conn, core, secret, batch_wait_s).run())
     except Exception:  # noqa: BLE001 - logged where it happened; the exit code tells the replica

@@ -207,26 +207,6 @@ def test_the_core_exits_when_its_replica_dies(tmp_path):
     assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
 
 
-def test_tensors_cross_the_socket_as_they_were():
-    """The core's own tensor pickling (dtype, shape, bytes): every dtype the calls carry, empty, 0-d, strided."""
-    import pickle
-
-    from ciar.engine.process import _dumps
-
-    for x in [torch.randn(3, 4), torch.zeros(0, dtype=torch.long), torch.tensor(5), torch.randn(2, 3).half(),
-              torch.randn(4).bfloat16(), torch.tensor([True, False]), torch.randn(4, 4).t(),
-              torch.as_strided(torch.arange(3), (1,), (0,)),  # one element, stride 0 (what .contiguous() keeps)
-              torch.as_strided(torch.arange(3), (0, 2), (0, 0)), torch.zeros(1, 3)[:, :1].expand(4, 1)]:
-        y = pickle.loads(_dumps(x))
-        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(y, x) and y.is_contiguous()
-    # what the fast form does not take keeps torch's own pickle: a gradient, a subclass, a sparse or conjugate view
-    for x in [torch.randn(2, requires_grad=True), torch.nn.Parameter(torch.randn(2)), torch.randn(3, 3).to_sparse(),
-              torch.randn(3, dtype=torch.cfloat).conj()]:
-        y = pickle.loads(_dumps(x))
-        assert type(y) is type(x) and y.requires_grad == x.requires_grad and y.layout == x.layout
-        assert torch.equal(y.detach().to_dense().resolve_conj(), x.detach().to_dense().resolve_conj())
-
-
 def test_a_frame_the_core_cannot_read_ends_it_and_fails_the_calls(engine):
     """A frame the core cannot unpickle (a replica and a core of different code) ends the core: the replica's calls
     fail with EngineProcessError, they do not hang."""
