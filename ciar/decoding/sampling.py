@@ -152,6 +152,7 @@ class RowSampling:
     any_top_p: bool = False
     any_greedy: bool = False
     any_temperature: bool = False  # a row with temperature not in (0, 1)
+    min_top_k: int = 0  # the smallest top_k of a row that filters by top-k (0: none does)
 
     @staticmethod
     def host_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,10 +163,12 @@ class RowSampling:
                 torch.tensor([p.top_p for p in params], dtype=torch.float32))
 
     @staticmethod
-    def summary(params: list[SamplingParams]) -> tuple[int, bool, bool, bool]:
-        """(max_top_k, any_top_p, any_greedy, any_temperature) of the rows: what the host knows without a read."""
+    def summary(params: list[SamplingParams]) -> tuple[int, bool, bool, bool, int]:
+        """(max_top_k, any_top_p, any_greedy, any_temperature, min_top_k) of the rows: what the host knows without a
+        read."""
         return (max((p.top_k for p in params), default=0), any(p.top_p < 1.0 for p in params),
-                any(p.temperature == 0.0 for p in params), any(p.temperature not in (0.0, 1.0) for p in params))
+                any(p.temperature == 0.0 for p in params), any(p.temperature not in (0.0, 1.0) for p in params),
+                min((p.top_k for p in params if p.top_k > 0), default=0))
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampling":
@@ -197,8 +200,12 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
     k = rows.top_k[:, None]
     if 0 < min(rows.max_top_k, vocab - 1):
         kmax = min(rows.max_top_k, vocab)
-        top = torch.topk(logits, kmax, dim=-1).values  # [R, kmax]: the first k of them are row r's top k
-        kth = top.gather(-1, (k.clamp(1, kmax) - 1))  # [R, 1]
+        if rows.min_top_k == rows.max_top_k:  # every row that filters keeps the same k (the usual case): the k-th
+            # largest value is the smallest of the k largest, which need no sorting (the same value, faster)
+            kth = torch.topk(logits, kmax, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [R, 1]
+        else:
+            top = torch.topk(logits, kmax, dim=-1).values  # [R, kmax]: the first k of them are row r's top k
+            kth = top.gather(-1, (k.clamp(1, kmax) - 1))  # [R, 1]
         on = (k > 0) & (k < vocab)
         logits = logits.masked_fill(on & (logits < kth), float("-inf"))
     probs = torch.softmax(logits, dim=-1)

@@ -51,6 +51,15 @@ def test_rows_to_probs_equals_logits_to_probs_row_by_row():
     # a batch of one setting is the scalar call on the whole batch
     same = rows_to_probs(cond, RowSampling.of([settings[6]] * len(settings)), uncond)
     assert torch.equal(same, logits_to_probs(cond, settings[6], uncond_logits=uncond))
+    # every row that filters keeps the same k (the unsorted top-k path), beside rows that do not filter; with ties
+    one_k = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(cfg_scale=3.0, temperature=0.7, top_k=5)] * 3
+    rows = RowSampling.of(one_k)
+    assert (rows.min_top_k, rows.max_top_k) == (5, 5)
+    tied = torch.randint(-3, 4, (len(one_k), vocab), generator=g).float()  # many equal logits: ties at the k-th
+    for c in (cond[:len(one_k)], tied):
+        got = rows_to_probs(c, rows, uncond[:len(one_k)])
+        for r, params in enumerate(one_k):
+            assert torch.equal(got[r], logits_to_probs(c[r], params, uncond_logits=uncond[r])), (r, params)
 
 
 @pytest.mark.parametrize("packed", [False, True])
