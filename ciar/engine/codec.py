@@ -27,8 +27,9 @@ def tensor_from_bytes(packed):
     import torch
 
     _, dtype, shape, data = packed
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 def tensor_to_bytes(x):

@@ -160,6 +160,9 @@ def test_bad_requests_raise_session_errors(tiny_cloud, stub_text):
     with pytest.raises(SessionError, match="token ids"):
         v.verify_batch([VerifyRequest("a", torch.tensor([V]), torch.zeros(1, dtype=torch.long),
                                       torch.full((1, V), 1.0 / V))])
+    with pytest.raises(SessionError, match="token ids"):  # a draft's id too (checked as a list: VerifyWork)
+        v.verify_batch([VerifyRequest("a", torch.zeros(0, dtype=torch.long), torch.tensor([3, -1]),
+                                      torch.full((2, V), 1.0 / V))])
     with pytest.raises(SessionError, match="draft_probs"):
         v.verify_batch([VerifyRequest("a", torch.zeros(0, dtype=torch.long), torch.zeros(2, dtype=torch.long),
                                       torch.full((1, V), 1.0 / V))])
