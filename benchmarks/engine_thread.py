@@ -24,7 +24,9 @@ of a step is that sharing, and what the engine core in a process of its own (`ci
 Reported per phones count: median ms per step and works per step each way, verifies per second, and the ratios
 threaded / direct and process / direct (ms per step) and process / threaded (verifies per second). The ratios are
 the result (times are this box's; on a 2-core box the process way has one core for the phones and one for the
-core, which the other ways share).
+core, which the other ways share). Denormal numbers are flushed to zero in every way (`--denormals` keeps them), as
+`benchmarks.engine_host` does and for its reason: the stub's guided logits make float32 denormals, which the real
+models' never do and which cost a CPU ~x10 in their softmax (figures before 2026-11-29b kept them).
 """
 
 from __future__ import annotations
@@ -43,10 +45,14 @@ from benchmarks.engine_host import SHAPES, SPAN, stubbed_verifier
 SECRET, DEVICE = "bench-secret", "bench"
 
 
-def core(vocab: int, sessions: int, max_works: int, seed: int = 0):
+def core(vocab: int, sessions: int, max_works: int, seed: int = 0, flush_denormal: bool = False):
     """`benchmarks.engine_host`'s verifier with its forward and head stubbed, `sessions` opened (s0, s1, ...); a
     session near its image's end starts it again when its next VERIFY is built, so phones can verify for ever. The
-    process way's core builds it too (`CoreSpec.factory`)."""
+    process way's core builds it too (`CoreSpec.factory`: with `flush_denormal`, that process flushes denormals)."""
+    if flush_denormal:
+        import torch
+
+        torch.set_flush_denormal(True)
     v, _, _ = stubbed_verifier(vocab, sessions, max_works, 2 * max_works * (SPAN + 1), seed)
     build = v.verify_work
 
@@ -142,14 +148,15 @@ def threaded(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: 
 
 
 def process(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
-            counts: tuple[int, int] | None = None) -> dict:
+            counts: tuple[int, int] | None = None, flush_denormal: bool = False) -> dict:
     """The engine core in a process of its own (`ciar.engine.process.EngineProcess`): the phones on this loop, the
     core (the same stubbed verifier, built there) stepping there; each step's time as the core measured it."""
     from ciar.engine.process import CoreSpec, EngineProcess
 
     steps: list = []
     spec = CoreSpec(factory="benchmarks.engine_thread:core",
-                    factory_kwargs={"vocab": vocab, "sessions": phones, "max_works": max_works})
+                    factory_kwargs={"vocab": vocab, "sessions": phones, "max_works": max_works,
+                                    "flush_denormal": flush_denormal})
     engine = EngineProcess(spec, SECRET, batch_wait_s=0.0,
                            on_step=lambda works, spans, sec: steps.append((sec, works)))
     try:
@@ -196,16 +203,28 @@ def _summary(steps: list, rate: float) -> dict:
 
 
 def compare(vocab: int, phones: int, max_works: int, seconds: float, warmup_s: float,
-            counts: tuple[int, int] | None = None, reps: int = 1, switch_s: float | None = None) -> dict:
+            counts: tuple[int, int] | None = None, reps: int = 1, switch_s: float | None = None,
+            flush_denormal: bool = True) -> dict:
     """Every way at one phones count, `reps` times interleaved (every way sees the same box), medians, and the
     ratios: threaded / direct and process / direct (ms per step), process / threaded (verifies per second); with
-    `switch_s`, the threaded way again at that switch interval (switch / threaded)."""
-    row = {"phones": phones, "max_works": max_works, "reps": reps}
+    `switch_s`, the threaded way again at that switch interval (switch / threaded). `flush_denormal`: every way
+    with denormals flushed (this thread, and the threads it starts, for its duration; the core process)."""
+    import torch
+
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        return _compare(vocab, phones, max_works, seconds, warmup_s, counts, reps, switch_s, flush_denormal)
+    finally:
+        torch.set_flush_denormal(False)  # (the default: a caller in this process goes on as before)
+
+
+def _compare(vocab, phones, max_works, seconds, warmup_s, counts, reps, switch_s, flush_denormal) -> dict:
+    row = {"phones": phones, "max_works": max_works, "reps": reps, "denormals_flushed": flush_denormal}
     ways = {"direct": lambda: direct(vocab, phones, max_works, seconds, warmup_s, counts),
             "threaded": lambda: threaded(vocab, phones, max_works, seconds, warmup_s, counts=counts)}
     if switch_s:
         ways["threaded_switch"] = lambda: threaded(vocab, phones, max_works, seconds, warmup_s, switch_s, counts)
-    ways["process"] = lambda: process(vocab, phones, max_works, seconds, warmup_s, counts)
+    ways["process"] = lambda: process(vocab, phones, max_works, seconds, warmup_s, counts, flush_denormal)
     runs: dict[str, list] = {way: [] for way in ways}
     for _ in range(reps):
         for way, run in ways.items():
@@ -236,6 +255,8 @@ def main(argv=None) -> int:
                     help="windows counted in answered verifies instead of seconds")
     ap.add_argument("--reps", type=int, default=1, help="each way this many times, interleaved; medians reported")
     ap.add_argument("--tiny", action="store_true", help="8 phones, 4 works a step, 16 + 64 verifies each way")
+    ap.add_argument("--denormals", action="store_true",
+                    help="keep the CPU's denormal arithmetic (default: flushed to zero; see the module docstring)")
     args = ap.parse_args(argv)
     if args.tiny:  # (counted, not timed: the same check on any machine)
         args.phones, args.max_works, args.verifies = [8], 4, (16, 64)
@@ -243,7 +264,7 @@ def main(argv=None) -> int:
     rows = []
     for phones in args.phones:
         row = compare(args.vocab, phones, args.max_works, args.seconds, args.warmup_s, counts, args.reps,
-                      args.switch_ms / 1000)
+                      args.switch_ms / 1000, flush_denormal=not args.denormals)
         rows.append(row)
         print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)

@@ -4,6 +4,8 @@ size."""
 
 import json
 
+import torch
+
 
 def test_the_tiny_engine_thread_benchmark_runs_every_way(tmp_path):
     from benchmarks.engine_thread import main
@@ -15,3 +17,5 @@ def test_the_tiny_engine_thread_benchmark_runs_every_way(tmp_path):
         x = rows[0][way]
         assert x["steps"] > 0 and x["step_ms"] > 0 and 0 < x["works_per_step"] <= 4 and x["verifies_per_s"] > 0, x
     assert "| 8 |" in open(tmp_path / "engine_thread.md").read()
+    assert rows[0]["denormals_flushed"]
+    assert (torch.tensor([1e-30]) * 1e-10).item() > 0  # ... and this process computes denormals again after it
