@@ -5,17 +5,17 @@
 
 The GPU suite's `capacity_measured` section (issue 48, item 5). What runs is what a Verifier replica runs: a
 `CloudVerifier` (the KV cache sized from the accelerator's memory, static buckets, every CUDA graph captured at
-start-up, serve_config.gpu.yaml's scheduler: 64 works, 16,384 positions, 120-position prefill chunks) stepped by its
-own `EngineThread` (3 ms batch wait; the process's heap frozen once it is built, as the replica's is:
-`ciar.engine.heap`, undone after the section), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint)
-and a random interval projector of the XL width. The phones are trace-driven (`ciar.capacity.trace.replay_session`):
-sessions recorded on a CPU with the shipped scenes world (`benchmarks/traces/`, CIAR at its calibrated point and
-cloud-only, 12 images each, 144 image tokens), replayed back to back with their recorded device compute slept and
-every message over a seeded simulated link. Random weights would decide other tokens and end the recorded course,
-so the recorded decisions are given (`ciar.capacity.trace.RecordedVerdicts`): the judge's own batched pass still runs
-on every step's real logits (what a step costs), then its outcome is replaced by the recorded one. The draft
-distributions are padded with zeros from the scenes world's 1,024 codes to the model's vocabulary (what an XL
-device would send: [k, 16384] float16 per span); the messages' simulated bytes are counted at that width.
+start-up, serve_config.gpu.yaml's scheduler: 64 works, 16,384 positions, 120-position prefill chunks) stepped by its own
+`EngineThread` (3 ms batch wait; the process's heap frozen once it is built, as the replica's is: `ciar.engine.heap`,
+undone after the section), at LlamaGen-XL's shapes with RANDOM weights (the suite builds no checkpoint) and a random
+interval projector of the XL width. The phones are trace-driven (`ciar.capacity.trace.replay_session`): sessions
+recorded on a CPU with the shipped scenes world (`benchmarks/traces/`, CIAR at its calibrated point and cloud-only, 12
+images each, 144 image tokens), replayed back to back with their recorded device compute slept and every message over a
+seeded simulated link. Random weights would decide other tokens and end the recorded course, so the recorded decisions
+are given (`ciar.capacity.trace.RecordedVerdicts`): the judge's own batched pass still runs on every step's real logits
+(what a step costs), then its outcome is replaced by the recorded one. The draft distributions are padded with zeros
+from the scenes world's 1,024 codes to the model's vocabulary (what an XL device would send: [k, 16384] float16 per
+span); the messages' simulated bytes are counted at that width.
 
 Not in the measured replica: the caption encoder (captions arrive as random embeddings: flan-t5-xl's encoder would
 add one forward per open), session resumes (one replica), the Ingress and the device endpoint.

@@ -254,9 +254,9 @@ def main(argv=None) -> int:
         for r in rows:
             cells = [str(r["vocab"]), str(r["sessions"])]
             for n in trees:
-                cells += [f"{r[f'{n}_mean_step_ms']:.2f}", f"{r[f'{n}_p99_step_ms']:.2f}", f"{r[f'{n}_max_step_ms']:.1f}",
-                          f"{r[f'{n}_gen2_pauses']:g}", f"{r[f'{n}_gen2_max_ms']:.1f}",
-                          f"{r[f'{n}_full_collect_ms']:.1f}"]
+                cells += [f"{r[f'{n}_mean_step_ms']:.2f}", f"{r[f'{n}_p99_step_ms']:.2f}",
+                          f"{r[f'{n}_max_step_ms']:.1f}", f"{r[f'{n}_gen2_pauses']:g}",
+                          f"{r[f'{n}_gen2_max_ms']:.1f}", f"{r[f'{n}_full_collect_ms']:.1f}"]
             heap.append("| " + " | ".join(cells) + " |")
         with open(os.path.join(args.out, "engine_heap.md"), "w") as f:
             f.write("\n".join(heap) + "\n")

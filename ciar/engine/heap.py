@@ -1,7 +1,8 @@
 """The engine process's Python heap: its start-up frozen out of the cyclic collector's reach, its collections counted.
 
     heap.freeze()        # once the engine is built: one full collection, then gc.freeze(); pauses timed from here
-    heap.stats()         # {"frozen": objects, "collections": [gen0, gen1, gen2], "pause_ms": [...], ...}
+    heap.stats()         # {"frozen": objects, "collections": [gen0, gen1, gen2], "pauses": [...],
+                         #  "pause_total_ms": [...], "pause_max_ms": [...]}  (per generation)
 
 Python's cyclic collector stops the thread that triggers it while it walks a generation. Its oldest generation holds
 everything that survived start-up: torch's and Ray's modules, the world, the engine's tables (some 390,000 objects in
@@ -9,11 +10,10 @@ an engine core with the shipped world), and a full collection walks them all, 11
 on. It comes every so often, in the middle of whatever step allocated the last object: a stall of several steps at a
 GPU's pace, in the replies' p99. Freezing the heap once the engine is built (vLLM's workers do it after their warm-up)
 moves those objects to a generation the collector never walks (a full collection after it: under a millisecond
-there); the objects
-the engine makes while serving are collected as before. Reference counting still frees what the frozen objects stop
-using; only reference cycles among them are kept. The engine's owners call `freeze` (the Verifier replica after
-building its engine, the engine core's process after building its verifier); a library user's process is left as
-it is.
+there); the objects the engine makes while serving are collected as before. Reference counting still frees what the
+frozen objects stop using; only reference cycles among them are kept. The engine's owners call `freeze` (the
+Verifier replica after building its engine, the engine core's process after building its verifier); a library
+user's process is left as it is.
 """
 
 from __future__ import annotations
