@@ -516,8 +516,8 @@ class Suite:
         phones through the engine thread (the replica's loop and the engine sharing one interpreter) and through
         the engine core in a process of its own (`ciar.engine.process`, `verifier_engine_process`), beside the steps
         driven directly; ms per step, verifies per second and the ratios. The 2-core box measured the process
-        ×1.18-1.25 the thread's verifies/s with its steps at the direct pace (2026-11-29); here it has cores to
-        spare."""
+        ×1.18-1.25 the thread's verifies/s with its steps at the direct pace (2026-11-29), ×1.07-1.33 with a
+        VERIFY's cost cut (2026-11-29b); here it has cores to spare."""
         from benchmarks import engine_thread as et
 
         loads = [8] if self.tiny else [256, 512]

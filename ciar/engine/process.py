@@ -17,7 +17,8 @@ the forward stubbed: the engine's steps ×1.3-1.6 longer than the same steps dri
 per second (2026-11-28e); on an H200 the saturated CIAR step's host time grew with the phones in the process. This
 is vLLM v1's answer: the engine core runs in a process of its own and the replica only passes requests to it. On
 the same box its steps ran at the direct pace (×0.64-1.10 the direct steps, where the thread's took ×1.12-1.87) and
-the same phones got ×1.18-1.25 the thread's verifies per second (2026-11-29).
+the same phones got ×1.18-1.25 the thread's verifies per second (2026-11-29); with a VERIFY's own cost cut and the
+stub's denormals flushed, ×1.07-1.33, and ×0.75-0.78 of the direct steps' at 256-512 phones (2026-11-29b).
 
 `EngineProcess` has the calls of `ciar.engine.service.VerifierService` (the same ones, with the same errors: they
 are raised in the core and re-raised here with their attributes), so the Verifier deployment serves either
