@@ -140,6 +140,9 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     t0 = time.perf_counter()
     gc.collect()  # what a full collection in this process costs now (a gen-2 pause)
     full_collect_ms = 1e3 * (time.perf_counter() - t0)
+    objects = len(gc.get_objects()) + gc.get_freeze_count()
+    if freeze:
+        gc.unfreeze()  # (a caller in this process collects as before)
     ordered = sorted(per_step)
     full = [ms for gen, ms in pauses if gen == 2]
     return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze,
@@ -151,7 +154,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             "max_step_ms": 1e3 * ordered[-1], "steps": len(per_step),
             "gc_pauses": len(pauses), "gc_pause_ms": sum(ms for _, ms in pauses),
             "gen2_pauses": len(full), "gen2_max_ms": max(full, default=0.0), "full_collect_ms": full_collect_ms,
-            "heap_objects": len(gc.get_objects()) + gc.get_freeze_count()}
+            "heap_objects": objects}
 
 
 def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False) -> dict:
