@@ -41,6 +41,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from ciar.collab.knobs import check_method_overrides
+from ciar.engine import heap
 from services import answers, web
 from services.answers import error_body
 from services.config import AppConfig, DeviceEndpointConfig, key_digest
@@ -92,6 +93,11 @@ class Ingress:
             RayVerifierBackend(verifier, verifier_call_timeout_s), device_key_hashes or [],
             DeviceEndpointConfig(**(endpoint or {})).limits(retry_after_s),
             observe=self.metrics.device_event)
+        heap.freeze(log=logger.info)  # its start-up out of the collector's reach: no full collection stalls requests
+
+    async def heap_stats(self) -> dict:
+        """This replica's collector (`ciar.engine.heap.stats`): over its handle only, not a route."""
+        return heap.stats()
 
     # ------------------------------------------------------------------ auth / limits / readiness
     @staticmethod

@@ -34,6 +34,7 @@ import time
 import torch
 from ray import serve
 
+from ciar.engine import heap
 from ciar.sim.decoder import CollabConfig, CollabDecoder, method_config, shared_knobs
 from ciar.sim.recovery import RecoveringClient
 from ciar.sim.runtime import device_runtime
@@ -87,11 +88,16 @@ class Device:
             self.device_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica
             self.device_id = "local-device"
+            in_replica = False
+        else:
+            in_replica = True
         self.ray_client = RayCloudClient(verifier, self.device_id, self.side.device_model.config.vocab_size,
                                          call_timeout_s=call_timeout_s)
         self.client = RecoveringClient(self.ray_client, is_lost=session_lost)
         self._busy = threading.Lock()  # a phone makes one image at a time
         self.observers: dict = {}  # its running cost estimates per link, kept across its images (adaptive policy)
+        if in_replica:  # its start-up out of the collector's reach: no full collection stalls an image midway
+            heap.freeze(log=logging.getLogger("ray.serve").info)
 
     def reconfigure(self, config: dict) -> None:
         self.live = DeviceLiveConfig(**(config or {}))  # raises a ValidationError naming the field
@@ -208,7 +214,8 @@ class Device:
 
         return {"device_id": self.device_id, "busy": self._busy.locked(),
                 "session_tokens": len(self.ray_client.tokens), "batch_size_records": len(self.ray_client.batch_sizes),
-                "tracked_sessions": self.client.open_sessions, "rss_mb": psutil.Process().memory_info().rss / 2**20}
+                "tracked_sessions": self.client.open_sessions, "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                "heap": heap.stats()}
 
 
 def _node_id() -> str:
