@@ -11,9 +11,9 @@ on. It comes every so often, in the middle of whatever step allocated the last o
 GPU's pace, in the replies' p99. Freezing the heap once the engine is built (vLLM's workers do it after their warm-up)
 moves those objects to a generation the collector never walks (a full collection after it: under a millisecond
 there); the objects the engine makes while serving are collected as before. Reference counting still frees what the
-frozen objects stop using; only reference cycles among them are kept. The engine's owners call `freeze` (the
-Verifier replica after building its engine, the engine core's process after building its verifier); a library
-user's process is left as it is.
+frozen objects stop using; only reference cycles among them are kept. The serving processes call `freeze` (the
+Verifier replica after building its engine, the engine core's process after building its verifier, the Ingress and
+the simulated phones once built); a library user's process is left as it is.
 """
 
 from __future__ import annotations
