@@ -208,8 +208,7 @@ class Judge:
                 accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
                 next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)),
                 positions=pack.add(torch.tensor([s.position for s in g], dtype=torch.long)),
-                q=None if jacobi else pack.add(torch.cat([s.draft_probs.reshape(s.k, v_size).to(torch.float16)
-                                                          for s in g])
+                q=None if jacobi else pack.add(torch.cat([_as_sent(s.draft_probs, s.k, v_size) for s in g])
                                                if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
                 jacobi=jacobi,
                 redraft=dict(window=max(s.drafting[0] for s in g),
@@ -389,6 +388,13 @@ class Deciding:
                 span_stops.update({i: x for i, x in zip(idx, host[at:at + b]) if x >= 0})
                 at += b
         return Decided(bad_rows, tokens, stops, verdicts, self.errors, redrafts, span_stops)
+
+
+def _as_sent(q: torch.Tensor, k: int, v_size: int) -> torch.Tensor:
+    """A span's draft probabilities as [k, V] float16 (what a device sends: then as they are, no operation)."""
+    if q.dtype is torch.float16 and q.dim() == 2:
+        return q
+    return q.reshape(k, v_size).to(torch.float16)
 
 
 class _Source:
