@@ -18,10 +18,10 @@ step and per round (medians over the measured rounds), steps per round, and the 
 box's; the ratios are the result (the docstring of each results file says which box).
 
 Denormal numbers are flushed to zero in both checkouts' processes (`torch.set_flush_denormal`; `--denormals` keeps
-them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stay under 87 in every row
-of an image), so their softmax makes float32 denormals, which this CPU computes some ×10 slower (an 80 x 1,024
-softmax: 0.64 ms against 0.06 ms flushed); a cost of the stub, not of the engine, that the real workload does not
-pay and that weighed on both checkouts alike (figures before 2026-11-29b kept it).
+them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stayed under 87 in every
+row of the image measured, 2026-11-29b), so their softmax makes float32 denormals, which this CPU computes some ×10
+slower (an 80 x 1,024 softmax: 0.64 ms against 0.06 ms flushed); a cost of the stub, not of the engine, that the
+real workload does not pay and that weighed on both checkouts alike (figures before 2026-11-29b kept it).
 """
 
 from __future__ import annotations
