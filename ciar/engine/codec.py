@@ -29,7 +29,8 @@ def tensor_from_bytes(packed):
     _, dtype, shape, data = packed
     if not data:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    flat = torch.frombuffer(bytearray(data), dtype=dtype)
+    return flat if len(shape) == 1 else flat.reshape(shape)  # (a VERIFY's ids are 1-D: no operation for them)
 
 
 def tensor_to_bytes(x):

@@ -467,6 +467,11 @@ def check_projector_inputs(ctx: WorkContext, hidden, features, rows: int, what: 
                                f"[{rows}, {c.feature_dim}], got {tuple(hidden.shape)} and {tuple(features.shape)}")
 
 
+def _ids(t: torch.Tensor) -> list[int]:
+    """A request's token ids as a list (1-D as sent: one read, no reshape)."""
+    return t.tolist() if t.dim() == 1 else t.reshape(-1).tolist()
+
+
 class VerifyWork(SpanFeed, SessionWork):
     """A verification: its feed (committed-but-unfed token, new tokens, drafts) in one piece or chunks, one judge
     (batched with the step's other spans), then the cloud burst after a rejection: one decode step a token, or,
@@ -487,7 +492,7 @@ class VerifyWork(SpanFeed, SessionWork):
         if not 0.0 <= float(r.burst_entropy) <= 1.0:
             raise SessionError(f"burst_entropy must be in [0, 1], got {r.burst_entropy!r}")
         # as lists (one read each; what admit and commit take): 2-16 ids are checked faster in Python than by tensors
-        self.new_ids, self.draft_ids = r.new_tokens.reshape(-1).tolist(), r.draft_tokens.reshape(-1).tolist()
+        self.new_ids, self.draft_ids = _ids(r.new_tokens), _ids(r.draft_tokens)
         for ids in (self.new_ids, self.draft_ids):
             if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
                 raise SessionError(f"token ids must be in [0, {ctx.vocab_size})")
