@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -477,7 +476,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     finally:
         core.stop()
         out["heap"] = heap.stats()
-        gc.unfreeze()  # (the suite's process: its later sections' garbage collected as before)
+        heap.unfreeze()  # (the suite's process: its later sections' garbage collected as before)
         if fused:
             fuse_feed_forward(model, False)  # the suite's other sections time the plain model
     max_sessions = v.table.max_sessions

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 
-__all__ = ["freeze", "stats"]
+__all__ = ["freeze", "stats", "unfreeze"]
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -59,6 +59,14 @@ def freeze(log=logger.info) -> int:
     n = gc.get_freeze_count()
     log("heap frozen: %d objects out of the collector's reach (a full collection over them took %.0f ms)", n, full_ms)
     return n
+
+
+def unfreeze() -> None:
+    """`freeze` undone: the frozen objects back in the oldest generation, collections no longer timed (a process
+    that froze for a while only: a benchmark's section, a test)."""
+    gc.unfreeze()
+    if _on_gc in gc.callbacks:
+        gc.callbacks.remove(_on_gc)
 
 
 def stats() -> dict:

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from ciar.engine import heap
+
 
 def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path):
     from benchmarks.gpu import main
@@ -51,7 +53,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert tok["tokens"] == 6 and tok["max_logit_diff_before_any_token_differs"] < 1e-4, tok
     cm = sections["capacity_measured"]  # the real engine on its thread under trace-driven phones, CIAR and cloud-only
     assert cm["heap_frozen"] > 0 and cm["heap"]["frozen"] > 0  # as a replica's: its start-up frozen
-    assert gc.get_freeze_count() == 0  # ... and undone after the section
+    assert gc.get_freeze_count() == 0 and heap._on_gc not in gc.callbacks  # ... and undone after the section
     for method in ("ciar", "cloud"):
         points = cm["points"][method]
         assert [p["phones"] for p in points] == [1, 3]

@@ -15,8 +15,7 @@ def frozen():
     try:
         yield n, lines
     finally:
-        gc.unfreeze()
-        gc.callbacks.remove(heap._on_gc)
+        heap.unfreeze()
 
 
 class _Cycle:
@@ -43,3 +42,9 @@ def test_freezing_twice_times_collections_once(frozen):
     n, _ = frozen
     heap.freeze(log=lambda *a: None)
     assert gc.callbacks.count(heap._on_gc) == 1 and gc.get_freeze_count() >= n
+
+
+def test_unfreeze_gives_the_heap_back_and_stops_timing():
+    heap.freeze(log=lambda *a: None)
+    heap.unfreeze()
+    assert gc.get_freeze_count() == 0 and heap._on_gc not in gc.callbacks
