@@ -151,15 +151,16 @@ def test_a_caller_that_goes_away_withdraws_its_work_in_the_core(engine):
 
 
 def test_a_core_that_dies_fails_the_calls_in_flight_later_calls_and_the_health_check(engine):
-    e = engine()
+    e = engine(max_sessions=1)
 
     async def go():
-        _, token = await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
-                                session_id="a", device_id="d")
-        e.configure(batch_wait_s=60.0)  # an idle engine waits a minute for company: the next work sits queued
-        task = asyncio.create_task(e.verify(_span("a", 64, 0, 3, 0), session_id="a", device_id="d", token=token))
-        await asyncio.sleep(0)
-        assert (await e.stats())["busy"]
+        await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2), session_id="a", device_id="d")
+        e.configure(slot_wait_s=600.0)  # an open finds no free slot and waits for one: a call in flight whatever the
+        # pace (a company wait was a race: a VERIFY that came while the core awaited the open's turn was stepped)
+        task = asyncio.create_task(e.open(OpenRequest("b", PROMPT, seed=1, sampling=SAMPLED, prefix_len=2),
+                                          session_id="b", device_id="d"))
+        assert (await e.stats())["sessions"] == 1  # (answered after the core read the open: it waits, unanswered)
+        assert not task.done()
         os.kill(e.proc.pid, signal.SIGKILL)
         with pytest.raises(EngineProcessError, match="exited"):
             await task
