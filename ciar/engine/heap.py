@@ -26,7 +26,10 @@ import time
 __all__ = ["freeze", "stats", "unfreeze"]
 
 logger = logging.getLogger(__name__)
-_lock = threading.Lock()
+# Reentrant: `stats` allocates while holding it, an allocation can start a collection on that same thread, and the
+# collection's end calls `_on_gc`, which takes it again (a plain Lock hung that thread for good, and with it the
+# process's collector, which counts itself as collecting until the callback returns).
+_lock = threading.RLock()
 _pauses = {"count": [0, 0, 0], "total_ms": [0.0, 0.0, 0.0], "max_ms": [0.0, 0.0, 0.0]}
 _started: dict[int, float] = {}  # thread id -> when its collection started
 

@@ -48,3 +48,24 @@ def test_unfreeze_gives_the_heap_back_and_stops_timing():
     heap.freeze(log=lambda *a: None)
     heap.unfreeze()
     assert gc.get_freeze_count() == 0 and heap._on_gc not in gc.callbacks
+
+
+def test_stats_while_collections_run_inside_it(frozen):
+    """`stats` allocates while it holds the pause table's lock, and a collection started by one of those allocations
+    ends in `_on_gc`, on the same thread, which takes that lock too. With a collection on nearly every allocation
+    (threshold 1) every call meets it. A plain Lock hung there for good: a Verifier replica's `stats` call (the
+    capacity run's, Prometheus's) never answered, and its process collected nothing more. Run on a thread, so that
+    a hang fails this test instead of the suite."""
+    import threading
+
+    thresholds = gc.get_threshold()
+    answered = []
+    gc.set_threshold(1)
+    try:
+        t = threading.Thread(target=lambda: answered.extend(heap.stats() for _ in range(200)), daemon=True)
+        t.start()
+        t.join(120)  # a hang guard, not a time limit: 200 calls take milliseconds
+    finally:
+        gc.set_threshold(*thresholds)
+    assert not t.is_alive(), "heap.stats() deadlocked against a collection that started inside it"
+    assert len(answered) == 200 and answered[-1]["pauses"][0] > answered[0]["pauses"][0]  # collections were timed
