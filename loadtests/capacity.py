@@ -186,11 +186,17 @@ def _lost(exc: BaseException) -> bool:
     return session_lost(exc) or replica_lost(exc)
 
 
-async def replica_stats(handle, replicas: int) -> dict:
-    """The Verifier replicas' stats summed (calls without a session reach any replica: ask until each answered)."""
+async def replica_stats(handle, replicas: int, timeout_s: float = 300.0) -> dict:
+    """The Verifier replicas' stats summed (calls without a session reach any replica: ask until each answered).
+    A replica that does not answer one within `timeout_s` (a hung replica: its event loop blocked) fails the run
+    with that said, where an unbounded wait held the whole run."""
     seen: dict = {}
     for _ in range(8 * max(1, replicas)):
-        st = await handle.stats.remote()
+        try:
+            st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"a Verifier replica did not answer stats() within {timeout_s:.0f} s (replicas that "
+                               f"answered: {sorted(seen) or 'none'}): it is hung, not loaded") from None
         seen[st["replica_id"]] = st
         if len(seen) >= replicas:
             break

@@ -60,6 +60,23 @@ def test_a_point_counts_images_per_phone_however_long_an_image_takes(monkeypatch
     assert p["overloaded_share"] == pytest.approx(p["later_images"] / p["images"])
 
 
+def test_a_replica_that_never_answers_stats_fails_the_run_with_that_said():
+    """A hung replica (its event loop blocked: a heap.stats deadlock did it once) held the whole run at its stats
+    call; now the call is bounded and the run fails saying so. (A stub handle whose stats never answer.)"""
+    import asyncio
+
+    from loadtests.capacity import replica_stats
+
+    class HungHandle:  # STUB: a deployment handle whose replica never answers
+        class stats:
+            @staticmethod
+            def remote():
+                return asyncio.get_running_loop().create_future()  # never resolved
+
+    with pytest.raises(RuntimeError, match="did not answer stats"):
+        asyncio.run(replica_stats(HungHandle(), 1, timeout_s=0.05))
+
+
 @pytest.mark.cluster  # its own Ray instance and Serve (tests/conftest.py)
 @pytest.mark.timeout(900)
 def test_capacity_run_writes_the_report(tmp_path):
