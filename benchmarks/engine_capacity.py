@@ -2,6 +2,8 @@
 
     python -m benchmarks.gpu --sections env,roofline,served_steps,capacity_measured --out DIR   # on a GPU
     python -m benchmarks.engine_capacity --record benchmarks/traces     # re-record the carried phones (CPU, ~30 s)
+    python -m benchmarks.engine_capacity --refit RUN/gpu.json [--costs-from A/gpu.json B/gpu.json] [--out DIR]
+        # the capacity model beside a GPU run's measured capacity, on any machine (`predict`, `refit_run`)
 
 The GPU suite's `capacity_measured` section (issue 48, item 5). What runs is what a Verifier replica runs: a
 `CloudVerifier` (the KV cache sized from the accelerator's memory, static buckets, every CUDA graph captured at
@@ -29,9 +31,11 @@ the engine serves the fused step, as `serve_config.gpu.yaml` does (`verifier_fus
 once its p99 passes twice the SLO. Headline: images/s at saturation (the largest
 measured) and phones at the p99 SLO, per method; beside each point the capacity model's prediction for the same
 phones, link and window (`ciar.capacity.gpu_model.simulate`: the measured roofline, the same session slots and
-scheduler), with its per-forward overhead (a) the model's default assumption (3 ms) and (b) refit on the served path
-with host time: the median of the served step minus its modelled forward (`served_steps`) plus the judge's and the
-host's milliseconds per step (`engine_graphs`, graphs); measured / predicted per point.
+scheduler), its steps priced (a) by the roofline with the model's default overhead (3 ms a forward), (b) with that
+overhead refit on the served path with host time: the median of the served step minus its modelled forward
+(`served_steps`) plus the judge's and the host's milliseconds per step (`engine_graphs`, graphs), and (c) as the
+served engine runs a step (`served_costs`: its forwards padded to the buckets and priced from `served_steps`, the
+judge and host once a step); measured / predicted per point. `--refit` prices the same from a written result.
 
 The suite's `capacity_process` section runs each method's last load again with the engine core in a process of its
 own (`ciar.engine.process`, as `verifier_engine_process` serves it; `measure_process`): the same replica built in
@@ -341,6 +345,26 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
     return {"overhead_s": max(0.0, forward_gap) + host, "forward_gap_s": forward_gap, "judge_and_host_s": host}
 
 
+def served_costs(sections: dict):
+    """Step costs of the served engine from a GPU run (`ciar.capacity.gpu_model.ServedCosts`): a forward's
+    milliseconds against its padded positions (rows bucket x width bucket), least squares over `served_steps`' timed
+    buckets, and the judge's and host's milliseconds per step of `engine_graphs` (graphs, else static; medians where
+    the run has them). -> ServedCosts, or None when a section it needs is missing."""
+    from ciar.capacity.gpu_model import ServedCosts
+
+    steps = [s for s in (sections.get("served_steps") or {}).get("steps") or [] if "served_ms" in s and s.get("bucket")]
+    eg = sections.get("engine_graphs") or {}
+    split = (eg.get("graphs") or eg.get("static") or {}).get("ms_per_step_after_warmup") or {}
+    split = split.get("median") or split
+    if len(steps) < 2 or "judge" not in split:
+        return None
+    x = np.array([[1.0, s["bucket"][0] * s["bucket"][1]] for s in steps])
+    (a, b), *_ = np.linalg.lstsq(x, np.array([s["served_ms"] / 1e3 for s in steps]), rcond=None)
+    return ServedCosts(float(a), float(b), (split["judge"] + split["host"]) / 1e3, 0.0,
+                       f"forwards: served_steps ({len(steps)} buckets); judge + host: engine_graphs "
+                       f"({eg.get('sessions')} sessions)")
+
+
 # the tiny capacity model (the CPU check): the carried traces' vocabulary (1,024 codes) and image length (144 tokens)
 TINY_CAPACITY = dict(n_layer=2, dim=64, n_head=4, vocab_size=1024, caption_dim=32, cls_token_num=8, block_size=160)
 
@@ -411,7 +435,7 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     """The section: build the replica, ramp each method (then its last load again: with the interpreter's switch
     interval at `switch_s`, when given; with the engine's overlap, when `overlap`), then the model's prediction
     beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
-    from ciar.capacity.gpu_model import GPU, Engine, ModelShapes, phones_at_slo, simulate
+    from ciar.capacity.gpu_model import GPU, ModelShapes, phones_at_slo
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
     from ciar.engine import heap
     from ciar.engine.core import EngineThread
@@ -498,25 +522,44 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     # the model's slots are the replica's (below); the memory figure only must not cap them first
     memory = torch.cuda.mem_get_info()[1] if suite.dev.type == "cuda" else 1e15
     gpu = GPU("measured roofline", suite.bandwidth, suite.flops, memory, "benchmarks.gpu roofline")
-    shapes = ModelShapes.from_config(cfg)  # no caption encoder: the measured replica runs none either
-    refit = refit_overhead_s(suite.result["sections"], shapes, gpu)
-    overheads = {"default_3ms": 3e-3, **({"refit_served_path": refit["overhead_s"]} if refit else {})}
-    out["model"] = {"refit": refit, "overheads_s": overheads, "points": {}}
-    for name, over in overheads.items():
-        eng = Engine(sched.token_budget, sched.max_works, sched.prefill_chunk, over)
-        per = out["model"]["points"][name] = {}
-        for method, ps in points.items():
+    out["model"] = predict(out, traces, image_tokens, gpu, ModelShapes.from_config(cfg), suite.result["sections"])
+    return out
+
+
+def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, sections: dict) -> dict:
+    """The capacity model beside every measured point of a `capacity_measured` section `sec` (same phones, link,
+    window, session slots and scheduler; the methods without Jacobi windows: the model has no Jacobi work), priced
+    three ways: the default overhead (3 ms a forward); `refit_overhead_s` (served step minus roofline plus the
+    judge's and host's ms at 16 sessions, one constant a forward); `served_costs` from `sections` (each forward as
+    the served path pads it, and the judge and host of `engine_graphs` once a step). Nothing is taken from this
+    section's own steps. `shapes`: the model's (no caption encoder: the measured replica runs none either).
+    -> {"refit", "served_costs", "overheads_s", "points"}."""
+    from ciar.capacity.gpu_model import Engine, simulate
+
+    sched = sec["scheduler"]
+    refit = refit_overhead_s(sections, shapes, gpu)
+    served = served_costs(sections)
+    engines = {"default_3ms": Engine(sched["token_budget"], sched["max_works"], sched["prefill_chunk"], 3e-3)}
+    if refit:
+        engines["refit_served_path"] = dataclasses.replace(engines["default_3ms"], overhead_s=refit["overhead_s"])
+    if served:
+        engines["served_costs"] = dataclasses.replace(engines["default_3ms"], overhead_s=0.0, costs=served)
+    model = {"refit": refit, "served_costs": served and dataclasses.asdict(served),
+             "overheads_s": {k: e.overhead_s for k, e in engines.items()}, "points": {}}
+    for name, eng in engines.items():
+        per = model["points"][name] = {}
+        for method, ps in sec["points"].items():
             if any(t.open.jacobi_window for t in traces[method]):
                 continue  # (the model decodes an open one token a forward: no prediction is better than that)
             per[method] = []
             for p in ps:
-                m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], network, p["seconds"],
-                             warmup_s, eng, max_sessions=max_sessions)  # the measured window's length
+                m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], sec["network"], p["seconds"],
+                             sec["warmup_s"], eng, max_sessions=sec["sessions"])  # the measured window's length
                 per[method].append({
                     "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
                     "measured_over_predicted_images_per_s":
                         p["images_per_s"] / m["images_per_s"] if m["images_per_s"] and p["images_per_s"] else None})
-    return out
+    return model
 
 
 SEED_STRIDE = 1000  # one core replays every method: method i's traces get seeds + i x this (`replica`)
@@ -585,19 +628,19 @@ def markdown(sec: dict) -> list[str]:
              f"{sec.get('fused_step', False)}, link {sec['network']}, "
              f"window {window}; replayed decisions: {sec.get('verdicts')}.",
              "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | steps/s | padding | "
-             "step ms: forward / judge / host | engine stepping | mismatches | model 3 ms images/s | "
-             "model refit images/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms: forward / judge / host | engine stepping | mismatches | "
+             + " | ".join(f"model {MODELS[k]} images/s" for k in MODELS) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(MODELS)]
     model = sec.get("model", {}).get("points", {})
     for method, ps in sec["points"].items():
         for i, p in enumerate(ps):
-            pred = [model.get(k, {}).get(method, [{}] * (i + 1))[i].get("images_per_s")
-                    for k in ("default_3ms", "refit_served_path")]
+            pred = [model.get(k, {}).get(method, [{}] * (i + 1))[i].get("images_per_s") for k in MODELS]
             lat = p["latency_s"]
             lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | {_f(lat['p50'])} | "
                          f"{_f(lat['p99'])} | {_f(p['cloud_passes_per_image'])} | {_f(p['mean_works_per_step'])} | "
                          f"{_f(p.get('steps_per_s'))} | {_f(p.get('padding'))} | {_split(p.get('ms_per_step'))} | "
                          f"{_f(p['engine_stepping'])} | "
-                         f"{p['mismatches']} | {_f(pred[0])} | {_f(pred[1])} |")
+                         f"{p['mismatches']} | " + " | ".join(_f(x) for x in pred) + " |")
     m = sec.get("measured", {})
     lines += ["", f"Measured: {m}"]
     for name, title in (("switch_interval", "with the interpreter's switch interval shortened "
@@ -613,6 +656,76 @@ def markdown(sec: dict) -> list[str]:
                              f"{_f(x['default_latency_s']['p99'])} | {_split(x['ms_per_step'])} | "
                              f"{_split(x['default_ms_per_step'])} |")
     return lines
+
+
+# the capacity model's ways of pricing a step (`predict`), as the tables name them
+MODELS = {"default_3ms": "3 ms", "refit_served_path": "refit", "served_costs": "served"}
+
+
+def refit_run(run: str, costs_from: list[str] | None = None) -> dict:
+    """The capacity model's prediction, every way (`predict`), beside the `capacity_measured` section of a GPU
+    suite result `run` (gpu.json), on this machine (nothing runs on a GPU): the steps priced from the sections of
+    `costs_from` (gpu.json files, later ones overriding earlier ones: `roofline`, `served_steps`, `engine_graphs`;
+    default: `run` itself). -> {"run", "costs_from", "gpu", "measured", "model"}."""
+    import json
+
+    from ciar.capacity.gpu_model import GPU, ModelShapes
+    from ciar.models.gpt import gpt_config
+
+    with open(run) as f:
+        suite = json.load(f)
+    sec = suite["sections"].get("capacity_measured") or {}
+    if "points" not in sec:
+        raise ValueError(f"{run} has no measured capacity_measured section")
+    sections: dict = {}
+    for path in costs_from or [run]:
+        with open(path) as f:
+            sections.update(json.load(f)["sections"])
+    roof = sections.get("roofline") or {}
+    if "copy_bandwidth_gb_s" not in roof:
+        raise ValueError(f"no roofline section in {costs_from or [run]}: the model's forwards need the measured one")
+    env = suite["sections"].get("env") or {}
+    gpu = GPU(f"{env.get('gpu', 'the GPU')} (measured roofline)", roof["copy_bandwidth_gb_s"] * 1e9,
+              roof["matmul_tflops"] * 1e12, 1e15, "benchmarks.gpu roofline")  # slots: the measured replica's
+    cfg = gpt_config("GPT-XL", **{"block_size": 256, **(TINY_CAPACITY if suite.get("tiny") else {})})
+    traces = method_traces(tuple(sec["points"]), cfg.vocab_size)
+    model = predict(sec, traces, sec["image_tokens"], gpu, ModelShapes.from_config(cfg), sections)
+    return {"run": run, "costs_from": costs_from or [run], "gpu": dataclasses.asdict(gpu),
+            "measured": {m: [{k: p[k] for k in ("phones", "images_per_s", "latency_s", "mean_works_per_step",
+                                                  "steps_per_s", "engine_stepping", "ms_per_step")}
+                             for p in ps] for m, ps in sec["points"].items()},
+            "model": model}
+
+
+def refit_markdown(r: dict, command: str) -> str:
+    """`refit_run`'s result as a table: measured images/s and each model's, measured / predicted."""
+    lines = [f"# The capacity model beside a measured run: {r['run']}", "",
+             f"Steps priced from {', '.join(r['costs_from'])} on this machine (nothing ran on a GPU); the measured "
+             f"figures are the run's own. GPU: {r['gpu']['name']}.", ""]
+    m = r["model"]
+    if m.get("refit"):
+        f = m["refit"]
+        lines.append(f"- refit: {1e3 * f['overhead_s']:.2f} ms a forward (served step minus roofline "
+                     f"{1e3 * f['forward_gap_s']:.2f} + judge and host {1e3 * f['judge_and_host_s']:.2f})")
+    c = m.get("served_costs")
+    if c:
+        lines.append(f"- served: a forward {1e3 * c['forward_a_s']:.2f} ms + {1e6 * c['forward_b_s']:.2f} µs per "
+                     f"padded position, two forwards when a step has prefill chunks; judge and host "
+                     f"{1e3 * c['step_a_s']:.2f} ms a step ({c['source']})")
+    keys = [k for k in MODELS if k in m["points"]]
+    lines += ["", "| method | phones | measured images/s | " + " | ".join(
+        f"{MODELS[k]}: images/s (measured / predicted)" for k in keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for method, ps in r["measured"].items():
+        for i, p in enumerate(ps):
+            cells = []
+            for k in keys:
+                pred = m["points"][k].get(method, [])
+                q = pred[i] if i < len(pred) else {}
+                ratio = q.get("measured_over_predicted_images_per_s")
+                cells.append(f"{_f(q.get('images_per_s'))} ({'–' if ratio is None else f'{ratio:.2f}'})")
+            lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | " + " | ".join(cells) + " |")
+    lines += ["", "Command:", "", "    " + command, ""]
+    return "\n".join(lines)
 
 
 def _again(v, switch_s: float | None, overlap: bool):
@@ -658,11 +771,35 @@ def record(folder: str, images: int = 12, seed: int = 0) -> None:
 
 
 def main(argv=None) -> int:
+    import shlex
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--record", metavar="DIR", required=True, help="record the carried phones into DIR")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--record", metavar="DIR", help="record the carried phones into DIR")
+    what.add_argument("--refit", metavar="GPU_JSON", help="the capacity model beside the capacity_measured section "
+                                                          "of a GPU suite result (nothing runs on a GPU)")
     ap.add_argument("--images", type=int, default=12)
+    ap.add_argument("--costs-from", nargs="+", metavar="GPU_JSON",
+                    help="--refit: suite results whose roofline, served_steps and engine_graphs price the steps "
+                         "(later files override earlier ones; default: the --refit file)")
+    ap.add_argument("--out", help="--refit: write OUT/capacity_refit.json and .md (default: print the table)")
     args = ap.parse_args(argv)
-    record(args.record, args.images)
+    if args.record:
+        record(args.record, args.images)
+        return 0
+    try:
+        r = refit_run(args.refit, args.costs_from)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"engine_capacity --refit: {e}", file=sys.stderr)
+        return 2
+    md = refit_markdown(r, "python -m benchmarks.engine_capacity " + " ".join(shlex.quote(a) for a in
+                                                                               (argv or sys.argv[1:])))
+    if args.out:
+        from ciar.results import write_results
+
+        write_results(os.path.join(args.out, "capacity_refit.json"), r, md)
+    else:
+        print(md)
     return 0
 
 

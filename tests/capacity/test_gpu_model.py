@@ -37,6 +37,42 @@ def test_forward_time_by_hand():
     assert forward_s(ROUND, SMALL, [(2, 1, 11), (2, 4, 14)], overhead_s=0.0) == pytest.approx(1.3632e-3, rel=1e-12)
 
 
+def test_a_served_step_by_hand():
+    """`ServedCosts`: a step priced as the served engine runs it. Three one-token decodes and a 5-token span (8 rows,
+    width 5) are one forward padded to the (8, 8) bucket; a 120-token prefill chunk (2 rows) a forward of its own,
+    padded to (2, 128); the judge and host once a step, and per work."""
+    from types import SimpleNamespace
+
+    from ciar.capacity.gpu_model import ServedCosts
+    from ciar.engine.scheduler import DECODE, PREFILL, SPAN, Scheduled
+
+    two = SimpleNamespace(rows=2)
+    batch = [Scheduled(two, DECODE, 40, 1)] * 3 + [Scheduled(two, SPAN, 40, 5), Scheduled(two, PREFILL, 0, 120)]
+    costs = ServedCosts(forward_a_s=1e-3, forward_b_s=1e-6, step_a_s=2e-3, step_b_s=1e-4)
+    # forwards: (1 ms + 64 us) + (1 ms + 256 us); the step: 2 ms + 5 works x 0.1 ms
+    assert costs.step_s(batch) == pytest.approx(1.064e-3 + 1.256e-3 + 2.5e-3, rel=1e-12)
+    assert costs.step_s(batch[:3]) == pytest.approx(1e-3 + 8e-6 + 2.3e-3, rel=1e-12)  # 6 rows -> 8, width 1
+    # the modelled replica takes it in place of the roofline forward
+    from ciar.capacity.gpu_model import ModelledRunner
+
+    assert ModelledRunner(ROUND, SMALL, 3e-3, costs).cost(batch) == pytest.approx(costs.step_s(batch), rel=1e-12)
+
+
+def test_served_costs_fitted_from_a_gpu_run():
+    """benchmarks.engine_capacity.served_costs: a forward's time against its padded positions by least squares over
+    served_steps' buckets, the judge and host of engine_graphs; None without them."""
+    from benchmarks.engine_capacity import served_costs
+
+    steps = [{"bucket": [r, w, 376], "served_ms": 2.0 + 0.01 * r * w} for r in (2, 8, 32, 128) for w in (1, 8)]
+    split = {"steps": 9, "step": 9.0, "forward": 4.0, "judge": 3.0, "host": 0.5}
+    c = served_costs({"served_steps": {"steps": steps}, "engine_graphs": {"sessions": 16, "graphs": {
+        "ms_per_step_after_warmup": {**split, "median": {**split, "judge": 2.0}}}}})
+    assert c.forward_a_s == pytest.approx(2e-3) and c.forward_b_s == pytest.approx(1e-5)
+    assert c.step_a_s == pytest.approx(2.5e-3) and c.step_b_s == 0.0  # the medians where the run has them
+    assert served_costs({"served_steps": {"steps": steps}}) is None
+    assert served_costs({"engine_graphs": {"graphs": {"ms_per_step_after_warmup": split}}}) is None
+
+
 def test_llamagen_xl_shapes_and_memory():
     xl = ModelShapes.llamagen_xl()
     assert (xl.dim, xl.n_layer, xl.kv_dim, xl.ffn_hidden, xl.vocab_size, xl.cls_token_num, xl.block_size) == \
@@ -195,3 +231,20 @@ def test_the_model_schedules_recorded_sessions_as_the_real_engine_does(tiny_clou
     model = _wave_replay_model(traces, ModelShapes.from_config(tiny_cloud.config), engine, n)
     assert len(real) > len(traces) and max(len(step) for step in real) > 1  # several steps, some of them shared
     assert model == real
+
+
+def test_refit_cli_says_what_is_missing(tmp_path, capsys):
+    """engine_capacity --refit on a result without what it needs: exit 2 and a readable line, not a traceback."""
+    import json
+
+    from benchmarks.engine_capacity import main
+
+    assert main(["--refit", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    partial = tmp_path / "gpu.json"
+    partial.write_text(json.dumps({"sections": {"env": {}, "capacity_measured": {"skipped": "budget"}}}))
+    assert main(["--refit", str(partial)]) == 2
+    assert "has no measured capacity_measured section" in capsys.readouterr().err
+    partial.write_text(json.dumps({"sections": {"capacity_measured": {"points": {}}}}))
+    assert main(["--refit", str(partial)]) == 2
+    assert "no roofline section" in capsys.readouterr().err
