@@ -130,7 +130,13 @@ def test_errors_keep_their_types_and_the_core_goes_on(engine):
 
 
 def test_a_caller_that_goes_away_withdraws_its_work_in_the_core(engine):
-    e = engine()
+    """A queued VERIFY whose caller is cancelled is withdrawn in the core before any step runs it. The core starts
+    with no company wait, so after answering the open it awaits no turn handshake (`_CoreStepper._turn`): its
+    stepping loop has ended before the open's reply is sent, and the next work waits the configured minute. With a
+    2 ms wait, the replica's "turned" could reach the core in the same read as the configure and the VERIFY sent
+    after the next stats reply (the replica's writer thread late under load); the loop, still in its handshake, then
+    stepped the VERIFY at once, by design (seen once in a loaded CI run: 3 forwards for 2)."""
+    e = engine(batch_wait_s=0.0)
 
     async def go():
         _, token = await e.open(OpenRequest("a", PROMPT, seed=0, sampling=SAMPLED, prefix_len=2),
