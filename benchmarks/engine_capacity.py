@@ -348,19 +348,24 @@ def refit_overhead_s(sections: dict, shapes, gpu) -> dict | None:
 def served_costs(sections: dict):
     """Step costs of the served engine from a GPU run (`ciar.capacity.gpu_model.ServedCosts`): a forward's
     milliseconds against its padded positions (rows bucket x width bucket), least squares over `served_steps`' timed
-    buckets, and the judge's and host's milliseconds per step of `engine_graphs` (graphs, else static; medians where
-    the run has them). -> ServedCosts, or None when a section it needs is missing."""
+    buckets, and the judge's and host's milliseconds per step of `engine_graphs` (graphs, else static; from the
+    medians where the run has them: the host as the median step less the median forward and judge). -> ServedCosts,
+    or None when a section it needs is missing."""
     from ciar.capacity.gpu_model import ServedCosts
 
     steps = [s for s in (sections.get("served_steps") or {}).get("steps") or [] if "served_ms" in s and s.get("bucket")]
     eg = sections.get("engine_graphs") or {}
     split = (eg.get("graphs") or eg.get("static") or {}).get("ms_per_step_after_warmup") or {}
-    split = split.get("median") or split
     if len(steps) < 2 or "judge" not in split:
         return None
+    med = split.get("median") or {}
+    if {"step", "forward", "judge"} <= med.keys():  # the medians' judge, and the host as what the step's median leaves
+        judge, host = med["judge"], max(0.0, med["step"] - med["forward"] - med["judge"])
+    else:
+        judge, host = split["judge"], split["host"]
     x = np.array([[1.0, s["bucket"][0] * s["bucket"][1]] for s in steps])
     (a, b), *_ = np.linalg.lstsq(x, np.array([s["served_ms"] / 1e3 for s in steps]), rcond=None)
-    return ServedCosts(float(a), float(b), (split["judge"] + split["host"]) / 1e3, 0.0,
+    return ServedCosts(float(a), float(b), (judge + host) / 1e3, 0.0,
                        f"forwards: served_steps ({len(steps)} buckets); judge + host: engine_graphs "
                        f"({eg.get('sessions')} sessions)")
 

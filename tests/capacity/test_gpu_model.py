@@ -64,11 +64,14 @@ def test_served_costs_fitted_from_a_gpu_run():
     from benchmarks.engine_capacity import served_costs
 
     steps = [{"bucket": [r, w, 376], "served_ms": 2.0 + 0.01 * r * w} for r in (2, 8, 32, 128) for w in (1, 8)]
-    split = {"steps": 9, "step": 9.0, "forward": 4.0, "judge": 3.0, "host": 0.5}
+    split = {"steps": 9, "step": 9.0, "forward": 4.0, "judge": 3.0, "host": 2.0}
     c = served_costs({"served_steps": {"steps": steps}, "engine_graphs": {"sessions": 16, "graphs": {
-        "ms_per_step_after_warmup": {**split, "median": {**split, "judge": 2.0}}}}})
+        "ms_per_step_after_warmup": split}}})
     assert c.forward_a_s == pytest.approx(2e-3) and c.forward_b_s == pytest.approx(1e-5)
-    assert c.step_a_s == pytest.approx(2.5e-3) and c.step_b_s == 0.0  # the medians where the run has them
+    assert c.step_a_s == pytest.approx(5e-3) and c.step_b_s == 0.0  # judge + host
+    c = served_costs({"served_steps": {"steps": steps}, "engine_graphs": {"graphs": {"ms_per_step_after_warmup": {
+        **split, "median": {"step": 7.0, "forward": 4.5, "judge": 1.5}}}}})
+    assert c.step_a_s == pytest.approx(2.5e-3)  # the medians where the run has them: judge 1.5, host 7 - 4.5 - 1.5
     assert served_costs({"served_steps": {"steps": steps}}) is None
     assert served_costs({"engine_graphs": {"graphs": {"ms_per_step_after_warmup": split}}}) is None
 
