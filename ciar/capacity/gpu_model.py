@@ -253,8 +253,9 @@ class ServedCosts:
     """A step priced as the served engine runs it, from a GPU run's measurements (`benchmarks.engine_capacity.
     served_costs`), instead of one ragged roofline forward: the step's narrow pieces (decodes, spans) in one forward
     and its wide ones (prefill and history chunks) in another, each padded as the static path pads it (rows up to a
-    row bucket, width up to a width bucket: `ciar.engine.runner.bucket`) and costing `forward_a_s` + `forward_b_s` x
-    its padded positions; each step adds `step_a_s` + `step_b_s` x its works for the judge and the host."""
+    row bucket, width up to a width bucket: `ciar.engine.runner.ModelRunner.bucket`) and costing `forward_a_s` +
+    `forward_b_s` x its padded positions; each step adds `step_a_s` + `step_b_s` x its works for the judge and the
+    host."""
 
     forward_a_s: float
     forward_b_s: float  # per padded position (rows x width)
