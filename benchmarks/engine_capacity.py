@@ -562,6 +562,8 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
                              sec["warmup_s"], eng, max_sessions=sec["sessions"])  # the measured window's length
                 per[method].append({
                     "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
+                    "steps_per_s": m["steps_per_s"], "mean_works_per_step": m["mean_batch_size"],
+                    "pieces_per_step": m["pieces_per_step"],
                     "measured_over_predicted_images_per_s":
                         p["images_per_s"] / m["images_per_s"] if m["images_per_s"] and p["images_per_s"] else None})
     return model
@@ -696,8 +698,9 @@ def refit_run(run: str, costs_from: list[str] | None = None) -> dict:
     traces = method_traces(tuple(sec["points"]), cfg.vocab_size)
     model = predict(sec, traces, sec["image_tokens"], gpu, ModelShapes.from_config(cfg), sections)
     return {"run": run, "costs_from": costs_from or [run], "gpu": dataclasses.asdict(gpu),
-            "measured": {m: [{k: p[k] for k in ("phones", "images_per_s", "latency_s", "mean_works_per_step",
-                                                  "steps_per_s", "engine_stepping", "ms_per_step")}
+            "measured": {m: [{k: p.get(k) for k in ("phones", "images_per_s", "latency_s", "mean_works_per_step",
+                                                      "steps_per_s", "pieces_per_step", "engine_stepping",
+                                                      "ms_per_step", "cloud_passes_per_image")}
                              for p in ps] for m, ps in sec["points"].items()},
             "model": model}
 
@@ -729,6 +732,21 @@ def refit_markdown(r: dict, command: str) -> str:
                 ratio = q.get("measured_over_predicted_images_per_s")
                 cells.append(f"{_f(q.get('images_per_s'))} ({'–' if ratio is None else f'{ratio:.2f}'})")
             lines.append(f"| {method} | {p['phones']} | {_f(p['images_per_s'])} | " + " | ".join(cells) + " |")
+    served = m["points"].get("served_costs")
+    if served:  # where the served model's steps differ from the engine's
+        lines += ["", "Steps, measured against the served model: steps/s; images a step; works a step; pieces a "
+                  "step: decode / span / prefill", "", "| method | phones | measured | served model |",
+                  "|---|---|---|---|"]
+
+        def steps(p):
+            k = p.get("pieces_per_step") or {}
+            per = p["images_per_s"] / p["steps_per_s"] if p.get("steps_per_s") else None
+            return (f"{_f(p.get('steps_per_s'))}; {_f(per)}; {_f(p.get('mean_works_per_step'))}; "
+                    + " / ".join(_f(k.get(x)) for x in ("decode", "span", "prefill")))
+
+        for method, ps in r["measured"].items():
+            for p, q in zip(ps, served.get(method, [])):
+                lines.append(f"| {method} | {p['phones']} | {steps(p)} | {steps(q)} |")
     lines += ["", "Command:", "", "    " + command, ""]
     return "\n".join(lines)
 

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ciar.engine.scheduler import DECODE, PREFILL, SPAN, Request, Scheduled, Scheduler, SchedulerConfig
+from ciar.engine.scheduler import DECODE, KINDS, PREFILL, SPAN, Request, Scheduled, Scheduler, SchedulerConfig
 
 BYTES = 2  # bfloat16 weights and KV cache
 
@@ -337,6 +337,7 @@ class ReplicaModel:
         self.running = False
         self.busy_s = 0.0
         self.batch_hist: dict[int, int] = {}
+        self.pieces = [0] * len(KINDS)  # pieces run per class (`ciar.engine.scheduler.KINDS`), since start
 
     forwards = property(lambda self: self.scheduler.steps)
     real_positions = property(lambda self: self.scheduler.real_positions)
@@ -384,6 +385,8 @@ class ReplicaModel:
         self.busy_s += dt
         self.scheduler.record(batch)
         self.batch_hist[len(batch)] = self.batch_hist.get(len(batch), 0) + 1
+        for p in batch:
+            self.pieces[p.kind] += 1
         self.sim.at(self.sim.now + dt, lambda: self._finish(batch))
 
     def _finish(self, batch: list[Scheduled]) -> None:
@@ -494,7 +497,8 @@ def simulate(traces: list, image_tokens: int, gpu: GPU, shapes: ModelShapes, pho
         Phone(k, phones, traces, plans, replica, sim, network, on_image, device_scale).start()
     sim.run(warmup_s)
     window["on"] = True
-    base = (replica.busy_s, replica.forwards, replica.real_positions, replica.padded_positions, dict(replica.batch_hist))
+    base = (replica.busy_s, replica.forwards, replica.real_positions, replica.padded_positions,
+            dict(replica.batch_hist), list(replica.pieces))
     sim.run(warmup_s + duration_s)
     images = len(done)
     lat = [d[0] for d in done]
@@ -511,6 +515,10 @@ def simulate(traces: list, image_tokens: int, gpu: GPU, shapes: ModelShapes, pho
         "mean_batch_size": sum(b * n for b, n in hist.items()) / sum(hist.values()) if hist else None,
         "padding": 1.0 - (replica.real_positions - base[2]) / padded if padded else None,
         "session_slots": slots, "opens_waiting_at_end": len(replica.waiting),
+        # as benchmarks.engine_capacity reports the engine's steps: steps a second, pieces a step per class
+        "steps_per_s": (replica.forwards - base[1]) / duration_s,
+        "pieces_per_step": {k: (n - base[5][i]) / (replica.forwards - base[1]) for i, (k, n) in
+                            enumerate(zip(KINDS, replica.pieces))} if replica.forwards > base[1] else None,
     }
 
 

@@ -150,6 +150,9 @@ def test_load_point_batches_the_phones():
     assert one["mean_batch_size"] == 1.0 and many["mean_batch_size"] > 4
     assert many["images_per_s"] > 4 * one["images_per_s"]
     assert np.isclose(one["verifier_forwards_per_image"], 16, rtol=0.1)
+    for p in (one, many):  # the steps as the engine's are reported: their pieces by class add up to the works a step
+        assert sum(p["pieces_per_step"].values()) == pytest.approx(p["mean_batch_size"])
+        assert p["steps_per_s"] * 5.0 == pytest.approx(p["verifier_forwards_per_image"] * p["images"], rel=1e-9)
 
 
 def test_capacity_cli_writes_the_modelled_plan(tmp_path):
