@@ -531,14 +531,18 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     return out
 
 
-def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, sections: dict) -> dict:
+def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, sections: dict,
+            steady_s: float | None = None) -> dict:
     """The capacity model beside every measured point of a `capacity_measured` section `sec` (same phones, link,
     window, session slots and scheduler; the methods without Jacobi windows: the model has no Jacobi work), priced
     three ways: the default overhead (3 ms a forward); `refit_overhead_s` (served step minus roofline plus the
     judge's and host's ms at 16 sessions, one constant a forward); `served_costs` from `sections` (each forward as
     the served path pads it, and the judge and host of `engine_graphs` once a step). Nothing is taken from this
     section's own steps. `shapes`: the model's (no caption encoder: the measured replica runs none either).
-    -> {"refit", "served_costs", "overheads_s", "points"}."""
+    `steady_s`: the served pricing once more with a warm-up and a window of that many seconds each
+    ("served_steady"): what the measured window's length does to a point. Every phone starts at once, and a
+    window short against the images' latency holds part of the start-up wave.
+    -> {"refit", "served_costs", "overheads_s", "steady_s", "points"}."""
     from ciar.capacity.gpu_model import Engine, simulate
 
     sched = sec["scheduler"]
@@ -547,9 +551,13 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
     engines = {"default_3ms": Engine(sched["token_budget"], sched["max_works"], sched["prefill_chunk"], 3e-3)}
     if refit:
         engines["refit_served_path"] = dataclasses.replace(engines["default_3ms"], overhead_s=refit["overhead_s"])
+    windows = {name: None for name in engines}  # None: the measured point's own warm-up and window
     if served:
         engines["served_costs"] = dataclasses.replace(engines["default_3ms"], overhead_s=0.0, costs=served)
-    model = {"refit": refit, "served_costs": served and dataclasses.asdict(served),
+        windows["served_costs"] = None
+        if steady_s:
+            engines["served_steady"], windows["served_steady"] = engines["served_costs"], steady_s
+    model = {"refit": refit, "served_costs": served and dataclasses.asdict(served), "steady_s": steady_s,
              "overheads_s": {k: e.overhead_s for k, e in engines.items()}, "points": {}}
     for name, eng in engines.items():
         per = model["points"][name] = {}
@@ -558,8 +566,9 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
                 continue  # (the model decodes an open one token a forward: no prediction is better than that)
             per[method] = []
             for p in ps:
-                m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], sec["network"], p["seconds"],
-                             sec["warmup_s"], eng, max_sessions=sec["sessions"])  # the measured window's length
+                warmup, window = (sec["warmup_s"], p["seconds"]) if windows[name] is None else (windows[name],) * 2
+                m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], sec["network"], window, warmup,
+                             eng, max_sessions=sec["sessions"])
                 per[method].append({
                     "phones": p["phones"], "images_per_s": m["images_per_s"], "p99_s": m["latency_s"]["p99"],
                     "steps_per_s": m["steps_per_s"], "mean_works_per_step": m["mean_batch_size"],
@@ -666,14 +675,15 @@ def markdown(sec: dict) -> list[str]:
 
 
 # the capacity model's ways of pricing a step (`predict`), as the tables name them
-MODELS = {"default_3ms": "3 ms", "refit_served_path": "refit", "served_costs": "served"}
+MODELS = {"default_3ms": "3 ms", "refit_served_path": "refit", "served_costs": "served",
+          "served_steady": "served, long window"}
 
 
-def refit_run(run: str, costs_from: list[str] | None = None) -> dict:
+def refit_run(run: str, costs_from: list[str] | None = None, steady_s: float | None = None) -> dict:
     """The capacity model's prediction, every way (`predict`), beside the `capacity_measured` section of a GPU
     suite result `run` (gpu.json), on this machine (nothing runs on a GPU): the steps priced from the sections of
     `costs_from` (gpu.json files, later ones overriding earlier ones: `roofline`, `served_steps`, `engine_graphs`;
-    default: `run` itself). -> {"run", "costs_from", "gpu", "measured", "model"}."""
+    default: `run` itself); `steady_s`: `predict`'s. -> {"run", "costs_from", "gpu", "measured", "model"}."""
     import json
 
     from ciar.capacity.gpu_model import GPU, ModelShapes
@@ -696,7 +706,7 @@ def refit_run(run: str, costs_from: list[str] | None = None) -> dict:
               roof["matmul_tflops"] * 1e12, 1e15, "benchmarks.gpu roofline")  # slots: the measured replica's
     cfg = gpt_config("GPT-XL", **{"block_size": 256, **(TINY_CAPACITY if suite.get("tiny") else {})})
     traces = method_traces(tuple(sec["points"]), cfg.vocab_size)
-    model = predict(sec, traces, sec["image_tokens"], gpu, ModelShapes.from_config(cfg), sections)
+    model = predict(sec, traces, sec["image_tokens"], gpu, ModelShapes.from_config(cfg), sections, steady_s)
     return {"run": run, "costs_from": costs_from or [run], "gpu": dataclasses.asdict(gpu),
             "measured": {m: [{k: p.get(k) for k in ("phones", "images_per_s", "latency_s", "mean_works_per_step",
                                                       "steps_per_s", "pieces_per_step", "engine_stepping",
@@ -720,6 +730,10 @@ def refit_markdown(r: dict, command: str) -> str:
         lines.append(f"- served: a forward {1e3 * c['forward_a_s']:.2f} ms + {1e6 * c['forward_b_s']:.2f} µs per "
                      f"padded position, two forwards when a step has prefill chunks; judge and host "
                      f"{1e3 * c['step_a_s']:.2f} ms a step ({c['source']})")
+    if m.get("steady_s"):
+        lines.append(f"- served, long window: the same with a {m['steady_s']:g} s warm-up and a {m['steady_s']:g} s "
+                     "window (the measured run's: its own); 'measured / predicted' there compares windows of "
+                     "different lengths")
     keys = [k for k in MODELS if k in m["points"]]
     lines += ["", "| method | phones | measured images/s | " + " | ".join(
         f"{MODELS[k]}: images/s (measured / predicted)" for k in keys) + " |", "|---|---|---|" + "---|" * len(keys)]
@@ -806,12 +820,14 @@ def main(argv=None) -> int:
                     help="--refit: suite results whose roofline, served_steps and engine_graphs price the steps "
                          "(later files override earlier ones; default: the --refit file)")
     ap.add_argument("--out", help="--refit: write OUT/capacity_refit.json and .md (default: print the table)")
+    ap.add_argument("--steady-s", type=float, help="--refit: the served pricing once more with a warm-up and a "
+                                                   "window of this many seconds each (what the window's length does)")
     args = ap.parse_args(argv)
     if args.record:
         record(args.record, args.images)
         return 0
     try:
-        r = refit_run(args.refit, args.costs_from)
+        r = refit_run(args.refit, args.costs_from, args.steady_s)
     except (OSError, ValueError, KeyError) as e:
         print(f"engine_capacity --refit: {e}", file=sys.stderr)
         return 2

@@ -69,9 +69,12 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     # is the section's own to the image (the refit reads the roofline as rounded in the JSON: not compared)
     from benchmarks.engine_capacity import refit_run
 
-    again = refit_run(str(tmp_path / "gpu.json"))
+    again = refit_run(str(tmp_path / "gpu.json"), steady_s=2.0)
     assert again["model"]["points"]["served_costs"] == cm["model"]["points"]["served_costs"]
     assert again["model"]["served_costs"] == cm["model"]["served_costs"]
+    # ... and once more with a window of its own length (what a longer window would have given)
+    assert again["model"]["steady_s"] == 2.0 and "served_steady" not in cm["model"]["points"]
+    assert [p["phones"] for p in again["model"]["points"]["served_steady"]["cloud"]] == [1, 3]
     # what the replay is for: CIAR's images take fewer sequential cloud passes than cloud-only's 144 tokens
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
