@@ -2,6 +2,8 @@
 
     python -m benchmarks.gpu --out benchmarks/results/DATE-gpu          # one GPU: about 3-5 minutes on an H100
     python -m benchmarks.gpu --tiny --out /tmp/gpu-tiny                  # the same code at small shapes, CPU (tests)
+    python -m benchmarks.gpu --out DIR --sections env,capacity_measured --capacity-loads 256 --capacity-window 30,30
+        # one load with a longer window (the default 4 + 12 s holds part of the start-up wave: 2026-11-29c)
 
 Needs only what the lent GPU machines hold (torch, numpy, transformers, safetensors, pillow, scipy, pyyaml, tqdm,
 psutil; no Ray, no pydantic, no install of this project: `client/` is put on the path; no weight files: every model
@@ -158,6 +160,11 @@ def _random_cache(cache, seed: int, device, slots: int | None = None) -> None:
 class Suite:
     def __init__(self, out: str, tiny: bool, budget_s: float):
         self.out, self.tiny, self.budget_s = out, tiny, budget_s
+        # the measured-phones sections' loads and (warm-up, window) seconds on a GPU (--capacity-loads / -window; on
+        # the CPU, --tiny, each point counts images instead). Every phone starts at once: a window short against
+        # the images' latency holds part of the start-up wave (in the model: +9-12 % CIAR images/s at 256-512
+        # phones with 4 + 12 s; benchmarks/results/2026-11-29c)
+        self.capacity_loads, self.capacity_window = [16, 64, 256, 512], (4.0, 12.0)
         self.t0 = time.monotonic()
         self.dev = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
         self.dtype = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
@@ -1332,11 +1339,12 @@ class Suite:
         from benchmarks.engine_capacity import METHODS, measure_process
 
         measured = self.result["sections"].get("capacity_measured", {}).get("points", {})
-        loads = {m: measured[m][-1]["phones"] if measured.get(m) else (3 if self.tiny else 256) for m in METHODS}
+        loads = {m: measured[m][-1]["phones"] if measured.get(m) else (3 if self.tiny else self.capacity_loads[-1])
+                 for m in METHODS}
         if self.tiny:
             out = measure_process(self, loads, warmup_s=0.0, duration_s=600.0, images=3, network="none")
         else:
-            out = measure_process(self, loads, warmup_s=4.0, duration_s=12.0)
+            out = measure_process(self, loads, warmup_s=self.capacity_window[0], duration_s=self.capacity_window[1])
         for m, p in out["points"].items():  # beside the thread's
             if measured.get(m):
                 thread = measured[m][-1]
@@ -1358,7 +1366,8 @@ class Suite:
         if self.tiny:  # a count of images, not a window: the same check on any machine
             return measure(self, loads=[1, 3], warmup_s=0.0, duration_s=600.0, images=3, network="none",
                            methods=methods)
-        return measure(self, loads=[16, 64, 256, 512], warmup_s=4.0, duration_s=12.0, methods=methods)
+        return measure(self, loads=self.capacity_loads, warmup_s=self.capacity_window[0],
+                       duration_s=self.capacity_window[1], methods=methods)
 
     def capacity(self) -> dict:
         """The forward costs as ciar.capacity.gpu_model.forward_s reads them, with the overhead fitted per path."""
@@ -1443,12 +1452,25 @@ def main(argv=None) -> int:
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="keep cuDNN's attention backend on (before 2026-11-26: not bit-repeatable on an H100 in bf16; "
                          "ciar.models.gpt.repeatable_attention switches it off, as the verifier does)")
+    ap.add_argument("--capacity-loads", default="16,64,256,512", metavar="N,N,...",
+                    help="capacity_measured / capacity_parallel: phones at each load point")
+    ap.add_argument("--capacity-window", default="4,12", metavar="WARMUP_S,WINDOW_S",
+                    help="capacity sections: each point's warm-up and measuring window, seconds")
     args = ap.parse_args(argv)
+    try:
+        loads = [int(x) for x in args.capacity_loads.split(",")]
+        window = tuple(float(x) for x in args.capacity_window.split(","))
+        if not loads or min(loads) < 1 or len(window) != 2 or min(window) < 0 or window[1] <= 0:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--capacity-loads takes phones > 0 (got {args.capacity_loads!r}) and --capacity-window "
+                 f"WARMUP_S,WINDOW_S with a window > 0 (got {args.capacity_window!r})")
     from ciar.models.gpt import repeatable_attention
 
     if not args.cudnn_attention:
         repeatable_attention("cuda")  # as every verifier does (GPT.new_cache); the flag keeps the old kernels
     suite = Suite(args.out, args.tiny, args.budget_s)
+    suite.capacity_loads, suite.capacity_window = loads, window
     if suite.dev.type != "cuda" and not args.tiny:
         print("no CUDA device: run with --tiny for the CPU check of the code, or on a GPU", file=sys.stderr)
         return 2

@@ -195,3 +195,13 @@ def test_two_fresh_verifiers_give_the_same_replies_in_the_served_dtype(tmp_path)
     assert b["first_input_difference"] is None and b["first_output_difference"] is None, b
     r = s["engine_repeat"]["default"]
     assert r["replies_equal"] == r["replies"], s["engine_repeat"]
+
+
+def test_capacity_loads_and_window_are_checked(tmp_path, capsys):
+    """--capacity-loads / --capacity-window (the measured-phones sections' points on a GPU): a readable error."""
+    from benchmarks.gpu import main
+
+    for bad in (["--capacity-window", "4"], ["--capacity-loads", "0,3"], ["--capacity-window", "4,0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--tiny", "--out", str(tmp_path), "--sections", "env"] + bad)
+        assert e.value.code == 2 and "--capacity-window WARMUP_S,WINDOW_S" in capsys.readouterr().err
