@@ -555,7 +555,7 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
     if served:
         engines["served_costs"] = dataclasses.replace(engines["default_3ms"], overhead_s=0.0, costs=served)
         windows["served_costs"] = None
-        if steady_s:
+        if steady_s:  # the same pricing, its own warm-up and window
             engines["served_steady"], windows["served_steady"] = engines["served_costs"], steady_s
     model = {"refit": refit, "served_costs": served and dataclasses.asdict(served), "steady_s": steady_s,
              "overheads_s": {k: e.overhead_s for k, e in engines.items()}, "points": {}}
@@ -732,8 +732,8 @@ def refit_markdown(r: dict, command: str) -> str:
                      f"{1e3 * c['step_a_s']:.2f} ms a step ({c['source']})")
     if m.get("steady_s"):
         lines.append(f"- served, long window: the same with a {m['steady_s']:g} s warm-up and a {m['steady_s']:g} s "
-                     "window (the measured run's: its own); 'measured / predicted' there compares windows of "
-                     "different lengths")
+                     "window (the measured points keep their own); 'measured / predicted' there compares windows "
+                     "of different lengths")
     keys = [k for k in MODELS if k in m["points"]]
     lines += ["", "| method | phones | measured images/s | " + " | ".join(
         f"{MODELS[k]}: images/s (measured / predicted)" for k in keys) + " |", "|---|---|---|" + "---|" * len(keys)]
