@@ -54,8 +54,8 @@ def test_stats_while_collections_run_inside_it(frozen):
     """`stats` allocates while it holds the pause table's lock, and a collection started by one of those allocations
     ends in `_on_gc`, on the same thread, which takes that lock too. With a collection on nearly every allocation
     (threshold 1) every call meets it. A plain Lock hung there for good: a Verifier replica's `stats` call (the
-    capacity run's, Prometheus's) never answered, and its process collected nothing more. Run on a thread, so that
-    a hang fails this test instead of the suite."""
+    capacity, soak and reliability runs') never answered, and its process collected nothing more. Run on a thread, so
+    that a hang fails this test instead of the suite."""
     import threading
 
     thresholds = gc.get_threshold()
