@@ -190,13 +190,15 @@ async def replica_stats(handle, replicas: int, timeout_s: float = 300.0) -> dict
     """The Verifier replicas' stats summed (calls without a session reach any replica: ask until each answered).
     A replica that does not answer one within `timeout_s` (a hung replica: its event loop blocked) fails the run
     with that said, where an unbounded wait held the whole run."""
+    from services.verifier_client import CloudTimeoutError, within
+
     seen: dict = {}
     for _ in range(8 * max(1, replicas)):
         try:
-            st = await asyncio.wait_for(handle.stats.remote(), timeout_s)
-        except asyncio.TimeoutError:
-            raise RuntimeError(f"a Verifier replica did not answer stats() within {timeout_s:.0f} s (replicas that "
-                               f"answered: {sorted(seen) or 'none'}): it is hung, not loaded") from None
+            st = await within(handle.stats.remote(), timeout_s, "stats()")
+        except CloudTimeoutError as e:
+            raise RuntimeError(f"{e} (replicas that answered: {sorted(seen) or 'none'}): a Verifier replica is "
+                               "hung, not loaded") from None
         seen[st["replica_id"]] = st
         if len(seen) >= replicas:
             break
