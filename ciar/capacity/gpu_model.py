@@ -253,7 +253,7 @@ class ServedCosts:
     """A step priced as the served engine runs it, from a GPU run's measurements (`benchmarks.engine_capacity.
     served_costs`), instead of one ragged roofline forward: the step's narrow pieces (decodes, spans) in one forward
     and its wide ones (prefill and history chunks) in another, each padded as the static path pads it (rows up to a
-    row bucket, width up to a width bucket: `ciar.engine.runner.ModelRunner.bucket`) and costing `forward_a_s` +
+    row bucket, width up to a width bucket: `ciar.engine.runner.padded_shape`) and costing `forward_a_s` +
     `forward_b_s` x its padded positions; each step adds `step_a_s` + `step_b_s` x its works for the judge and the
     host."""
 
@@ -264,15 +264,13 @@ class ServedCosts:
     source: str = ""
 
     def step_s(self, batch: list[Scheduled]) -> float:
-        from ciar.engine.runner import ROW_BUCKETS, WIDE_BUCKETS, WIDTH_BUCKETS
+        from ciar.engine.runner import ModelRunner, padded_shape
 
         t = self.step_a_s + self.step_b_s * len(batch)
-        for group in ([p for p in batch if p.n <= WIDTH_BUCKETS[-1]], [p for p in batch if p.n > WIDTH_BUCKETS[-1]]):
-            if group:  # beyond the largest bucket the runner runs the shape as it is (dynamically)
-                rows, width = sum(p.rows for p in group), max(p.n for p in group)
-                rows = next((b for b in ROW_BUCKETS if b >= rows), rows)
-                width = next((b for b in WIDTH_BUCKETS + WIDE_BUCKETS if b >= width), width)
-                t += self.forward_a_s + self.forward_b_s * rows * width
+        for group in ModelRunner.groups(batch):  # the runner's forwards: narrow pieces, then wide ones
+            rows, width = sum(batch[i].rows for i in group), max(batch[i].n for i in group)
+            rows, width = padded_shape(rows, width) or (rows, width)  # beyond every bucket: run as it is
+            t += self.forward_a_s + self.forward_b_s * rows * width
         return t
 
 

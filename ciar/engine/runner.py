@@ -51,6 +51,14 @@ PACKED_WIDTHS = (8, 16)  # static steps of these widths may run packed (spans be
 TOKEN_BUCKETS = tuple(2 ** i for i in range(13))  # a packed static step's fed tokens, padded up to one of these
 
 
+def padded_shape(rows: int, width: int) -> tuple[int, int] | None:
+    """The (rows, width) a static step of `rows` x `width` positions pads to, or None: larger than every bucket (the
+    step runs dynamically, as it is)."""
+    r = next((b for b in ROW_BUCKETS if b >= rows), None)
+    w = next((b for b in WIDTH_BUCKETS + WIDE_BUCKETS if b >= width), None)
+    return None if r is None or w is None else (r, w)
+
+
 def packed_bucket(rows: int, width: int, fed: int) -> int | None:
     """The token bucket a static step of `rows` x `width` positions with `fed` fed ones packs into, or None: not a
     packed width, or too little padding to pay (the bucket not below `PACK_BELOW` of the padded positions)."""
@@ -251,13 +259,10 @@ class ModelRunner:
     def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:
         """The static shape (rows, width, keys) a forward over `pieces` pads to, or None when it is larger than
         every bucket."""
-        rows = sum(p.rows for p in pieces)
-        width = max(p.n for p in pieces)
+        shape = padded_shape(sum(p.rows for p in pieces), max(p.n for p in pieces))
         keys = max(p.keys for p in pieces)
-        r = next((b for b in ROW_BUCKETS if b >= rows), None)
-        w = next((b for b in WIDTH_BUCKETS + WIDE_BUCKETS if b >= width), None)
         k = next((b for b in self.kv_buckets if b >= keys), None)
-        return None if r is None or w is None or k is None else (r, w, k)
+        return None if shape is None or k is None else (*shape, k)
 
     def _inputs(self, pieces: list[Piece], width: int, rows: int | None, tokens: int | None = None):
         """The step's inputs: rows in cache-slot order, each `width` positions (padding at the scratch position);
