@@ -551,12 +551,10 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
     engines = {"default_3ms": Engine(sched["token_budget"], sched["max_works"], sched["prefill_chunk"], 3e-3)}
     if refit:
         engines["refit_served_path"] = dataclasses.replace(engines["default_3ms"], overhead_s=refit["overhead_s"])
-    windows = {name: None for name in engines}  # None: the measured point's own warm-up and window
     if served:
         engines["served_costs"] = dataclasses.replace(engines["default_3ms"], overhead_s=0.0, costs=served)
-        windows["served_costs"] = None
         if steady_s:  # the same pricing, its own warm-up and window
-            engines["served_steady"], windows["served_steady"] = engines["served_costs"], steady_s
+            engines["served_steady"] = engines["served_costs"]
     model = {"refit": refit, "served_costs": served and dataclasses.asdict(served), "steady_s": steady_s,
              "overheads_s": {k: e.overhead_s for k, e in engines.items()}, "points": {}}
     for name, eng in engines.items():
@@ -566,7 +564,7 @@ def predict(sec: dict, traces: dict[str, list], image_tokens: int, gpu, shapes, 
                 continue  # (the model decodes an open one token a forward: no prediction is better than that)
             per[method] = []
             for p in ps:
-                warmup, window = (sec["warmup_s"], p["seconds"]) if windows[name] is None else (windows[name],) * 2
+                warmup, window = (steady_s, steady_s) if name == "served_steady" else (sec["warmup_s"], p["seconds"])
                 m = simulate(traces[method], image_tokens, gpu, shapes, p["phones"], sec["network"], window, warmup,
                              eng, max_sessions=sec["sessions"])
                 per[method].append({
