@@ -92,18 +92,25 @@ def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, 
 
 
 def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None,
-            freeze: bool = False) -> dict:
+            freeze: bool = False, compiled: bool = False) -> dict:
     """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times (medians,
     and the steps' mean, p99 and longest), and the collector's pauses in the measured rounds (gen-2 ones apart).
     `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight.
     `freeze`: the heap frozen once the verifier is built, as an engine's process does (`ciar.engine.heap.freeze`:
-    one full collection, then `gc.freeze`)."""
+    one full collection, then `gc.freeze`). `compiled`: the judge compiled (`Judge(compiled=True)`, its
+    compilations made by `Judge.warm` before the first round)."""
     import torch
 
     from ciar_device.wire import VerifyRequest
 
     v, state, g = stubbed_verifier(vocab, sessions, max_works or 2 * sessions, sessions * 2 * (SPAN + 1), seed)
     q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
+    if compiled:
+        from ciar.decoding.sampling import SamplingParams
+        from ciar.engine.judge import Judge
+
+        v.judge = Judge(v.cloud, compiled=True)
+        v.judge.warm(SamplingParams(cfg_scale=SHAPES[vocab]["cfg_scale"], top_k=SHAPES[vocab]["top_k"]), SPAN)
     if freeze:
         gc.collect()
         gc.freeze()
@@ -157,15 +164,18 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             "heap_objects": objects}
 
 
-def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False) -> dict:
+def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False,
+           compiled: bool = False) -> dict:
     """One measurement in a fresh process importing `ciar` from `tree` (this file loaded by its path), with the
-    CPU's denormal numbers flushed to zero unless `denormals` (see the module docstring), its heap frozen or not."""
+    CPU's denormal numbers flushed to zero unless `denormals` (see the module docstring), its heap frozen or not, its
+    judge compiled or not."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "device")]), OMP_NUM_THREADS="1")
     code = ("import importlib.util, json, sys, torch; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/device']; "
             f"torch.set_flush_denormal({not denormals}); "
             "spec = importlib.util.spec_from_file_location('engine_host', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); import ciar; "
-            f"r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), freeze={freeze}); "
+            f"r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), freeze={freeze}, "
+            f"compiled={compiled}); "
             "r['ciar'] = ciar.__file__; "
             "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), tree, str(vocab), str(sessions),
@@ -192,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heap", action="store_true",
                     help="also run this checkout with its heap frozen (`ciar.engine.heap`): the steps' tails side "
                          "by side (engine_heap.md)")
+    ap.add_argument("--compiled-judge", action="store_true",
+                    help="also run this checkout with its judge compiled (`Judge(compiled=True)`)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.sessions, args.vocab, args.rounds, args.reps = [16], [1024], 2, 1
@@ -203,12 +215,15 @@ def main(argv=None) -> int:
         trees = {"before": os.path.abspath(args.before), "after": here}
     if args.heap:
         trees["frozen"] = here  # this checkout again, its heap frozen
+    if args.compiled_judge:
+        trees["compiled"] = here  # this checkout again, its judge compiled
     runs = []
     for vocab in args.vocab:
         for sessions in args.sessions:
             for rep in range(args.reps):
                 for name, tree in trees.items():  # interleaved: both see the same box
-                    r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen")
+                    r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen",
+                               compiled=name == "compiled")
                     r.update(tree=name, rep=rep)
                     runs.append(r)
                     print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "
@@ -230,6 +245,9 @@ def main(argv=None) -> int:
             if "before" in trees:
                 row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
                 row["round_ratio"] = row["before_round_ms"] / row["after_round_ms"]
+                if "compiled" in trees:
+                    row["compiled_step_ratio"] = row["before_step_ms"] / row["compiled_step_ms"]
+                    row["compiled_round_ratio"] = row["before_round_ms"] / row["compiled_round_ms"]
             rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "engine_host.json"), "w") as f:
@@ -237,14 +255,18 @@ def main(argv=None) -> int:
                    "denormals_flushed": not args.denormals, "trees": trees, "rows": rows, "runs": runs}, f, indent=1)
     lines = ["| vocabulary | sessions | " + " | ".join(
         f"{n} ms/step | {n} ms/round | {n} steps/round" for n in trees) +
-        (" | step ×less | round ×less |" if "before" in trees else " |"),
-        "|---|---|" + "---|---|---|" * len(trees) + ("---|---|" if "before" in trees else "")]
+        (" | step ×less | round ×less |" if "before" in trees else " |") +
+        (" compiled step ×less | compiled round ×less |" if {"before", "compiled"} <= set(trees) else ""),
+        "|---|---|" + "---|---|---|" * len(trees) + ("---|---|" if "before" in trees else "") +
+        ("---|---|" if {"before", "compiled"} <= set(trees) else "")]
     for r in rows:
         cells = [str(r["vocab"]), str(r["sessions"])]
         for n in trees:
             cells += [f"{r[f'{n}_step_ms']:.2f}", f"{r[f'{n}_round_ms']:.1f}", f"{r[f'{n}_steps_per_round']:.2f}"]
         if "before" in trees:
             cells += [f"×{r['step_ratio']:.1f}", f"×{r['round_ratio']:.1f}"]
+        if "compiled_step_ratio" in r:
+            cells += [f"×{r['compiled_step_ratio']:.1f}", f"×{r['compiled_round_ratio']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     with open(os.path.join(args.out, "engine_host.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

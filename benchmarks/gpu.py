@@ -46,6 +46,9 @@ then `gpu.md` summarises:
              (bucketed) eager steps and static steps replayed from CUDA graphs on the same seeded sessions: replies
              compared, spans/s (all sessions in one step, one at a time), graphs captured and capture time, and
              after a warm-up round each step split into forward, judge (`ciar.engine.judge`) and host milliseconds
+  compiled_judge  the judge compiled (`Judge(compiled=True)`) vs eager on one verifier, graphs captured: the
+             compilations at start-up, spans/s at 16 and 64 sessions, each step's forward / judge / host ms, the
+             replies compared
   overlap    the engine's overlap (a step's decisions read after the next forward is launched) against the engine
              without it, 64 sessions on one verifier with graphs: a cloud prefix (one-token decodes), then rounds of
              spans with bursts; replies compared, tokens and spans per second, ms per step, the accelerator's busy
@@ -59,7 +62,7 @@ then `gpu.md` summarises:
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, overlap, packed_step, engine_process, engine_graphs, served_steps,
+They run in the order of `--sections` (env, compiled_judge, overlap, packed_step, engine_process, engine_graphs, served_steps,
 roofline, capacity_measured (whose refit model reads the three before it), capacity_process, capacity_parallel,
 slot_attention, fused_step, xl_steps, ...: the newest and most needed first; sections not started within
 `--budget-s` are skipped).
@@ -119,6 +122,13 @@ def _variant(name: str, cuda: bool):
     finally:
         m.allow_bf16_reduced_precision_reduction = saved[0]
         torch.use_deterministic_algorithms(saved[1])
+
+
+def _compiled_graphs() -> int:
+    """Graphs `torch.compile` has compiled in this process so far (torch._dynamo's counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def busy_share(intervals: list[tuple[float, float]]) -> float | None:
@@ -913,6 +923,67 @@ class Suite:
         return out
 
     @torch.inference_mode()
+    def compiled_judge(self) -> dict:
+        """The judge compiled (`ciar.engine.judge.Judge(compiled=True)`: its draws and exact-rule spans by
+        `torch.compile`d functions) against the eager judge on one verifier (static steps, graphs captured once on
+        CUDA): the compilations at start-up (`Judge.warm`), then for each way the same seeded sessions at each load
+        (opens with a cloud prefix, rounds of spans with bursts): spans/s with every session in one step, each step
+        split into forward, judge and host ms after a warm-up round, the compilations the measured rounds still
+        made, and the replies compared (its probabilities equal the eager ones to the last bits only)."""
+        from benchmarks.engine_capacity import StepSplit
+        from ciar.decoding.sampling import SamplingParams
+        from ciar.engine.judge import Judge
+        from ciar.engine.verifier import CloudVerifier
+
+        loads, rounds, prefix = ((4,), 2, 8) if self.tiny else ((16, 64), 4, 32)
+        cuda = self.dev.type == "cuda"
+        v = CloudVerifier(self.gpt(), None, max_sessions=max(loads))
+        out: dict = {"loads": list(loads), "rounds": rounds, "prefix": prefix, "span_drafts": SPAN - 1}
+        if cuda:
+            t = time.perf_counter()
+            out["graphs_captured"] = v.runner.capture(2 * max(loads), widths=(1, 8))
+            self.sync()
+            out["capture_s"] = round(time.perf_counter() - t, 2)
+        replies: dict = {}
+        for way in ("eager", "compiled"):
+            v.judge = Judge(v.cloud, compiled=way == "compiled")
+            t = time.perf_counter()
+            warmed = v.judge.warm(SamplingParams(cfg_scale=4.0), SPAN - 1)  # the sessions' sampling (_span_sessions)
+            self.sync()
+            res: dict = {"warm_steps": warmed, "warm_s": round(time.perf_counter() - t, 2)}
+            for n in loads:
+                reqs, emb, spans = self._span_sessions(n, prefix, burst=2)  # the same sessions both ways
+                got = [r.prefix_tokens.tolist() for r in v.open_batch(reqs, caption_emb=emb)]
+                split = StepSplit(v, self.sync)
+                graphs0 = _compiled_graphs()
+                self.sync()
+                t = time.perf_counter()
+                for i in range(rounds):
+                    split.on = i > 0  # the first round warms up
+                    got += [(r.num_accepted, r.next_token, r.burst_tokens.tolist() if r.num_burst else [])
+                            for r in v.verify_batch(spans(range(n)))]
+                self.sync()
+                wall = time.perf_counter() - t
+                split.remove()
+                for r in reqs:
+                    v.close(r.session_id)
+                replies[way, n] = got
+                res[f"sessions_{n}"] = {"spans_per_s_all_in_one_step": round(rounds * n / wall, 1),
+                                        "compiled_in_rounds": _compiled_graphs() - graphs0,
+                                        "ms_per_step_after_warmup": split.report()}
+            out[way] = res
+        for n in loads:
+            a, b = replies["compiled", n], replies["eager", n]
+            out[f"sessions_{n}_replies_equal"] = {"equal": sum(x == y for x, y in zip(a, b)), "replies": len(a)}
+            e, c = (out[w][f"sessions_{n}"]["ms_per_step_after_warmup"] for w in ("eager", "compiled"))
+            if e and c:
+                out[f"sessions_{n}_compiled_vs_eager"] = {k: round(c[k] / e[k], 3) for k in ("step", "judge")
+                                                          if e[k] > 0}
+        del v
+        self.release()
+        return out
+
+    @torch.inference_mode()
     def overlap(self) -> dict:
         """The engine's overlap (`StepEngine(overlap=True)`: a step's decisions read after the next forward is
         launched) against the engine without it, on one verifier (graphs captured once) and the same seeded load:
@@ -1425,7 +1496,7 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs",
+    for name in ("compiled_judge", "overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs",
                  "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5", "hf_llama"):
         if name in s:
@@ -1444,7 +1515,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,overlap,packed_step,engine_process,engine_graphs,served_steps,roofline,"
+    ap.add_argument("--sections", default="env,compiled_judge,overlap,packed_step,engine_process,engine_graphs,served_steps,roofline,"
                                           "capacity_measured,capacity_process,capacity_parallel,slot_attention,"
                                           "fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"

@@ -368,6 +368,7 @@ def _verifier(cfg: AppConfig, secret: str, world: dict):
     ).bind(world, cfg.verifier_max_sessions, secret, threads=cfg.verifier_threads,
            memory_utilization=cfg.verifier_memory_utilization, cuda_graphs=cfg.verifier_cuda_graphs,
            fused_step=cfg.verifier_fused_step, overlap=cfg.verifier_overlap, packed_step=cfg.verifier_packed_step,
+           compiled_judge=cfg.verifier_compiled_judge,
            engine_process=cfg.verifier_engine_process)
 
 

@@ -58,7 +58,7 @@ class Verifier:
     def __init__(self, world: dict | str | None, max_sessions: int | str, secret: str, live: dict | None = None,
                  threads: int = 1, memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  fused_step: bool = False, overlap: bool = False, packed_step: bool = False,
-                 engine_process: bool = False):
+                 engine_process: bool = False, compiled_judge: bool = False):
         """`world`: the served world (`ciar.world_spec`; the builder passes it validated, as a dict); the GPT, the
         caption encoder (MiniLM, or the LlamaGen world's T5 on the replica's GPU) and the projector load here, or,
         with `engine_process`, in the engine's own process (`ciar.engine.process`), which then owns the
@@ -68,7 +68,8 @@ class Verifier:
         self.live = VerifierLiveConfig(**(live or {}))
         spec = CoreSpec(world=world, max_sessions=max_sessions, threads=threads,
                         memory_utilization=memory_utilization, cuda_graphs=cuda_graphs, fused_step=fused_step,
-                        overlap=overlap, packed_step=packed_step, scheduler=self.live.scheduler(),
+                        overlap=overlap, packed_step=packed_step, compiled_judge=compiled_judge,
+                        scheduler=self.live.scheduler(),
                         idle_timeout_s=self.live.idle_timeout_s, slot_wait_s=self.live.slot_wait_s,
                         capture_rows=2 * self.live.max_batch_size)
         self._steps_seen = 0

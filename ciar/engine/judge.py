@@ -134,15 +134,47 @@ class Decided:
 class Judge:
     """The acceptance rules and the sampler over the cloud's logits (see the module docstring)."""
 
-    def __init__(self, cloud, codebook: torch.Tensor | None = None):
+    def __init__(self, cloud, codebook: torch.Tensor | None = None, compiled: bool = False):
+        """`compiled`: the step's draws and the spans of the rules in COMPILED_RULES computed by `torch.compile`d
+        functions (`compiled_math`: their elementwise chains fused, far fewer kernels or operations a step);
+        otherwise eagerly. Their probabilities differ from the eager ones in the last bits (the fused reductions
+        sum in another order), so a draw that falls within that rounding can take the neighbouring token: the same
+        request and seed give the same image on the same setting, not across the two."""
         self.cloud = cloud
         self.vocab_size, self.dim = cloud.config.vocab_size, cloud.config.dim
         self.codebook = codebook  # [V, D] raw codebook vectors, for LANTERN's neighbour sets
         self._neighbors: dict[int, NeighborTable] = {}
+        self.compiled = bool(compiled)
+        self._draw_math, self._span_math = compiled_math() if self.compiled else (_draw_math, _span_math)
 
     @property
     def device(self) -> torch.device:
         return self.cloud.tok_embeddings.weight.device
+
+    @torch.inference_mode()
+    def warm(self, sampling: SamplingParams, span: int, rule: RuleConfig | None = None) -> int:
+        """Make a compiled judge's compilations now (start-up) rather than at the first steps that need them: steps
+        of one and of two draws and of one and of two spans (`span` drafts; two of several lengths too), with `sampling` on every row (the deployment's default: another summary compiles
+        again at its first step) and `rule` (default: exact). -> steps decided (0 when not compiled)."""
+        if not self.compiled:
+            return 0
+        g = torch.Generator().manual_seed(0)
+        rows, v, dev = 2 if sampling.uses_cfg else 1, self.vocab_size, self.device
+        rule = rule or RuleConfig()
+
+        def span_of(k: int) -> Span:
+            q = torch.full((k, v), 1.0 / v, dtype=torch.float16)
+            return Span(torch.randn(rows, k + 1, v, generator=g).to(dev), torch.randint(0, v, (k,), generator=g),
+                        q, sampling, rule, seed=0, position=0)
+
+        steps = [([Draw(torch.randn(rows, v, generator=g).to(dev), sampling, i, 0, 0.5) for i in range(n)], [])
+                 for n in (1, 2)]
+        steps += [([], [span_of(span) for _ in range(n)]) for n in (1, 2)]
+        if span > 1:
+            steps.append(([], [span_of(span), span_of(1)]))
+        for draws, spans in steps:
+            self.decide(draws, spans)
+        return len(steps)
 
     def neighbor_table(self, k: int) -> NeighborTable:
         if self.codebook is None:
@@ -175,7 +207,9 @@ class Judge:
         draw_key = pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM))
         draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
         stopping = any(d.stop_entropy > 0 for d in draws)
-        draw_stop = pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32)) if stopping else None
+        # (a compiled judge takes the stops always, zeros for none: one compilation for draws with and without)
+        draw_stop = (pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
+                     if stopping or self.compiled else None)
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(spans):
             # one verify_span per configuration (Jacobi rounds apart: their q is already on the device; spans that
@@ -230,15 +264,12 @@ class Judge:
             outs.append(bad)
         drawn = None
         if draws:
-            both = logits[pack[draw_idx]]
-            n = len(draws)
-            probs = rows_to_probs(both[:n], self._rows(pack, draw_sampling), both[n:], pack[draw_sampling[4]])
-            u = keyed_uniform(pack[draw_key], pack[draw_pos])
-            drawn = sample_at(probs, u)
+            drawn, stops = self._draw_math(logits, pack[draw_idx], len(draws), self._rows(pack, draw_sampling),
+                                           pack[draw_sampling[4]], pack[draw_key], pack[draw_pos],
+                                           None if draw_stop is None else pack[draw_stop])
             outs.append(drawn)
             if stopping:
-                stop_at = pack[draw_stop]
-                outs.append((stop_at > 0) & (entropy_score(probs) <= stop_at))
+                outs.append(stops)
         judged = []
         on_device: dict[int, tuple] = {}  # span index -> (its group's drafts kept, next tokens, its row)
         for g in span_in:
@@ -268,24 +299,11 @@ class Judge:
         dev, v_size = self.device, self.vocab_size
         b, kmax = len(group), g["kmax"]
         rule = group[0].rule
-        both = logits[pack[g["rows"]]]  # [2T, V]: every target's cond row, then its uncond row (T = sum(k + 1))
-        t = both.shape[0] // 2
-        p_flat = rows_to_probs(both[:t], self._rows(pack, g["sampling"]), both[t:], pack[g["sampling"][4]])
         if not g["jacobi"]:
-            q_flat = draft_distribution(pack[g["q"]])
+            q_in = pack[g["q"]]  # float16 as sent, normalised by the span arithmetic
         else:  # a Jacobi round's q as its drafts were drawn from (float32 on the device; the first window uniform)
-            q_flat = torch.cat([s.jacobi.q if s.jacobi.q is not None else
-                                torch.full((s.k, v_size), 1.0 / v_size, device=dev) for s in group])
-        if g["ragged"]:  # spans of several lengths: padded to the longest (padding is never read as a draw)
-            p = torch.zeros(b * (kmax + 1), v_size, device=dev)
-            p[pack[g["p_at"]]] = p_flat
-            p = p.view(b, kmax + 1, v_size)
-            q = torch.full((b * max(kmax, 1), v_size), 1.0 / v_size, device=dev)
-            if kmax:
-                q[pack[g["q_at"]]] = q_flat
-            q = q.view(b, max(kmax, 1), v_size)[:, :kmax]
-        else:  # one length (the usual case): the ragged layout is the padded one
-            p, q = p_flat.view(b, kmax + 1, v_size), q_flat.view(b, kmax, v_size)
+            q_in = torch.cat([s.jacobi.q if s.jacobi.q is not None else
+                              torch.full((s.k, v_size), 1.0 / v_size, device=dev) for s in group])
         kwargs = {}
         if rule.rule == "lantern":
             kwargs["neighbors"] = self.neighbor_table(rule.lantern_k)
@@ -308,9 +326,11 @@ class Judge:
                     hidden[pack[g["p_at"]]] = flat
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
-        draws = SpanDraws.keyed(pack[g["accept_keys"]], pack[g["next_keys"]], pack[g["positions"]], kmax)
-        out = verify_span(rule.rule, pack[g["drafts"]], q, p, draws, span_len=pack[g["lengths"]], check=False,
-                          **kwargs)
+        span_math = self._span_math if rule.rule in COMPILED_RULES else _span_math
+        p, out = span_math(logits, pack[g["rows"]], self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
+                           not g["jacobi"], pack[g["drafts"]], pack[g["accept_keys"]], pack[g["next_keys"]],
+                           pack[g["positions"]], pack[g["lengths"]], pack[g["p_at"]] if g["ragged"] else None,
+                           pack[g["q_at"]] if g["ragged"] else None, b, kmax, rule.rule, kwargs)
         stop = None
         if g["stop"] is not None:  # the first position a token would be taken at (<= n) whose entropy is low enough
             thr = pack[g["stop"]][:, None]
@@ -347,6 +367,61 @@ class Judge:
     @staticmethod
     def _rows(pack: HostPack, handles: tuple) -> RowSampling:
         return RowSampling(*(pack[h] for h in handles[:4]), *handles[5])
+
+
+COMPILED_RULES = ("exact", "greedy")  # the rules whose spans a compiled judge computes compiled (the others eagerly)
+
+
+def _draw_math(logits: torch.Tensor, idx: torch.Tensor, n: int, rows: RowSampling, has_uncond: torch.Tensor,
+               keys: torch.Tensor, positions: torch.Tensor, stop: torch.Tensor | None):
+    """A step's draws on the device: logits [S, V], idx [2n] (the draws' cond rows, then their uncond rows), their
+    sampling rows, stream keys and image positions [n], entropy stops [n] or None -> (tokens [n], stopped [n] or
+    None)."""
+    both = logits[idx]
+    probs = rows_to_probs(both[:n], rows, both[n:], has_uncond)
+    tokens = sample_at(probs, keyed_uniform(keys, positions))
+    return tokens, None if stop is None else (stop > 0) & (entropy_score(probs) <= stop)
+
+
+def _span_math(logits: torch.Tensor, idx: torch.Tensor, rows: RowSampling, has_uncond: torch.Tensor,
+               q_in: torch.Tensor, as_sent: bool, drafts: torch.Tensor, accept_keys: torch.Tensor,
+               next_keys: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, p_at: torch.Tensor | None,
+               q_at: torch.Tensor | None, b: int, kmax: int, rule: str, kwargs: dict):
+    """One rule's spans on the device: logits [S, V], idx [2T] (every target's cond row, then its uncond row,
+    T = sum(k + 1)), the targets' sampling rows, the drafts' distributions [sum k, V] (`as_sent`: float16 as
+    sent, normalised here), drafts [b, kmax], stream keys, first positions and lengths [b], and for spans of
+    several lengths (`p_at`, `q_at` not None) where their rows go in the padded layouts -> (p [b, kmax + 1, V],
+    `verify_span`'s verdicts)."""
+    v_size = logits.shape[-1]
+    both = logits[idx]
+    t = both.shape[0] // 2
+    p_flat = rows_to_probs(both[:t], rows, both[t:], has_uncond)
+    q_flat = draft_distribution(q_in) if as_sent else q_in
+    if p_at is not None:  # spans of several lengths: padded to the longest (padding is never read as a draw)
+        p = torch.zeros(b * (kmax + 1), v_size, device=logits.device)
+        p[p_at] = p_flat
+        p = p.view(b, kmax + 1, v_size)
+        q = torch.full((b * max(kmax, 1), v_size), 1.0 / v_size, device=logits.device)
+        if kmax:
+            q[q_at] = q_flat
+        q = q.view(b, max(kmax, 1), v_size)[:, :kmax]
+    else:  # one length (the usual case): the ragged layout is the padded one
+        p, q = p_flat.view(b, kmax + 1, v_size), q_flat.view(b, kmax, v_size)
+    draws = SpanDraws.keyed(accept_keys, next_keys, positions, kmax)
+    return p, verify_span(rule, drafts, q, p, draws, span_len=lengths, check=False, **kwargs)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_math():
+    """(`_draw_math`, `_span_math`) compiled by `torch.compile` (dynamic shapes: one compilation serves every
+    number of rows but for a few specialisations: one row, one span, one draft, another sampling summary or rule).
+    Made once per process; each compiles at its first call (`Judge.warm` makes those calls at start-up)."""
+    if not _COMPILED:
+        _COMPILED["draw"] = torch.compile(_draw_math, dynamic=True)
+        _COMPILED["span"] = torch.compile(_span_math, dynamic=True)
+    return _COMPILED["draw"], _COMPILED["span"]
 
 
 class Deciding:

@@ -85,6 +85,7 @@ from ciar.engine.works import VerifyWork
 
 logger = logging.getLogger(__name__)
 
+WARM_SPAN = 4  # the drafts a compiled judge warms its spans with (`Judge.warm`: other lengths of two or more share them)
 CALLS = ("open", "verify", "resume", "close", "evict_idle", "cost_hint", "ready", "stats", "configure")
 
 
@@ -107,6 +108,7 @@ class CoreSpec:
     fused_step: bool = False
     overlap: bool = False
     packed_step: bool = False
+    compiled_judge: bool = False
     scheduler: SchedulerConfig | None = None
     idle_timeout_s: float | None = None
     slot_wait_s: float = 0.0
@@ -134,9 +136,14 @@ def build_verifier(spec: CoreSpec, log=logger.info):
                          memory_utilization=spec.memory_utilization, slot_wait_s=spec.slot_wait_s,
                          static=None if spec.cuda_graphs else False,  # static steps + graphs on CUDA
                          fused=spec.fused_step and spec.cuda_graphs and device == "cuda", overlap=spec.overlap,
-                         pack=spec.packed_step and spec.cuda_graphs and device == "cuda")
+                         pack=spec.packed_step and spec.cuda_graphs and device == "cuda",
+                         compiled_judge=spec.compiled_judge)
     if core.memory is not None:
         log("KV cache: %d sessions (%s)", core.table.max_sessions, core.memory.how)
+    if core.judge.compiled:  # its compilations before any request (the world's sampling)
+        t = time.perf_counter()
+        core.judge.warm(world.sampling, WARM_SPAN)
+        log("compiled the judge in %.1f s", time.perf_counter() - t)
     if core.runner.graphs and spec.capture_rows:  # every bucket the live config can reach, before any request
         t = time.perf_counter()
         n = core.runner.capture(spec.capture_rows)

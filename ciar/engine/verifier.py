@@ -77,7 +77,7 @@ class CloudVerifier:
                  projector: IntervalProjector | None = None, codebook: torch.Tensor | None = None,
                  idle_timeout_s: float | None = None, scheduler: SchedulerConfig | None = None,
                  memory_utilization: float = 0.9, slot_wait_s: float = 0.0, static: bool | None = None,
-                 fused: bool = False, overlap: bool = False, pack: bool = False):
+                 fused: bool = False, overlap: bool = False, pack: bool = False, compiled_judge: bool = False):
         """`max_sessions`: KV-cache sessions (2 slots each with CFG), or "auto": as many as the accelerator's memory
         holds after loading, at `memory_utilization` of its total (`ciar.engine.runner.plan_sessions`; the plan is
         `self.memory`). `idle_timeout_s`: when an open/resume lacks free slots, sessions idle for at least this
@@ -88,7 +88,8 @@ class CloudVerifier:
         `ciar.engine.runner`); `fused`: its static steps fused, `pack`: its span-wide static steps with few fed
         positions packed (`ciar.engine.runner.ModelRunner`); `overlap`: the engine reads a step's decisions after
         launching the next step's forward (`ciar.engine.core.StepEngine.step`; the same tokens, a gain only where an
-        accelerator runs the forward)."""
+        accelerator runs the forward); `compiled_judge`: the judge's arithmetic compiled (`ciar.engine.judge.Judge`:
+        fewer operations a step, probabilities equal to the last bits only)."""
         self.cloud = cloud.eval()
         self.text = text
         self.config = cloud.config
@@ -107,7 +108,7 @@ class CloudVerifier:
         self.cache = self.runner.cache
         self.table = SessionTable(self.cache, max_sessions, idle_timeout_s)
         self.projector = projector.eval() if projector is not None else None
-        self.judge = Judge(cloud, codebook)
+        self.judge = Judge(cloud, codebook, compiled=compiled_judge)
         # what the works read besides their requests and sessions (`ciar.engine.works`): never the verifier itself
         self.ctx = WorkContext(cloud.config.cls_token_num, cloud.config.block_size, self.vocab_size, self.device,
                                self.projector, functools.partial(device_caption, self.cloud),
@@ -155,6 +156,7 @@ class CloudVerifier:
                 "real_positions": engine.real_positions, "padded_positions": engine.padded_positions,
                 "forwards_by_path": dict(runner.steps), "forward_faults": dict(engine.faults),
                 "overlap": engine.overlap, "decodes_run_ahead": dict(engine.ahead), "packed_step": runner.pack,
+                "compiled_judge": self.judge.compiled,
                 "packed_tokens": runner.positions["packed"],
                 "memory": self.memory.to_dict() if self.memory is not None else None}
 

@@ -18,11 +18,16 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps",
+    assert list(sections) == ["env", "compiled_judge", "overlap", "packed_step", "engine_process", "engine_graphs", "served_steps",
                               "roofline", "capacity_measured", "capacity_process", "capacity_parallel",
                               "slot_attention", "fused_step", "xl_steps", "graphs", "fp32", "profile", "capacity",
                               "memory", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
                               "anole_shape", "engine", "t5", "hf_llama"]
+    cj = sections["compiled_judge"]  # the judge compiled (inductor's CPU code here): compiled at start-up, the same
+    assert cj["compiled"]["warm_steps"] > 0 and cj["eager"]["warm_steps"] == 0, cj  # replies on these seeded inputs
+    assert cj["compiled"]["sessions_4"]["compiled_in_rounds"] == 0, cj  # (the warm-up made every compilation)
+    assert cj["sessions_4_replies_equal"] == {"equal": 12, "replies": 12}, cj
+    assert all(cj[w]["sessions_4"]["ms_per_step_after_warmup"]["judge"] > 0 for w in ("eager", "compiled")), cj
     ov = sections["overlap"]  # the engine with overlap gives the replies of the engine without it, decodes run ahead
     assert ov["replies_identical"] and ov["replies"] == 4 + 2 * 4, ov
     assert ov["overlap"]["decodes"]["ahead_run"] > 0 and ov["plain"]["decodes"]["ahead_run"] == 0, ov

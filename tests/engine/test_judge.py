@@ -316,3 +316,37 @@ def test_the_gsd_group_travels_in_the_sessions_rule():
     assert sum(v[0] for v in wide) > sum(v[0] for v in exact)
     bad = judge.decide([], [replace(spans[0], rule=RuleConfig("gsd", gsd_prob_gap=-1.0)), spans[1]])
     assert set(bad.errors) == {0} and "prob_gap" in str(bad.errors[0]) and bad.verdicts[1] == exact[1]
+
+
+# ------------------------------------------------------------------------------------------- the compiled judge
+@pytest.mark.slow  # ~75 s of compilations on a 2-core CPU; make test runs the judge compiled in the GPU suite's
+# tiny compiled_judge section (tests/benchmarks/test_gpu_suite.py)
+def test_a_compiled_judge_decides_as_the_eager_one():
+    """`Judge(compiled=True)`: the draws and the exact and greedy rules' spans by `torch.compile`d functions (here
+    inductor's CPU code), beside rules it leaves eager, spans of one length and of several, draws with and without
+    an entropy stop: the same decisions as the eager judge's on these seeded inputs (its probabilities may differ
+    in the last bits, which none of these draws falls within)."""
+    cloud = tiny_cloud(vocab=50)
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(cfg_scale=3.0), SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=9, top_p=0.9)]
+
+    def span(k, rule, i):
+        q = torch.softmax(torch.randn(k, 50, generator=g), -1).half()
+        return Span(torch.randn(2, k + 1, 50, generator=g) * 2, torch.randint(0, 50, (k,), generator=g), q,
+                    params[i % 2], rule, seed=40 + i, position=2 * i)
+
+    steps = [  # (draws, spans) of three steps: one length; several lengths and rules; a single draw
+        ([Draw(torch.randn(2, 50, generator=g) * 2, params[i % 2], i, 5 + i, stop_entropy=0.0) for i in range(6)],
+         [span(4, RuleConfig(), i) for i in range(5)]),
+        ([Draw(torch.randn(2, 50, generator=g) * 2, params[i % 2], i, 9, stop_entropy=0.95) for i in range(4)],
+         [span(k, RuleConfig(), i) for i, k in enumerate((2, 4, 1, 4))] +
+         [span(2, RuleConfig("greedy"), i) for i in range(3)] +
+         [span(3, RuleConfig("cascade", cascade_threshold=0.2), i) for i in range(2)]),
+        ([Draw(torch.randn(2, 50, generator=g) * 2, params[0], 1, 3)], []),
+    ]
+    eager, compiled = Judge(cloud), Judge(cloud, compiled=True)
+    for draws, spans in steps:
+        want, got = eager.decide(draws, spans), compiled.decide(draws, spans)
+        assert not want.errors and not got.errors
+        assert (got.tokens, got.stops, got.verdicts) == (want.tokens, want.stops, want.verdicts)
+    assert any(want.stops for want in [eager.decide(*steps[1])])  # the stop is exercised

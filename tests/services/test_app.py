@@ -150,6 +150,7 @@ def test_concurrent_devices_batch_spans(cluster):
     assert any(int(size) > 1 for size in vstats["batch_size_hist"]), vstats
     # the engine's options as configured (serve_config.yaml: neither; a GPU configuration may turn them on)
     assert (vstats["overlap"], vstats["packed_step"], vstats["decodes_run_ahead"]["run"]) == (False, False, 0)
+    assert vstats["compiled_judge"] is False
     assert vstats["heap"]["frozen"] > 0  # the replica froze its start-up out of the collector's reach
 
 

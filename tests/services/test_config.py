@@ -187,6 +187,7 @@ def test_shipped_serve_configs_build(name, monkeypatch, tiny_llamagen_world):
     assert cfg.verifier_overlap is False  # (not measured on a GPU yet: the suite's overlap section)
     assert cfg.verifier_packed_step is False  # (nor this: packed_step)
     assert cfg.verifier_engine_process is False  # (nor the engine core in its own process)
+    assert cfg.verifier_compiled_judge is False  # (nor the compiled judge: compiled_judge)
 
 
 def make_tiny_t5_folder(world: dict) -> str:
@@ -265,3 +266,5 @@ def test_verifier_sessions_are_a_count_or_auto():
         AppConfig(verifier_packed_step="sometimes")
     with pytest.raises(ValidationError, match="verifier_engine_process"):
         AppConfig(verifier_engine_process="sometimes")
+    with pytest.raises(ValidationError, match="verifier_compiled_judge"):
+        AppConfig(verifier_compiled_judge="sometimes")
