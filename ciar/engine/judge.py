@@ -264,7 +264,9 @@ class Judge:
             outs.append(bad)
         drawn = None
         if draws:
-            drawn, stops = self._draw_math(logits, pack[draw_idx], len(draws), self._rows(pack, draw_sampling),
+            # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a
+            # compiled judge meets one kind of input, as its warm-up made it)
+            drawn, stops = self._draw_math(logits[pack[draw_idx]], len(draws), self._rows(pack, draw_sampling),
                                            pack[draw_sampling[4]], pack[draw_key], pack[draw_pos],
                                            None if draw_stop is None else pack[draw_stop])
             outs.append(drawn)
@@ -327,7 +329,7 @@ class Judge:
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
         span_math = self._span_math if rule.rule in COMPILED_RULES else _span_math
-        p, out = span_math(logits, pack[g["rows"]], self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
+        p, out = span_math(logits[pack[g["rows"]]], self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
                            not g["jacobi"], pack[g["drafts"]], pack[g["accept_keys"]], pack[g["next_keys"]],
                            pack[g["positions"]], pack[g["lengths"]], pack[g["p_at"]] if g["ragged"] else None,
                            pack[g["q_at"]] if g["ragged"] else None, b, kmax, rule.rule, kwargs)
@@ -372,36 +374,33 @@ class Judge:
 COMPILED_RULES = ("exact", "greedy")  # the rules whose spans a compiled judge computes compiled (the others eagerly)
 
 
-def _draw_math(logits: torch.Tensor, idx: torch.Tensor, n: int, rows: RowSampling, has_uncond: torch.Tensor,
-               keys: torch.Tensor, positions: torch.Tensor, stop: torch.Tensor | None):
-    """A step's draws on the device: logits [S, V], idx [2n] (the draws' cond rows, then their uncond rows), their
-    sampling rows, stream keys and image positions [n], entropy stops [n] or None -> (tokens [n], stopped [n] or
-    None)."""
-    both = logits[idx]
+def _draw_math(both: torch.Tensor, n: int, rows: RowSampling, has_uncond: torch.Tensor, keys: torch.Tensor,
+               positions: torch.Tensor, stop: torch.Tensor | None):
+    """A step's draws on the device: both [2n, V] (the draws' cond rows, then their uncond rows), their sampling
+    rows, stream keys and image positions [n], entropy stops [n] or None -> (tokens [n], stopped [n] or None)."""
     probs = rows_to_probs(both[:n], rows, both[n:], has_uncond)
     tokens = sample_at(probs, keyed_uniform(keys, positions))
     return tokens, None if stop is None else (stop > 0) & (entropy_score(probs) <= stop)
 
 
-def _span_math(logits: torch.Tensor, idx: torch.Tensor, rows: RowSampling, has_uncond: torch.Tensor,
-               q_in: torch.Tensor, as_sent: bool, drafts: torch.Tensor, accept_keys: torch.Tensor,
-               next_keys: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, p_at: torch.Tensor | None,
-               q_at: torch.Tensor | None, b: int, kmax: int, rule: str, kwargs: dict):
-    """One rule's spans on the device: logits [S, V], idx [2T] (every target's cond row, then its uncond row,
-    T = sum(k + 1)), the targets' sampling rows, the drafts' distributions [sum k, V] (`as_sent`: float16 as
-    sent, normalised here), drafts [b, kmax], stream keys, first positions and lengths [b], and for spans of
-    several lengths (`p_at`, `q_at` not None) where their rows go in the padded layouts -> (p [b, kmax + 1, V],
-    `verify_span`'s verdicts)."""
-    v_size = logits.shape[-1]
-    both = logits[idx]
+def _span_math(both: torch.Tensor, rows: RowSampling, has_uncond: torch.Tensor, q_in: torch.Tensor, as_sent: bool,
+               drafts: torch.Tensor, accept_keys: torch.Tensor, next_keys: torch.Tensor, positions: torch.Tensor,
+               lengths: torch.Tensor, p_at: torch.Tensor | None, q_at: torch.Tensor | None, b: int, kmax: int,
+               rule: str, kwargs: dict):
+    """One rule's spans on the device: both [2T, V] (every target's cond row, then its uncond row, T = sum(k + 1)),
+    the targets' sampling rows, the drafts' distributions [sum k, V] (`as_sent`: float16 as sent, normalised here),
+    drafts [b, kmax], stream keys, first positions and lengths [b], and for spans of several lengths (`p_at`,
+    `q_at` not None) where their rows go in the padded layouts -> (p [b, kmax + 1, V], `verify_span`'s
+    verdicts)."""
+    v_size = both.shape[-1]
     t = both.shape[0] // 2
     p_flat = rows_to_probs(both[:t], rows, both[t:], has_uncond)
     q_flat = draft_distribution(q_in) if as_sent else q_in
     if p_at is not None:  # spans of several lengths: padded to the longest (padding is never read as a draw)
-        p = torch.zeros(b * (kmax + 1), v_size, device=logits.device)
+        p = torch.zeros(b * (kmax + 1), v_size, device=both.device)
         p[p_at] = p_flat
         p = p.view(b, kmax + 1, v_size)
-        q = torch.full((b * max(kmax, 1), v_size), 1.0 / v_size, device=logits.device)
+        q = torch.full((b * max(kmax, 1), v_size), 1.0 / v_size, device=both.device)
         if kmax:
             q[q_at] = q_flat
         q = q.view(b, max(kmax, 1), v_size)[:, :kmax]
