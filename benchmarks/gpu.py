@@ -62,8 +62,8 @@ then `gpu.md` summarises:
              per-forward overhead fitted from the xl_steps, eager and graphs), so the capacity plan can be re-run from
              measured costs instead of datasheet ones
 
-They run in the order of `--sections` (env, compiled_judge, overlap, packed_step, engine_process, engine_graphs, served_steps,
-roofline, capacity_measured (whose refit model reads the three before it), capacity_process, capacity_parallel,
+They run in the order of `--sections` (env, compiled_judge, overlap, packed_step, engine_process, engine_graphs,
+served_steps, roofline, capacity_measured (whose refit model reads the three before it), capacity_process, capacity_parallel,
 slot_attention, fused_step, xl_steps, ...: the newest and most needed first; sections not started within
 `--budget-s` are skipped).
 
@@ -1496,7 +1496,8 @@ def markdown(result: dict) -> str:
             from benchmarks.engine_capacity import markdown as capacity_table
 
             lines += [f"## {key}: {title}", ""] + capacity_table(s[key]) + [""]
-    for name in ("compiled_judge", "overlap", "packed_step", "engine_process", "capacity_process", "slot_attention", "engine_graphs",
+    for name in ("compiled_judge", "overlap", "packed_step", "engine_process", "capacity_process", "slot_attention",
+                 "engine_graphs",
                  "served_steps", "fused_step", "graphs", "fp32", "profile", "oom", "repeat", "engine_repeat",
                  "engine_bisect", "dense_copy", "capacity", "memory", "engine", "t5", "hf_llama"):
         if name in s:
@@ -1515,7 +1516,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="sections not started by then are skipped")
     # the most needed first (a run cut by --budget-s skips the rest): the engine at the GPU's pace (its steps split
     # into forward, judge and host time), the measured costs the capacity plan reads, the GPU start-up, comparisons
-    ap.add_argument("--sections", default="env,compiled_judge,overlap,packed_step,engine_process,engine_graphs,served_steps,roofline,"
+    ap.add_argument("--sections", default="env,compiled_judge,overlap,packed_step,engine_process,engine_graphs,"
+                                          "served_steps,roofline,"
                                           "capacity_measured,capacity_process,capacity_parallel,slot_attention,"
                                           "fused_step,"
                                           "xl_steps,graphs,fp32,profile,capacity,memory,oom,repeat,engine_repeat,"

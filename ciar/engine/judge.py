@@ -154,8 +154,9 @@ class Judge:
     @torch.inference_mode()
     def warm(self, sampling: SamplingParams, span: int, rule: RuleConfig | None = None) -> int:
         """Make a compiled judge's compilations now (start-up) rather than at the first steps that need them: steps
-        of one and of two draws and of one and of two spans (`span` drafts; two of several lengths too), with `sampling` on every row (the deployment's default: another summary compiles
-        again at its first step) and `rule` (default: exact). -> steps decided (0 when not compiled)."""
+        of one and of two draws and of one and of two spans (`span` drafts; two of several lengths too), with
+        `sampling` on every row (the deployment's default: another summary compiles again at its first step) and
+        `rule` (default: exact). -> steps decided (0 when not compiled)."""
         if not self.compiled:
             return 0
         g = torch.Generator().manual_seed(0)

@@ -85,7 +85,7 @@ from ciar.engine.works import VerifyWork
 
 logger = logging.getLogger(__name__)
 
-WARM_SPAN = 4  # the drafts a compiled judge warms its spans with (`Judge.warm`: other lengths of two or more share them)
+WARM_SPAN = 4  # the drafts a compiled judge warms its spans with (`Judge.warm`; lengths of two or more share them)
 CALLS = ("open", "verify", "resume", "close", "evict_idle", "cost_hint", "ready", "stats", "configure")
 
 

@@ -246,3 +246,25 @@ def test_a_call_that_cannot_be_pickled_fails_its_caller_only(engine):
         return await e.ready()
 
     assert asyncio.run(go()) == {"sessions": 0, "free_slots": 8}
+
+
+@pytest.mark.slow  # ~1 min of compilations on a 2-core CPU
+def test_build_verifier_compiles_the_judge_at_start_up_with_the_worlds_sampling():
+    """`CoreSpec(compiled_judge=True)` (the Verifier's `verifier_compiled_judge`): the shipped world's core with its
+    judge compiled and warmed before any request, then serving a request with the world's sampling without compiling
+    again; an OPEN's cloud prefix is the eager core's here."""
+    from torch._dynamo.utils import counters
+
+    from ciar.engine.process import build_verifier
+    from ciar.world import load_world
+
+    logs = []
+    core = build_verifier(CoreSpec(max_sessions=2, compiled_judge=True), log=lambda *a: logs.append(a[0] % a[1:]))
+    eager = build_verifier(CoreSpec(max_sessions=2))
+    assert core.judge.compiled and core.stats()["compiled_judge"] and not eager.judge.compiled
+    assert any(line.startswith("compiled the judge in") for line in logs), logs
+    graphs = counters["stats"]["unique_graphs"]
+    req = OpenRequest("a", PROMPT, seed=5, sampling=load_world(None).sampling, prefix_len=12)
+    got, want = core.open_batch([req])[0], eager.open_batch([req])[0]
+    assert got.prefix_tokens.tolist() == want.prefix_tokens.tolist()
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up made every compilation this needed
