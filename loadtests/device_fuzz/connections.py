@@ -102,8 +102,10 @@ def probe_slow_reader(fuzz: Recorder, send_s: float | None = None) -> None:
         fuzz.answers[ended.key] += 1
     if ended is None or ended.kind != "close":
         fuzz.fail(kind, "slow reader", f"not dropped: {sent[0]} frames sent, nothing read for "
-                  f"{time.monotonic() - t0:.1f} s, then {sum(got.values())} answers read and the connection still "
-                  f"open (the endpoint's send timeout is {fuzz.t.send_timeout_s:g} s)")
+                  f"{time.monotonic() - t0:.1f} s, then {sum(got.values())} answers read ({dict(got)}) and the "
+                  f"connection still open (the endpoint's send timeout is {fuzz.t.send_timeout_s:g} s; the sender "
+                  f"{'still blocked' if sender.is_alive() else 'stopped'}; the other connection's answers took "
+                  f"{others[-3:]} s)")
     elif ended.key not in ("close:1008", "close:1006"):
         fuzz.fail(kind, "slow reader", "ended by an unexpected close", answer=ended)
     p.close()
