@@ -19,7 +19,10 @@ import torch
 
 __all__ = ["HostPack", "HostRead", "to_device"]
 
-_ALIGN = 8  # bytes: every section of a HostPack starts at a multiple (the widest element it holds)
+# bytes: every section of a HostPack starts at a multiple: the widest element it holds (8), and the 16 bytes that
+# torch.compile'd kernels assume of their inputs' starts (the compiled judge reads its inputs from the pack; a
+# section off that alignment is copied before the call)
+_ALIGN = 16
 
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
