@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ciar.collab.acceptance import CascadeConfig, GsdConfig, LanternConfig, NeighborTable, SpanDraws, verify_span
+from ciar.collab.acceptance import (CascadeConfig, GsdConfig, LanternConfig, NeighborTable, SpanDraws, VerifyOutput,
+                                    verify_span)
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
 from ciar.engine.runner import PieceOutput
@@ -202,12 +203,15 @@ class Judge:
         source = _Source(step_logits)
         # --- what the host knows, packed: row indices, sampling rows, seeds, positions, drafts, draft probabilities
         draw_rows = [source.rows(d.logits, 1) for d in draws]
+        n_draws = len(draws)
+        stopping = any(d.stop_entropy > 0 for d in draws)
+        if self.compiled and n_draws == 1:  # a lone draw computed twice: no compilation of its own for one row
+            draws, draw_rows = draws * 2, draw_rows * 2
         draw_idx = pack.add(torch.tensor([r[0][0] for r in draw_rows] + [r[1][0] for r in draw_rows],
                                          dtype=torch.long))
         draw_sampling = self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in draw_rows])
         draw_key = pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM))
         draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
-        stopping = any(d.stop_entropy > 0 for d in draws)
         # (a compiled judge takes the stops always, zeros for none: one compilation for draws with and without)
         draw_stop = (pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
                      if stopping or self.compiled else None)
@@ -226,6 +230,11 @@ class Judge:
             drafting = g[0].drafting is not None
             stopping_rounds = jacobi and g[0].jacobi.stop_entropy > 0
             rows = [source.rows(s.targets, s.k + 1) for s in g]
+            # a lone span computed twice by a compiled judge: no compilation of its own for one span (the plain
+            # verdict only: no window drafted after it, no entropy stop)
+            pad = self.compiled and len(g) == 1 and g[0].rule.rule in COMPILED_RULES and not drafting and not jacobi
+            if pad:
+                g, rows = g * 2, rows * 2
             t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
                                              [r[2] for r in rows for _ in r[0]])
             drafts = torch.zeros(len(g), kmax, dtype=torch.long)
@@ -236,7 +245,7 @@ class Judge:
             p_at = [b * (kmax + 1) + j for b, s in enumerate(g) for j in range(s.k + 1)] if ragged else []
             q_at = [b * max(kmax, 1) + j for b, s in enumerate(g) for j in range(s.k)] if ragged else []
             span_in.append(dict(
-                idx=idx, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
+                idx=idx, b=len(g), pad=pad, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
                 rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
                                            dtype=torch.long)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
@@ -270,6 +279,7 @@ class Judge:
             drawn, stops = self._draw_math(logits[pack[draw_idx]], len(draws), self._rows(pack, draw_sampling),
                                            pack[draw_sampling[4]], pack[draw_key], pack[draw_pos],
                                            None if draw_stop is None else pack[draw_stop])
+            drawn, stops = drawn[:n_draws], None if stops is None else stops[:n_draws]  # (a lone draw's twin off)
             outs.append(drawn)
             if stopping:
                 outs.append(stops)
@@ -292,7 +302,7 @@ class Judge:
             if stop is not None:
                 outs.append(stop)
         # the step's one host read, queued behind its decisions
-        return Deciding(HostRead(outs), 0 if bad is None else int(bad.numel()), len(draws), stopping, judged,
+        return Deciding(HostRead(outs), 0 if bad is None else int(bad.numel()), n_draws, stopping, judged,
                         len(spans), errors, drawn, on_device)
 
     def _judge_group(self, group: list[Span], g: dict, pack: HostPack, logits: torch.Tensor):
@@ -300,7 +310,7 @@ class Judge:
         that start a burst's window, the windows drafted: (tokens [B * window], distributions [B, window, V]), else
         None; for burst rounds, where each one's entropy stop fired: [B], -1 where it did not, else None)."""
         dev, v_size = self.device, self.vocab_size
-        b, kmax = len(group), g["kmax"]
+        b, kmax = g["b"], g["kmax"]
         rule = group[0].rule
         if not g["jacobi"]:
             q_in = pack[g["q"]]  # float16 as sent, normalised by the span arithmetic
@@ -334,6 +344,8 @@ class Judge:
                            not g["jacobi"], pack[g["drafts"]], pack[g["accept_keys"]], pack[g["next_keys"]],
                            pack[g["positions"]], pack[g["lengths"]], pack[g["p_at"]] if g["ragged"] else None,
                            pack[g["q_at"]] if g["ragged"] else None, b, kmax, rule.rule, kwargs)
+        if g["pad"]:  # a lone span's twin off
+            p, out = p[:1], VerifyOutput(out.num_accepted[:1], out.next_token[:1], out.recovered[:1])
         stop = None
         if g["stop"] is not None:  # the first position a token would be taken at (<= n) whose entropy is low enough
             thr = pack[g["stop"]][:, None]
@@ -416,8 +428,9 @@ _COMPILED: dict[str, object] = {}
 
 def compiled_math():
     """(`_draw_math`, `_span_math`) compiled by `torch.compile` (dynamic shapes: one compilation serves every
-    number of rows but for a few specialisations: one row, one span, one draft, another sampling summary or rule).
-    Made once per process; each compiles at its first call (`Judge.warm` makes those calls at start-up)."""
+    number of rows but for a few specialisations: spans of several lengths, one draft, another sampling summary or
+    rule; `Judge.launch` computes a lone draw or span as one of two rows, not compiled apart). Made once per process;
+    each compiles at its first call (`Judge.warm` makes those calls at start-up)."""
     if not _COMPILED:
         _COMPILED["draw"] = torch.compile(_draw_math, dynamic=True)
         _COMPILED["span"] = torch.compile(_span_math, dynamic=True)

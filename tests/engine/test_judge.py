@@ -324,7 +324,7 @@ def test_the_gsd_group_travels_in_the_sessions_rule():
 def test_a_compiled_judge_decides_as_the_eager_one():
     """`Judge(compiled=True)`: the draws and the exact and greedy rules' spans by `torch.compile`d functions (here
     inductor's CPU code), beside rules it leaves eager, spans of one length and of several, draws with and without
-    an entropy stop: the same decisions as the eager judge's on these seeded inputs (its probabilities may differ
+    an entropy stop, a lone draw and a lone span (each computed twice, as one of two rows): the same decisions as the eager judge's on these seeded inputs (its probabilities may differ
     in the last bits, which none of these draws falls within)."""
     cloud = tiny_cloud(vocab=50)
     g = torch.Generator().manual_seed(3)
@@ -335,7 +335,7 @@ def test_a_compiled_judge_decides_as_the_eager_one():
         return Span(torch.randn(2, k + 1, 50, generator=g) * 2, torch.randint(0, 50, (k,), generator=g), q,
                     params[i % 2], rule, seed=40 + i, position=2 * i)
 
-    steps = [  # (draws, spans) of three steps: one length; several lengths and rules; a single draw
+    steps = [  # (draws, spans) of four steps: one length; several lengths and rules; a lone draw; a lone span
         ([Draw(torch.randn(2, 50, generator=g) * 2, params[i % 2], i, 5 + i, stop_entropy=0.0) for i in range(6)],
          [span(4, RuleConfig(), i) for i in range(5)]),
         ([Draw(torch.randn(2, 50, generator=g) * 2, params[i % 2], i, 9, stop_entropy=0.95) for i in range(4)],
@@ -343,6 +343,7 @@ def test_a_compiled_judge_decides_as_the_eager_one():
          [span(2, RuleConfig("greedy"), i) for i in range(3)] +
          [span(3, RuleConfig("cascade", cascade_threshold=0.2), i) for i in range(2)]),
         ([Draw(torch.randn(2, 50, generator=g) * 2, params[0], 1, 3)], []),
+        ([], [span(3, RuleConfig(), 9)]),
     ]
     eager, compiled = Judge(cloud), Judge(cloud, compiled=True)
     for draws, spans in steps:
