@@ -7,6 +7,8 @@
     decided.verdicts[i]                                  # spans[i]'s (drafts kept, next token, resampled)
     deciding = judge.launch(draws, spans, step_logits)   # the same, queued: deciding.tokens on the device at once,
     decided = deciding.collect()                         # the host read later (the engine's overlap)
+    judge = Judge(cloud, codebook, compiled=True)        # the arithmetic by torch.compile'd functions
+    judge.warm(sampling, span=4)                         # ... compiled now, not at the first steps
 
 A step asks two kinds of decision of the rows its forward computed:
   draw   one token the cloud samples itself (a prefix or cloud-only token, a cloud-burst token), with the burst's
