@@ -63,9 +63,9 @@ then `gpu.md` summarises:
              measured costs instead of datasheet ones
 
 They run in the order of `--sections` (env, compiled_judge, overlap, packed_step, engine_process, engine_graphs,
-served_steps, roofline, capacity_measured (whose refit model reads the three before it), capacity_process, capacity_parallel,
-slot_attention, fused_step, xl_steps, ...: the newest and most needed first; sections not started within
-`--budget-s` are skipped).
+served_steps, roofline, capacity_measured (whose refit model reads the three before it), capacity_process,
+capacity_parallel, slot_attention, fused_step, xl_steps, ...: the newest and most needed first; sections not started
+within `--budget-s` are skipped).
 
 The aim (issue 37): a one-token XL step within 2x of the bandwidth bound at 1-8 rows with graphs. `xl_steps` and
 `graphs` measure the forward alone; `engine_graphs` the engine's runner, which pads steps to buckets and replays them

@@ -319,13 +319,14 @@ def test_the_gsd_group_travels_in_the_sessions_rule():
 
 
 # ------------------------------------------------------------------------------------------- the compiled judge
-@pytest.mark.slow  # ~75 s of compilations on a 2-core CPU; make test runs the judge compiled in the GPU suite's
+@pytest.mark.slow  # ~1 min of compilations on a 2-core CPU (cold); make test runs the judge compiled in the GPU suite's
 # tiny compiled_judge section (tests/benchmarks/test_gpu_suite.py)
 def test_a_compiled_judge_decides_as_the_eager_one():
     """`Judge(compiled=True)`: the draws and the exact and greedy rules' spans by `torch.compile`d functions (here
     inductor's CPU code), beside rules it leaves eager, spans of one length and of several, draws with and without
-    an entropy stop, a lone draw and a lone span (each computed twice, as one of two rows): the same decisions as the eager judge's on these seeded inputs (its probabilities may differ
-    in the last bits, which none of these draws falls within)."""
+    an entropy stop, a lone draw and a lone span (each computed twice, as one of two rows): the same decisions as
+    the eager judge's on these seeded inputs (its probabilities may differ in the last bits, which none of these
+    draws falls within)."""
     cloud = tiny_cloud(vocab=50)
     g = torch.Generator().manual_seed(3)
     params = [SamplingParams(cfg_scale=3.0), SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=9, top_p=0.9)]
