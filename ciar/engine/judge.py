@@ -233,8 +233,8 @@ class Judge:
             stopping_rounds = jacobi and g[0].jacobi.stop_entropy > 0
             rows = [source.rows(s.targets, s.k + 1) for s in g]
             # a lone span computed twice by a compiled judge: no compilation of its own for one span (the plain
-            # verdict only: no window drafted after it, no entropy stop)
-            pad = self.compiled and len(g) == 1 and g[0].rule.rule in COMPILED_RULES and not drafting and not jacobi
+            # verdict only: no window drafted after it, so no Jacobi round and no entropy stop)
+            pad = self.compiled and len(g) == 1 and g[0].rule.rule in COMPILED_RULES and not drafting
             if pad:
                 g, rows = g * 2, rows * 2
             t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
