@@ -156,10 +156,11 @@ class Judge:
 
     @torch.inference_mode()
     def warm(self, sampling: SamplingParams, span: int, rule: RuleConfig | None = None) -> int:
-        """Make a compiled judge's compilations now (start-up) rather than at the first steps that need them: steps
-        of one and of two draws and of one and of two spans (`span` drafts; two of several lengths too), with
-        `sampling` on every row (the deployment's default: another summary compiles again at its first step) and
-        `rule` (default: exact). -> steps decided (0 when not compiled)."""
+        """Make a compiled judge's compilations now (start-up) rather than at the first steps that need them: a step
+        of two draws, one of two spans of `span` drafts and, for `span` > 1, one of two spans of several lengths
+        (a lone draw or span runs as one of two rows: `launch`), with `sampling` on every row (the deployment's
+        default: another summary compiles again at its first step) and `rule` (default: exact). -> steps decided
+        (0 when not compiled)."""
         if not self.compiled:
             return 0
         g = torch.Generator().manual_seed(0)
@@ -171,9 +172,8 @@ class Judge:
             return Span(torch.randn(rows, k + 1, v, generator=g).to(dev), torch.randint(0, v, (k,), generator=g),
                         q, sampling, rule, seed=0, position=0)
 
-        steps = [([Draw(torch.randn(rows, v, generator=g).to(dev), sampling, i, 0, 0.5) for i in range(n)], [])
-                 for n in (1, 2)]
-        steps += [([], [span_of(span) for _ in range(n)]) for n in (1, 2)]
+        steps = [([Draw(torch.randn(rows, v, generator=g).to(dev), sampling, i, 0, 0.5) for i in range(2)], []),
+                 ([], [span_of(span), span_of(span)])]
         if span > 1:
             steps.append(([], [span_of(span), span_of(1)]))
         for draws, spans in steps:
