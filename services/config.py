@@ -172,11 +172,12 @@ class AppConfig(BaseModel):
                                    "overlaps")
     verifier_compiled_judge: bool = Field(False, description="the verifier's judge and sampler (every draw and the "
                                           "exact and greedy rules' spans) computed by torch.compile'd functions, "
-                                          "compiled at start-up: far fewer operations a step. Their probabilities "
-                                          "equal the eager ones to the last bits only, so a rare draw takes the "
-                                          "neighbouring token (the same request and seed give the same image on the "
-                                          "same setting). Off until the GPU suite's compiled_judge section has "
-                                          "measured it")
+                                          "compiled at start-up (nothing compiles while serving, whatever "
+                                          "sampling requests bring): far fewer operations a step. Their "
+                                          "probabilities equal the eager ones to the last bits only, so a rare draw "
+                                          "takes the neighbouring token (the same request and seed give the same "
+                                          "image on the same setting). Off until the GPU suite's compiled_judge "
+                                          "section has measured it")
     verifier_engine_process: bool = Field(False, description="the verifier's engine core runs in a process of its "
                                           "own (ciar.engine.process), which loads the model and owns the "
                                           "accelerator; the replica's process only passes calls to it, so the "

@@ -149,6 +149,11 @@ class Judge:
         self._neighbors: dict[int, NeighborTable] = {}
         self.compiled = bool(compiled)
         self._draw_math, self._span_math = compiled_math() if self.compiled else (_draw_math, _span_math)
+        # what the compiled functions take (`compiles`): the acceptance rules of the spans (all of COMPILED_RULES,
+        # each compiled at its first step, until a warm-up names one) and whether rows with top-p (a warm-up with
+        # top-p on); the rest runs eagerly
+        self.compiled_rules = set(COMPILED_RULES) if self.compiled else set()
+        self.compiled_top_p = False
 
     @property
     def device(self) -> torch.device:
@@ -159,13 +164,16 @@ class Judge:
         """Make a compiled judge's compilations now (start-up) rather than at the first steps that need them: a step
         of two draws, one of two spans of `span` drafts and, for `span` > 1, one of two spans of several lengths
         (a lone draw or span runs as one of two rows: `launch`), with `sampling` on every row (the deployment's
-        default: another summary compiles again at its first step) and `rule` (default: exact). -> steps decided
-        (0 when not compiled)."""
+        default) and `rule` (default: exact). After it nothing compiles: every other sampling setting runs on the
+        same compilations (`compiles`) but top-p when `sampling` has none; such rows, and the spans of other rules,
+        run eagerly. -> steps decided (0 when not compiled)."""
         if not self.compiled:
             return 0
+        rule = rule or RuleConfig()
+        self.compiled_top_p = sampling.top_p < 1.0
+        self.compiled_rules = {rule.rule} & set(COMPILED_RULES)
         g = torch.Generator().manual_seed(0)
         rows, v, dev = 2 if sampling.uses_cfg else 1, self.vocab_size, self.device
-        rule = rule or RuleConfig()
 
         def span_of(k: int) -> Span:
             q = torch.full((k, v), 1.0 / v, dtype=torch.float16)
@@ -179,6 +187,15 @@ class Judge:
         for draws, spans in steps:
             self.decide(draws, spans)
         return len(steps)
+
+    def compiles(self, sampling: SamplingParams, rule: str | None = None) -> bool:
+        """Whether a draw with `sampling` (a span: of acceptance `rule`) is computed by the compiled functions. They
+        take every setting in one compilation (`_envelope`: temperature, greedy and top-k always on, per row), and
+        top-p when the warm-up had it (`compiled_top_p`: a sort of every row's probabilities a step, not paid by a
+        deployment without top-p), for the rules in `compiled_rules`; the rest runs eagerly. So a request's
+        decisions never depend on what else its step holds, and after a warm-up nothing compiles while serving."""
+        return self.compiled and (rule is None or rule in self.compiled_rules) and \
+            (sampling.top_p >= 1.0 or self.compiled_top_p)
 
     def neighbor_table(self, k: int) -> NeighborTable:
         if self.codebook is None:
@@ -204,26 +221,19 @@ class Judge:
         errors: dict[int, BaseException] = {}
         source = _Source(step_logits)
         # --- what the host knows, packed: row indices, sampling rows, seeds, positions, drafts, draft probabilities
-        draw_rows = [source.rows(d.logits, 1) for d in draws]
         n_draws = len(draws)
         stopping = any(d.stop_entropy > 0 for d in draws)
-        if self.compiled and n_draws == 1:  # a lone draw computed twice: no compilation of its own for one row
-            draws, draw_rows = draws * 2, draw_rows * 2
-        draw_idx = pack.add(torch.tensor([r[0][0] for r in draw_rows] + [r[1][0] for r in draw_rows],
-                                         dtype=torch.long))
-        draw_sampling = self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in draw_rows])
-        draw_key = pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM))
-        draw_pos = pack.add(torch.tensor([d.position for d in draws], dtype=torch.long))
-        # (a compiled judge takes the stops always, zeros for none: one compilation for draws with and without)
-        draw_stop = (pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
-                     if stopping or self.compiled else None)
+        # the draws the compiled functions take, then those computed eagerly (each one's tokens go back to its place)
+        by_path = [[i for i, d in enumerate(draws) if self.compiles(d.sampling) == c] for c in (True, False)]
+        draw_in = [self._draw_group(pack, source, [draws[i] for i in idx], idx, compiled, stopping, n_draws)
+                   for idx, compiled in zip(by_path, (True, False)) if idx]
         groups: dict[tuple, list[int]] = {}
         for i, s in enumerate(spans):
             # one verify_span per configuration (Jacobi rounds apart: their q is already on the device; spans that
             # draft a window after the verdict apart, and those with an entropy stop)
             groups.setdefault(tuple(vars(s.rule).values()) + (
-                s.jacobi is not None, s.drafting is not None, s.jacobi is not None and s.jacobi.stop_entropy > 0),
-                []).append(i)
+                s.jacobi is not None, s.drafting is not None, s.jacobi is not None and s.jacobi.stop_entropy > 0,
+                self.compiles(s.sampling, s.rule.rule)), []).append(i)
         span_in = []
         for idx in groups.values():
             g = [spans[i] for i in idx]
@@ -231,14 +241,15 @@ class Judge:
             jacobi = g[0].jacobi is not None
             drafting = g[0].drafting is not None
             stopping_rounds = jacobi and g[0].jacobi.stop_entropy > 0
+            compiled = self.compiles(g[0].sampling, g[0].rule.rule)
             rows = [source.rows(s.targets, s.k + 1) for s in g]
             # a lone span computed twice by a compiled judge: no compilation of its own for one span (the plain
             # verdict only: no window drafted after it, so no Jacobi round and no entropy stop)
-            pad = self.compiled and len(g) == 1 and g[0].rule.rule in COMPILED_RULES and not drafting
+            pad = compiled and len(g) == 1 and not drafting
             if pad:
                 g, rows = g * 2, rows * 2
             t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
-                                             [r[2] for r in rows for _ in r[0]])
+                                             [r[2] for r in rows for _ in r[0]], compiled)
             drafts = torch.zeros(len(g), kmax, dtype=torch.long)
             for b, s in enumerate(g):
                 drafts[b, :s.k] = s.drafts
@@ -247,7 +258,7 @@ class Judge:
             p_at = [b * (kmax + 1) + j for b, s in enumerate(g) for j in range(s.k + 1)] if ragged else []
             q_at = [b * max(kmax, 1) + j for b, s in enumerate(g) for j in range(s.k)] if ragged else []
             span_in.append(dict(
-                idx=idx, b=len(g), pad=pad, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
+                idx=idx, b=len(g), pad=pad, compiled=compiled, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
                 rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
                                            dtype=torch.long)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
@@ -276,12 +287,16 @@ class Judge:
             outs.append(bad)
         drawn = None
         if draws:
-            # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a
-            # compiled judge meets one kind of input, as its warm-up made it)
-            drawn, stops = self._draw_math(logits[pack[draw_idx]], len(draws), self._rows(pack, draw_sampling),
-                                           pack[draw_sampling[4]], pack[draw_key], pack[draw_pos],
-                                           None if draw_stop is None else pack[draw_stop])
-            drawn, stops = drawn[:n_draws], None if stops is None else stops[:n_draws]  # (a lone draw's twin off)
+            parts = [self._draws_on_device(d, pack, logits) for d in draw_in]
+            if len(parts) == 1:
+                drawn, stops = parts[0]
+            else:  # each path's draws back to their places
+                at = [pack[d["at"]] for d in draw_in]
+                drawn = torch.empty(n_draws, dtype=torch.long, device=dev).index_copy_(0, at[0], parts[0][0])
+                drawn.index_copy_(0, at[1], parts[1][0])
+                stops = None if not stopping else \
+                    torch.empty(n_draws, dtype=torch.bool, device=dev).index_copy_(0, at[0], parts[0][1]) \
+                    .index_copy_(0, at[1], parts[1][1])
             outs.append(drawn)
             if stopping:
                 outs.append(stops)
@@ -341,7 +356,7 @@ class Judge:
                     hidden[pack[g["p_at"]]] = flat
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
-        span_math = self._span_math if rule.rule in COMPILED_RULES else _span_math
+        span_math = self._span_math if g["compiled"] else _span_math
         p, out = span_math(logits[pack[g["rows"]]], self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
                            not g["jacobi"], pack[g["drafts"]], pack[g["accept_keys"]], pack[g["next_keys"]],
                            pack[g["positions"]], pack[g["lengths"]], pack[g["p_at"]] if g["ragged"] else None,
@@ -374,12 +389,54 @@ class Judge:
         u = keyed_uniform(pack[jacobi["keys"]][:, None].expand(b, w).reshape(-1), pos.reshape(-1))
         return sample_at(q.reshape(b * w, v_size), u), q
 
-    @staticmethod
-    def _sampling_rows(pack: HostPack, params: list[SamplingParams], has_uncond: list[bool]) -> tuple:
+    def _draw_group(self, pack: HostPack, source: "_Source", draws: list[Draw], idx: list[int], compiled: bool,
+                    stopping: bool, n_all: int) -> dict:
+        """The host inputs of the draws one path computes (`compiled` or eagerly; `idx`: their places among the
+        step's `n_all` draws), packed -> their handles."""
+        rows = [source.rows(d.logits, 1) for d in draws]
+        n = len(draws)
+        if compiled and n == 1:  # a lone draw computed twice: no compilation of its own for one row
+            draws, rows = draws * 2, rows * 2
+        return dict(
+            n=n, compiled=compiled, at=pack.add(torch.tensor(idx, dtype=torch.long)) if n < n_all else None,
+            idx=pack.add(torch.tensor([r[0][0] for r in rows] + [r[1][0] for r in rows], dtype=torch.long)),
+            sampling=self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in rows], compiled),
+            keys=pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM)),
+            positions=pack.add(torch.tensor([d.position for d in draws], dtype=torch.long)),
+            # (compiled: the stops always, zeros for none: one compilation for draws with and without; and both paths
+            # give stops when either does)
+            stop=pack.add(torch.tensor([d.stop_entropy for d in draws], dtype=torch.float32))
+            if stopping or compiled else None)
+
+    def _draws_on_device(self, d: dict, pack: HostPack, logits: torch.Tensor):
+        """One path's draws (`_draw_group`) -> (tokens [n], stopped [n] or None)."""
+        # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a
+        # compiled judge meets one kind of input, as its warm-up made it)
+        both = logits[pack[d["idx"]]]
+        math = self._draw_math if d["compiled"] else _draw_math
+        tokens, stops = math(both, both.shape[0] // 2, self._rows(pack, d["sampling"]), pack[d["sampling"][4]],
+                             pack[d["keys"]], pack[d["positions"]], None if d["stop"] is None else pack[d["stop"]])
+        n = d["n"]
+        return tokens[:n], None if stops is None else stops[:n]  # (a lone draw's twin off)
+
+    def _sampling_rows(self, pack: HostPack, params: list[SamplingParams], has_uncond: list[bool],
+                       compiled: bool = False) -> tuple:
         """Per-row sampling tensors into the pack -> handles (cfg, temperature, top_k, top_p, has_uncond) and the
-        host-side summary `RowSampling` needs. (A session without CFG has one row: its uncond index is its cond.)"""
+        host-side summary `RowSampling` needs (for the compiled functions, the one they always take: `_envelope`).
+        (A session without CFG has one row: its uncond index is its cond.)"""
+        summary = RowSampling.summary(params)
         return (*(pack.add(t) for t in RowSampling.host_tensors(params)),
-                pack.add(torch.tensor(has_uncond, dtype=torch.bool)), RowSampling.summary(params))
+                pack.add(torch.tensor(has_uncond, dtype=torch.bool)),
+                self._envelope(summary) if compiled else summary)
+
+    def _envelope(self, summary: tuple) -> tuple:
+        """The summary the compiled functions always take, whatever the rows' settings: temperature and greedy on
+        (kept per row by their parameters, as `rows_to_probs` keeps every setting), top-k by the per-row path (the
+        k-th largest of the largest max(k, 2) values: the same threshold as the one-k path's; 2: dynamic shapes
+        specialise on 0 and 1), top-p as `compiled_top_p` says. So no setting a request brings compiles anew; the
+        rows' probabilities are each the same as with their own summary (but for the last bits, as compiled)."""
+        max_top_k = min(max(summary[0], 2), self.vocab_size - 1)
+        return max_top_k, self.compiled_top_p, True, True, -1
 
     @staticmethod
     def _rows(pack: HostPack, handles: tuple) -> RowSampling:

@@ -62,6 +62,31 @@ def test_rows_to_probs_equals_logits_to_probs_row_by_row():
             assert torch.equal(got[r], logits_to_probs(c[r], params, uncond_logits=uncond[r])), (r, params)
 
 
+def test_the_compiled_judges_one_summary_gives_every_row_its_own_probabilities():
+    """The summary a compiled judge always hands `rows_to_probs` (`Judge._envelope`: temperature and greedy on,
+    top-k by the per-row path, top-p as the warm-up had it), so that no setting compiles anew: each row's
+    probabilities are those of its own settings, to the bit (here eagerly: the summary, not the compiler, is
+    under test)."""
+    vocab = 50
+    judge = Judge(tiny_cloud(vocab=vocab))
+    g = torch.Generator().manual_seed(1)
+    no_top_p = [SamplingParams(), SamplingParams(cfg_scale=4.0, top_k=5), SamplingParams(temperature=0.0),
+                SamplingParams(cfg_scale=2.5, temperature=0.7), SamplingParams(top_k=1),
+                SamplingParams(top_k=vocab - 1), SamplingParams(top_k=vocab + 3), SamplingParams(top_k=12)]
+    for top_p, settings in ((False, no_top_p), (True, no_top_p + [SamplingParams(top_p=0.8, top_k=7)])):
+        judge.compiled_top_p = top_p
+        for single in [[p] for p in settings] + [settings]:  # each setting alone, and all in one batch
+            rows = RowSampling.of(single)
+            envelope = judge._envelope(RowSampling.summary(single))
+            assert envelope[1:] == (top_p, True, True, -1) and 2 <= envelope[0] <= vocab - 1
+            c = torch.randn(len(single), vocab, generator=g) * 3
+            for logits in (c, c.round()):  # (rounded: ties at the k-th largest value)
+                want = rows_to_probs(logits, rows, logits.flip(-1))
+                got = rows_to_probs(logits, RowSampling(rows.cfg_scale, rows.temperature, rows.top_k, rows.top_p,
+                                                        *envelope), logits.flip(-1))
+                assert torch.equal(got, want), single
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_host_pack_round_trip(packed):
     """One buffer, every section aligned (what a CUDA step sends by one non-blocking copy), each read back as the
@@ -352,3 +377,43 @@ def test_a_compiled_judge_decides_as_the_eager_one():
         assert not want.errors and not got.errors
         assert (got.tokens, got.stops, got.verdicts) == (want.tokens, want.stops, want.verdicts)
     assert any(want.stops for want in [eager.decide(*steps[1])])  # the stop is exercised
+
+
+@pytest.mark.slow  # ~30 s of compilations on a 2-core CPU (cold)
+def test_a_warmed_compiled_judge_takes_any_setting_without_compiling_and_alone_or_not():
+    """A compiled judge warmed with one setting (`Judge.warm`, as a Verifier starts) then decides steps whose
+    draws and spans bring other settings (another guidance scale, top-k 1 / 5 / 100 / none / over the vocabulary,
+    a temperature, greedy, top-p; a span of another rule): no compilation after the warm-up (top-p and the other
+    rule computed eagerly: the warm-up had neither), the eager judge's decisions, and each request's decisions the
+    same alone and beside the others."""
+    from torch._dynamo.utils import counters
+
+    vocab = 64
+    cloud = tiny_cloud(vocab=vocab)
+    compiled, eager = Judge(cloud, compiled=True), Judge(cloud)
+    assert compiled.warm(SamplingParams(cfg_scale=4.0), span=4) == 3
+    graphs = counters["stats"]["unique_graphs"]
+    settings = [SamplingParams(cfg_scale=2.0), SamplingParams(cfg_scale=4.0, top_k=100),
+                SamplingParams(cfg_scale=4.0, top_k=1), SamplingParams(temperature=0.7, top_k=5),
+                SamplingParams(cfg_scale=3.0, top_p=0.9), SamplingParams(cfg_scale=4.0, temperature=0.0),
+                SamplingParams(top_k=vocab + 1)]
+    assert [compiled.compiles(p) for p in settings] == [True, True, True, True, False, True, True]
+    assert compiled.compiles(settings[0], "exact") and not compiled.compiles(settings[0], "greedy")  # not warmed
+    g = torch.Generator().manual_seed(5)
+
+    def span(k, params, i, rule=RuleConfig()):
+        q = torch.softmax(torch.randn(k, vocab, generator=g), -1).half()
+        return Span(torch.randn(2, k + 1, vocab, generator=g) * 3, torch.randint(0, vocab, (k,), generator=g), q,
+                    params, rule, seed=60 + i, position=i)
+
+    draws = [Draw(torch.randn(2, vocab, generator=g) * 3, p, i, 4 + i, stop_entropy=0.3)
+             for i, p in enumerate(settings)]
+    spans = [span(4, p, i) for i, p in enumerate(settings)] + [span(2, settings[1], 9, RuleConfig("greedy"))]
+    together = compiled.decide(draws, spans)
+    assert (together.tokens, together.stops, together.verdicts) == \
+        tuple(getattr(eager.decide(draws, spans), f) for f in ("tokens", "stops", "verdicts"))
+    for i, d in enumerate(draws):  # alone (a lone draw and a lone span: each as one of two rows)
+        alone = compiled.decide([d], [spans[i]])
+        assert (alone.tokens[0], alone.stops[0], alone.verdicts[0]) == \
+            (together.tokens[i], together.stops[i], together.verdicts[i]), settings[i]
+    assert counters["stats"]["unique_graphs"] == graphs  # the warm-up made every compilation these needed
