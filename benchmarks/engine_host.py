@@ -111,6 +111,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
 
         v.judge = Judge(v.cloud, compiled=True)
         v.judge.warm(SamplingParams(cfg_scale=SHAPES[vocab]["cfg_scale"], top_k=SHAPES[vocab]["top_k"]), SPAN)
+    maths = _time_the_judges_maths(v.judge)
     if freeze:
         gc.collect()
         gc.freeze()
@@ -125,13 +126,15 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
 
     measuring = False
     gc.callbacks.append(on_gc)
-    per_step, per_round, steps_per_round = [], [], []
+    per_step, per_round, steps_per_round, maths_per_round = [], [], [], []
     for r in range(rounds + 1):  # the first round warms up
         measuring = r > 0
         for i in range(sessions):
             v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
                                           torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
         steps, round_s = [], 0.0
+        if maths is not None:
+            maths["s"] = 0.0
         while v.engine.busy:
             state["forward_s"] = 0.0
             t0 = time.perf_counter()
@@ -143,6 +146,8 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             per_step += steps
             per_round.append(round_s)
             steps_per_round.append(len(steps))
+            if maths is not None:
+                maths_per_round.append(maths["s"])
     gc.callbacks.remove(on_gc)
     t0 = time.perf_counter()
     gc.collect()  # what a full collection in this process costs now (a gen-2 pause)
@@ -155,6 +160,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze,
             "step_ms": 1e3 * statistics.median(per_step), "round_ms": 1e3 * statistics.median(per_round),
             "steps_per_round": statistics.mean(steps_per_round),
+            "maths_ms": 1e3 * statistics.median(maths_per_round) if maths_per_round else None,
             "span_step_ms": 1e3 * statistics.median(per_step[::max(1, round(statistics.mean(steps_per_round)))]),
             "mean_step_ms": 1e3 * statistics.mean(per_step),
             "p99_step_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
@@ -162,6 +168,35 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             "gc_pauses": len(pauses), "gc_pause_ms": sum(ms for _, ms in pauses),
             "gen2_pauses": len(full), "gen2_max_ms": max(full, default=0.0), "full_collect_ms": full_collect_ms,
             "heap_objects": objects}
+
+
+def _time_the_judges_maths(judge) -> dict | None:
+    """Time the judge's arithmetic (`ciar.engine.judge._draw_math` and `_span_math`: probabilities, draws,
+    acceptance) from now on, by wrapping them in this process: -> {"s": seconds in them}, None for a checkout that
+    has no such functions (the judge before 2026-11-29d). On a CPU those calls compute; on a GPU they would only
+    queue. A compiled judge's own functions are wrapped on the judge (the wrapper stays outside the compiled code)."""
+    try:
+        import ciar.engine.judge as module
+
+        names = [n for n in ("_draw_math", "_span_math") if callable(getattr(module, n))]
+    except (ImportError, AttributeError):
+        return None
+    spent = {"s": 0.0}
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+        return call
+
+    for name in names:
+        setattr(module, name, timed(getattr(module, name)))  # the eager path looks them up at each call
+        if getattr(judge, "compiled", False):
+            setattr(judge, name, timed(getattr(judge, name)))
+    return spent
 
 
 def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False,
@@ -240,7 +275,7 @@ def main(argv=None) -> int:
                 for key in ("step_ms", "round_ms", "steps_per_round"):
                     row[f"{name}_{key}"] = med(name, key)
                 for key in ("mean_step_ms", "p99_step_ms", "max_step_ms", "gen2_pauses", "gen2_max_ms",
-                            "full_collect_ms"):
+                            "full_collect_ms", "maths_ms"):
                     row[f"{name}_{key}"] = med(name, key)
             if "before" in trees:
                 row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
@@ -271,6 +306,20 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "engine_host.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    split = [n for n in trees if all(r.get(f"{n}_maths_ms") is not None for r in rows)]
+    if split:  # where the round goes: the judge's arithmetic (on a GPU, the device's) and the rest (the host's)
+        maths = ["| vocabulary | sessions | " + " | ".join(
+            f"{n} ms/round | {n} judge maths ms/round | {n} rest ms/round" for n in split) + " |",
+            "|---|---|" + "---|---|---|" * len(split)]
+        for r in rows:
+            cells = [str(r["vocab"]), str(r["sessions"])]
+            for n in split:
+                cells += [f"{r[f'{n}_round_ms']:.1f}", f"{r[f'{n}_maths_ms']:.1f}",
+                          f"{r[f'{n}_round_ms'] - r[f'{n}_maths_ms']:.1f}"]
+            maths.append("| " + " | ".join(cells) + " |")
+        with open(os.path.join(args.out, "engine_maths.md"), "w") as f:
+            f.write("\n".join(maths) + "\n")
+        print("\n".join(maths))
     if args.heap:  # the tails: each cell the median over the repetitions
         heap = ["| vocabulary | sessions | " + " | ".join(
             f"{n} mean ms | {n} p99 ms | {n} max ms | {n} gen-2 pauses | {n} longest gen-2 ms | {n} full collection ms"

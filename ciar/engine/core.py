@@ -525,21 +525,43 @@ class AsyncStepper(_Driver):
 
     async def _loop(self) -> None:
         engine = self.engine
-        if self.wait_s > 0:
+        if self.wait_s > 0 and self._waits_for_company():
             await asyncio.sleep(self.wait_s)
         while engine.busy or engine.scheduler.parked:
             if not engine.busy:  # only works waiting for a slot: look again soon (a close unparks them)
                 await asyncio.sleep(min(0.01, engine.parked_timeout() or 0.0))
                 engine.unpark_due()
                 continue
+            before = self._stepping()
             try:
                 finished = engine.step()
-            except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the loop ends cleanly
+            except Exception as e:  # noqa: BLE001 - every waiting caller gets the error
                 engine.fail_all(e)
-                raise
-            if self.on_step is not None:
-                self.on_step(engine, finished)
-            await asyncio.sleep(0)
+                finished = self._step_failed(e)
+            await self._stepped(finished, before)
+        self._idle()
+
+    # the hooks a driver on another loop overrides (`ciar.engine.process`'s core)
+    def _waits_for_company(self) -> bool:
+        """Whether the first step after idleness waits `wait_s` for more works."""
+        return True
+
+    def _stepping(self):
+        """Before a step -> what `_stepped` is handed."""
+        return None
+
+    def _step_failed(self, error: Exception) -> list:
+        """After a step raised (its works failed) -> the works finished; here the loop ends with the error."""
+        raise error
+
+    async def _stepped(self, finished: list, before) -> None:
+        """After a step: metrics, then the loop's turn (what arrived meanwhile joins the next step)."""
+        if self.on_step is not None:
+            self.on_step(self.engine, finished)
+        await asyncio.sleep(0)
+
+    def _idle(self) -> None:
+        """The engine has nothing left to step."""
 
 
 class EngineThread(_Driver):

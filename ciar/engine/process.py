@@ -418,30 +418,31 @@ class _CoreStepper(AsyncStepper):
         self.answered = False  # the last step answered callers that may send again at once
         self.replies = 0  # replies queued (the core counts them: a step that answered calls asks for a turn)
 
-    async def _loop(self) -> None:
+    # (`AsyncStepper._loop` steps; these are its hooks)
+    def _waits_for_company(self) -> bool:
+        return not self.answered  # (after a step that answered, the turn was the wait)
+
+    def _stepping(self):
+        started = time.monotonic()
+        self.send(("stepping", started))
+        self.flush()  # (with the replies of the calls answered since the last step)
+        return started, self.engine.steps, self.replies
+
+    def _step_failed(self, error: Exception) -> list:
+        self.steps_failed += 1  # the core goes on
+        return []
+
+    async def _stepped(self, finished: list, before) -> None:
         engine = self.engine
-        if self.wait_s > 0 and not self.answered:
-            await asyncio.sleep(self.wait_s)  # company: what arrives meanwhile joins the first step
-        while engine.busy or engine.scheduler.parked:
-            if not engine.busy:  # only works waiting for a slot: look again soon (a close unparks them)
-                await asyncio.sleep(min(0.01, engine.parked_timeout() or 0.0))
-                engine.unpark_due()
-                continue
-            started, forwards, replies = time.monotonic(), engine.steps, self.replies
-            self.send(("stepping", started))
-            self.flush()  # (with the replies of the calls answered since the last step)
-            try:
-                finished = engine.step()
-            except Exception as e:  # noqa: BLE001 - every waiting caller gets the error; the core goes on
-                self.steps_failed += 1
-                engine.fail_all(e)
-                finished = []
-            size = engine.step_log[-1]["works"] if engine.steps != forwards and engine.step_log else 0  # 0: no forward
-            self.send(("step", size, step_counts(finished), time.monotonic() - started, self.sessions()))
-            await asyncio.sleep(0)  # the calls this step finished resume and send their replies (a VERIFY's: sent)
-            self.answered = self.replies > replies
-            if self.answered and self.wait_s > 0:
-                await self._turn()
+        started, forwards, replies = before
+        size = engine.step_log[-1]["works"] if engine.steps != forwards and engine.step_log else 0  # 0: no forward
+        self.send(("step", size, step_counts(finished), time.monotonic() - started, self.sessions()))
+        await asyncio.sleep(0)  # the calls this step finished resume and send their replies (a VERIFY's: sent)
+        self.answered = self.replies > replies
+        if self.answered and self.wait_s > 0:
+            await self._turn()
+
+    def _idle(self) -> None:
         self.answered = False
 
     async def _turn(self) -> None:
