@@ -267,7 +267,8 @@ def main(argv=None) -> int:
     for vocab in args.vocab:
         for sessions in args.sessions:
             def med(name, key):
-                xs = [r[key] for r in runs if r["tree"] == name and r["vocab"] == vocab and r["sessions"] == sessions]
+                xs = [r[key] for r in runs if r["tree"] == name and r["vocab"] == vocab and r["sessions"] == sessions
+                      and r.get(key) is not None]  # (maths_ms: None in a checkout without the functions timed)
                 return statistics.median(xs) if xs else None
 
             row = {"vocab": vocab, "sessions": sessions}

@@ -258,7 +258,8 @@ class Judge:
             p_at = [b * (kmax + 1) + j for b, s in enumerate(g) for j in range(s.k + 1)] if ragged else []
             q_at = [b * max(kmax, 1) + j for b, s in enumerate(g) for j in range(s.k)] if ragged else []
             span_in.append(dict(
-                idx=idx, b=len(g), pad=pad, compiled=compiled, kmax=kmax, ragged=ragged, sampling=t_sampling, drafts=pack.add(drafts),
+                idx=idx, b=len(g), pad=pad, compiled=compiled, kmax=kmax, ragged=ragged, sampling=t_sampling,
+                drafts=pack.add(drafts),
                 rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
                                            dtype=torch.long)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
