@@ -15,7 +15,9 @@ engine steps until they are all answered: one span step, then burst steps for th
 bursts of a round share steps. Each checkout runs in a process of its own, one torch thread, the checkouts
 interleaved over `--reps` repetitions so both see the same box. Reported per (vocabulary, sessions): milliseconds per
 step and per round (medians over the measured rounds), steps per round, and the ratio before / after. Times are this
-box's; the ratios are the result (the docstring of each results file says which box).
+box's; the ratios are the result (the docstring of each results file says which box). Where a checkout has the
+judge's arithmetic as functions (`ciar.engine.judge._draw_math`, `_span_math`), their time is measured apart
+(`engine_maths.md`: per round, the judge's maths and the rest), which on a CPU is arithmetic a GPU runs on the device.
 
 Denormal numbers are flushed to zero in both checkouts' processes (`torch.set_flush_denormal`; `--denormals` keeps
 them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stayed under 87 in every
