@@ -18,7 +18,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     assert torch.is_grad_enabled()  # the suite leaves the caller's grad mode alone (it ran in-process in make test)
     result = json.load(open(tmp_path / "gpu.json"))
     sections = result["sections"]
-    assert list(sections) == ["env", "compiled_judge", "overlap", "packed_step", "engine_process", "engine_graphs",
+    assert list(sections) == ["env", "overlap", "compiled_judge", "packed_step", "engine_process", "engine_graphs",
                               "served_steps", "roofline", "capacity_measured", "capacity_process", "capacity_parallel",
                               "slot_attention", "fused_step", "xl_steps", "graphs", "fp32", "profile", "capacity",
                               "memory", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
