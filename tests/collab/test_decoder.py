@@ -234,8 +234,18 @@ def test_method_config_overrides_win_over_presets():
 # no burst, a longer span on 4G, a lost link, no Inter-Enhance with an adaptive burst, voting heads) must give the
 # tokens and counters recorded before the draft loop was restructured (issue 29). The file is re-recorded only when
 # a change of tokens is intended (new weights, new sampling maths): `.venv/bin/python tests/collab/test_decoder.py`.
+#
+# Another CPU can round the same float32 arithmetic otherwise in the last bits (its own GEMM and reduction kernels),
+# and a draw or an acceptance test whose uniform lies within that rounding of a boundary then goes the other way
+# (seen: an AMD EPYC beside the Intel Xeon the file was recorded on, 4 of the 114 runs, each the same every time on
+# each CPU; a Jacobi image makes ~1,450 inverse-CDF draws, the closest 1.5e-8 of the total from a boundary). Such a
+# CPU's own runs are recorded beside the file (PLATFORMS: by CPU, only the runs that differ, with the main run they
+# stand for), and a run passes when it is the recorded one or one of those:
+# `.venv/bin/python tests/collab/test_decoder.py --platform` on that CPU, only when the code is the same as the
+# recording's (a re-record of the main file keeps a CPU's runs only where the main run they stand for is unchanged).
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decoder_tokens.json")
+PLATFORMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decoder_tokens_platforms.json")
 RECORDED_PROMPTS = ("a small red circle at the top on a gray background",
                     "two green triangles at the left on a white background",
                     "a large blue square and a yellow circle at the bottom")
@@ -305,16 +315,52 @@ def recorded_runs(prompts=RECORDED_PROMPTS, seeds=RECORDED_SEEDS, static: bool |
 PATH_SENSITIVE = ("sjd", "gsd")
 
 
+def cpu_name() -> str:
+    """This machine's CPU as the platform recordings name it: the vendor and model /proc/cpuinfo gives (else
+    `platform.processor()`), and torch's CPU capability."""
+    import platform
+
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = info.get("model name") or platform.processor() or platform.machine()
+    return f"{info.get('vendor_id', '?')} {model}, torch {torch.backends.cpu.get_cpu_capability()}"
+
+
+def platform_runs() -> dict:
+    """{key: [the other CPUs' recorded runs of it]} (PLATFORMS; each stands for the main run it was recorded
+    beside, so it counts only while that main run is still the recorded one)."""
+    if not os.path.exists(PLATFORMS):
+        return {}
+    with open(RECORDED) as f:
+        recorded = json.load(f)
+    with open(PLATFORMS) as f:
+        platforms = json.load(f)
+    out: dict = {}
+    for runs in platforms.values():
+        for key, entry in runs.items():
+            if recorded.get(key) == entry["instead_of"]:
+                out.setdefault(key, []).append(entry["run"])
+    return out
+
+
 def check_recorded(prompts, seeds, static: bool | None = None, fused: bool = False) -> dict:
     with open(RECORDED) as f:
         recorded = json.load(f)
+    variants = platform_runs()
     paths = {}
     runs = recorded_runs(prompts, seeds, static, paths, fused)
     if static:  # the recording is the dynamic path's (above)
         runs = {key: run for key, run in runs.items() if key.split("|")[0] not in PATH_SENSITIVE}
-    differ = [key for key, run in runs.items() if run != recorded[key]]
-    assert not differ, (f"{len(differ)} of {len(runs)} runs differ from {RECORDED} (first: {differ[0]}); re-record "
-                        f"only if the change of tokens is intended")
+    differ = [key for key, run in runs.items() if run != recorded[key] and run not in variants.get(key, [])]
+    assert not differ, (f"{len(differ)} of {len(runs)} runs differ from {RECORDED} and every CPU's recorded runs "
+                        f"(first: {differ[0]}; this CPU: {cpu_name()}); re-record only if the change of tokens is "
+                        f"intended, or with --platform if this CPU rounds the same code otherwise")
     return paths
 
 
@@ -343,8 +389,34 @@ def test_every_method_gives_the_recorded_tokens_and_counts_on_every_prompt():
     check_recorded(RECORDED_PROMPTS, RECORDED_SEEDS)
 
 
+def _write(path: str, entries: dict) -> None:
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(entries.items())) + "\n}\n")
+
+
 if __name__ == "__main__":  # re-record (see above)
-    runs = recorded_runs()  # (before the file is opened: a run that fails leaves the recording as it was)
-    with open(RECORDED, "w") as f:
-        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(runs.items())) + "\n}\n")
-    print(f"wrote {RECORDED}")
+    import sys
+
+    runs = recorded_runs()  # (before a file is opened: a run that fails leaves the recordings as they were)
+    with open(RECORDED) as f:
+        recorded = json.load(f)
+    platforms = json.load(open(PLATFORMS)) if os.path.exists(PLATFORMS) else {}
+    if "--platform" in sys.argv[1:]:  # this CPU's runs that differ from the main recording, beside it
+        mine = {k: {"instead_of": recorded[k], "run": run} for k, run in runs.items() if run != recorded[k]}
+        platforms = {cpu: r for cpu, r in platforms.items() if cpu != cpu_name()}
+        if mine:
+            platforms[cpu_name()] = mine
+        print(f"{len(mine)} of {len(runs)} runs differ on {cpu_name()}")
+    else:  # the main recording; another CPU's runs are kept where the main run they stand for is unchanged
+        _write(RECORDED, runs)
+        print(f"wrote {RECORDED}")
+        kept = {cpu: {k: e for k, e in r.items() if runs.get(k) == e["instead_of"]} for cpu, r in platforms.items()}
+        platforms = {cpu: r for cpu, r in kept.items() if r}
+    if platforms:
+        with open(PLATFORMS, "w") as f:
+            json.dump(platforms, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"wrote {PLATFORMS}")
+    elif os.path.exists(PLATFORMS):
+        os.remove(PLATFORMS)
+        print(f"removed {PLATFORMS}")
