@@ -116,6 +116,7 @@ class DeviceEndpoint:
         self._observe = observe  # optional callback(event, label) feeding Prometheus
         # one send at a time per connection: concurrent sends on a backpressured socket fail in the transport
         self._send_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._closing: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a connection's closing handshake
         self._decoding = _cluster_decoding()
         self._hint, self._hint_at = None, -math.inf  # the verifier's last cost hint and when it was asked (WELCOME)
 
@@ -165,16 +166,31 @@ class DeviceEndpoint:
             logger.warning("device connection ended by %s", type(e).__name__)
             await self._close(ws, 1011, "internal error")
         finally:
+            closing = self._closing.pop(ws, None)
+            if closing is not None:  # the connection counts until its closing handshake has ended
+                await closing
             self.connections -= 1
             if device_id is not None:
                 self.devices[device_id].connections -= 1
 
     async def _close(self, ws, code: int, reason: str) -> None:
-        if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED:
+        """Close the connection with `code`: the closing handshake runs to its end even when the caller is cancelled
+        (a request's task, when the connection's loop ends), and `serve` waits for it. Against a peer that does not
+        read, only that end ends the TCP connection (the server's close timeouts, then a reset): cut short, the
+        server would wait to flush the unread replies for as long as the peer lives."""
+        if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED or ws in self._closing:
             return  # closed already (by a request whose reply could not be delivered)
         self._count("close", str(code))
+        closing = self._closing[ws] = asyncio.ensure_future(self._handshake(ws, code, reason))
+        await asyncio.shield(closing)
+
+    async def _handshake(self, ws, code: int, reason: str) -> None:
         try:
-            await ws.close(code=code, reason=reason[:120])
+            # after the reply being sent, if any (its own send timeout bounds it): websockets lets one coroutine wait
+            # on a full socket at a time, and a close that meets another's wait fails at once, its handshake never
+            # run to its end
+            async with self._send_locks.setdefault(ws, asyncio.Lock()):
+                await ws.close(code=code, reason=reason[:120])
         except Exception:  # noqa: BLE001 - already closed
             pass
 
@@ -201,7 +217,7 @@ class DeviceEndpoint:
 
         async def send(data: bytes) -> None:
             async with lock:
-                if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED:
+                if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED or ws in self._closing:
                     raise WebSocketDisconnect(1006)  # closed meanwhile (a slow reader): nobody to answer
                 await ws.send_bytes(data)
 

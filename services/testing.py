@@ -44,17 +44,29 @@ class InProcessBackend(VerifierService):
 
 
 @contextmanager
-def loopback_endpoint(endpoint, timeout_s: float = 30.0, sndbuf: int | None = None) -> Iterator[str]:
+def loopback_endpoint(endpoint, timeout_s: float = 30.0, sndbuf: int | None = None,
+                      close_timeout_s: float | None = None) -> Iterator[str]:
     """Serve `endpoint` (a services.device_endpoint.DeviceEndpoint) at ws://127.0.0.1:PORT/v1/device/sessions in a
     background thread; yields the URL without the route (what DeviceConnection takes) and stops the server after.
     `sndbuf`: the server sockets' send buffer in bytes (small: a reader that does not read blocks the server's sends
-    after a few hundred kB instead of the kernel's megabytes; the slow-reader tests)."""
+    after a few hundred kB instead of the kernel's megabytes; the slow-reader tests). `close_timeout_s`: how long
+    each step of the server's closing handshake waits for the peer (websockets' `close_timeout`, 10 s by default,
+    which uvicorn does not set: a close a peer never answers ends the TCP connection after about three of them)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
+    from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
 
+    ws: object = "websockets"
+    if close_timeout_s is not None:
+        class BoundedClose(WebSocketProtocol):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.close_timeout = close_timeout_s
+
+        ws = BoundedClose
     app = Starlette(routes=[WebSocketRoute(ROUTE, endpoint.serve)])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="websockets"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws=ws))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if sndbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it

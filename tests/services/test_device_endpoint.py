@@ -245,3 +245,90 @@ def test_a_lost_verifier_replica_is_a_410_for_a_verify_and_a_503_for_the_rest():
         for ftype in (wire.OPEN, wire.RESUME, wire.CLOSE):
             r = DeviceEndpoint._failure(ep, lost, "dx", "s", ftype)
             assert r.status == 503 and r.retry_after_s == ep.limits.retry_after_s, (ftype, r)
+
+
+def _raw_websocket(url: str, rcvbuf: int):
+    """A WebSocket opened by hand on a plain socket with a small receive buffer (no client library: nothing reads
+    behind the test's back), its handshake read; -> (socket, send a binary frame, read one frame)."""
+    import base64
+    import os
+    import socket
+    import struct
+    from urllib.parse import urlparse
+
+    from services.testing import ROUTE
+
+    u = urlparse(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window stays small
+    sock.settimeout(10)
+    sock.connect((u.hostname, u.port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(f"GET {ROUTE} HTTP/1.1\r\nHost: {u.hostname}:{u.port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+
+    def frame(payload: bytes) -> bytes:  # a client's binary frame, masked
+        n, mask = len(payload), os.urandom(4)
+        size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack(">H", n)
+        return bytes([0x82]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+    def read_frame() -> bytes:
+        def exactly(n):
+            out = b""
+            while len(out) < n:
+                out += sock.recv(n - len(out))
+            return out
+
+        b0, b1 = exactly(2)
+        n = b1 & 0x7F
+        n = struct.unpack(">H", exactly(2))[0] if n == 126 else struct.unpack(">Q", exactly(8))[0] if n == 127 else n
+        return exactly(n)
+
+    return sock, frame, read_frame
+
+
+def test_a_reader_that_never_reads_is_disconnected_not_left_open(tiny_cloud, stub_text):
+    """A device that sends but never reads: the endpoint's send timeout drops it, and the server ends the TCP
+    connection itself (its closing handshake, which such a peer never answers, runs to its end: a reset), instead of
+    leaving a socket whose unread replies it would wait to flush for as long as the peer lives. The device here is a
+    plain socket that only sends (requests answered with small errors, paced under the rate limit) until its sends
+    fail; the server's close handshake waits 0.5 s a step (`close_timeout_s`)."""
+    import select
+    import struct
+    import time
+
+    from ciar.engine.verifier import CloudVerifier
+    from services.config import key_digest
+    from services.device_endpoint import DeviceEndpoint
+    from services.endpoint_limits import EndpointLimits
+    from services.testing import InProcessBackend, loopback_endpoint
+
+    endpoint = DeviceEndpoint(InProcessBackend(CloudVerifier(tiny_cloud, stub_text, max_sessions=2), SECRET),
+                              [key_digest(KEY)], EndpointLimits(messages_per_s=5000, burst=5000, send_timeout_s=0.3,
+                                                                idle_timeout_s=30.0))
+    with loopback_endpoint(endpoint, sndbuf=16 << 10, close_timeout_s=0.5) as url:
+        sock, frame, read_frame = _raw_websocket(url, rcvbuf=4096)
+        sock.sendall(frame(wire.encode_frame(Frame(HELLO, 0, Hello(KEY, "never-reads")))))
+        assert wire.decode_frame(read_frame()).name == "WELCOME"  # the last frame it reads
+        sock.setblocking(False)
+        pending, sent, ended = bytearray(), 0, None
+        guard = time.monotonic() + 60  # a hang guard: the server ends it within a few close timeouts
+        while ended is None and time.monotonic() < guard:
+            if not pending:  # the next request: an unknown frame type, answered with a 400 each
+                pending += frame(struct.pack("<2sBBI", wire.MAGIC, wire.PROTOCOL_VERSION, 200, sent + 1))
+                sent += 1
+                time.sleep(0.001)  # (about 1,000 a second: under the endpoint's rate limit)
+            if not select.select([], [sock], [], 0.2)[1]:
+                continue  # the server reads no more: wait
+            try:
+                del pending[:sock.send(pending)]
+            except (ConnectionResetError, BrokenPipeError) as e:
+                ended = type(e).__name__
+        sock.close()
+    assert ended is not None, f"{sent} requests sent, never read, and the connection still open ({endpoint.counts}, {endpoint.connections} connections)"
+    assert endpoint.counts.get("close:1008", 0) == 1  # dropped by the send timeout, once
+    assert endpoint.connections == 0
