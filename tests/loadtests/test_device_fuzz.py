@@ -69,7 +69,9 @@ def fuzzed(tiny_cloud, stub_text, witnesses):
 
     verifier = CloudVerifier(tiny_cloud, stub_text, max_sessions=16)
     endpoint = _endpoint(InProcessBackend(verifier))
-    with loopback_endpoint(endpoint, sndbuf=16 << 10) as url:  # small buffers: a slow reader blocks sends soon
+    # small buffers: a slow reader blocks sends soon; a 2 s close timeout: the dropped reader's connection ends (the
+    # server's closing handshake, unanswered, then a reset) within ~6 s of the drop, far inside the probe's window
+    with loopback_endpoint(endpoint, sndbuf=16 << 10, close_timeout_s=2.0) as url:
         fuzzer = DeviceFuzzer(_target(url, endpoint, verifier), witnesses, seed=1)
         report = fuzzer.run(frames=160, sessions_tried=40, connections_extra=4, witness_images=2)
     return report, endpoint, fuzzer
