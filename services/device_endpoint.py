@@ -202,8 +202,8 @@ class DeviceEndpoint:
         except asyncio.TimeoutError:
             return IDLE
         if msg["type"] == "websocket.disconnect" or getattr(ws, "application_state", None) == \
-                WebSocketState.DISCONNECTED:  # gone, or closed by a request whose reply could not be delivered
-            return None
+                WebSocketState.DISCONNECTED or ws in self._closing:  # gone, or closed (closing) by a request whose
+            return None  # reply could not be delivered: nothing more is read or answered
         data = msg.get("bytes")
         if data is None:
             raise _Close(wire.CLOSE_PROTOCOL, "binary frames only (ciar_device.wire)")
