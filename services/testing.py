@@ -55,10 +55,11 @@ def loopback_endpoint(endpoint, timeout_s: float = 30.0, sndbuf: int | None = No
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import WebSocketRoute
-    from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
 
     ws: object = "websockets"
     if close_timeout_s is not None:
+        from uvicorn.protocols.websockets.websockets_impl import WebSocketProtocol
+
         class BoundedClose(WebSocketProtocol):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
