@@ -329,6 +329,7 @@ def test_a_reader_that_never_reads_is_disconnected_not_left_open(tiny_cloud, stu
             except (ConnectionResetError, BrokenPipeError) as e:
                 ended = type(e).__name__
         sock.close()
-    assert ended is not None, f"{sent} requests sent, never read, and the connection still open ({endpoint.counts}, {endpoint.connections} connections)"
+    assert ended is not None, (f"{sent} requests sent, never read, and the connection still open ({endpoint.counts}, "
+                               f"{endpoint.connections} connections)")
     assert endpoint.counts.get("close:1008", 0) == 1  # dropped by the send timeout, once
     assert endpoint.connections == 0
