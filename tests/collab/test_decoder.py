@@ -237,10 +237,10 @@ def test_method_config_overrides_win_over_presets():
 #
 # Another CPU can round the same float32 arithmetic otherwise in the last bits (its own GEMM and reduction kernels),
 # and a draw or an acceptance test whose uniform lies within that rounding of a boundary then goes the other way
-# (seen: an AMD EPYC beside the Intel Xeon the file was recorded on, 4 of the 114 runs, each the same every time on
-# each CPU; a Jacobi image makes ~1,450 inverse-CDF draws, the closest 1.5e-8 of the total from a boundary). Such a
-# CPU's own runs are recorded beside the file (PLATFORMS: by CPU, only the runs that differ, with the main run they
-# stand for), and a run passes when it is the recorded one or one of those:
+# (seen: an AMD EPYC beside the Intel Xeon the file was recorded on, 4 of the 114 runs, each the same in repeated
+# runs on each CPU; a Jacobi image makes ~1,450 inverse-CDF draws, the closest 1.5e-8 of the total from a boundary).
+# Such a CPU's own runs are recorded beside the file (PLATFORMS: by CPU, only the runs that differ, with the main run
+# they stand for), and a run passes when it is the recorded one or one of those:
 # `.venv/bin/python tests/collab/test_decoder.py --platform` on that CPU, only when the code is the same as the
 # recording's (a re-record of the main file keeps a CPU's runs only where the main run they stand for is unchanged).
 
