@@ -281,6 +281,7 @@ def lose_under_load(cl: NodeCluster, kind: str, client: Client, bodies, streams,
     out = {**compare(base, hit), "wall_s": round(wall, 1), **events,
            "pool_short_noticed_after_s": watch.noticed_s, "pool_whole_after_s": watch.whole_s,
            "replicas_on_replacement": {d: sum(1 for n in ns if n in new) for d, ns in after.items()},
+           "placement_after": {d: [n[:8] if n else n for n in ns] for d, ns in after.items()},
            "pool_samples": watch.samples[:: max(1, len(watch.samples) // 40)]}
     out["ok"] = out["lost"] == 0 and out["identical"] == out["succeeded"] == out["attempted"] and \
         watch.whole_s is not None
