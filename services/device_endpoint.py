@@ -178,7 +178,7 @@ class DeviceEndpoint:
         (a request's task, when the connection's loop ends), and `serve` waits for it. Against a peer that does not
         read, only that end ends the TCP connection (the server's close timeouts, then a reset): cut short, the
         server would wait to flush the unread replies for as long as the peer lives."""
-        if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED or ws in self._closing:
+        if self._ended(ws):
             return  # closed already (by a request whose reply could not be delivered)
         self._count("close", str(code))
         closing = self._closing[ws] = asyncio.ensure_future(self._handshake(ws, code, reason))
@@ -189,10 +189,18 @@ class DeviceEndpoint:
             # after the reply being sent, if any (its own send timeout bounds it): websockets lets one coroutine wait
             # on a full socket at a time, and a close that meets another's wait fails at once, its handshake never
             # run to its end
-            async with self._send_locks.setdefault(ws, asyncio.Lock()):
+            async with self._send_lock(ws):
                 await ws.close(code=code, reason=reason[:120])
         except Exception:  # noqa: BLE001 - already closed
             pass
+
+    def _ended(self, ws) -> bool:
+        """Closed, or closing (`_close`): nothing more is read from it or sent to it."""
+        return getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED or ws in self._closing
+
+    def _send_lock(self, ws) -> asyncio.Lock:
+        """The connection's one send at a time (a close waits for it too)."""
+        return self._send_locks.setdefault(ws, asyncio.Lock())
 
     async def _receive(self, ws, timeout: float | None):
         """The next binary frame; None when the peer went away, IDLE when nothing came in `timeout` s; _Close on a
@@ -201,8 +209,7 @@ class DeviceEndpoint:
             msg = await asyncio.wait_for(ws.receive(), timeout)
         except asyncio.TimeoutError:
             return IDLE
-        if msg["type"] == "websocket.disconnect" or getattr(ws, "application_state", None) == \
-                WebSocketState.DISCONNECTED or ws in self._closing:  # gone, or closed (closing) by a request whose
+        if msg["type"] == "websocket.disconnect" or self._ended(ws):  # gone, or closed (closing) by a request whose
             return None  # reply could not be delivered: nothing more is read or answered
         data = msg.get("bytes")
         if data is None:
@@ -213,11 +220,11 @@ class DeviceEndpoint:
         return data
 
     async def _send(self, ws, frame: Frame) -> None:
-        lock = self._send_locks.setdefault(ws, asyncio.Lock())
+        lock = self._send_lock(ws)
 
         async def send(data: bytes) -> None:
             async with lock:
-                if getattr(ws, "application_state", None) == WebSocketState.DISCONNECTED or ws in self._closing:
+                if self._ended(ws):
                     raise WebSocketDisconnect(1006)  # closed meanwhile (a slow reader): nobody to answer
                 await ws.send_bytes(data)
 
