@@ -235,13 +235,13 @@ class Judge:
                 s.jacobi is not None, s.drafting is not None, s.jacobi is not None and s.jacobi.stop_entropy > 0,
                 self.compiles(s.sampling, s.rule.rule)), []).append(i)
         span_in = []
-        for idx in groups.values():
+        for key, idx in groups.items():
             g = [spans[i] for i in idx]
             kmax = max(s.k for s in g)
             jacobi = g[0].jacobi is not None
             drafting = g[0].drafting is not None
             stopping_rounds = jacobi and g[0].jacobi.stop_entropy > 0
-            compiled = self.compiles(g[0].sampling, g[0].rule.rule)
+            compiled = key[-1]  # (`compiles`, part of the group's key)
             rows = [source.rows(s.targets, s.k + 1) for s in g]
             # a lone span computed twice by a compiled judge: no compilation of its own for one span (the plain
             # verdict only: no window drafted after it, so no Jacobi round and no entropy stop)
@@ -292,12 +292,13 @@ class Judge:
             if len(parts) == 1:
                 drawn, stops = parts[0]
             else:  # each path's draws back to their places
-                at = [pack[d["at"]] for d in draw_in]
-                drawn = torch.empty(n_draws, dtype=torch.long, device=dev).index_copy_(0, at[0], parts[0][0])
-                drawn.index_copy_(0, at[1], parts[1][0])
-                stops = None if not stopping else \
-                    torch.empty(n_draws, dtype=torch.bool, device=dev).index_copy_(0, at[0], parts[0][1]) \
-                    .index_copy_(0, at[1], parts[1][1])
+                def placed(j: int, dtype: torch.dtype) -> torch.Tensor:
+                    out = torch.empty(n_draws, dtype=dtype, device=dev)
+                    for d, part in zip(draw_in, parts):
+                        out.index_copy_(0, pack[d["at"]], part[j])
+                    return out
+
+                drawn, stops = placed(0, torch.long), placed(1, torch.bool) if stopping else None
             outs.append(drawn)
             if stopping:
                 outs.append(stops)
