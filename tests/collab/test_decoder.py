@@ -332,13 +332,11 @@ def cpu_name() -> str:
     return f"{info.get('vendor_id', '?')} {model}, torch {torch.backends.cpu.get_cpu_capability()}"
 
 
-def platform_runs() -> dict:
+def platform_runs(recorded: dict) -> dict:
     """{key: [the other CPUs' recorded runs of it]} (PLATFORMS; each stands for the main run it was recorded
-    beside, so it counts only while that main run is still the recorded one)."""
+    beside in `recorded`, so it counts only while that main run is still the recorded one)."""
     if not os.path.exists(PLATFORMS):
         return {}
-    with open(RECORDED) as f:
-        recorded = json.load(f)
     with open(PLATFORMS) as f:
         platforms = json.load(f)
     out: dict = {}
@@ -352,7 +350,7 @@ def platform_runs() -> dict:
 def check_recorded(prompts, seeds, static: bool | None = None, fused: bool = False) -> dict:
     with open(RECORDED) as f:
         recorded = json.load(f)
-    variants = platform_runs()
+    variants = platform_runs(recorded)
     paths = {}
     runs = recorded_runs(prompts, seeds, static, paths, fused)
     if static:  # the recording is the dynamic path's (above)
