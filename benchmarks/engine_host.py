@@ -24,6 +24,10 @@ them). The stub's logits, guided, span ~130 nats in a row (the shipped world's r
 row of the image measured, 2026-11-29b), so their softmax makes float32 denormals, which this CPU computes some ×10
 slower (an 80 x 1,024 softmax: 0.64 ms against 0.06 ms flushed); a cost of the stub, not of the engine, that the
 real workload does not pay and that weighed on both checkouts alike (figures before 2026-11-29b kept it).
+
+A checkout whose engine processes keep the C allocator's freed blocks (`ciar.engine.heap.keep_freed_memory`, from
+2026-11-29f on) has them kept in its child too, as served; `--plain-allocator` adds this checkout with the allocator
+as it comes (`plainalloc`), so that the setting's share of a change is measured apart.
 """
 
 from __future__ import annotations
@@ -94,14 +98,24 @@ def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, 
 
 
 def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None,
-            freeze: bool = False, compiled: bool = False) -> dict:
+            freeze: bool = False, compiled: bool = False, keep_memory: bool = True) -> dict:
     """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times (medians,
     and the steps' mean, p99 and longest), and the collector's pauses in the measured rounds (gen-2 ones apart).
     `max_works`: works a step takes (default: every session's, 2 x sessions); fewer leave the rest in flight.
     `freeze`: the heap frozen once the verifier is built, as an engine's process does (`ciar.engine.heap.freeze`:
     one full collection, then `gc.freeze`). `compiled`: the judge compiled (`Judge(compiled=True)`, its
-    compilations made by `Judge.warm` before the first round)."""
+    compilations made by `Judge.warm` before the first round). `keep_memory`: the C allocator keeps freed blocks, as
+    the engine's processes have it (`ciar.engine.heap.keep_freed_memory`, in a checkout that has it)."""
     import torch
+
+    kept = False
+    if keep_memory:
+        try:
+            from ciar.engine.heap import keep_freed_memory
+        except ImportError:  # a checkout whose serving processes left the allocator as it was
+            pass
+        else:
+            kept = keep_freed_memory(log=lambda *a: None)
 
     from ciar_device.wire import VerifyRequest
 
@@ -159,7 +173,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
         gc.unfreeze()  # (a caller in this process collects as before)
     ordered = sorted(per_step)
     full = [ms for gen, ms in pauses if gen == 2]
-    return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze,
+    return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze, "memory_kept": kept,
             "step_ms": 1e3 * statistics.median(per_step), "round_ms": 1e3 * statistics.median(per_round),
             "steps_per_round": statistics.mean(steps_per_round),
             "maths_ms": 1e3 * statistics.median(maths_per_round) if maths_per_round else None,
@@ -202,17 +216,17 @@ def _time_the_judges_maths(judge) -> dict | None:
 
 
 def _child(tree: str, vocab: int, sessions: int, rounds: int, denormals: bool = False, freeze: bool = False,
-           compiled: bool = False) -> dict:
+           compiled: bool = False, keep_memory: bool = True) -> dict:
     """One measurement in a fresh process importing `ciar` from `tree` (this file loaded by its path), with the
     CPU's denormal numbers flushed to zero unless `denormals` (see the module docstring), its heap frozen or not, its
-    judge compiled or not."""
+    judge compiled or not, its allocator keeping freed blocks (where the tree's engine processes do) or not."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.path.join(tree, "device")]), OMP_NUM_THREADS="1")
     code = ("import importlib.util, json, sys, torch; sys.path[:0] = [sys.argv[2], sys.argv[2] + '/device']; "
             f"torch.set_flush_denormal({not denormals}); "
             "spec = importlib.util.spec_from_file_location('engine_host', sys.argv[1]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); import ciar; "
             f"r = m.measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), freeze={freeze}, "
-            f"compiled={compiled}); "
+            f"compiled={compiled}, keep_memory={keep_memory}); "
             "r['ciar'] = ciar.__file__; "
             "print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), tree, str(vocab), str(sessions),
@@ -241,6 +255,9 @@ def main(argv=None) -> int:
                          "by side (engine_heap.md)")
     ap.add_argument("--compiled-judge", action="store_true",
                     help="also run this checkout with its judge compiled (`Judge(compiled=True)`)")
+    ap.add_argument("--plain-allocator", action="store_true",
+                    help="also run this checkout with glibc's allocator as it comes (`plainalloc`: freed blocks not "
+                         "kept, `ciar.engine.heap.keep_freed_memory` not called)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.sessions, args.vocab, args.rounds, args.reps = [16], [1024], 2, 1
@@ -254,13 +271,15 @@ def main(argv=None) -> int:
         trees["frozen"] = here  # this checkout again, its heap frozen
     if args.compiled_judge:
         trees["compiled"] = here  # this checkout again, its judge compiled
+    if args.plain_allocator:
+        trees["plainalloc"] = here  # this checkout again, the C allocator as it comes
     runs = []
     for vocab in args.vocab:
         for sessions in args.sessions:
             for rep in range(args.reps):
                 for name, tree in trees.items():  # interleaved: both see the same box
                     r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen",
-                               compiled=name == "compiled")
+                               compiled=name == "compiled", keep_memory=name != "plainalloc")
                     r.update(tree=name, rep=rep)
                     runs.append(r)
                     print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "

@@ -89,8 +89,9 @@ class Verifier:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside a replica (unit use)
             self.replica_id = "local"
-        else:  # a replica's process serves: its start-up out of the collector's reach (`ciar.engine.heap`)
-            heap.freeze(log=logger.info)
+        else:  # a replica's process serves (`ciar.engine.heap`):
+            heap.freeze(log=logger.info)  # its start-up out of the collector's reach
+            heap.keep_freed_memory(log=logger.info)  # the steps' host tensors reuse the blocks freed before them
         self._metrics()
 
     def _metrics(self) -> None:

@@ -28,6 +28,7 @@ import math
 import numbers
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from ciar_device import maths
 
@@ -105,18 +106,58 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams,
         logits = (logits - logits.amax(dim=-1, keepdim=True)) / t
 
     if 0 < params.top_k < vocab:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        kth = kth_largest(logits, params.top_k)  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
 
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p = torch.sort(probs, dim=-1, descending=True, stable=True).values  # [..., V]
+        sorted_p = sorted_descending(probs)  # [..., V]
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more probable tokens
         n_keep = (mass_before < params.top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # [..., 1], >= 1
         threshold = sorted_p.gather(-1, n_keep - 1)  # least probable kept probability
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _selects_on_host(x: torch.Tensor) -> bool:
+    """Whether `kth_largest` and `sorted_descending` take numpy's selection and sort for x: a float32 / float64
+    tensor in host memory, outside a compiled graph (where torch's own operations trace)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling())
+
+
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., V], 1 <= k <= V -> [..., 1]: each row's k-th largest value, equal values counted apart (the value of
+    `torch.topk(x, k).values[..., -1:]`; a row holding NaN has none defined, and such logits fail their work).
+
+    It is one value, so how it is found does not change a bit of what follows. On the host, numpy's selection
+    (`np.partition`) finds it: on one CPU thread ~10x faster than torch's top-k at LlamaGen's 16,384 codes and k =
+    1,000 (80 rows: 1.0 ms against 9.7 ms on the AMD EPYC of 2026-11-29f), which was the largest part of a CPU
+    verifier's judging. Elsewhere (an accelerator, a compiled graph) torch's top-k, unsorted."""
+    if _selects_on_host(x):
+        at = x.shape[-1] - k
+        return torch.from_numpy(np.partition(x.detach().numpy(), at, axis=-1)[..., at:at + 1])
+    return torch.topk(x, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+
+
+def kth_largest_per_row(x: torch.Tensor, k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """x [R, V], k [R, 1] int64 with 1 <= k <= kmax <= V -> [R, 1]: row r's k[r]-th largest value (as
+    `kth_largest`, each row its own k)."""
+    if _selects_on_host(x):
+        at = x.shape[-1] - k.numpy()  # [R, 1]: where each row's value lies once the row is sorted ascending
+        part = np.partition(x.detach().numpy(), np.unique(at), axis=-1)  # each of those places holds its value
+        return torch.from_numpy(np.take_along_axis(part, at, axis=-1))
+    return torch.topk(x, kmax, dim=-1).values.gather(-1, k - 1)  # the first k of a row's kmax largest: its top k
+
+
+def sorted_descending(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> its rows' values sorted from the largest (`torch.sort(x, descending=True).values`; values
+    only, so a stable sort and an unstable one give the same tensor). On the host numpy's sort: ~25x faster than
+    torch's on one CPU thread at 16,384 codes."""
+    if _selects_on_host(x):
+        return torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[..., ::-1]))
+    return torch.sort(x, dim=-1, descending=True, stable=True).values
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -200,18 +241,16 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
     k = rows.top_k[:, None]
     if 0 < min(rows.max_top_k, vocab - 1):
         kmax = min(rows.max_top_k, vocab)
-        if rows.min_top_k == rows.max_top_k:  # every row that filters keeps the same k (the usual case): the k-th
-            # largest value is the smallest of the k largest, which need no sorting (the same value, faster)
-            kth = torch.topk(logits, kmax, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [R, 1]
+        if rows.min_top_k == rows.max_top_k:  # every row that filters keeps the same k (the usual case)
+            kth = kth_largest(logits, kmax)  # [R, 1]
         else:
-            top = torch.topk(logits, kmax, dim=-1).values  # [R, kmax]: the first k of them are row r's top k
-            kth = top.gather(-1, (k.clamp(1, kmax) - 1))  # [R, 1]
+            kth = kth_largest_per_row(logits, k.clamp(1, kmax), kmax)  # [R, 1]
         on = (k > 0) & (k < vocab)
         logits = logits.masked_fill(on & (logits < kth), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if rows.any_top_p:
         top_p = rows.top_p[:, None]
-        sorted_p = torch.sort(probs, dim=-1, descending=True, stable=True).values
+        sorted_p = sorted_descending(probs)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
         threshold = sorted_p.gather(-1, n_keep - 1)

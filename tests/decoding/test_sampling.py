@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from ciar.decoding.sampling import LLAMAGEN_T2I_DEFAULTS, SamplingParams, guide, logits_to_probs, sample
+from ciar.decoding.sampling import (LLAMAGEN_T2I_DEFAULTS, SamplingParams, guide, kth_largest, kth_largest_per_row,
+                                   logits_to_probs, sample, sorted_descending)
 
 torch.set_num_threads(1)
 
@@ -147,6 +148,43 @@ def test_vectorised_over_leading_dims_matches_rowwise():
     for i in range(2):
         for j in range(3):
             assert torch.allclose(p[i, j], logits_to_probs(c[i, j], params, uncond_logits=u[i, j]))
+
+
+def _rows_with_ties_and_infinities(dtype=torch.float32):
+    """[12, 300] rows: normal values, rounded ones (many ties), rows with -inf and +inf entries, a constant row."""
+    g = gen(11)
+    x = torch.randn(12, 300, generator=g, dtype=torch.float64) * 4
+    x[2:5] = x[2:5].round()  # ~20 distinct values a row: the k-th largest sits inside a run of equal values
+    x[5, ::3] = float("-inf")
+    x[6, :250] = float("-inf")  # fewer finite values than some k below
+    x[7, 5:9] = float("inf")
+    x[8] = 1.5
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_selection_gives_torchs_top_k_value_and_sorted_values(dtype):
+    """`kth_largest`, `kth_largest_per_row` and `sorted_descending` take numpy on the host: the same values as
+    torch's top-k and sort, so a probability that follows from them keeps every bit."""
+    x = _rows_with_ties_and_infinities(dtype)
+    for k in (1, 2, 7, 60, 299, 300):
+        want = torch.topk(x, k, dim=-1).values[..., -1:]
+        assert torch.equal(kth_largest(x, k), want), k
+        assert torch.equal(kth_largest(x.view(3, 4, 300), k), want.view(3, 4, 1)), k  # leading dims
+        assert torch.equal(kth_largest(x[:, ::2], min(k, 150)), torch.topk(x[:, ::2], min(k, 150)).values[..., -1:])
+    ks = torch.tensor([1, 5, 5, 60, 2, 300, 7, 7, 120, 3, 1, 250])[:, None]
+    want = torch.topk(x, 300, dim=-1).values.gather(-1, ks - 1)
+    assert torch.equal(kth_largest_per_row(x, ks, 300), want)
+    low = ks.clamp_max(60)
+    assert torch.equal(kth_largest_per_row(x, low, 60), torch.topk(x, 60).values.gather(-1, low - 1))
+    probs = torch.softmax(x.nan_to_num(posinf=50.0).to(dtype), dim=-1)
+    for rows in (x.nan_to_num(posinf=9.0), probs):
+        got = sorted_descending(rows)
+        assert got.is_contiguous() and torch.equal(got, torch.sort(rows, dim=-1, descending=True, stable=True).values)
+    # a tensor numpy does not take (half precision) goes through torch's own operations, with the same values
+    half = x.nan_to_num(posinf=9.0).half()
+    assert torch.equal(kth_largest(half, 7), torch.topk(half, 7).values[..., -1:])
+    assert torch.equal(sorted_descending(half), torch.sort(half, dim=-1, descending=True).values)
 
 
 def test_half_precision_logits_give_float32():
