@@ -3,7 +3,7 @@
     heap.freeze()        # once the engine is built: one full collection, then gc.freeze(); pauses timed from here
     heap.stats()         # {"frozen": objects, "collections": [gen0, gen1, gen2], "pauses": [...],
                          #  "pause_total_ms": [...], "pause_max_ms": [...]}  (per generation)
-    heap.keep_freed_memory()  # the C allocator keeps the blocks it frees for the next tensor (glibc's mallopt)
+    heap.keep_freed_memory()  # the C allocator keeps the blocks it frees for the next tensors (glibc's mallopt)
 
 Python's cyclic collector stops the thread that triggers it while it walks a generation. Its oldest generation holds
 everything that survived start-up: torch's and Ray's modules, the world, the engine's tables (some 390,000 objects in
@@ -19,11 +19,15 @@ the simulated phones once built); a library user's process is left as it is.
 The C heap under torch's host tensors: glibc's malloc hands a freed block of more than its threshold back to the
 kernel (`munmap`, or trimming the heap's top), so the next tensor of that size faults its pages in again, one by one.
 An engine on a CPU makes and frees the same large tensors every step (the judge's [rows, vocabulary] logits and
-probabilities: 5 MiB at 80 rows of LlamaGen's 16,384 codes), and paid for it: guidance over those 80 rows took
-1.5-7 ms where the arithmetic takes 0.4-0.8 ms (2026-11-29f). `keep_freed_memory` raises both thresholds
-(`mallopt`), so that blocks up to glibc's largest threshold (32 MiB) come from, and go back to, the heap, which keeps
-them; vLLM's CPU backend asks for tcmalloc for the same reason. The engine's processes call it (the Verifier replica,
-the engine core); the price is that the process keeps its peak host memory.
+probabilities: 5 MiB at 80 rows of LlamaGen's 16,384 codes, 42 MiB at 640), and paid for it: guidance over those 80
+rows took 1.5-7 ms where the arithmetic takes 0.4-0.8 ms (2026-11-29f). `keep_freed_memory` has the allocator take
+every block from its heaps, no block mapped apart (`mallopt`: at most 0 mappings), and keep up to 1 GiB of free
+space at a heap's top: a freed block serves the next tensor. Raising only the mmap threshold stops at glibc's
+largest, 32 MiB, and at 128 sessions a round still took ×1.6-2.1 as long (2026-11-29f). vLLM's CPU backend asks for
+tcmalloc for the same reason. The engine's processes call it once their engine is built (the Verifier replica, the
+engine core), so that start-up's large temporary host tensors (a checkpoint read before it moves to the accelerator)
+went back to the kernel as before; the price is that a serving process keeps its peak host memory. (glibc still maps
+a block apart where a heap cannot grow: a thread's heap past 64 MiB, the main heap when the kernel refuses it.)
 """
 
 from __future__ import annotations
@@ -43,9 +47,8 @@ logger = logging.getLogger(__name__)
 _lock = threading.RLock()
 _pauses = {"count": [0, 0, 0], "total_ms": [0.0, 0.0, 0.0], "max_ms": [0.0, 0.0, 0.0]}
 _started: dict[int, float] = {}  # thread id -> when its collection started
-# glibc's mallopt parameters, and the largest mmap threshold it takes on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD, TRIM_THRESHOLD = 32 << 20, 1 << 30
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+TRIM_THRESHOLD = 1 << 30  # free space kept at a heap's top
 
 
 def _on_gc(phase: str, info: dict) -> None:
@@ -96,15 +99,15 @@ def stats() -> dict:
 
 
 def keep_freed_memory(log=logger.info) -> bool:
-    """Ask the C allocator (glibc's malloc) to keep the blocks it frees: allocations up to 32 MiB from the heap
-    rather than fresh mappings, and the heap's free top kept up to 1 GiB rather than returned (see the module
-    docstring). -> whether the allocator took both settings (False where the C library is not glibc: macOS, musl)."""
+    """Ask the C allocator (glibc's malloc) to keep the blocks it frees: every block from its heaps rather than a
+    mapping of its own, and up to 1 GiB free at a heap's top kept rather than returned (see the module docstring).
+    -> whether the allocator took both settings (False where the C library is not glibc: macOS, musl)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    log("host allocator: freed blocks kept (mmap threshold %d MiB, trim threshold %d MiB): %s",
-        MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20, "yes" if ok else "not taken")
+    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    log("host allocator: freed blocks kept (no block mapped apart, %d MiB kept at a heap's top): %s",
+        TRIM_THRESHOLD >> 20, "yes" if ok else "not taken")
     return ok

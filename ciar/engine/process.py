@@ -610,9 +610,9 @@ def _core_main(fd: int) -> int:
     try:
         kind, spec, secret, batch_wait_s = pickle.loads(conn.recv_bytes())
         assert kind == "start", kind
-        heap.keep_freed_memory()  # the steps' host tensors reuse freed blocks (`ciar.engine.heap`)
         core = build_verifier(spec)
         heap.freeze()  # (this process is the engine's: its start-up out of the collector's reach)
+        heap.keep_freed_memory()  # and the steps' host tensors reuse the blocks freed before them
         info = {"vocab_size": core.vocab_size, "max_sessions": core.table.max_sessions, "pid": os.getpid(),
                 "memory": core.memory.to_dict() if core.memory is not None else None}
     except (EOFError, OSError):
