@@ -23,11 +23,12 @@ probabilities: 5 MiB at 80 rows of LlamaGen's 16,384 codes, 42 MiB at 640), and 
 rows took 1.5-7 ms where the arithmetic takes 0.4-0.8 ms (2026-11-29f). `keep_freed_memory` has the allocator take
 every block from its heaps, no block mapped apart (`mallopt`: at most 0 mappings), and keep up to 1 GiB of free
 space at a heap's top: a freed block serves the next tensor. Raising only the mmap threshold stops at glibc's
-largest, 32 MiB, and at 128 sessions a round still took ×1.6-2.1 as long (2026-11-29f). vLLM's CPU backend asks for
-tcmalloc for the same reason. The engine's processes call it once their engine is built (the Verifier replica, the
-engine core), so that start-up's large temporary host tensors (a checkpoint read before it moves to the accelerator)
-went back to the kernel as before; the price is that a serving process keeps its peak host memory. (glibc still maps
-a block apart where a heap cannot grow: a thread's heap past 64 MiB, the main heap when the kernel refuses it.)
+largest, 32 MiB, which 128 sessions' tensors pass: a round there took 178.5 ms against 116.2 (2026-11-29f). (vLLM's
+CPU backend recommends tcmalloc, which keeps freed memory too.) The engine's processes call it once their engine is
+built (the Verifier replica, the engine core), so that start-up's large temporary host tensors (a checkpoint read
+before it moves to the accelerator) went back to the kernel as before; the price is that a serving process keeps its
+peak host memory. (glibc still maps a block apart where a heap cannot grow: a thread's heap past 64 MiB, the main
+heap when the kernel refuses it.)
 """
 
 from __future__ import annotations
