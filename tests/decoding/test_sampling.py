@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
+from ciar.decoding import sampling
 from ciar.decoding.sampling import (LLAMAGEN_T2I_DEFAULTS, SamplingParams, guide, kth_largest, kth_largest_per_row,
-                                   logits_to_probs, sample, sorted_descending)
+                                   logits_to_probs, sample, sample_at, sorted_descending)
+from ciar_device import maths
 
 torch.set_num_threads(1)
 
@@ -185,6 +187,30 @@ def test_host_selection_gives_torchs_top_k_value_and_sorted_values(dtype):
     half = x.nan_to_num(posinf=9.0).half()
     assert torch.equal(kth_largest(half, 7), torch.topk(half, 7).values[..., -1:])
     assert torch.equal(sorted_descending(half), torch.sort(half, dim=-1, descending=True).values)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_sample_at_draws_as_the_device_does_with_and_without_the_host_shortcut(monkeypatch, host):
+    """`sample_at` (every row's inverse CDF at once) gives `ciar_device.maths.sample`'s token row by row: rows with
+    zeros before, between and after their mass, one-hot rows, uniforms at 0 and at the largest below 1. `host`: the
+    host path (a step whose rows all fall inside their mass skips the last-index fallback) or the accelerator's
+    (the fallback always computed). A row without mass gives its last index either way."""
+    monkeypatch.setattr(sampling, "_on_host", lambda x: host)
+    probs = torch.softmax(torch.randn(8, 50, generator=gen(12)) * 3, -1)
+    probs[1, 40:] = 0.0
+    probs[2, :10] = 0.0
+    probs[3, ::2] = 0.0
+    probs[4] = torch.nn.functional.one_hot(torch.tensor(0), 50).float()
+    probs[5] = torch.nn.functional.one_hot(torch.tensor(49), 50).float()
+    probs[6, :-1] = 1e-30  # nearly all the mass on the last token
+    top = 1.0 - 2.0 ** -53
+    for u in ([0.0] * 8, [top] * 8, [0.5, top, 0.999, 0.25, top, 0.0, top, 0.7]):
+        uu = torch.tensor(u, dtype=torch.float64)
+        want = [maths.sample(probs[r].numpy(), u[r]) for r in range(8)]
+        assert sample_at(probs, uu).tolist() == want, u
+    empty = torch.zeros(3, 50)
+    empty[1, 7] = 1.0
+    assert sample_at(empty, torch.tensor([0.3, 0.3, top], dtype=torch.float64)).tolist() == [49, 7, 49]
 
 
 def test_half_precision_logits_give_float32():

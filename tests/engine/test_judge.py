@@ -171,9 +171,10 @@ def test_non_finite_rows_are_named():
 
 def test_one_host_read_per_step(monkeypatch):
     """Everything the step decides comes back in one transfer: the judge calls `tolist` once and reads no tensor
-    on the host in any other way. (Host tensors' top-k value and top-p sort go through numpy, `numpy()` being no
-    wait there; an accelerator's tensors never take that path, and nor do they here.)"""
-    monkeypatch.setattr(sampling, "_selects_on_host", lambda x: False)
+    on the host in any other way. (Host tensors take host paths that read them, no wait there: the top-k value and
+    top-p's sort by numpy, the draws' fallback skipped when no row needs it; an accelerator's tensors never do, and
+    nor do they here.)"""
+    monkeypatch.setattr(sampling, "_on_host", lambda x: False)
     cloud = tiny_cloud()
     judge = Judge(cloud, codebook=torch.randn(V, 3))
     spans, draws = _spans_and_draws(judge)
