@@ -162,7 +162,8 @@ def sorted_descending(x: torch.Tensor) -> torch.Tensor:
     only, so a stable sort and an unstable one give the same tensor). On the host numpy's sort: ~25x faster than
     torch's on one CPU thread at 16,384 codes."""
     if _selects_on_host(x):
-        return torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[..., ::-1]))
+        # (a copy, not `ascontiguousarray`: numpy counts a reversed row of one value contiguous, strides and all)
+        return torch.from_numpy(np.sort(x.detach().numpy(), axis=-1)[..., ::-1].copy())
     return torch.sort(x, dim=-1, descending=True, stable=True).values
 
 

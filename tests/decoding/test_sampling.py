@@ -183,6 +183,8 @@ def test_host_selection_gives_torchs_top_k_value_and_sorted_values(dtype):
     for rows in (x.nan_to_num(posinf=9.0), probs):
         got = sorted_descending(rows)
         assert got.is_contiguous() and torch.equal(got, torch.sort(rows, dim=-1, descending=True, stable=True).values)
+    for one in (torch.tensor([0.25]), torch.ones(3, 1, dtype=dtype)):  # rows of one value
+        assert torch.equal(sorted_descending(one), one) and torch.equal(kth_largest(one, 1), one[..., :1])
     # a tensor numpy does not take (half precision) goes through torch's own operations, with the same values
     half = x.nan_to_num(posinf=9.0).half()
     assert torch.equal(kth_largest(half, 7), torch.topk(half, 7).values[..., -1:])
