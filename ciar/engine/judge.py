@@ -359,7 +359,8 @@ class Judge:
                     flat = hidden
                 kwargs["target_hidden"] = flat.view(b, kmax + 1, self.dim)
         span_math = self._span_math if g["compiled"] else _span_math
-        p, out = span_math(logits[pack[g["rows"]]], self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
+        targets = logits.index_select(0, pack[g["rows"]])  # (as `_draws_on_device` gathers its rows)
+        p, out = span_math(targets, self._rows(pack, g["sampling"]), pack[g["sampling"][4]], q_in,
                            not g["jacobi"], pack[g["drafts"]], pack[g["accept_keys"]], pack[g["next_keys"]],
                            pack[g["positions"]], pack[g["lengths"]], pack[g["p_at"]] if g["ragged"] else None,
                            pack[g["q_at"]] if g["ragged"] else None, b, kmax, rule.rule, kwargs)
@@ -413,8 +414,9 @@ class Judge:
     def _draws_on_device(self, d: dict, pack: HostPack, logits: torch.Tensor):
         """One path's draws (`_draw_group`) -> (tokens [n], stopped [n] or None)."""
         # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a
-        # compiled judge meets one kind of input, as its warm-up made it)
-        both = logits[pack[d["idx"]]]
+        # compiled judge meets one kind of input, as its warm-up made it; by `index_select`, the same rows as
+        # indexing, which on a CPU copied 160 rows of 16,384 codes in 1.7 ms against 0.3)
+        both = logits.index_select(0, pack[d["idx"]])
         math = self._draw_math if d["compiled"] else _draw_math
         tokens, stops = math(both, both.shape[0] // 2, self._rows(pack, d["sampling"]), pack[d["sampling"][4]],
                              pack[d["keys"]], pack[d["positions"]], None if d["stop"] is None else pack[d["stop"]])
