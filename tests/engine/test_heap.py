@@ -71,8 +71,6 @@ def test_stats_while_collections_run_inside_it(frozen):
     assert len(answered) == 200 and answered[-1]["pauses"][0] > answered[0]["pauses"][0]  # collections were timed
 
 
-
-
 _FAULTS = """
 import resource, sys, torch
 from ciar.engine import heap
