@@ -158,6 +158,13 @@ def from_float16(h) -> np.ndarray:
     return (np.where(mag < 0x400, tiny, bits) | ((b & np.uint32(0x8000)) << np.uint32(16))).view(np.float32)
 
 
+def kth_largest(x: np.ndarray, k: int) -> np.ndarray:
+    """x [..., V], 1 <= k <= V -> [..., 1]: each row's k-th largest value, equal values counted apart (a selection,
+    no sort). `logits_to_probs`'s top-k threshold, and the cloud's on the host (`ciar.decoding.sampling`)."""
+    at = x.shape[-1] - k
+    return np.partition(x, at, axis=-1)[..., at:at + 1]
+
+
 def _top_indices(x: np.ndarray, k: int) -> np.ndarray:
     """Indices [..., k] of the k largest entries of x [..., V], in descending order of value (lowest index first
     among equal values inside the chosen set; which of several values tied at the k-th place is chosen is
@@ -239,7 +246,7 @@ def logits_to_probs(logits, cfg_scale=1.0, temperature: float = 1.0, top_k: int 
             logits = (logits - logits.max(axis=-1, keepdims=True)) / t
 
     if 0 < top_k < vocab:
-        kth = np.partition(logits, vocab - top_k, axis=-1)[..., vocab - top_k:vocab - top_k + 1]  # k-th largest
+        kth = kth_largest(logits, top_k)
         logits = np.where(logits < kth, np.float32(-np.inf), logits)
 
     probs = _softmax64(logits).astype(np.float32)
