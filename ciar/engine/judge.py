@@ -248,20 +248,22 @@ class Judge:
             pad = compiled and len(g) == 1 and not drafting
             if pad:
                 g, rows = g * 2, rows * 2
-            t_sampling = self._sampling_rows(pack, [s.sampling for s in g for _ in range(s.k + 1)],
-                                             [r[2] for r in rows for _ in r[0]], compiled)
-            drafts = torch.zeros(len(g), kmax, dtype=torch.long)
-            for b, s in enumerate(g):
-                drafts[b, :s.k] = s.drafts
             ragged = any(s.k != kmax for s in g)
+            counts = [s.k + 1 for s in g] if ragged else kmax + 1  # each span's targets
+            t_sampling = self._sampling_rows(pack, [s.sampling for s in g], [r[2] for r in rows], compiled, counts)
+            if ragged:
+                drafts = torch.zeros(len(g), kmax, dtype=torch.long)
+                for b, s in enumerate(g):
+                    drafts[b, :s.k] = s.drafts
+            else:
+                drafts = torch.cat([s.drafts.reshape(-1) for s in g]).to(torch.long).view(len(g), kmax)
             # where the ragged rows go in the padded [B, K+1] / [B, K] layouts
             p_at = [b * (kmax + 1) + j for b, s in enumerate(g) for j in range(s.k + 1)] if ragged else []
             q_at = [b * max(kmax, 1) + j for b, s in enumerate(g) for j in range(s.k)] if ragged else []
             span_in.append(dict(
                 idx=idx, b=len(g), pad=pad, compiled=compiled, kmax=kmax, ragged=ragged, sampling=t_sampling,
                 drafts=pack.add(drafts),
-                rows=pack.add(torch.tensor([i for r in rows for i in r[0]] + [i for r in rows for i in r[1]],
-                                           dtype=torch.long)),
+                rows=pack.add(_ranges([r[0] for r in rows] + [r[1] for r in rows], counts, twice=True)),
                 lengths=pack.add(torch.tensor([s.k for s in g], dtype=torch.long)),
                 accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
                 next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)),
@@ -402,7 +404,7 @@ class Judge:
             draws, rows = draws * 2, rows * 2
         return dict(
             n=n, compiled=compiled, at=pack.add(torch.tensor(idx, dtype=torch.long)) if n < n_all else None,
-            idx=pack.add(torch.tensor([r[0][0] for r in rows] + [r[1][0] for r in rows], dtype=torch.long)),
+            idx=pack.add(torch.tensor([r[0] for r in rows] + [r[1] for r in rows], dtype=torch.long)),
             sampling=self._sampling_rows(pack, [d.sampling for d in draws], [r[2] for r in rows], compiled),
             keys=pack.add(stream_keys([d.seed for d in draws], CLOUD_STREAM)),
             positions=pack.add(torch.tensor([d.position for d in draws], dtype=torch.long)),
@@ -424,14 +426,24 @@ class Judge:
         return tokens[:n], None if stops is None else stops[:n]  # (a lone draw's twin off)
 
     def _sampling_rows(self, pack: HostPack, params: list[SamplingParams], has_uncond: list[bool],
-                       compiled: bool = False) -> tuple:
+                       compiled: bool = False, counts: int | list[int] = 1) -> tuple:
         """Per-row sampling tensors into the pack -> handles (cfg, temperature, top_k, top_p, has_uncond) and the
         host-side summary `RowSampling` needs (for the compiled functions, the one they always take: `_envelope`).
-        (A session without CFG has one row: its uncond index is its cond.)"""
-        summary = RowSampling.summary(params)
-        return (*(pack.add(t) for t in RowSampling.host_tensors(params)),
-                pack.add(torch.tensor(has_uncond, dtype=torch.bool)),
-                self._envelope(summary) if compiled else summary)
+        `params` and `has_uncond` are per draw or span, whose rows are `counts` (one number for all, or one each):
+        the tensors repeat them, row by row. (A session without CFG has one row: its uncond index is its cond.)"""
+        distinct = list({id(p): p for p in params}.values())  # (a step's sessions mostly share their settings)
+        summary = RowSampling.summary(distinct)
+        uncond = torch.tensor(has_uncond, dtype=torch.bool)
+        if counts != 1:
+            repeats = counts if isinstance(counts, int) else torch.tensor(counts, dtype=torch.long)
+            uncond = uncond.repeat_interleave(repeats)
+        if len(distinct) == 1:  # every row's settings one value each
+            tensors = tuple(t.expand(len(uncond)) for t in RowSampling.host_tensors(distinct))
+        else:
+            tensors = RowSampling.host_tensors(params)
+            if counts != 1:
+                tensors = tuple(t.repeat_interleave(repeats) for t in tensors)
+        return (*(pack.add(t) for t in (*tensors, uncond)), self._envelope(summary) if compiled else summary)
 
     def _envelope(self, summary: tuple) -> tuple:
         """The summary the compiled functions always take, whatever the rows' settings: temperature and greedy on
@@ -541,6 +553,17 @@ class Deciding:
         return Decided(bad_rows, tokens, stops, verdicts, self.errors, redrafts, span_stops)
 
 
+def _ranges(firsts: list[int], counts: int | list[int], twice: bool = False) -> torch.Tensor:
+    """Row indices: `counts` consecutive rows from each of `firsts` (one count for all, or one each; `twice`: the
+    counts are those of the first half of `firsts`, and again for the second) -> [sum of counts] int64."""
+    first = torch.tensor(firsts, dtype=torch.long)
+    if isinstance(counts, int):
+        return (first[:, None] + torch.arange(counts)).reshape(-1)
+    n = torch.tensor(counts + counts if twice else counts, dtype=torch.long)
+    ends = n.cumsum(0)
+    return first.repeat_interleave(n) + torch.arange(int(ends[-1])) - (ends - n).repeat_interleave(n)
+
+
 def _as_sent(q: torch.Tensor, k: int, v_size: int) -> torch.Tensor:
     """A span's draft probabilities as [k, V] float16 (what a device sends: then as they are, no operation)."""
     if q.dtype is torch.float16 and q.dim() == 2:
@@ -558,18 +581,17 @@ class _Source:
         self.extra: list[torch.Tensor] = []
         self.n = 0 if step_logits is None else step_logits.shape[0]
 
-    def rows(self, src, j_count: int) -> tuple[list[int], list[int], bool]:
-        """-> (cond rows, uncond rows, has uncond) of `src` (a PieceOutput or [rows, j_count, V] / [rows, V])."""
+    def rows(self, src, j_count: int) -> tuple[int, int, bool]:
+        """-> (first cond row, first uncond row, has uncond) of `src` (a PieceOutput or [rows, j_count, V] /
+        [rows, V]): its `j_count` cond rows follow the first, and so do its uncond rows."""
         if isinstance(src, PieceOutput) and src.step.logits is self.step:
-            last = src.rows - 1
-            return [src.row(0, j) for j in range(j_count)], [src.row(last, j) for j in range(j_count)], last > 0
+            return src.row(0, 0), src.row(src.rows - 1, 0), src.rows > 1
         t = src.logits if isinstance(src, PieceOutput) else src
         t = t.reshape(t.shape[0], j_count, t.shape[-1])
         base = self.n
         self.extra.append(t.reshape(-1, t.shape[-1]))
         self.n += t.shape[0] * j_count
-        last = (t.shape[0] - 1) * j_count
-        return [base + j for j in range(j_count)], [base + last + j for j in range(j_count)], t.shape[0] > 1
+        return base, base + (t.shape[0] - 1) * j_count, t.shape[0] > 1
 
     def tensor(self) -> torch.Tensor | None:
         parts = ([] if self.step is None else [self.step]) + self.extra
