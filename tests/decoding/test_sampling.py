@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from ciar.decoding import sampling
-from ciar.decoding.sampling import (LLAMAGEN_T2I_DEFAULTS, SamplingParams, guide, kth_largest, kth_largest_per_row,
-                                   logits_to_probs, sample, sample_at, sorted_descending)
+from ciar.decoding.sampling import (LLAMAGEN_T2I_DEFAULTS, SamplingParams, drop_below, guide, kth_largest,
+                                   kth_largest_per_row, logits_to_probs, sample, sample_at, sorted_descending)
 from ciar_device import maths
 
 torch.set_num_threads(1)
@@ -189,6 +189,34 @@ def test_host_selection_gives_torchs_top_k_value_and_sorted_values(dtype):
     half = x.nan_to_num(posinf=9.0).half()
     assert torch.equal(kth_largest(half, 7), torch.topk(half, 7).values[..., -1:])
     assert torch.equal(sorted_descending(half), torch.sort(half, dim=-1, descending=True).values)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_drop_below_gives_the_softmax_of_masked_fills_bits(monkeypatch, host):
+    """`drop_below` (top-k's cut before the softmax) on the host subtracts 3e38 from the dropped values instead of
+    writing -inf: the softmax after it keeps every bit of the softmax after `masked_fill(x < kth, -inf)`, with ties
+    at the k-th value, -inf and +inf entries, a constant row, -0.0, values near float32's lowest, a NaN row and rows
+    that do not filter (kth -inf). Off the host (`host` False) it is that masked_fill."""
+    monkeypatch.setattr(sampling, "_on_host", lambda x: host)
+    x = _rows_with_ties_and_infinities(torch.float32)
+    x[9, :40] = -0.0
+    x[10, 100:120] = -3.0e38
+    x[11, 3] = float("nan")
+    for k in (1, 2, 7, 60, 299):
+        kth = torch.topk(x.nan_to_num(nan=0.0), k, dim=-1).values[..., -1:]
+        kth[3] = float("-inf")  # a row that does not filter
+        want = x.masked_fill(x < kth, float("-inf"))
+        got = drop_below(x, kth)
+        if not host:
+            assert torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0)), k
+        kept = ~(x < kth)
+        assert torch.equal(got[kept & ~x.isnan()], x[kept & ~x.isnan()]), k  # kept values to the bit (-0.0 too)
+        assert torch.equal(torch.signbit(got[kept]), torch.signbit(x[kept])), k
+        p, q = torch.softmax(got, dim=-1), torch.softmax(want, dim=-1)
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(p[:11].view(torch.int32), q[:11].view(torch.int32)), k  # every bit, the NaN row apart
+        lead = drop_below(x.view(3, 4, 300), kth.view(3, 4, 1))  # leading dims
+        torch.testing.assert_close(torch.softmax(lead, -1), q.view(3, 4, 300), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("host", [True, False])
