@@ -167,8 +167,9 @@ def drop_below(logits: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
     On the host a dropped value becomes x - 3e38 instead (-3e38 or less, or -inf), and a kept one x - 0 (x, to the
     bit, -0.0 too): the softmax gives the same bits, as exp underflows to 0 there as it does at -inf, and no row's
     largest value is dropped. torch's masked_fill does not vectorise on a CPU (2.3 ms for 160 rows of 16,384 codes
-    on one thread, its comparison 0.8 more); numpy's comparison and a subtraction take 0.8 ms in all."""
-    if logits.dtype is torch.float32 and _on_host(logits):
+    on one thread, its comparison 0.8 more); numpy's comparison and a subtraction take 0.8 ms in all. (Logits that
+    carry a gradient take masked_fill: numpy's values would not.)"""
+    if logits.dtype is torch.float32 and _on_host(logits) and not logits.requires_grad:
         a = logits.detach().numpy()
         dropped = np.less(a, kth.detach().numpy()).view(np.uint8).astype(np.float32)  # 1 where dropped, 0 kept
         dropped *= _DROPPED

@@ -313,3 +313,11 @@ def test_tiny_temperature_is_a_distribution_not_nan(temperature):
     assert torch.isfinite(probs).all()
     torch.testing.assert_close(probs.sum(-1), torch.ones(2))
     assert probs.argmax(-1).tolist() == [2, 3] and probs.max(-1).values.min() > 0.99
+
+
+def test_drop_below_keeps_a_gradient():
+    """Logits that carry a gradient keep it through top-k's cut on the host (masked_fill, not numpy's values)."""
+    x = torch.randn(3, 40, generator=gen(13), requires_grad=True)
+    p = logits_to_probs(x, SamplingParams(top_k=5))
+    (p * torch.arange(40.0)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
