@@ -53,6 +53,19 @@ def test_guide_formula():
     assert torch.allclose(guide(c, u, 1.0), c)
 
 
+def test_guide_in_one_tensor_gives_the_formulas_bits():
+    """`guide` scales and shifts the difference in place: the formula's bits, for a number, a per-row scale, a
+    scale of a wider type (float64: the formula's float64) or a wider shape (the formula's broadcast), and inputs
+    left as they were."""
+    c, u = torch.randn(6, 50, generator=gen(14)) * 5, torch.randn(6, 50, generator=gen(15)) * 5
+    c0, u0 = c.clone(), u.clone()
+    for s in (7.5, 1.0, -0.3, torch.linspace(0.5, 9.0, 6)[:, None], torch.tensor(2.5, dtype=torch.float64),
+              torch.linspace(1.0, 4.0, 12)[:, None, None]):
+        want, got = u + (c - u) * s, guide(c, u, s)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), s
+    assert torch.equal(c, c0) and torch.equal(u, u0)
+
+
 def test_cfg_applied_to_logits_before_softmax():
     c, u = torch.randn(2, 50, generator=gen(1)), torch.randn(2, 50, generator=gen(2))
     p = logits_to_probs(c, SamplingParams(cfg_scale=3.0), uncond_logits=u)
