@@ -19,6 +19,10 @@ box's; the ratios are the result (the docstring of each results file says which 
 judge's arithmetic as functions (`ciar.engine.judge._draw_math`, `_span_math`), their time is measured apart
 (`engine_maths.md`: per round, the judge's maths and the rest), which on a CPU is arithmetic a GPU runs on the device.
 
+Each checkout also counts its operations (`count_ops`, `engine_ops.md`): the aten operations of one round's steps,
+views and no-op conversions left out. On this CPU they all run on the host; on an accelerator those on device
+tensors are an eager step's kernel launches, which set its pace when the rows are few.
+
 Denormal numbers are flushed to zero in both checkouts' processes (`torch.set_flush_denormal`; `--denormals` keeps
 them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stayed under 87 in every
 row of the image measured, 2026-11-29b), so their softmax makes float32 denormals, which this CPU computes some ×10
@@ -171,6 +175,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     objects = len(gc.get_objects()) + gc.get_freeze_count()
     if freeze:
         gc.unfreeze()  # (a caller in this process collects as before)
+    ops = {} if compiled else count_ops(vocab, sessions, seed)  # (not through compiled code: the mode would trace)
     ordered = sorted(per_step)
     full = [ms for gen, ms in pauses if gen == 2]
     return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze, "memory_kept": kept,
@@ -183,7 +188,56 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             "max_step_ms": 1e3 * ordered[-1], "steps": len(per_step),
             "gc_pauses": len(pauses), "gc_pause_ms": sum(ms for _, ms in pauses),
             "gen2_pauses": len(full), "gen2_max_ms": max(full, default=0.0), "full_collect_ms": full_collect_ms,
-            "heap_objects": objects}
+            "heap_objects": objects, **ops}
+
+
+# what `count_ops` leaves out: views, aliases and metadata (no data moves), tensors made from host lists, host reads
+_NOT_COUNTED = frozenset({"view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "expand",
+                          "as_strided", "alias", "t", "transpose", "permute", "split", "unbind", "detach", "detach_",
+                          "lift_fresh", "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense"})
+
+
+def count_ops(vocab: int, sessions: int, seed: int = 0) -> dict:
+    """The workload's operations, counted: a fresh verifier, one warm-up round, then one round whose steps run under
+    a dispatch mode that counts the aten operations they make (`_NOT_COUNTED` left out, and a conversion or
+    `contiguous` that returns its input). -> {"ops_per_round", "ops_per_step": [the round's steps']}. On a CPU
+    every operation runs on the host; on an accelerator the operations on device tensors are its kernel launches,
+    so the count is a measure of an eager step's launches that this box can make (host tensors' operations are in
+    it too). The same in any checkout: its own engine, this workload."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ciar_device.wire import VerifyRequest
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if name in _NOT_COUNTED or (first is not None and out is first):
+                return out
+            self.n += 1
+            return out
+
+    v, _, g = stubbed_verifier(vocab, sessions, 2 * sessions, sessions * 2 * (SPAN + 1), seed)
+    q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
+    per_step = []
+    for r in range(2):  # the first round warms up
+        for i in range(sessions):
+            v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
+                                          torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+        while v.engine.busy:
+            if not r:
+                v.engine.step()
+                continue
+            with Count() as c:
+                v.engine.step()
+            per_step.append(c.n)
+    return {"ops_per_round": sum(per_step), "ops_per_step": per_step}
 
 
 def _time_the_judges_maths(judge) -> dict | None:
@@ -280,6 +334,10 @@ def main(argv=None) -> int:
                 for name, tree in trees.items():  # interleaved: both see the same box
                     r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen",
                                compiled=name == "compiled", keep_memory=name != "plainalloc")
+                    if r.get("ops_per_step"):  # the counted round's span step, and its other steps' median
+                        r["ops_span_step"] = r["ops_per_step"][0]
+                        r["ops_other_steps"] = (statistics.median(r["ops_per_step"][1:])
+                                                if len(r["ops_per_step"]) > 1 else None)
                     r.update(tree=name, rep=rep)
                     runs.append(r)
                     print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "
@@ -297,7 +355,7 @@ def main(argv=None) -> int:
                 for key in ("step_ms", "round_ms", "steps_per_round"):
                     row[f"{name}_{key}"] = med(name, key)
                 for key in ("mean_step_ms", "p99_step_ms", "max_step_ms", "gen2_pauses", "gen2_max_ms",
-                            "full_collect_ms", "maths_ms"):
+                            "full_collect_ms", "maths_ms", "ops_per_round", "ops_span_step", "ops_other_steps"):
                     row[f"{name}_{key}"] = med(name, key)
             if "before" in trees:
                 row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
@@ -342,6 +400,24 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "engine_maths.md"), "w") as f:
             f.write("\n".join(maths) + "\n")
         print("\n".join(maths))
+    counted = [n for n in trees if all(r.get(f"{n}_ops_per_round") is not None for r in rows)]
+    if counted:  # operations a step (`count_ops`): what an eager step launches on an accelerator, counted here
+        ops = ["| vocabulary | sessions | " + " | ".join(
+            f"{n} ops, span step | {n} ops, other steps (median) | {n} ops a round" for n in counted) +
+            (" | round ×fewer |" if {"before", "after"} <= set(counted) else " |"),
+            "|---|---|" + "---|---|---|" * len(counted) + ("---|" if {"before", "after"} <= set(counted) else "")]
+        for r in rows:
+            cells = [str(r["vocab"]), str(r["sessions"])]
+            for n in counted:
+                other = r[f"{n}_ops_other_steps"]
+                cells += [f"{r[f'{n}_ops_span_step']:g}", "–" if other is None else f"{other:g}",
+                          f"{r[f'{n}_ops_per_round']:g}"]
+            if {"before", "after"} <= set(counted):
+                cells.append(f"×{r['before_ops_per_round'] / r['after_ops_per_round']:.1f}")
+            ops.append("| " + " | ".join(cells) + " |")
+        with open(os.path.join(args.out, "engine_ops.md"), "w") as f:
+            f.write("\n".join(ops) + "\n")
+        print("\n".join(ops))
     if args.heap:  # the tails: each cell the median over the repetitions
         heap = ["| vocabulary | sessions | " + " | ".join(
             f"{n} mean ms | {n} p99 ms | {n} max ms | {n} gen-2 pauses | {n} longest gen-2 ms | {n} full collection ms"

@@ -230,6 +230,8 @@ class RowSampling:
     any_greedy: bool = False
     any_temperature: bool = False  # a row with temperature not in (0, 1)
     min_top_k: int = 0  # the smallest top_k of a row that filters by top-k (0: none does)
+    all_top_k: bool = False  # every row filters by top-k (top_k > 0): no row needs its threshold lifted
+    all_guided: bool = False  # every row's cfg_scale is not 1 (read where every row has an unconditional row)
 
     @staticmethod
     def host_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,12 +242,14 @@ class RowSampling:
                 torch.tensor([p.top_p for p in params], dtype=torch.float32))
 
     @staticmethod
-    def summary(params: list[SamplingParams]) -> tuple[int, bool, bool, bool, int]:
-        """(max_top_k, any_top_p, any_greedy, any_temperature, min_top_k) of the rows: what the host knows without a
-        read."""
+    def summary(params: list[SamplingParams]) -> tuple[int, bool, bool, bool, int, bool, bool]:
+        """(max_top_k, any_top_p, any_greedy, any_temperature, min_top_k, all_top_k, all_guided) of the rows: what
+        the host knows without a read (`all_guided` as if every row had an unconditional row)."""
         return (max((p.top_k for p in params), default=0), any(p.top_p < 1.0 for p in params),
                 any(p.temperature == 0.0 for p in params), any(p.temperature not in (0.0, 1.0) for p in params),
-                min((p.top_k for p in params if p.top_k > 0), default=0))
+                min((p.top_k for p in params if p.top_k > 0), default=0),
+                bool(params) and all(p.top_k > 0 for p in params),
+                bool(params) and all(p.cfg_scale != 1.0 for p in params))
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "RowSampling":
@@ -267,12 +271,15 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
     vocab = logits.shape[-1]
     cfg = rows.cfg_scale[:, None]
     if uncond_logits is not None:
-        use = cfg != 1.0
-        if has_uncond is not None:
-            use = use & has_uncond[:, None]
         every_row = guide(logits, uncond_logits.float(), cfg)
-        # (on the host a step whose rows are all guided, the usual case, skips a pass choosing between the two)
-        logits = every_row if _on_host(use) and bool(use.all()) else torch.where(use, every_row, logits)
+        if rows.all_guided and has_uncond is None:  # the usual case, known on the host: no choice, no operation
+            logits = every_row
+        else:
+            use = cfg != 1.0
+            if has_uncond is not None:
+                use = use & has_uncond[:, None]
+            # (on the host a step whose rows are all guided skips a pass choosing between the two)
+            logits = every_row if _on_host(use) and bool(use.all()) else torch.where(use, every_row, logits)
     guided = logits
     t = rows.temperature[:, None]
     if rows.any_temperature:
@@ -286,8 +293,10 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
         else:
             kth = kth_largest_per_row(logits, k.clamp(1, kmax), kmax)  # [R, 1]
         # a row that does not filter gets a threshold nothing lies below: one [R, 1] operation, where a [R, 1] mask
-        # and'ed into the [R, V] comparison was a pass over every logit (a third of the top-k's cost on a CPU)
-        kth = kth.masked_fill((k <= 0) | (k >= vocab), float("-inf"))
+        # and'ed into the [R, V] comparison was a pass over every logit (a third of the top-k's cost on a CPU); when
+        # the host knows every row filters, not even that
+        if not (rows.all_top_k and rows.max_top_k < vocab):
+            kth = kth.masked_fill((k <= 0) | (k >= vocab), float("-inf"))
         logits = drop_below(logits, kth)
     probs = torch.softmax(logits, dim=-1)
     if rows.any_top_p:

@@ -112,6 +112,43 @@ def test_keyed_uniforms_equal_the_counter_uniforms():
                            counter_uniform(seed_tensor(seeds)[:, None], stream, positions[None, :]))
 
 
+def test_span_draws_from_stream_keys_equal_the_counter_draws():
+    """`SpanDraws.keyed` (both streams in one call) gives `SpanDraws.counter`'s uniforms to the bit, k = 0 included."""
+    from ciar.collab.acceptance import SpanDraws
+    from ciar.decoding.sampling import seed_tensor, stream_keys
+
+    seeds, positions = [0, 5, -3, 2 ** 64 + 9, 123456789], torch.tensor([0, 7, 250, 3, 99])
+    for k in (0, 1, 4, 9):
+        keyed = SpanDraws.keyed(stream_keys(seeds, maths.ACCEPT_STREAM), stream_keys(seeds, maths.NEXT_STREAM),
+                                positions, k)
+        counter = SpanDraws.counter(seed_tensor(seeds), positions, k)
+        assert keyed.accept.shape == (5, k) and keyed.next.shape == (5, k + 1)
+        assert torch.equal(keyed.accept, counter.accept) and torch.equal(keyed.next, counter.next)
+
+
+def test_both_forms_of_the_non_finite_check_flag_the_same_rows():
+    """`non_finite_rows` by the rows' extremes (a CPU's) and by one elementwise test (an accelerator's): the rows with
+    a NaN or an infinity anywhere, and only those, whatever else the row holds."""
+    from ciar.engine.judge import non_finite_rows
+
+    x = torch.randn(9, 40, generator=torch.Generator().manual_seed(0))
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    x[3, 39] = float("-inf")
+    x[4, :] = float("inf")  # a row of one infinity: largest = smallest
+    x[5, 7], x[5, 8] = float("inf"), float("-inf")
+    x[6, 5], x[6, 6] = float("nan"), float("inf")
+    x[7, :] = torch.finfo(torch.float32).max  # finite, however large
+    x[8, 0] = torch.finfo(torch.float32).min
+    want = torch.tensor([False, True, True, True, True, True, True, False, False])
+    y = x.to(torch.bfloat16)  # (an accelerator's logits may be bfloat16: its own largest finite values)
+    y[7, :], y[8, 0] = torch.finfo(torch.bfloat16).max, torch.finfo(torch.bfloat16).min
+    for by_extremes in (True, False):
+        assert torch.equal(non_finite_rows(x, by_extremes), want)
+        assert torch.equal(non_finite_rows(y, by_extremes), want)
+    assert torch.equal(non_finite_rows(x), want)
+
+
 # ------------------------------------------------------------------------------------- batch independence
 def _spans_and_draws(judge, n_spans=9, n_draws=7, seed=0):
     g = torch.Generator().manual_seed(seed)
