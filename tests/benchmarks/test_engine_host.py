@@ -1,6 +1,7 @@
 """benchmarks.engine_host at --tiny: this checkout's engine (forward stubbed) in a process of its own, beside itself
 with its heap frozen (--heap) and with the C allocator as it comes (--plain-allocator); the tables are written, with
-the judge's arithmetic timed apart. The numbers mean nothing at this size."""
+the judge's arithmetic timed apart, and the operations counted. The numbers mean nothing at this size; the operation
+counts do not depend on the box."""
 
 import json
 import platform
@@ -24,3 +25,18 @@ def test_the_tiny_engine_host_benchmark_runs_this_checkout_its_frozen_heap_and_i
     assert "| 1024 | 16 |" in open(tmp_path / "engine_host.md").read()
     assert "| 1024 | 16 |" in open(tmp_path / "engine_heap.md").read()
     assert "| 1024 | 16 |" in open(tmp_path / "engine_maths.md").read()
+    # the operations of a round's steps (`count_ops`): the same code counts the same in each of the three runs
+    assert len({tuple(r["ops_per_step"]) for r in runs.values()}) == 1
+    assert len(runs["after"]["ops_per_step"]) == 3 and min(runs["after"]["ops_per_step"]) > 0
+    assert "| 1024 | 16 |" in open(tmp_path / "engine_ops.md").read()
+
+
+def test_a_steps_operations_do_not_grow_with_its_sessions():
+    """The judge decides a step's spans and draws in one batched pass: 2 sessions or 12, each step of the round makes
+    the same operations (`benchmarks.engine_host.count_ops`; a judge that loops over sessions adds some per session:
+    2026-11-29h counts 14 a session in the span step before issue 48)."""
+    from benchmarks.engine_host import count_ops
+
+    two, twelve = count_ops(1024, 2), count_ops(1024, 12)
+    assert len(two["ops_per_step"]) == 3 and two["ops_per_step"][0] > two["ops_per_step"][1] > 0
+    assert two == twelve
