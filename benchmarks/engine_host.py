@@ -16,8 +16,8 @@ bursts of a round share steps. Each checkout runs in a process of its own, one t
 interleaved over `--reps` repetitions so both see the same box. Reported per (vocabulary, sessions): milliseconds per
 step and per round (medians over the measured rounds), steps per round, and the ratio before / after. Times are this
 box's; the ratios are the result (the docstring of each results file says which box). Where a checkout has the
-judge's arithmetic as functions (`ciar.engine.judge._draw_math`, `_span_math`), their time is measured apart
-(`engine_maths.md`: per round, the judge's maths and the rest), which on a CPU is arithmetic a GPU runs on the device.
+judge's arithmetic as functions (`_time_the_judges_maths`), their time is measured apart (`engine_maths.md`: per
+round, the judge's maths and the rest), which on a CPU is arithmetic a GPU runs on the device.
 
 Each checkout also counts its operations (`count_ops`, `engine_ops.md`): the aten operations of one round's steps,
 views and no-op conversions left out. On this CPU they all run on the host; on an accelerator those on device
@@ -175,7 +175,10 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     objects = len(gc.get_objects()) + gc.get_freeze_count()
     if freeze:
         gc.unfreeze()  # (a caller in this process collects as before)
-    ops = {} if compiled else count_ops(vocab, sessions, seed)  # (not through compiled code: the mode would trace)
+    ops = {}
+    if not compiled:  # (not through compiled code: the dispatch mode would be traced)
+        ops = count_ops(vocab, sessions, seed)
+        ops.update({f"staggered_{k}": x for k, x in count_ops(vocab, sessions, seed, staggered=True).items()})
     ordered = sorted(per_step)
     full = [ms for gen, ms in pauses if gen == 2]
     return {"vocab": vocab, "sessions": sessions, "rounds": rounds, "heap_frozen": freeze, "memory_kept": kept,
@@ -197,22 +200,28 @@ _NOT_COUNTED = frozenset({"view", "_unsafe_view", "reshape", "slice", "select", 
                           "lift_fresh", "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense"})
 
 
-def count_ops(vocab: int, sessions: int, seed: int = 0) -> dict:
+def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False) -> dict:
     """The workload's operations, counted: a fresh verifier, one warm-up round, then one round whose steps run under
-    a dispatch mode that counts the aten operations they make (`_NOT_COUNTED` left out, and a conversion or
-    `contiguous` that returns its input). -> {"ops_per_round", "ops_per_step": [the round's steps']}. On a CPU
-    every operation runs on the host; on an accelerator the operations on device tensors are its kernel launches,
-    so the count is a measure of an eager step's launches that this box can make (host tensors' operations are in
-    it too). The same in any checkout: its own engine, this workload."""
+    a dispatch mode that counts the aten operations they make (`staggered`: in the counted round the second half of
+    the sessions sends its VERIFYs one step after the first, so that the round's second step holds the first half's
+    burst tokens and the second half's spans, as a served step mixes them) (`_NOT_COUNTED` left out, and a conversion or
+    `contiguous` that returns its input). -> {"ops_per_round", "ops_per_step": [the round's steps'],
+    "device_ops_per_round", "device_ops_per_step"}. On a CPU every operation runs on the host. On an accelerator the
+    operations on device tensors are its kernel launches: the `device_` counts are the operations made between a
+    step's host inputs going to the device (`HostPack.send`) and the next host read or host packing
+    (`HostRead.values`, a new `HostPack`), what an accelerator would queue; None for a checkout without those
+    transfers (before 2026-11-29c). The same in any checkout: its own engine, this workload."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ciar_device.wire import VerifyRequest
 
+    phase = {"device": False}
+
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.n = 0
+            self.n = self.device = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -221,35 +230,93 @@ def count_ops(vocab: int, sessions: int, seed: int = 0) -> dict:
             if name in _NOT_COUNTED or (first is not None and out is first):
                 return out
             self.n += 1
+            self.device += phase["device"]
             return out
+
+    try:
+        from ciar.engine import transfer
+    except ImportError:  # a checkout without the step's transfers: no device phase to tell apart
+        transfer = None
+    undo = []
+    if transfer is not None:
+        def mark(cls, name, device: bool, after: bool):
+            orig = getattr(cls, name)
+
+            def call(self, *args, **kwargs):
+                if not after:
+                    phase["device"] = device
+                out = orig(self, *args, **kwargs)
+                if after:
+                    phase["device"] = device
+                return out
+
+            setattr(cls, name, call)
+            undo.append((cls, name, orig))
+
+        mark(transfer.HostPack, "send", True, after=True)
+        mark(transfer.HostPack, "__init__", False, after=False)
+        mark(transfer.HostRead, "values", False, after=False)
 
     v, _, g = stubbed_verifier(vocab, sessions, 2 * sessions, sessions * 2 * (SPAN + 1), seed)
     q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
-    per_step = []
-    for r in range(2):  # the first round warms up
-        for i in range(sessions):
-            v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
-                                          torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
-        while v.engine.busy:
-            if not r:
-                v.engine.step()
-                continue
-            with Count() as c:
-                v.engine.step()
-            per_step.append(c.n)
-    return {"ops_per_round": sum(per_step), "ops_per_step": per_step}
+    per_step, on_device = [], []
+    try:
+        for r in range(2):  # the first round warms up
+            later = list(range(sessions // 2, sessions)) if staggered and r else []
+            for i in range(sessions):
+                if i not in later:
+                    v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
+                                                  torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+            while v.engine.busy:
+                if not r:
+                    v.engine.step()
+                    continue
+                phase["device"] = False
+                with Count() as c:
+                    v.engine.step()
+                per_step.append(c.n)
+                on_device.append(c.device)
+                for i in later:  # (after the round's first step)
+                    v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
+                                                  torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+                later = []
+    finally:
+        for cls, name, orig in undo:
+            setattr(cls, name, orig)
+    device = transfer is not None
+    return {"ops_per_round": sum(per_step), "ops_per_step": per_step,
+            "device_ops_per_round": sum(on_device) if device else None,
+            "device_ops_per_step": on_device if device else None}
+
+
+# the operation counts each run reports, per tree and size (`_step_kinds`)
+OPS_KEYS = ("ops_per_round", "device_ops_per_round", "device_span_step", "device_burst_step", "device_mixed_step")
+
+
+def _step_kinds(r: dict) -> None:
+    """A run's operation counts by step: the counted round's span step, its burst steps' median and the staggered
+    round's second step (the first half's burst tokens beside the second half's spans); None where not counted."""
+    steps, staggered = r.get("device_ops_per_step"), r.get("staggered_device_ops_per_step")
+    r["device_span_step"] = steps[0] if steps else None
+    r["device_burst_step"] = statistics.median(steps[1:]) if steps and len(steps) > 1 else None
+    r["device_mixed_step"] = staggered[1] if staggered and len(staggered) > 1 else None
 
 
 def _time_the_judges_maths(judge) -> dict | None:
-    """Time the judge's arithmetic (`ciar.engine.judge._draw_math` and `_span_math`: probabilities, draws,
-    acceptance) from now on, by wrapping them in this process: -> {"s": seconds in them}, None for a checkout that
-    has no such functions (the judge before 2026-11-29d). On a CPU those calls compute; on a GPU they would only
-    queue. A compiled judge's own functions are wrapped on the judge (the wrapper stays outside the compiled code)."""
+    """Time the judge's arithmetic (probabilities, draws, acceptance) from now on, by wrapping its functions in this
+    process: -> {"s": seconds in them}, None for a checkout that has no such functions (the judge before
+    2026-11-29d). On a CPU those calls compute; on a GPU they would only queue. The eager judge's functions:
+    `ciar.engine.judge._step_math` (every row's probabilities and every uniform of a step, in one pass),
+    `_draws_from_probs` and `_spans_from_probs` (from 2026-11-29h), or `_draw_math` and `_span_math` (before). A
+    compiled judge's own functions are wrapped on the judge (the wrapper stays outside the compiled code, and the
+    module's functions its compiled code calls are left as they are)."""
     try:
         import ciar.engine.judge as module
-
-        names = [n for n in ("_draw_math", "_span_math") if callable(getattr(module, n))]
-    except (ImportError, AttributeError):
+    except ImportError:
+        return None
+    eager = [n for n in ("_step_math", "_draws_from_probs", "_spans_from_probs") if callable(getattr(module, n, None))]
+    per_path = [n for n in ("_draw_math", "_span_math") if callable(getattr(module, n, None))]
+    if not eager and not per_path:
         return None
     spent = {"s": 0.0}
 
@@ -262,9 +329,13 @@ def _time_the_judges_maths(judge) -> dict | None:
                 spent["s"] += time.perf_counter() - t0
         return call
 
-    for name in names:
-        setattr(module, name, timed(getattr(module, name)))  # the eager path looks them up at each call
-        if getattr(judge, "compiled", False):
+    compiled = getattr(judge, "compiled", False)
+    # the eager path looks its functions up at each call (a checkout with `_step_math` calls `_draw_math` and
+    # `_span_math` only compiled)
+    for name in (per_path if not eager else [] if compiled else eager):
+        setattr(module, name, timed(getattr(module, name)))
+    if compiled:
+        for name in per_path:
             setattr(judge, name, timed(getattr(judge, name)))
     return spent
 
@@ -334,10 +405,7 @@ def main(argv=None) -> int:
                 for name, tree in trees.items():  # interleaved: both see the same box
                     r = _child(tree, vocab, sessions, args.rounds, args.denormals, freeze=name == "frozen",
                                compiled=name == "compiled", keep_memory=name != "plainalloc")
-                    if r.get("ops_per_step"):  # the counted round's span step, and its other steps' median
-                        r["ops_span_step"] = r["ops_per_step"][0]
-                        r["ops_other_steps"] = (statistics.median(r["ops_per_step"][1:])
-                                                if len(r["ops_per_step"]) > 1 else None)
+                    _step_kinds(r)
                     r.update(tree=name, rep=rep)
                     runs.append(r)
                     print(f"{name:6s} V={vocab:5d} sessions={sessions:3d} rep {rep}: {r['step_ms']:7.2f} ms/step, "
@@ -355,7 +423,7 @@ def main(argv=None) -> int:
                 for key in ("step_ms", "round_ms", "steps_per_round"):
                     row[f"{name}_{key}"] = med(name, key)
                 for key in ("mean_step_ms", "p99_step_ms", "max_step_ms", "gen2_pauses", "gen2_max_ms",
-                            "full_collect_ms", "maths_ms", "ops_per_round", "ops_span_step", "ops_other_steps"):
+                            "full_collect_ms", "maths_ms", *OPS_KEYS):
                     row[f"{name}_{key}"] = med(name, key)
             if "before" in trees:
                 row["step_ratio"] = row["before_step_ms"] / row["after_step_ms"]
@@ -402,18 +470,25 @@ def main(argv=None) -> int:
         print("\n".join(maths))
     counted = [n for n in trees if all(r.get(f"{n}_ops_per_round") is not None for r in rows)]
     if counted:  # operations a step (`count_ops`): what an eager step launches on an accelerator, counted here
+        both = {"before", "after"} <= set(counted)
         ops = ["| vocabulary | sessions | " + " | ".join(
-            f"{n} ops, span step | {n} ops, other steps (median) | {n} ops a round" for n in counted) +
-            (" | round ×fewer |" if {"before", "after"} <= set(counted) else " |"),
-            "|---|---|" + "---|---|---|" * len(counted) + ("---|" if {"before", "after"} <= set(counted) else "")]
+            f"{n} device ops: span / burst / mixed step, a round | {n} all ops a round" for n in counted) +
+            (" | all ops ×fewer | device ops ×fewer |" if both else " |"),
+            "|---|---|" + "---|---|" * len(counted) + ("---|---|" if both else "")]
+
+        def cell(x) -> str:
+            return "–" if x is None else f"{x:g}"
+
         for r in rows:
             cells = [str(r["vocab"]), str(r["sessions"])]
             for n in counted:
-                other = r[f"{n}_ops_other_steps"]
-                cells += [f"{r[f'{n}_ops_span_step']:g}", "–" if other is None else f"{other:g}",
-                          f"{r[f'{n}_ops_per_round']:g}"]
-            if {"before", "after"} <= set(counted):
+                cells += [" / ".join(cell(r[f"{n}_{k}"]) for k in ("device_span_step", "device_burst_step",
+                                                                     "device_mixed_step")) +
+                          f", {cell(r[f'{n}_device_ops_per_round'])}", cell(r[f"{n}_ops_per_round"])]
+            if both:
                 cells.append(f"×{r['before_ops_per_round'] / r['after_ops_per_round']:.1f}")
+                dev = (r["before_device_ops_per_round"], r["after_device_ops_per_round"])
+                cells.append("–" if None in dev else f"×{dev[0] / dev[1]:.2f}")
             ops.append("| " + " | ".join(cells) + " |")
         with open(os.path.join(args.out, "engine_ops.md"), "w") as f:
             f.write("\n".join(ops) + "\n")

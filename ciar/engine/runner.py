@@ -251,9 +251,9 @@ class ModelRunner:
         kv_len = max(p.keys for p in pieces)
         packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
         if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
-            packed = torch.cat([((row0[i] + torch.arange(p.rows)[:, None]) * width + torch.arange(p.n)[None, :])
-                                .flatten() for i, p in enumerate(pieces)])
-            packed = to_device(packed, self.device)
+            # every piece's fed positions, piece by piece, row by row: flat indices into [rows, width]
+            packed = to_device(ranges([(row0[i] + r) * width for i, p in enumerate(pieces) for r in range(p.rows)],
+                                      [p.n for p in pieces for _ in range(p.rows)]), self.device)
         return row0, self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
 
     def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:
@@ -429,6 +429,17 @@ class ModelRunner:
             return StepOutput(None, None, ranges)
         picked = picked[0] if len(picked) == 1 else torch.cat(picked)
         return StepOutput(self.cloud.logits(picked), picked, ranges, [len(p.want) for p in pieces])
+
+
+def ranges(firsts: list[int], counts: int | list[int]) -> torch.Tensor:
+    """Indices: `counts` consecutive ones from each of `firsts` (one count for all, or one each), in order ->
+    [sum of counts] int64 (host). A handful of operations however many ranges: a step's rows and positions."""
+    first = torch.tensor(firsts, dtype=torch.long)
+    if isinstance(counts, int):
+        return (first[:, None] + torch.arange(counts)).reshape(-1)
+    n = torch.tensor(counts, dtype=torch.long)
+    ends = n.cumsum(0)
+    return first.repeat_interleave(n) + torch.arange(int(ends[-1])) - (ends - n).repeat_interleave(n)
 
 
 class StepOutput:

@@ -152,3 +152,17 @@ def test_packed_buckets():
     assert runner.token_buckets(8, 8) == [8, 16, 32] and runner.token_buckets(8, 1) == []
     with pytest.raises(ValueError, match="static"):
         ModelRunner(runner.cloud, slots=4, static=False, pack=True)
+
+
+def test_ranges_are_the_consecutive_indices_from_each_first_in_order():
+    """`ranges`: a step's row and position indices in a handful of operations, the same as one arange per range."""
+    from ciar.engine.runner import ranges
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        firsts = torch.randint(0, 60, (n,), generator=g).tolist()
+        counts = torch.randint(0, 6, (n,), generator=g).tolist()  # (an empty range too)
+        assert torch.equal(ranges(firsts, counts), torch.cat([torch.arange(f, f + c) for f, c in zip(firsts, counts)]))
+        c = int(torch.randint(1, 5, (1,), generator=g))
+        assert torch.equal(ranges(firsts, c), torch.cat([torch.arange(f, f + c) for f in firsts]))
