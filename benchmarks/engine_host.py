@@ -202,21 +202,24 @@ _NOT_COUNTED = frozenset({"view", "_unsafe_view", "reshape", "slice", "select", 
 
 def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False) -> dict:
     """The workload's operations, counted: a fresh verifier, one warm-up round, then one round whose steps run under
-    a dispatch mode that counts the aten operations they make (`staggered`: in the counted round the second half of
-    the sessions sends its VERIFYs one step after the first, so that the round's second step holds the first half's
-    burst tokens and the second half's spans, as a served step mixes them) (`_NOT_COUNTED` left out, and a conversion or
-    `contiguous` that returns its input). -> {"ops_per_round", "ops_per_step": [the round's steps'],
-    "device_ops_per_round", "device_ops_per_step"}. On a CPU every operation runs on the host. On an accelerator the
-    operations on device tensors are its kernel launches: the `device_` counts are the operations made between a
-    step's host inputs going to the device (`HostPack.send`) and the next host read or host packing
-    (`HostRead.values`, a new `HostPack`), what an accelerator would queue; None for a checkout without those
-    transfers (before 2026-11-29c). The same in any checkout: its own engine, this workload."""
+    a dispatch mode that counts the aten operations they make (`_NOT_COUNTED` left out, and a conversion or
+    `contiguous` that returns its input). `staggered`: in the counted round the second half of the sessions sends
+    its VERIFYs one step after the first, so that the round's second step holds the first half's burst tokens beside
+    the second half's spans, as a served step mixes them. -> {"ops_per_round", "ops_per_step": [the round's steps'],
+    "device_ops_per_round", "device_ops_per_step"}.
+
+    On a CPU every operation runs on the host. On an accelerator the operations on device tensors are the step's
+    kernel launches: the `device_` counts are the operations made between a step's host inputs going to the device
+    (`HostPack.send`) and the next host read or host packing (`HostRead.values`, a new `HostPack`), what an
+    accelerator would queue (on this CPU's dynamic forward path they include its packed index, built there on the
+    host). None for a checkout whose steps send nothing that way (the engine before issue 48). The same in any
+    checkout: its own engine, this workload."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ciar_device.wire import VerifyRequest
 
-    phase = {"device": False}
+    phase = {"device": False, "sends": 0}
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -248,6 +251,7 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
                 out = orig(self, *args, **kwargs)
                 if after:
                     phase["device"] = device
+                    phase["sends"] += 1
                 return out
 
             setattr(cls, name, call)
@@ -283,7 +287,7 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
     finally:
         for cls, name, orig in undo:
             setattr(cls, name, orig)
-    device = transfer is not None
+    device = phase["sends"] > 0  # (a checkout whose steps send nothing that way: no device phase to tell apart)
     return {"ops_per_round": sum(per_step), "ops_per_step": per_step,
             "device_ops_per_round": sum(on_device) if device else None,
             "device_ops_per_step": on_device if device else None}

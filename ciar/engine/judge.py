@@ -27,9 +27,10 @@ stream) part on the host, once per session and stream, `stream_key`; the positio
 uniforms at once on the accelerator, `keyed_uniform`); every draw by inverse CDF; every span of an acceptance rule
 in one `verify_span` call (one call per distinct rule configuration in the step; a deployment has one). No
 per-session generator, no reseeding, nothing that depends on what else the step holds. (A compiled judge computes
-its draws and each of its span groups by a compiled function of their own: `compiled_math`.) The step's host inputs (drafts, draft probabilities, seeds, positions, sampling parameters, row
-indices) travel in one buffer (pinned on CUDA) by one non-blocking copy (`HostPack`); every result (the non-finite
-flags, the tokens, the stops, the verdicts) comes back in one device-to-host transfer, the step's only host read.
+its draws and each of its span groups by a compiled function of their own: `compiled_math`.) The step's host inputs
+(drafts, draft probabilities, seeds, positions, sampling parameters, row indices) travel in one buffer (pinned on
+CUDA) by one non-blocking copy (`HostPack`); every result (the non-finite flags, the tokens, the stops, the verdicts)
+comes back in one device-to-host transfer, the step's only host read.
 
 Draw streams and positions (fixed forever: changing them changes every image for a given seed): a token the cloud
 samples at image position i uses `uniform(seed, CLOUD_STREAM, i)`; a verification whose catch-up leaves c committed
