@@ -20,8 +20,10 @@ judge's arithmetic as functions (`_time_the_judges_maths`), their time is measur
 round, the judge's maths and the rest), which on a CPU is arithmetic a GPU runs on the device.
 
 Each checkout also counts its operations (`count_ops`, `engine_ops.md`): the aten operations of one round's steps,
-views and no-op conversions left out. On this CPU they all run on the host; on an accelerator those on device
-tensors are an eager step's kernel launches, which set its pace when the rows are few.
+views and no-op conversions left out, and of those the ones an accelerator would queue (made after the step's
+inputs went to the device), in a round as above and in a staggered one whose second step mixes burst tokens and
+spans. On this CPU they all run on the host; on an accelerator the queued ones are an eager step's kernel launches,
+which set its pace when the rows are few.
 
 Denormal numbers are flushed to zero in both checkouts' processes (`torch.set_flush_denormal`; `--denormals` keeps
 them). The stub's logits, guided, span ~130 nats in a row (the shipped world's real ones stayed under 87 in every

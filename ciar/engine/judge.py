@@ -48,7 +48,7 @@ from ciar.collab.acceptance import (CascadeConfig, GsdConfig, LanternConfig, Nei
                                     verify_span)
 from ciar.collab.gating import entropy_score
 from ciar.collab.protocol import RuleConfig, SessionError, draft_distribution
-from ciar.engine.runner import PieceOutput, ranges
+from ciar.engine.runner import PieceOutput, consecutive
 from ciar.engine.transfer import HostPack, HostRead
 from ciar.decoding.sampling import RowSampling, SamplingParams, keyed_uniform, rows_to_probs, sample_at, stream_keys
 from ciar_device.maths import ACCEPT_STREAM, CLOUD_STREAM, JACOBI_STREAM, NEXT_STREAM
@@ -259,8 +259,8 @@ class Judge:
             if compiled:  # its own rows, sampling rows and stream keys
                 own = dict(sampling=self._sampling_rows(pack, [s.sampling for s in g], [r[2] for r in rows], True,
                                                         counts),
-                           rows=pack.add(ranges([r[0] for r in rows] + [r[1] for r in rows],
-                                                counts if isinstance(counts, int) else counts + counts)),
+                           rows=pack.add(consecutive([r[0] for r in rows] + [r[1] for r in rows],
+                                                     counts if isinstance(counts, int) else counts + counts)),
                            accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
                            next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)))
             else:  # its rows in the step's eager pass, and every uniform it draws at: draft j's test and the next
@@ -268,7 +268,7 @@ class Judge:
                 at = (positions[:, None] + torch.arange(kmax + 1)).reshape(-1)
                 accept = at.view(-1, kmax + 1)[:, :kmax].reshape(-1)
                 own = dict(shared=eager.add(
-                    ranges([r[0] for r in rows], counts), ranges([r[1] for r in rows], counts),
+                    consecutive([r[0] for r in rows], counts), consecutive([r[1] for r in rows], counts),
                     [s.sampling for s in g], [r[2] for r in rows], [s.k + 1 for s in g],
                     torch.cat([stream_keys([s.seed for s in g], ACCEPT_STREAM).repeat_interleave(kmax),
                                stream_keys([s.seed for s in g], NEXT_STREAM).repeat_interleave(kmax + 1)]),

@@ -252,8 +252,9 @@ class ModelRunner:
         packed = None  # a ragged step: projections and feed-forward on the real tokens only (GPT.forward_cached)
         if sum(p.rows * p.n for p in pieces) < PACK_BELOW * n_rows * width:
             # every piece's fed positions, piece by piece, row by row: flat indices into [rows, width]
-            packed = to_device(ranges([(row0[i] + r) * width for i, p in enumerate(pieces) for r in range(p.rows)],
-                                      [p.n for p in pieces for _ in range(p.rows)]), self.device)
+            packed = to_device(consecutive([(row0[i] + r) * width for i, p in enumerate(pieces)
+                                            for r in range(p.rows)], [p.n for p in pieces for _ in range(p.rows)]),
+                               self.device)
         return row0, self.cloud.forward_cached(self.cache, h, pos, slots, kv_len=kv_len, packed=packed)
 
     def bucket(self, pieces: list[Piece]) -> tuple[int, int, int] | None:
@@ -431,9 +432,9 @@ class ModelRunner:
         return StepOutput(self.cloud.logits(picked), picked, ranges, [len(p.want) for p in pieces])
 
 
-def ranges(firsts: list[int], counts: int | list[int]) -> torch.Tensor:
+def consecutive(firsts: list[int], counts: int | list[int]) -> torch.Tensor:
     """Indices: `counts` consecutive ones from each of `firsts` (one count for all, or one each), in order ->
-    [sum of counts] int64 (host). A handful of operations however many ranges: a step's rows and positions."""
+    [sum of counts] int64 (host). A handful of operations however many runs: a step's rows and positions."""
     first = torch.tensor(firsts, dtype=torch.long)
     if isinstance(counts, int):
         return (first[:, None] + torch.arange(counts)).reshape(-1)

@@ -154,15 +154,16 @@ def test_packed_buckets():
         ModelRunner(runner.cloud, slots=4, static=False, pack=True)
 
 
-def test_ranges_are_the_consecutive_indices_from_each_first_in_order():
-    """`ranges`: a step's row and position indices in a handful of operations, the same as one arange per range."""
-    from ciar.engine.runner import ranges
+def test_consecutive_gives_the_indices_from_each_first_in_order():
+    """`consecutive`: a step's row and position indices in a handful of operations, the same as one arange per range."""
+    from ciar.engine.runner import consecutive
 
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
         n = int(torch.randint(1, 7, (1,), generator=g))
         firsts = torch.randint(0, 60, (n,), generator=g).tolist()
         counts = torch.randint(0, 6, (n,), generator=g).tolist()  # (an empty range too)
-        assert torch.equal(ranges(firsts, counts), torch.cat([torch.arange(f, f + c) for f, c in zip(firsts, counts)]))
+        want = torch.cat([torch.arange(f, f + c) for f, c in zip(firsts, counts)])
+        assert torch.equal(consecutive(firsts, counts), want)
         c = int(torch.randint(1, 5, (1,), generator=g))
-        assert torch.equal(ranges(firsts, c), torch.cat([torch.arange(f, f + c) for f in firsts]))
+        assert torch.equal(consecutive(firsts, c), torch.cat([torch.arange(f, f + c) for f in firsts]))
