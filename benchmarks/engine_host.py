@@ -313,7 +313,7 @@ def _time_the_judges_maths(judge) -> dict | None:
     process: -> {"s": seconds in them}, None for a checkout that has no such functions (the judge before
     2026-11-29d). On a CPU those calls compute; on a GPU they would only queue. The eager judge's functions:
     `ciar.engine.judge._step_math` (every row's probabilities and every uniform of a step, in one pass),
-    `_draws_from_probs` and `_spans_from_probs` (from 2026-11-29h), or `_draw_math` and `_span_math` (before). A
+    `_draws_from_probs` and `_spans_from_probs` (from 2026-11-29i), or `_draw_math` and `_span_math` (before). A
     compiled judge's own functions are wrapped on the judge (the wrapper stays outside the compiled code, and the
     module's functions its compiled code calls are left as they are)."""
     try:
