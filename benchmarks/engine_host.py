@@ -199,16 +199,18 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
 # what `count_ops` leaves out: views, aliases and metadata (no data moves), tensors made from host lists, host reads
 _NOT_COUNTED = frozenset({"view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "expand",
                           "as_strided", "alias", "t", "transpose", "permute", "split", "unbind", "detach", "detach_",
-                          "lift_fresh", "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense"})
+                          "lift_fresh", "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense",
+                          "result_type"})
 
 
 def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False) -> dict:
     """The workload's operations, counted: a fresh verifier, one warm-up round, then one round whose steps run under
-    a dispatch mode that counts the aten operations they make (`_NOT_COUNTED` left out, and a conversion or
-    `contiguous` that returns its input). `staggered`: in the counted round the second half of the sessions sends
-    its VERIFYs one step after the first, so that the round's second step holds the first half's burst tokens beside
-    the second half's spans, as a served step mixes them. -> {"ops_per_round", "ops_per_step": [the round's steps'],
-    "device_ops_per_round", "device_ops_per_step"}.
+    a dispatch mode that counts the aten operations they make (`_NOT_COUNTED` left out, and an out-of-place
+    operation that returns its input: a conversion or `contiguous` with nothing to do; in-place ones count).
+    `staggered`: in the counted round the second half of the sessions sends its VERIFYs one step after the first, so
+    that the round's second step holds the first half's burst tokens beside the second half's spans, as a served
+    step mixes them. -> {"ops_per_round", "ops_per_step": [the round's steps'], "device_ops_per_round",
+    "device_ops_per_step"}.
 
     On a CPU every operation runs on the host. On an accelerator the operations on device tensors are the step's
     kernel launches: the `device_` counts are the operations made between a step's host inputs going to the device
@@ -232,8 +234,8 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            if name in _NOT_COUNTED or (first is not None and out is first):
-                return out
+            if name in _NOT_COUNTED or (first is not None and out is first and not name.endswith("_")):
+                return out  # (an in-place operation returns its input too: it counts)
             self.n += 1
             self.device += phase["device"]
             return out
