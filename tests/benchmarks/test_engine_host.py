@@ -33,10 +33,15 @@ def test_the_tiny_engine_host_benchmark_runs_this_checkout_its_frozen_heap_and_i
 
 def test_a_steps_operations_do_not_grow_with_its_sessions():
     """The judge decides a step's spans and draws in one batched pass: 2 sessions or 12, each step of the round makes
-    the same operations (`benchmarks.engine_host.count_ops`; a judge that loops over sessions adds some per session:
-    2026-11-29h counts 14 a session in the span step before issue 48)."""
+    the same operations, and so does a step that mixes burst tokens and spans (the staggered round's second), 4
+    sessions or 12 (`benchmarks.engine_host.count_ops`; a judge that loops over sessions adds some per session:
+    2026-11-29i counts 16-19 a session in the span step before issue 48)."""
     from benchmarks.engine_host import count_ops
 
     two, twelve = count_ops(1024, 2), count_ops(1024, 12)
     assert len(two["ops_per_step"]) == 3 and two["ops_per_step"][0] > two["ops_per_step"][1] > 0
+    assert two["device_ops_per_step"][0] > two["device_ops_per_step"][1] > 0
     assert two == twelve
+    four, twelve = count_ops(1024, 4, staggered=True), count_ops(1024, 12, staggered=True)
+    assert len(four["ops_per_step"]) == 4 and four["device_ops_per_step"][1] > four["device_ops_per_step"][0]
+    assert four == twelve
