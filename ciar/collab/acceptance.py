@@ -268,16 +268,27 @@ class SpanDraws:
     accept: torch.Tensor  # [B, K] float64 in [0, 1)
     next: torch.Tensor  # [B, K+1] float64 in [0, 1)
 
+    @staticmethod
+    def keys_at(accept_keys: torch.Tensor, next_keys: torch.Tensor, positions: torch.Tensor,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a batch of spans draws (`counter`'s layout): row b's stream keys (`ciar.decoding.sampling.stream_key`
+        of its seed with ACCEPT_STREAM and NEXT_STREAM, int64 [B]) and first image position -> (keys [B, 2, 1],
+        positions [B, 1, K+1]), which broadcast to the [B, 2, K+1] (stream, span index j) grid `keyed_uniform`
+        draws over and `from_uniforms` reads (the accept stream's uniform at index k is not read)."""
+        at = positions[:, None] + torch.arange(k + 1, device=positions.device)[None, :]  # [B, K+1]
+        return torch.stack([accept_keys, next_keys], dim=1)[:, :, None], at[:, None, :]
+
+    @classmethod
+    def from_uniforms(cls, u: torch.Tensor, k: int) -> "SpanDraws":
+        """u [B, 2, K+1]: `keyed_uniform` over `keys_at`'s grid -> the draws."""
+        return cls(u[:, 0, :k], u[:, 1])
+
     @classmethod
     def keyed(cls, accept_keys: torch.Tensor, next_keys: torch.Tensor, positions: torch.Tensor,
               k: int) -> "SpanDraws":
-        """`counter`'s draws from the rows' stream keys (`ciar.decoding.sampling.stream_key` of each row's seed with
-        ACCEPT_STREAM and NEXT_STREAM, int64 [B]): the same uniforms, one splitmix64 on the device each, both
-        streams in one `keyed_uniform` call (its ~17 operations once, not twice; the accept stream's uniform at
-        position k is computed and not read)."""
-        at = positions[:, None] + torch.arange(k + 1, device=positions.device)[None, :]  # [B, K+1]
-        u = keyed_uniform(torch.stack([accept_keys, next_keys], dim=1)[:, :, None], at[:, None, :])  # [B, 2, K+1]
-        return cls(u[:, 0, :k], u[:, 1])
+        """`counter`'s draws from the rows' stream keys: the same uniforms, one splitmix64 on the device each, both
+        streams in one `keyed_uniform` call (its ~17 operations once, not twice)."""
+        return cls.from_uniforms(keyed_uniform(*cls.keys_at(accept_keys, next_keys, positions, k)), k)
 
     @classmethod
     def counter(cls, seeds: torch.Tensor, positions: torch.Tensor, k: int) -> "SpanDraws":

@@ -265,8 +265,8 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
     Row r equals `logits_to_probs(logits[r], SamplingParams(row r's settings), uncond_logits[r] if it has one)` to the
     bit: the same operations in the same order (CFG -> temperature -> top-k -> top-p), computed for every row at
     once and kept where the row's settings ask for them. On an accelerator nothing reads the tensors on the host;
-    host tensors take shortcuts that read them (`_on_host`: numpy's selection and sort, no choice where every row is
-    guided), with the same bits."""
+    host tensors take shortcuts that read them (`_on_host`: numpy's selection and sort), with the same bits; a batch
+    the host knows is guided in every row (`RowSampling.all_guided`, no `has_uncond`) makes no per-row choice."""
     logits = logits.float()
     vocab = logits.shape[-1]
     cfg = rows.cfg_scale[:, None]
@@ -278,8 +278,7 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
             use = cfg != 1.0
             if has_uncond is not None:
                 use = use & has_uncond[:, None]
-            # (on the host a step whose rows are all guided skips a pass choosing between the two)
-            logits = every_row if _on_host(use) and bool(use.all()) else torch.where(use, every_row, logits)
+            logits = torch.where(use, every_row, logits)
     guided = logits
     t = rows.temperature[:, None]
     if rows.any_temperature:

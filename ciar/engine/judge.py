@@ -263,16 +263,14 @@ class Judge:
                                                      counts if isinstance(counts, int) else counts + counts)),
                            accept_keys=pack.add(stream_keys([s.seed for s in g], ACCEPT_STREAM)),
                            next_keys=pack.add(stream_keys([s.seed for s in g], NEXT_STREAM)))
-            else:  # its rows in the step's eager pass, and every uniform it draws at: draft j's test and the next
-                # token at span index j, at image position `position` + j (those past a span's k are not read)
-                at = (positions[:, None] + torch.arange(kmax + 1)).reshape(-1)
-                accept = at.view(-1, kmax + 1)[:, :kmax].reshape(-1)
+            else:  # its rows in the step's eager pass, and every uniform it draws at (`SpanDraws.keys_at`'s grid)
+                keys, at = torch.broadcast_tensors(*SpanDraws.keys_at(stream_keys([s.seed for s in g], ACCEPT_STREAM),
+                                                                      stream_keys([s.seed for s in g], NEXT_STREAM),
+                                                                      positions, kmax))
                 own = dict(shared=eager.add(
                     consecutive([r[0] for r in rows], counts), consecutive([r[1] for r in rows], counts),
-                    [s.sampling for s in g], [r[2] for r in rows], [s.k + 1 for s in g],
-                    torch.cat([stream_keys([s.seed for s in g], ACCEPT_STREAM).repeat_interleave(kmax),
-                               stream_keys([s.seed for s in g], NEXT_STREAM).repeat_interleave(kmax + 1)]),
-                    torch.cat([accept, at])))
+                    [s.sampling for s in g], [r[2] for r in rows], [s.k + 1 for s in g], keys.reshape(-1),
+                    at.reshape(-1)))
             if ragged:
                 drafts = torch.zeros(len(g), kmax, dtype=torch.long)
                 for b, s in enumerate(g):
@@ -390,8 +388,7 @@ class Judge:
                                      kmax, rule.rule, kwargs)
         else:  # its targets' probabilities and its uniforms from the step's eager pass
             row, t, at = g["shared"]
-            u = eager.u[at:at + b * (2 * kmax + 1)]
-            draws = SpanDraws(u[:b * kmax].view(b, kmax), u[b * kmax:].view(b, kmax + 1))
+            draws = SpanDraws.from_uniforms(eager.u[at:at + b * 2 * (kmax + 1)].view(b, 2, kmax + 1), kmax)
             p, out = _spans_from_probs(eager.probs[row:row + t], q_in, not g["jacobi"], pack[g["drafts"]], draws,
                                        pack[g["lengths"]], p_at, q_at, b, kmax, rule.rule, kwargs)
         if g["pad"]:  # a lone span's twin off
@@ -450,16 +447,15 @@ class Judge:
     def _draws_on_device(self, d: dict, pack: HostPack, logits: torch.Tensor, eager: "_Eager"):
         """One path's draws (`_draw_group`) -> (tokens [n], stopped [n] or None)."""
         stop = None if d["stop"] is None else pack[d["stop"]]
-        if d["compiled"]:
-            # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a
-            # compiled judge meets one kind of input, as its warm-up made it)
-            both = logits.index_select(0, pack[d["idx"]])
-            tokens, stops = self._draw_math(both, both.shape[0] // 2, self._rows(pack, d["sampling"]),
-                                            self._has_uncond(pack, d["sampling"]), pack[d["keys"]],
-                                            pack[d["positions"]], stop)
-        else:  # their probabilities and uniforms from the step's eager pass
+        if not d["compiled"]:  # their probabilities and uniforms from the step's eager pass
             row, n, at = d["shared"]
-            tokens, stops = _draws_from_probs(eager.probs[row:row + n], eager.u[at:at + n], stop)
+            return _draws_from_probs(eager.probs[row:row + n], eager.u[at:at + n], stop)
+        # (the rows gathered here: a tensor made in inference mode whatever the step's logits are, so that a compiled
+        # judge meets one kind of input, as its warm-up made it)
+        both = logits.index_select(0, pack[d["idx"]])
+        tokens, stops = self._draw_math(both, both.shape[0] // 2, self._rows(pack, d["sampling"]),
+                                        self._has_uncond(pack, d["sampling"]), pack[d["keys"]], pack[d["positions"]],
+                                        stop)
         n = d["n"]
         return tokens[:n], None if stops is None else stops[:n]  # (a lone draw's twin off)
 
