@@ -21,8 +21,10 @@ Every committed token is distributed as cloud-only decoding's (speculative sampl
 the draft was drawn from q); `tests/decoding/test_jacobi.py` checks it with chi-square. The draws are counter-based
 like every other draw here: the test of the draft at image position i is `uniform(seed, ACCEPT_STREAM, i)` and the
 token drawn there `uniform(seed, NEXT_STREAM, i)` (each read once: a position is decided once), a draft at position i
-in iteration t `uniform(seed, JACOBI_STREAM, t * 2**32 + i)`. So the same caption and seed give the same image, but
-not cloud-only's tokens (another use of the randomness).
+in a window drafted with c tokens committed `uniform(seed, JACOBI_STREAM, c * 2**32 + i)`. Every iteration commits at
+least one token, so (c, i) names one draft of one window, and c is fixed by the tokens alone, not by how many
+iterations made them: a verifier that rebuilds a session from its tokens (a resume) drafts the same windows. So the
+same caption and seed give the same image, but not cloud-only's tokens (another use of the randomness).
 
 The cache keeps the verifier's invariant: the condition and every committed token but the last are fed; a rejected
 draft's keys are overwritten by the next forward before anything reads them (each forward rewrites every position from
@@ -87,8 +89,8 @@ def generate_sjd(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor | N
             return logits_to_probs(logits[0], params, uncond_logits=logits[1])
         return logits_to_probs(logits[0], params)
 
-    def draft(p: torch.Tensor, first: int, iteration: int) -> torch.Tensor:  # p [T, V] -> tokens [T] from p
-        pos = torch.arange(first, first + p.shape[0], device=dev) + (iteration << 32)
+    def draft(p: torch.Tensor, first: int) -> torch.Tensor:  # p [T, V] -> a window's tokens [T] from p, `first`
+        pos = torch.arange(first, first + p.shape[0], device=dev) + (first << 32)  # tokens committed before it
         return sample_at(p, keyed_uniform(draft_key, pos))
 
     was_training = model.training
@@ -100,9 +102,8 @@ def generate_sjd(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor | N
         committed: list[int] = []
         uniform_q = torch.full((v,), 1.0 / v, device=dev)
         q = uniform_q.expand(min(window, n), v)
-        drafts = draft(q, 0, 0)
+        drafts = draft(q, 0)
         stats = JacobiStats(0, 0, [])
-        iteration = 0
         while len(committed) < n:
             cpos = len(committed)
             k = drafts.shape[0]
@@ -125,7 +126,6 @@ def generate_sjd(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor | N
             stats.accepted.append(len(new))
             if len(committed) >= n:
                 break
-            iteration += 1
             c_new = len(committed)
             cache.set_length(range(rows), c.cls_token_num + c_new - 1)
             # the Jacobi update: the positions this forward computed past the commit are drafted from its p (rows
@@ -133,7 +133,7 @@ def generate_sjd(model: GPT, cond_emb: torch.Tensor, cond_mask: torch.Tensor | N
             k_new = min(window, n - c_new)
             keep = p[got + 1:][:k_new]
             q = torch.cat([keep, uniform_q.expand(k_new - keep.shape[0], v)])
-            drafts = draft(q, c_new, iteration)
+            drafts = draft(q, c_new)
     finally:
         model.train(was_training)
     return torch.tensor(committed[:n], dtype=torch.long), stats

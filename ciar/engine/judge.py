@@ -15,10 +15,10 @@ A step asks two kinds of decision of the rows its forward computed:
          entropy stop: `Draw(logits [rows, V], sampling, seed, position, stop_entropy)`
   span   the verdict on a verification's drafts: `Span(targets [rows, k+1, V], drafts [k], draft probs [k, V]
          float16 as sent, sampling, rule, seed, position, hidden [k+1, D] | None)`; a Jacobi round's span
-         (`jacobi=Jacobi(q, window, round, stop_entropy)`: drafts the cloud made itself, their q on the device) also
+         (`jacobi=Jacobi(q, window, stop_entropy)`: drafts the cloud made itself, their q on the device) also
          gets its window drafted again (`Decided.redrafts`) and, for a cloud burst's round, where its entropy stop
          fired (`Decided.span_stops`); a verification whose rejection starts a burst by windows asks for the burst's
-         first window (`redraft=Redraft(window, round)`)
+         first window (`redraft=Redraft(window)`)
 `decide` computes all of them at once: every row the step's draws and spans read gathered by one index, and every
 row's guidance, temperature, top-k and top-p in one call with per-row parameter tensors
 (`ciar.decoding.sampling.rows_to_probs`, once a step: `_step_math`); every uniform the step draws at in one call,
@@ -72,25 +72,24 @@ class Jacobi:
     """What makes a span a Jacobi round (speculative Jacobi decoding: drafts the cloud made itself): the drafts'
     distributions [k, V] float32 on the device (None: uniform, the first window), and the window to draft again
     after the verdict, from this forward's distributions past the commit and uniformly beyond, each token at
-    `uniform(seed, JACOBI_STREAM, iteration * 2**32 + image position)` (`ciar.decoding.jacobi`). A cloud burst's
-    round also has the burst's entropy stop (`stop_entropy` > 0): the round ends before the first position whose
-    distribution's entropy / log V is at or below it (`Decided.span_stops`), as a burst of one token a forward
-    stops there."""
+    `uniform(seed, JACOBI_STREAM, c * 2**32 + image position)`, c the committed count after the verdict
+    (`ciar.decoding.jacobi`: a function of the session's tokens, so a resumed session drafts the same windows). A
+    cloud burst's round also has the burst's entropy stop (`stop_entropy` > 0): the round ends before the first
+    position whose distribution's entropy / log V is at or below it (`Decided.span_stops`), as a burst of one token
+    a forward stops there."""
 
     q: torch.Tensor | None
     window: int
-    iteration: int
     stop_entropy: float = 0.0
 
 
 @dataclass
 class Redraft:
     """A verification whose rejection starts a cloud burst by Jacobi windows: the burst's first window (`window`
-    drafts, its round `iteration`) drafted from the verdict's own distributions past the commit, as a Jacobi
-    round's next window is (`Decided.redrafts`)."""
+    drafts) drafted from the verdict's own distributions past the commit, as a Jacobi round's next window is
+    (`Decided.redrafts`)."""
 
     window: int
-    iteration: int
 
 
 @dataclass
@@ -111,11 +110,11 @@ class Span:
     redraft: Redraft | None = None  # a verification: the window a burst after its rejection starts with
 
     @property
-    def drafting(self) -> tuple[int, int] | None:
-        """(window, round) of the window drafted after the verdict, if any."""
+    def drafting(self) -> int | None:
+        """The window drafted after the verdict (its drafts), if any."""
         if self.jacobi is not None:
-            return self.jacobi.window, self.jacobi.iteration
-        return (self.redraft.window, self.redraft.iteration) if self.redraft is not None else None
+            return self.jacobi.window
+        return self.redraft.window if self.redraft is not None else None
 
     @property
     def k(self) -> int:
@@ -288,9 +287,8 @@ class Judge:
                 q=None if jacobi else pack.add(torch.cat([_as_sent(s.draft_probs, s.k, v_size) for s in g])
                                                if kmax else torch.zeros(0, v_size, dtype=torch.float16)),
                 jacobi=jacobi,
-                redraft=dict(window=max(s.drafting[0] for s in g),
-                             keys=pack.add(stream_keys([s.seed for s in g], JACOBI_STREAM)),
-                             iterations=pack.add(torch.tensor([s.drafting[1] for s in g], dtype=torch.long)))
+                redraft=dict(window=max(s.drafting for s in g),
+                             keys=pack.add(stream_keys([s.seed for s in g], JACOBI_STREAM)))
                 if drafting else None,
                 stop=pack.add(torch.tensor([s.jacobi.stop_entropy for s in g], dtype=torch.float32))
                 if stopping_rounds else None,
@@ -409,13 +407,16 @@ class Judge:
         """The Jacobi update of every round of a group at once: window position j after the commit (image position
         c + j, c = position + accepted + 1) takes this forward's distribution there (p's row accepted + 1 + j, when
         the round computed it: <= k) or the uniform one, and its draft from it at `uniform(seed, JACOBI_STREAM,
-        iteration * 2**32 + c + j)`. p [B, K+1, V] -> (tokens [B * W], distributions [B, W, V])."""
+        c * 2**32 + c + j)`: keyed by the committed count, which the session's tokens alone fix (not by how many
+        rounds made them), so a session resumed from its history drafts the same windows. p [B, K+1, V] -> (tokens
+        [B * W], distributions [B, W, V])."""
         b, v_size, w = p.shape[0], p.shape[-1], jacobi["window"]
         j = torch.arange(w, device=p.device)
         at = accepted.long()[:, None] + 1 + j  # [B, W]: the row of p each window position takes
         q = p[torch.arange(b, device=p.device)[:, None], at.clamp(max=p.shape[1] - 1)]
         q = torch.where((at <= lengths[:, None])[..., None], q, torch.full((), 1.0 / v_size, device=p.device))
-        pos = (positions[:, None] + accepted.long()[:, None] + 1 + j) + (pack[jacobi["iterations"]][:, None] << 32)
+        c = positions[:, None] + accepted.long()[:, None] + 1  # [B, 1]: the committed count after the verdict
+        pos = c + j + (c << 32)
         u = keyed_uniform(pack[jacobi["keys"]][:, None].expand(b, w).reshape(-1), pos.reshape(-1))
         return sample_at(q.reshape(b * w, v_size), u), q
 

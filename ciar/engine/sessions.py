@@ -41,7 +41,6 @@ class Session:
     open_reply: object = None  # that OPEN's reply, kept until the session moves on (a repeated OPEN gets it again)
     closed: bool = False  # taken out of its table (closed, evicted, replaced): its slots are no longer its own
     jacobi_window: int = 0  # the OPEN's: the tokens the cloud makes itself go by Jacobi windows of this many drafts
-    jacobi_rounds: int = 0  # Jacobi rounds so far (a window's drafts are keyed by their round and image position)
 
     @property
     def live(self) -> bool:

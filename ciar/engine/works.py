@@ -295,7 +295,6 @@ class JacobiWork(SpanFeed, OpenWork):
         super().__init__(ctx, request, caption_emb, caption_mask, owner)
         self.window = request.jacobi_window
         self.phase = "prefill"  # prefill -> (feed -> judge) per round -> done
-        self.iteration = 0  # Jacobi rounds so far (a draft's draw is keyed by its round and image position)
         self.drafts: list[int] = []
         self.q: torch.Tensor | None = None  # the drafts' distributions [k, V] on the device (None: uniform)
         self.got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # targets fed in earlier pieces, by index
@@ -336,6 +335,7 @@ class JacobiWork(SpanFeed, OpenWork):
                 return
             self.s.first_logits = out.logits[:, 0].clone()  # image token 0's target: the first round tests it
             k = min(self.window, self.request.prefix_len)  # the first window: uniform drafts (SJD's initialisation)
+            # (image positions 0..k-1 with nothing committed: `Jacobi`'s key c * 2**32 + position at c = 0)
             u = keyed_uniform(stream_keys([self.s.seed], JACOBI_STREAM), torch.arange(k))
             self.feed_window(sample_at(torch.full((k, self.ctx.vocab_size), 1.0 / self.ctx.vocab_size), u).tolist())
             return
@@ -343,10 +343,10 @@ class JacobiWork(SpanFeed, OpenWork):
 
     def span(self) -> Span:
         """The round's judgement: its drafts (at least one: the window is never empty while tokens are left) with
-        their distributions on the device, the window to draft again and the round it is."""
+        their distributions on the device, and the window to draft again."""
         s = self.s
         return Span(self.target_logits(), torch.tensor(self.drafts, dtype=torch.long), None, s.sampling, s.rule,
-                    s.seed, len(s.tokens), jacobi=Jacobi(self.q, self.window, self.iteration + 1))
+                    s.seed, len(s.tokens), jacobi=Jacobi(self.q, self.window))
 
     def commit(self, n: int, z: int, recovered: bool, judged: int, redraft=None) -> None:
         """The round's verdict (n drafts kept, next token z) and the window drafted again (tokens, their
@@ -356,8 +356,6 @@ class JacobiWork(SpanFeed, OpenWork):
         s.tokens.extend(new)
         s.first_logits = None
         self.rounds.append(len(new))
-        self.iteration += 1
-        s.jacobi_rounds = self.iteration  # a later burst's windows are keyed past the prefix's rounds
         left = self.request.prefix_len - len(s.tokens)
         if left <= 0:
             self.complete()
@@ -599,7 +597,7 @@ class VerifyWork(SpanFeed, SessionWork):
         window = min(s.jacobi_window, r.burst)  # (0 without a window or a burst)
         return Span(self.target_logits(), r.draft_tokens, r.draft_probs, s.sampling, s.rule, s.seed, self.c_new,
                     self.target_hidden() if s.rule.rule == "cascade" else None,
-                    redraft=Redraft(window, s.jacobi_rounds + 1) if window > 0 else None)
+                    redraft=Redraft(window) if window > 0 else None)
 
     def draw(self) -> Draw:
         """The burst token to draw at image position len(tokens), with the request's entropy stop."""
@@ -632,9 +630,7 @@ class VerifyWork(SpanFeed, SessionWork):
         s = self.s
         k = self.burst_window()
         tokens, q = redraft
-        s.jacobi_rounds += 1  # the round whose key drew these drafts; the window after it is drawn with the next
-        self.round = Jacobi(q[:k], min(s.jacobi_window, self.request.burst), s.jacobi_rounds + 1,
-                            float(self.request.burst_entropy))
+        self.round = Jacobi(q[:k], min(s.jacobi_window, self.request.burst), float(self.request.burst_entropy))
         self.extras = {}
         self.feed_window(tokens[:k])
 

@@ -81,3 +81,48 @@ def test_the_entropy_stop_ends_a_burst_by_windows_where_it_ends_one_token_a_forw
     win = _image(v, "b", 3, 4, burst=6, rounds=2, burst_entropy=0.5)
     assert one == win
     assert one[1:] == (2 * 2, [0, 0])
+
+
+SAMPLED = SamplingParams(cfg_scale=2.0, temperature=1.0)
+
+
+def _sampled_span(sid: str, vocab: int, seed: int) -> VerifyRequest:
+    """Three drafts drawn from their own random distributions: some kept, one rejected, then a burst."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.softmax(torch.randn(3, vocab, generator=g) * 2, -1)
+    drafts = torch.multinomial(q, 1, generator=g).flatten()
+    return VerifyRequest(sid, torch.zeros(0, dtype=torch.long), drafts, q.half(), burst=4)
+
+
+def _resumed_image(v: CloudVerifier, prefix_len: int, resume_before: int | None):
+    """An open (its prefix by SJD windows) and three verifications bursting by windows of 3, sampled; before
+    verification `resume_before` the session is closed and resumed from its tokens, as after a lost replica. -> (the
+    replies, the tokens, the cloud forwards)."""
+    req = OpenRequest("a", PROMPT, seed=7, sampling=SAMPLED, prefix_len=prefix_len, jacobi_window=3)
+    first = v.open_batch([req])[0]
+    replies, passes = [first.prefix_tokens.tolist()], first.forward_passes
+    for i in range(3):
+        if i == resume_before:
+            history = torch.tensor(v.sessions["a"].tokens, dtype=torch.long)
+            v.close("a")
+            v.resume_batch([req], [history])
+        r = v.verify_batch([_sampled_span("a", v.vocab_size, 100 + i)])[0]
+        replies.append((r.num_accepted, r.next_token, r.burst_tokens.tolist() if r.num_burst else []))
+        passes += r.forward_passes
+    tokens = list(v.sessions["a"].tokens)
+    v.close("a")
+    return replies, tokens, passes
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefix_len", [2, 10])
+def test_a_session_resumed_from_its_tokens_drafts_the_same_windows(tiny_cloud, stub_text, prefix_len):
+    """A window's drafts are keyed by the committed count, which the tokens alone fix: a session rebuilt from its
+    history (a RESUME after a lost replica or a cut socket) drafts the windows the uninterrupted one drafts, so its
+    image is the same (docs/architecture.md, *Determinism*). Keyed by the round, as before, a resumed session's round
+    count started over and its windows, and then its tokens, differed."""
+    v = CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+    want, tokens, passes = _resumed_image(v, prefix_len, None)
+    assert passes < len(tokens) and any(burst for _, _, burst in want[1:])  # windows drafted tokens, bursts ran
+    for resume_before in (1, 2):
+        assert _resumed_image(v, prefix_len, resume_before)[:2] == (want, tokens), resume_before

@@ -336,7 +336,7 @@ def _round(rows_p: list[np.ndarray], drafts: list[int], q: list[np.ndarray], sto
 
     logits = torch.log(torch.tensor(np.stack(rows_p), dtype=torch.float32).clamp_min(1e-30))[None]  # [1, k+1, V]
     return Span(logits, torch.tensor(drafts), None, SamplingParams(), RuleConfig(), seed=4, position=7,
-                jacobi=Jacobi(torch.tensor(np.stack(q), dtype=torch.float32), window=len(drafts), iteration=1,
+                jacobi=Jacobi(torch.tensor(np.stack(q), dtype=torch.float32), window=len(drafts),
                               stop_entropy=stop_entropy))
 
 
