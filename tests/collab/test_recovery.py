@@ -61,11 +61,13 @@ def run_pair(tiny_cloud, tiny_device, stub_text, mode, projector=None, seed=11, 
     return ref, got, flaky, client
 
 
-@pytest.mark.parametrize("mode,burst", [("replace", 0), ("evict", 0), ("replace", 3)])
-def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, burst, median_tau):
-    """... also with a cloud burst: the burst tokens are part of the committed history the device re-sends."""
+@pytest.mark.parametrize("mode,burst,window", [("replace", 0, 0), ("evict", 0, 0), ("replace", 3, 0), ("replace", 4, 3)])
+def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, burst, window,
+                                                       median_tau):
+    """... also with a cloud burst: the burst tokens are part of the committed history the device re-sends; and with
+    the prefix and bursts by Jacobi windows, whose drafts the resumed session draws as the lost one would have."""
     ref, got, flaky, client = run_pair(tiny_cloud, tiny_device, stub_text, mode, tau=median_tau,
-                                       span=3, burst=burst)
+                                       span=3, burst=burst, jacobi_window=window)
     assert (ref.stats.burst_tokens > 0) == (burst > 0)
     assert ref.stats.verifications >= 3  # the loss happens mid-session
     assert ref.stats.device_tokens > 0 or burst  # (the random tiny device escalates right after each burst)
