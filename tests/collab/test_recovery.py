@@ -61,7 +61,8 @@ def run_pair(tiny_cloud, tiny_device, stub_text, mode, projector=None, seed=11, 
     return ref, got, flaky, client
 
 
-@pytest.mark.parametrize("mode,burst,window", [("replace", 0, 0), ("evict", 0, 0), ("replace", 3, 0), ("replace", 4, 3)])
+@pytest.mark.parametrize("mode,burst,window", [("replace", 0, 0), ("evict", 0, 0), ("replace", 3, 0),
+                                               ("replace", 4, 3)])
 def test_lost_session_is_resumed_with_identical_tokens(tiny_cloud, tiny_device, stub_text, mode, burst, window,
                                                        median_tau):
     """... also with a cloud burst: the burst tokens are part of the committed history the device re-sends; and with
