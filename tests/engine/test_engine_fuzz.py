@@ -78,6 +78,7 @@ class Phone:
     work: object = None  # the work in flight
     resuming: bool = False  # the work in flight is a resume
     twin: object = None  # the same OPEN sent again while the first is in flight
+    token: str = ""  # its session token (`tests/engine/test_service_fuzz.py`: the services check it)
     opened: bool = False
     finished: bool = False
     wait: int = 0  # steps before its next request
