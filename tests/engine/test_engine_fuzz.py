@@ -1,5 +1,5 @@
 """A differential fuzzer of the verifier's engine: seeded phones of every kind (cloud-only, CIAR with catch-up tokens,
-bursts, entropy stops and several acceptance rules, bursts by Jacobi windows, SJD prefixes) and per-row sampling
+bursts, entropy stops and every acceptance rule, bursts by Jacobi windows, SJD prefixes) and per-row sampling
 settings talk to one `CloudVerifier` at once, each sending its next request when its last is answered, as a replica
 serves them. One run is the reference: the plain engine (no overlap, a budget that never cuts a piece, a slot for
 every phone), no disruption. Each fuzzed run takes an engine (overlap, static buckets, packed steps, the byte buffer,
@@ -40,8 +40,14 @@ KINDS = ("cloud", "ciar", "windows", "sjd")
 SAMPLINGS = (SamplingParams(cfg_scale=2.0, temperature=1.0), SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=40),
              SamplingParams(cfg_scale=3.0, temperature=1.0, top_p=0.9), SamplingParams(cfg_scale=1.0, temperature=1.0),
              SamplingParams(cfg_scale=2.0, temperature=0.0))
-RULES = (RuleConfig(), RuleConfig(), RuleConfig(rule="greedy"), RuleConfig(rule="cascade", cascade_threshold=0.5))
+RULES = (RuleConfig(), RuleConfig(), RuleConfig(rule="greedy"), RuleConfig(rule="cascade", cascade_threshold=0.5),
+         RuleConfig(rule="lantern", lantern_k=4, lantern_delta=0.2), RuleConfig(rule="gsd"))
 STEP_LIMIT = 20_000  # a run that has not ended by then is stuck (a work that never finishes)
+
+
+def codebook(cloud) -> torch.Tensor:
+    """A fixed random codebook [V, 8] (LANTERN's neighbours)."""
+    return torch.randn(cloud.config.vocab_size, 8, generator=torch.Generator().manual_seed(0))
 
 
 class InjectedFault(RuntimeError):
@@ -94,7 +100,8 @@ def make_phones(seed: int, n: int, vocab: int, block: int) -> list[Phone]:
         prefix = {"cloud": block, "ciar": rng.randint(1, 3), "windows": rng.randint(1, 3),
                   "sjd": rng.randint(4, block // 2)}[kind]
         window = rng.randint(2, 4) if kind in ("windows", "sjd") else 0
-        rule = rng.choice(RULES) if kind == "ciar" else RuleConfig()
+        rule = rng.choice(RULES) if kind == "ciar" else rng.choice(RULES[:2] + RULES[-1:]) if kind == "sjd" else \
+            RuleConfig()  # (an SJD prefix: the exact rule or GSD's groups)
         req = OpenRequest(f"p{i}", rng.choice(PROMPTS), seed=rng.randrange(1 << 31), sampling=sampling,
                           prefix_len=prefix, rule=rule, want_caption=False, jacobi_window=window)
         phones.append(Phone(req.session_id, kind, req, random.Random(rng.randrange(1 << 31))))
@@ -135,7 +142,7 @@ def run(cloud, text, phones: list[Phone], engine: dict, disrupt: Disruption, see
                              max_works=engine.pop("works", 64))
     pack_inputs = engine.pop("pack_inputs", False)
     slots = max(1, len(phones) - engine.pop("fewer_slots", 0))  # fewer: OPENs and RESUMEs refused until one frees
-    v = CloudVerifier(cloud, text, max_sessions=slots, scheduler=config, **engine)
+    v = CloudVerifier(cloud, text, max_sessions=slots, scheduler=config, codebook=codebook(cloud), **engine)
     v.runner.pack_inputs = pack_inputs
     vocab, block = v.vocab_size, v.ctx.block_size
     free = v.free_slot_count

@@ -19,7 +19,7 @@ import torch
 from ciar.collab.protocol import CapacityError, SessionLostError
 from ciar.engine.process import CoreSpec, EngineProcess
 from ciar.engine.service import VerifierService
-from test_engine_fuzz import Disruption, InjectedFault, Phone, make_phones, next_verify, run
+from test_engine_fuzz import Disruption, InjectedFault, Phone, codebook, make_phones, next_verify, run
 
 FACTORY = f"{__name__}:fuzz_core"  # the core imports this module by the name pytest gave it (the same sys.path)
 RETRY = (SessionLostError, CapacityError, InjectedFault)  # CapacityError: also ForwardFault (retryable)
@@ -31,7 +31,8 @@ def fuzz_core(max_sessions: int, overlap: bool = False, forward_fault: float = 0
     from ciar.engine.verifier import CloudVerifier
     from ciar.testing import StubTextEncoder, tiny_cloud_model
 
-    v = CloudVerifier(tiny_cloud_model(), StubTextEncoder(), max_sessions=max_sessions, overlap=overlap)
+    cloud = tiny_cloud_model()
+    v = CloudVerifier(cloud, StubTextEncoder(), max_sessions=max_sessions, overlap=overlap, codebook=codebook(cloud))
     rng, forward = random.Random(seed), v.runner.execute_step
 
     def maybe(pieces):
