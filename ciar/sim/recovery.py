@@ -10,10 +10,11 @@ tokens of the OpenReply, then after each verification new_tokens + draft_tokens[
 after that), plus the interval features the device sent with its locally accepted tokens. When `inner.verify`
 raises an error that `is_lost(exc)` accepts (default: `SessionLostError`: the replica holding the session's cache
 was lost or restarted, or the slot was evicted), it calls `inner.resume(request with want_caption=False, history,
-injected)` and re-sends the verify once; the reply is marked `resumed=True` and carries the resume's cloud_s and
-forward_passes too (the decoder counts `GenerationStats.resumes`). An open, resume or verify whose forward failed
-(`ForwardFault`: nothing of it was kept) is sent again as it is, up to `FAULT_RETRIES` times; a failed forward after the verdict
-drops the session (`SessionLostError`), which is then resumed as above.
+injected)` and re-sends the verify; a session lost again under that verify (the replica it was resumed on lost in
+turn) is resumed again, up to `LOST_RETRIES` resumes a verify. The reply is marked `resumed=True` and carries the
+resumes' cloud_s and forward_passes too (the decoder counts `GenerationStats.resumes`). An open, resume or verify
+whose forward failed (`ForwardFault`: nothing of it was kept) is sent again as it is, up to `FAULT_RETRIES` times; a
+failed forward after the verdict drops the session (`SessionLostError`), which is then resumed as above.
 
 Why the result is exact (equal to an uninterrupted session's): the cloud's state for a session is (a) the KV cache,
 a deterministic function of the caption, the committed tokens and the features injected with them, which `resume`
@@ -36,6 +37,7 @@ import torch
 
 from ciar.collab.protocol import CloudClient, InjectedFeatures, OpenReply, OpenRequest, VerifyReply, VerifyRequest
 from ciar.collab.protocol import ForwardFault, SessionLostError
+from ciar_device.connection import LOST_RETRIES
 from ciar_device.history import SessionHistory
 
 
@@ -48,6 +50,7 @@ class RecoveringClient:
     docstring. `is_lost(exc)`: which errors of `inner.verify` / `inner.close` mean "the cloud lost this session"."""
 
     FAULT_RETRIES = 3  # a verify whose forward failed (`ForwardFault`) is sent again up to this many times
+    LOST_RETRIES = LOST_RETRIES  # a verify whose session was lost is resumed and sent again up to this many times
 
     def __init__(self, inner: CloudClient, is_lost: Callable[[BaseException], bool] | None = None):
         self.inner = inner
@@ -99,13 +102,21 @@ class RecoveringClient:
 
     def _resume_and_retry(self, t: SessionHistory, request: VerifyRequest) -> VerifyReply:
         history, injected = t.history(torch.from_numpy), t.injected(torch.from_numpy)
-        # only pass `injected` when there is some, so that clients without interval features need not accept it
-        res = self._again(self.inner.resume, t.request, history) if injected is None else \
-            self._again(self.inner.resume, t.request, history, injected)
-        self.resumes += 1
-        reply = self._again(self.inner.verify, request)
-        return replace(reply, resumed=True, cloud_s=reply.cloud_s + res.cloud_s,
-                       forward_passes=reply.forward_passes + res.forward_passes)
+        cloud_s, passes = 0.0, 0
+        for attempt in range(1, self.LOST_RETRIES + 1):
+            # only pass `injected` when there is some, so that clients without interval features need not accept it
+            res = self._again(self.inner.resume, t.request, history) if injected is None else \
+                self._again(self.inner.resume, t.request, history, injected)
+            self.resumes += 1
+            cloud_s, passes = cloud_s + res.cloud_s, passes + res.forward_passes
+            try:
+                reply = self._again(self.inner.verify, request)
+                break
+            except Exception as e:
+                if not self.is_lost(e) or attempt == self.LOST_RETRIES:
+                    raise
+        return replace(reply, resumed=True, cloud_s=reply.cloud_s + cloud_s,
+                       forward_passes=reply.forward_passes + passes)
 
     def _again(self, call, *args):
         """call(*args), made again when its forward failed (`ForwardFault`: nothing of it was kept, so the same

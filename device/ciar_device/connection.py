@@ -14,7 +14,8 @@ both sides agree on (prefix, then new + accepted drafts + next + burst after eac
 injected along the way. When the socket drops, it reconnects (backoff, `retries` attempts). A request that was in
 flight when the socket dropped may or may not have reached the verifier, so the session is re-created from its
 history (RESUME, which replaces any copy the verifier still holds) and the request is sent again; the same happens
-when the verifier answers 410 (it lost the session: a replica restarted, an idle eviction). Position-keyed
+when the verifier answers 410 (it lost the session: a replica restarted, an idle eviction), up to `LOST_RETRIES`
+times a request (the replica a session was resumed on may be lost in turn). Position-keyed
 randomness on the cloud makes the finished image bit-identical to an uninterrupted one. An OPEN that was in flight is
 sent again as it is: the verifier answers a repeated OPEN as it answered the first (or, when the first never reached
 it, opens the session; its prefix tokens are drawn from the session's seed: the same tokens). A CLOSE is sent again
@@ -36,6 +37,7 @@ from ciar_device.wire import (CLOSE, ERROR, HELLO, OPEN, RESUME, VERIFY, WELCOME
                               InjectedFeatures, OpenReply, OpenRequest, ResumeRequest, VerifyReply, VerifyRequest)
 
 DEFAULT_PATH = "/v1/device/sessions"
+LOST_RETRIES = 3  # a VERIFY whose session the verifier lost (410) is resumed and sent again up to this many times
 
 
 class ServerError(Exception):
@@ -235,12 +237,14 @@ class DeviceConnection:
             extra[0] += rep.cloud_s
             extra[1] += rep.forward_passes
 
-        def attempt():
-            try:
-                return self._exchange(VERIFY, request, s.token)
-            except SessionLost:
-                resume()
-                return self._exchange(VERIFY, request, s.token)
+        def attempt():  # (lost again under the retry: the replica it was resumed on went too; resume again)
+            for lost in range(LOST_RETRIES + 1):
+                try:
+                    return self._exchange(VERIFY, request, s.token)
+                except SessionLost:
+                    if lost == LOST_RETRIES:
+                        raise
+                    resume()
 
         frame = self._retrying(attempt, on_drop=resume)
         reply = frame.body

@@ -1,11 +1,13 @@
 """Recoverable cloud sessions: a lost verifier or an evicted slot costs a re-prefill, never a different token."""
 
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
 
-from ciar.sim.decoder import CollabDecoder, method_config
+from ciar.collab.names import METHODS
+from ciar.sim.decoder import GATED_METHODS, CollabDecoder, method_config
 from ciar.collab.projector import IntervalProjector, ProjectorConfig
 from ciar.collab.protocol import CapacityError, OpenRequest, SessionError, SessionLostError, VerifyRequest
 from ciar.sim.recovery import RecoveringClient
@@ -296,3 +298,120 @@ def test_custom_lost_error_triggers_resume(tiny_cloud, tiny_device, stub_text):
     plain = RecoveringClient(Dying(CloudVerifier(tiny_cloud, stub_text, max_sessions=1)))
     with pytest.raises(ReplicaDied):
         CollabDecoder(tiny_device, plain, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=4)
+
+
+class ChaosCloud(InProcessCloud):
+    """InProcessCloud that, before each call, at random (seeded): swaps its verifier for a fresh one (a lost replica),
+    evicts every idle session (lost slots), or makes the next forward raise (a failed forward: `ForwardFault`)."""
+
+    def __init__(self, make_verifier, seed: int, replace: float, evict: float, fault: float):
+        super().__init__(make_verifier())
+        self.make_verifier, self.rng = make_verifier, __import__("random").Random(seed)
+        self.p = (replace, evict, fault)
+        self.events = {"replaced": 0, "evicted": 0, "faults": 0}
+        self._arm(self.verifier)
+
+    def _arm(self, v) -> None:
+        forward, armed = v.runner.execute_step, self.events
+
+        def maybe(pieces):
+            if armed.pop("armed", False):
+                armed["faults"] += 1
+                raise RuntimeError("injected: the forward failed")
+            return forward(pieces)
+
+        v.runner.execute_step = maybe
+
+    def _chaos(self) -> None:
+        r = self.rng.random()
+        replace, evict, fault = self.p
+        if r < replace:
+            self.events["replaced"] += 1
+            self.verifier = self.make_verifier()
+            self._arm(self.verifier)
+        elif r < replace + evict:
+            self.events["evicted"] += len(self.verifier.evict_idle(0.0))
+        elif r < replace + evict + fault:
+            self.events["armed"] = True
+
+    def open(self, request):
+        self._chaos()
+        return super().open(request)
+
+    def verify(self, request):
+        self._chaos()
+        return super().verify(request)
+
+    def resume(self, request, history, injected=None):
+        self._chaos()
+        return super().resume(request, history, injected)
+
+
+@pytest.mark.parametrize("method", METHODS + ("ciar:jacobi3",))
+def test_random_losses_and_faults_leave_every_methods_image_unchanged(tiny_cloud, tiny_device, stub_text, method,
+                                                                      median_tau):
+    """Every method's decoder through `RecoveringClient` over a cloud that loses replicas, evicts slots and fails
+    forwards at random (with the interval projector injecting features): the same tokens as undisturbed, four seeds
+    each; the disruptions happened (a session lost again under its retried verify is resumed again)."""
+    proj = IntervalProjector(ProjectorConfig(device_dim=64, cloud_dim=64, feature_dim=20))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.nn.init.normal_(proj.fc2.weight, std=5.0)
+
+    codebook = torch.randn(tiny_cloud.config.vocab_size, 8, generator=torch.Generator().manual_seed(0))  # LANTERN's
+
+    def make_verifier():
+        return CloudVerifier(tiny_cloud, stub_text, max_sessions=2, projector=proj.eval(), codebook=codebook)
+
+    method, _, windows = method.partition(":jacobi")  # (CIAR with its prefix and bursts by Jacobi windows)
+    knobs = dict(tau=median_tau, span=3, burst=2) if method in GATED_METHODS else {}
+    cfg = method_config(method, network="none", **knobs, **({"jacobi_window": int(windows)} if windows else {}))
+    n = tiny_cloud.config.block_size
+    events, resumes = {}, 0
+    for seed in range(4):
+        ref = CollabDecoder(tiny_device, InProcessCloud(make_verifier()), cfg, PARAMS, num_tokens=n).generate(
+            PROMPT, seed=seed)
+        chaos = ChaosCloud(make_verifier, seed, replace=0.1, evict=0.1, fault=0.15)
+        client = RecoveringClient(chaos)
+        got = CollabDecoder(tiny_device, client, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=seed)
+        assert torch.equal(got.tokens, ref.tokens), (method, seed, chaos.events)
+        assert chaos.verifier.num_sessions == 0 and client.open_sessions == 0
+        resumes += client.resumes
+        for k, x in chaos.events.items():
+            events[k] = events.get(k, 0) + x
+    assert events["faults"] > 0, events
+    if ref.stats.verifications >= 3:  # (methods that exchange: sessions were lost under them)
+        assert resumes > 0, events
+
+
+def test_a_session_lost_again_under_its_retried_verify_is_resumed_again(tiny_cloud, tiny_device, stub_text,
+                                                                        median_tau):
+    """The replica a session was resumed on is lost in turn before the verify is sent again: RecoveringClient resumes
+    it again (up to LOST_RETRIES), and the image is the undisturbed one; past LOST_RETRIES the loss is raised."""
+
+    class TwiceLost(InProcessCloud):
+        def __init__(self, make_verifier, losses: int):
+            super().__init__(make_verifier())
+            self.make_verifier, self.losses, self.calls = make_verifier, losses, 0
+
+        def verify(self, request):
+            self.calls += 1
+            if self.calls >= 3 and self.losses > 0:  # from the third verify on: the verify and its retries
+                self.losses -= 1
+                self.verifier = self.make_verifier()
+            return super().verify(request)
+
+    def make_verifier():
+        return CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
+
+    cfg = method_config("ciar", network="none", tau=median_tau, span=3)
+    n = tiny_cloud.config.block_size
+    ref = CollabDecoder(tiny_device, InProcessCloud(make_verifier()), cfg, PARAMS, num_tokens=n).generate(PROMPT,
+                                                                                                         seed=5)
+    assert ref.stats.verifications >= 3
+    client = RecoveringClient(TwiceLost(make_verifier, losses=RecoveringClient.LOST_RETRIES))
+    got = CollabDecoder(tiny_device, client, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=5)
+    assert torch.equal(got.tokens, ref.tokens) and client.resumes == RecoveringClient.LOST_RETRIES
+    client = RecoveringClient(TwiceLost(make_verifier, losses=RecoveringClient.LOST_RETRIES + 1))
+    with pytest.raises(SessionLostError):
+        CollabDecoder(tiny_device, client, replace(cfg, fallback=False), PARAMS, num_tokens=n).generate(PROMPT, seed=5)

@@ -133,6 +133,32 @@ def test_a_reply_lost_in_flight_is_resumed_to_the_same_image(node, server, onnx_
     assert [e["kind"] for e in cut["exchanges"]].count("RESUME") == 2
 
 
+def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(node, server, onnx_dir, monkeypatch):
+    """web/src/connection.js as ciar_device.connection: the verifier loses the session under a VERIFY (410) and again
+    under the VERIFY sent after each RESUME; the page resumes again, up to LOST_RETRIES times a request, and makes the
+    same image; one loss more and the image fails with the 410."""
+    backend = SERVED["endpoint"].backend
+    job = [{"prompt": _prompts(1, 34)[0], "seed": 8, "session_id": "web-lost"}]
+    plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+    verify, state = backend.verify, {"calls": 0, "lose": 3}
+
+    async def losing(request, *, session_id, device_id, token):  # from the second VERIFY on: the session is gone
+        state["calls"] += 1
+        if state["calls"] >= 2 and state["lose"] > 0:
+            state["lose"] -= 1
+            await backend.close(session_id=session_id, device_id=device_id, token=token)
+        return await verify(request, session_id=session_id, device_id=device_id, token=token)
+
+    monkeypatch.setattr(backend, "verify", losing)
+    lost = _run(node, server, onnx_dir, job, options=FIXED)
+    r = lost["results"][0]
+    assert "error" not in r, r
+    assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"] and lost["resumes"] == 3
+    state.update(calls=0, lose=4)
+    r = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+    assert r.get("status") == 410, r
+
+
 VERIFY_LOST = ("up", "VERIFY", 2, "drop")  # a verify lost on its way: the page then RESUMEs
 RETRY_CUTS = {  # as tests/services/test_retry_semantics.py: every frame of an image, each direction
     "HELLO": [("up", "HELLO", 1)], "WELCOME": [("down", "WELCOME", 1)],

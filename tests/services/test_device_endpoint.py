@@ -99,6 +99,38 @@ def test_cut_sockets_mid_image_resume_bit_identical(server, reference, tiny_devi
     conn.disconnect()
 
 
+def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(server, reference, tiny_device, median_tau,
+                                                                         monkeypatch):
+    """The verifier loses the session under a VERIFY (410), then again under the VERIFY sent after the RESUME (the
+    replica it was resumed on went too): the connection resumes again, up to LOST_RETRIES times a request, and the
+    image is the same; one loss more and the 410 is the caller's."""
+    from ciar_device.connection import LOST_RETRIES, SessionLost
+
+    url, _, backend = server
+    verify, state = backend.verify, {"calls": 0, "lose": 0}
+
+    async def losing(request, *, session_id, device_id, token):  # from the second VERIFY on: the session is gone
+        state["calls"] += 1
+        if state["calls"] >= 2 and state["lose"] > 0:
+            state["lose"] -= 1
+            await backend.close(session_id=session_id, device_id=device_id, token=token)
+        return await verify(request, session_id=session_id, device_id=device_id, token=token)
+
+    monkeypatch.setattr(backend, "verify", losing)
+    state["lose"] = LOST_RETRIES
+    conn = _conn(url)
+    out = _generate(conn, tiny_device, median_tau)
+    assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace
+    assert conn.resumes == LOST_RETRIES and out.stats.resumes == 1  # (one request, resumed three times)
+    conn.disconnect()
+    state.update(calls=0, lose=LOST_RETRIES + 1)
+    conn = _conn(url)
+    with pytest.raises(SessionLost):
+        _generate(conn, tiny_device, median_tau)
+    assert conn.resumes == LOST_RETRIES
+    conn.disconnect()
+
+
 def test_reconnect_without_loss_keeps_the_session(server, reference, tiny_device, median_tau):
     """A clean reconnect between requests: the session is still held, nothing is resumed."""
 

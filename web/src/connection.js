@@ -14,7 +14,8 @@
 // open session it keeps the OPEN request, the session token and the committed tokens both sides agree on, with the
 // interval features sent along the way; when the socket drops it reconnects (backoff, `retries` attempts) and, for a
 // verify that was in flight or a 410 (the verifier lost the session), re-creates the session from that history
-// (RESUME) and sends the request again (the same image: docs/architecture.md, Determinism). An OPEN or a
+// (RESUME) and sends the request again, up to LOST_RETRIES times a request (the replica it was resumed on may be
+// lost in turn; the same image: docs/architecture.md, Determinism). An OPEN or a
 // CLOSE whose reply was lost is sent again as it is (the verifier answers a repeated OPEN as the first; closing a
 // session it does not hold does nothing). The retry semantics of every message: docs/architecture.md §5.
 
@@ -22,6 +23,8 @@ import { costHint } from "./policy.js";
 import { CLOSE, ERROR, FATAL_CLOSES, HELLO, OPEN, RESUME, TYPE_NAMES, VERIFY, WELCOME, decodeFrame, encodeFrame } from "./wire.js";
 
 export const DEFAULT_PATH = "/v1/device/sessions";
+// a verify whose session the verifier lost (410) is resumed and sent again up to this many times
+export const LOST_RETRIES = 3;
 
 export class ServerError extends Error {
   constructor({ status, message, field = "", retry_after_s = 0 }) {
@@ -248,13 +251,14 @@ export class DeviceConnection {
       extra.cloud_s += rep.cloud_s;
       extra.passes += rep.forward_passes;
     };
-    const attempt = async () => {
-      try {
-        return await this.exchange(VERIFY, request, s.token);
-      } catch (err) {
-        if (!(err instanceof ServerError && err.status === 410)) throw err;
-        await resume();
-        return this.exchange(VERIFY, request, s.token);
+    const attempt = async () => { // lost again under the retry (the replica it was resumed on went too): again
+      for (let lost = 0; ; lost += 1) {
+        try {
+          return await this.exchange(VERIFY, request, s.token);
+        } catch (err) {
+          if (!(err instanceof ServerError && err.status === 410) || lost >= LOST_RETRIES) throw err;
+          await resume();
+        }
       }
     };
     const reply = { ...(await this.retrying(attempt, resume)).body };
