@@ -28,6 +28,9 @@ class InProcessBackend(VerifierService):
     def __init__(self, verifier, secret: str = "test-secret"):
         super().__init__(verifier, secret)
         self.calls = 0
+        # the next `lose` VERIFYs after `lose_after` more find their session gone (closed just before: a lost
+        # replica, and the one it was resumed on lost in turn)
+        self.lose = self.lose_after = 0
 
     async def open(self, request, *, session_id, device_id):
         self.calls += 1
@@ -35,6 +38,11 @@ class InProcessBackend(VerifierService):
 
     async def verify(self, request, *, session_id, device_id, token):
         self.calls += 1
+        if self.lose > 0 and self.lose_after > 0:
+            self.lose_after -= 1
+        elif self.lose > 0:
+            self.lose -= 1
+            await self.close(session_id=session_id, device_id=device_id, token=token)
         return await super().verify(request, session_id=session_id, device_id=device_id, token=token)
 
     async def resume(self, request, history, injected, *, session_id, device_id, token):

@@ -140,21 +140,13 @@ def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(node, ser
     backend = SERVED["endpoint"].backend
     job = [{"prompt": _prompts(1, 34)[0], "seed": 8, "session_id": "web-lost"}]
     plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
-    verify, state = backend.verify, {"calls": 0, "lose": 3}
-
-    async def losing(request, *, session_id, device_id, token):  # from the second VERIFY on: the session is gone
-        state["calls"] += 1
-        if state["calls"] >= 2 and state["lose"] > 0:
-            state["lose"] -= 1
-            await backend.close(session_id=session_id, device_id=device_id, token=token)
-        return await verify(request, session_id=session_id, device_id=device_id, token=token)
-
-    monkeypatch.setattr(backend, "verify", losing)
+    monkeypatch.setattr(backend, "lose", 3)  # from the second VERIFY on, the session is gone (LOST_RETRIES times)
+    monkeypatch.setattr(backend, "lose_after", 1)
     lost = _run(node, server, onnx_dir, job, options=FIXED)
     r = lost["results"][0]
     assert "error" not in r, r
     assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"] and lost["resumes"] == 3
-    state.update(calls=0, lose=4)
+    backend.lose, backend.lose_after = 4, 1
     r = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
     assert r.get("status") == 410, r
 

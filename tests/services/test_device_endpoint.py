@@ -107,23 +107,14 @@ def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(server, r
     from ciar_device.connection import LOST_RETRIES, SessionLost
 
     url, _, backend = server
-    verify, state = backend.verify, {"calls": 0, "lose": 0}
-
-    async def losing(request, *, session_id, device_id, token):  # from the second VERIFY on: the session is gone
-        state["calls"] += 1
-        if state["calls"] >= 2 and state["lose"] > 0:
-            state["lose"] -= 1
-            await backend.close(session_id=session_id, device_id=device_id, token=token)
-        return await verify(request, session_id=session_id, device_id=device_id, token=token)
-
-    monkeypatch.setattr(backend, "verify", losing)
-    state["lose"] = LOST_RETRIES
+    monkeypatch.setattr(backend, "lose", LOST_RETRIES)  # from the second VERIFY on, the session is gone
+    monkeypatch.setattr(backend, "lose_after", 1)
     conn = _conn(url)
     out = _generate(conn, tiny_device, median_tau)
     assert torch.equal(out.tokens, reference.tokens) and out.trace == reference.trace
     assert conn.resumes == LOST_RETRIES and out.stats.resumes == 1  # (one request, resumed three times)
     conn.disconnect()
-    state.update(calls=0, lose=LOST_RETRIES + 1)
+    backend.lose, backend.lose_after = LOST_RETRIES + 1, 1
     conn = _conn(url)
     with pytest.raises(SessionLost):
         _generate(conn, tiny_device, median_tau)
