@@ -250,11 +250,12 @@ def run(cloud, text, phones: list[Phone], engine: dict, disrupt: Disruption, see
 
 
 # the engines and disruptions of the fuzzed runs (seed % len of each: 11 and 6, so every pair comes)
-ENGINES = (dict(), dict(overlap=True), dict(static=True), dict(static=True, overlap=True, pack=True, pack_inputs=True),
+ENGINES = (dict(), dict(overlap=True), dict(static=True),
+           dict(static=True, overlap=True, pack=True, pack_inputs=True),
            dict(budget=8, chunk=3), dict(budget=6, chunk=4, overlap=True), dict(works=2),
-           dict(works=3, budget=12, chunk=5, static=True, overlap=True), dict(fewer_slots=2, overlap=True),
-           dict(fewer_slots=1, budget=10, chunk=4, static=True), dict(fewer_slots=1, works=4, static=True, overlap=True,
-                                                                         pack=True))
+           dict(works=3, budget=12, chunk=5, static=True, overlap=True),
+           dict(fewer_slots=2, overlap=True), dict(fewer_slots=1, budget=10, chunk=4, static=True),
+           dict(fewer_slots=1, works=4, static=True, overlap=True, pack=True))
 DISRUPTIONS = (Disruption(), Disruption(think=3), Disruption(cancel=0.08, drop=0.1, move=0.05, think=2),
                Disruption(forward_fault=0.05, judge_fault=0.05),
                Disruption(withdraw=0.06, evict=0.05, repeat_open=0.5, think=2),
