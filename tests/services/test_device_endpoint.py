@@ -122,6 +122,35 @@ def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(server, r
     conn.disconnect()
 
 
+def test_random_cuts_and_losses_leave_the_image_unchanged(server, tiny_cloud, tiny_device, stub_text, median_tau,
+                                                          monkeypatch):
+    """Sockets cut with a verify in flight and sessions lost under verifies, both at random (seeded) and together:
+    the connection reconnects, resumes (again when a resumed session is lost in turn) and finishes the image the
+    in-process verifier makes."""
+    import random
+
+    from ciar.engine.verifier import CloudVerifier, InProcessCloud
+    from ciar_device.connection import LOST_RETRIES
+
+    url, _, backend = server
+    resumes = lost = 0
+    for seed in range(4):
+        rng = random.Random(seed)
+        want = _generate(InProcessCloud(CloudVerifier(tiny_cloud, stub_text, max_sessions=2)), tiny_device,
+                         median_tau, seed=20 + seed)
+        losses = rng.randint(0, LOST_RETRIES)
+        monkeypatch.setattr(backend, "lose", losses)
+        monkeypatch.setattr(backend, "lose_after", rng.randint(0, 3))
+        conn = cutting_connection(url, KEY, 64, cuts=rng.sample(range(1, 8), rng.randint(0, 3)),
+                                  array=torch.from_numpy, backoff_s=0.01)
+        out = _generate(conn, tiny_device, median_tau, seed=20 + seed)
+        assert torch.equal(out.tokens, want.tokens) and out.trace == want.trace, seed
+        assert not conn.sessions
+        resumes, lost = resumes + conn.resumes, lost + losses - backend.lose
+        conn.disconnect()
+    assert resumes > 0 and lost > 0
+
+
 def test_reconnect_without_loss_keeps_the_session(server, reference, tiny_device, median_tau):
     """A clean reconnect between requests: the session is still held, nothing is resumed."""
 
