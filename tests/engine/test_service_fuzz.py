@@ -2,22 +2,27 @@
 asyncio callers of `VerifierService` (the engine on its own thread) and of `EngineProcess` (the engine core in a
 process of its own, every request and reply through its socket and codec), timing left to the threads. Callers go
 away mid-request (their task cancelled: the work is withdrawn, in the core too), sessions are closed under requests
-in flight (a VERIFY then fails with SessionLostError), forwards raise in the core, phones pause; each phone resumes
-from the tokens it knows and sends its request again, as `DeviceConnection` does. Whatever the interleaving, every
-phone's replies and tokens must be the plain engine's (docs/architecture.md, *Determinism*), and the service must end
-with no session and nothing running."""
+in flight (a VERIFY then fails with SessionLostError), forwards raise in the core, phones pause, and the engine's
+process is killed mid-run and replaced by another with the same secret (a lost replica: every call in flight fails
+with EngineProcessError, and the phones resume on the new one with the tokens they hold). Each phone resumes from the
+tokens it knows and sends its request again, as `DeviceConnection` does. Whatever the interleaving, every phone's
+replies and tokens must be the plain engine's (docs/architecture.md, *Determinism*), and the service must end with
+no session and nothing running."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import os
 import random
+import signal
 
 import pytest
 import torch
 
 from ciar.collab.protocol import CapacityError, SessionLostError
-from ciar.engine.process import CoreSpec, EngineProcess
+from ciar.engine.process import CoreSpec, EngineProcess, EngineProcessError
 from ciar.engine.service import VerifierService
 from test_engine_fuzz import Disruption, InjectedFault, Phone, codebook, make_phones, next_verify, run
 
@@ -44,10 +49,34 @@ def fuzz_core(max_sessions: int, overlap: bool = False, forward_fault: float = 0
     return v
 
 
-async def drive(service, phones: list[Phone], vocab: int, block: int, seed: int, cancel: float, close: float,
-                think: int) -> dict:
+class Pool:
+    """The service the phones call now. `lose()` kills its engine process (a lost replica: every call in flight and
+    later fails with EngineProcessError) and starts another with the same secret, as Serve replaces a replica; the
+    phones then resume their sessions on it with the tokens they hold."""
+
+    def __init__(self, make):
+        self.make, self.service = make, make()
+        self.services, self.up, self.lost = [self.service], asyncio.Event(), 0
+        self.up.set()
+
+    async def lose(self) -> None:
+        self.up.clear()
+        os.kill(self.service.proc.pid, signal.SIGKILL)
+        self.service = await asyncio.to_thread(self.make)
+        self.services.append(self.service)
+        self.lost += 1
+        self.up.set()
+
+    def shutdown(self) -> None:
+        for s in self.services:
+            s.shutdown()
+
+
+async def drive(pool: Pool, phones: list[Phone], vocab: int, block: int, seed: int, cancel: float, close: float,
+                think: int, kills: int = 0) -> dict:
     """Every phone to its end at once; a request may be cancelled by its caller (`cancel`) or its session closed
-    under it by another task (`close`) after a few loop turns. -> counts of what happened."""
+    under it by another task (`close`) after a few loop turns; `kills` times the replica is lost while they run.
+    -> counts of what happened."""
     rng = random.Random(seed)
     counts = {"cancelled": 0, "closed": 0, "retried": 0, "resumed": 0}
 
@@ -63,7 +92,8 @@ async def drive(service, phones: list[Phone], vocab: int, block: int, seed: int,
                 task.cancel()
             else:
                 counts["closed"] += 1
-                await service.close(session_id=p.sid, device_id="d", token=p.token)
+                with contextlib.suppress(EngineProcessError):
+                    await pool.service.close(session_id=p.sid, device_id="d", token=p.token)
         try:
             return await task
         except asyncio.CancelledError:
@@ -71,17 +101,21 @@ async def drive(service, phones: list[Phone], vocab: int, block: int, seed: int,
         except RETRY:
             counts["retried"] += 1
             return None
+        except EngineProcessError:  # the replica is gone: wait for its replacement
+            counts["retried"] += 1
+            await pool.up.wait()
+            return None
 
     async def resume(p: Phone) -> None:
-        while await call(p, lambda: service.resume(p.open, torch.tensor(p.tokens, dtype=torch.long), None,
-                                                   session_id=p.sid, device_id="d", token=p.token)) is None:
+        while await call(p, lambda: pool.service.resume(p.open, torch.tensor(p.tokens, dtype=torch.long), None,
+                                                        session_id=p.sid, device_id="d", token=p.token)) is None:
             await asyncio.sleep(0)
         counts["resumed"] += 1
 
     async def phone(p: Phone) -> None:
         got = None
         while got is None:
-            got = await call(p, lambda: service.open(p.open, session_id=p.sid, device_id="d"))
+            got = await call(p, lambda: pool.service.open(p.open, session_id=p.sid, device_id="d"))
             if got is None:
                 await asyncio.sleep(0)
         reply, p.token = got
@@ -90,46 +124,66 @@ async def drive(service, phones: list[Phone], vocab: int, block: int, seed: int,
         while (req := next_verify(p, vocab, block)) is not None:
             for _ in range(rng.randint(0, think)):
                 await asyncio.sleep(0)
-            while (r := await call(p, lambda: service.verify(req, session_id=p.sid, device_id="d",
-                                                              token=p.token))) is None:
+            while (r := await call(p, lambda: pool.service.verify(req, session_id=p.sid, device_id="d",
+                                                                   token=p.token))) is None:
                 await resume(p)  # (the session may have moved on, or be gone: RESUME replaces any copy)
             burst = r.burst_tokens.tolist() if r.num_burst else []
             p.replies.append((r.num_accepted, r.next_token, r.recovered, burst))
             p.tokens += req.new_tokens.tolist() + req.draft_tokens[:r.num_accepted].tolist() + [r.next_token]
             p.tokens += burst
             p.verifies += 1
-        await service.close(session_id=p.sid, device_id="d", token=p.token)
+        with contextlib.suppress(EngineProcessError):  # (a lost replica holds nothing any more)
+            await pool.service.close(session_id=p.sid, device_id="d", token=p.token)
+        p.finished = True
 
-    before = await service.ready()
-    await asyncio.gather(*(phone(p) for p in phones))
+    async def killer() -> None:  # the replica is lost once the phones have had a few more replies
+        for _ in range(kills):
+            due = sum(len(p.replies) for p in phones) + rng.randint(1, 2 * len(phones))
+            while sum(len(p.replies) for p in phones) < due and not all(p.finished for p in phones):
+                await asyncio.sleep(0.001)
+            if not all(p.finished for p in phones):
+                await pool.lose()
+
+    before = await pool.service.ready()
+    jobs = asyncio.gather(*(phone(p) for p in phones))
+    kill = asyncio.ensure_future(killer())
+    try:
+        await jobs
+    finally:
+        for p in phones:
+            p.finished = True
+        await kill
+    assert pool.up.is_set()
     # every session closed and its slots free: asked after one more OPEN's reply (the closes above are applied
     # before the step that answers it), so the answer does not depend on when the engine ran them
     sentinel = dataclasses.replace(phones[0].open, session_id="sentinel", prefix_len=1)
     while True:
         try:
-            await service.open(sentinel, session_id="sentinel", device_id="d")
+            await pool.service.open(sentinel, session_id="sentinel", device_id="d")
             break
         except RETRY:  # (an injected fault: sent again)
             pass
     rows = 2 if sentinel.sampling.uses_cfg else 1
-    assert await service.ready() == {"sessions": 1, "free_slots": before["free_slots"] - rows}, before
+    assert await pool.service.ready() == {"sessions": 1, "free_slots": before["free_slots"] - rows}, before
+    counts["replicas_lost"] = pool.lost
     return counts
 
 
-def fuzz_service(cloud, text, seed: int, process: bool, overlap: bool, disrupt: Disruption) -> dict:
+def fuzz_service(cloud, text, seed: int, process: bool, overlap: bool, disrupt: Disruption, kills: int = 0) -> dict:
     n = random.Random(seed).randint(2, 6)
     vocab, block = cloud.config.vocab_size, cloud.config.block_size
     ref = make_phones(seed, n, vocab, block)
     run(cloud, text, ref, {}, Disruption(), seed)
     kwargs = dict(max_sessions=n, overlap=overlap, forward_fault=disrupt.forward_fault, seed=seed)
-    service = EngineProcess(CoreSpec(factory=FACTORY, factory_kwargs=kwargs), "secret", batch_wait_s=0.001) \
-        if process else VerifierService(fuzz_core(**kwargs), "secret", batch_wait_s=0.001)
+    pool = Pool(lambda: EngineProcess(CoreSpec(factory=FACTORY, factory_kwargs=kwargs), "secret",
+                                      batch_wait_s=0.001) if process else
+                VerifierService(fuzz_core(**kwargs), "secret", batch_wait_s=0.001))
     try:
         got = make_phones(seed, n, vocab, block)
-        counts = asyncio.run(drive(service, got, vocab, block, seed + 1, disrupt.cancel, disrupt.drop,
-                                   disrupt.think))
+        counts = asyncio.run(drive(pool, got, vocab, block, seed + 1, disrupt.cancel, disrupt.drop, disrupt.think,
+                                   kills if process else 0))
     finally:
-        service.shutdown()
+        pool.shutdown()
     for a, b in zip(ref, got):
         assert b.replies == a.replies, (seed, a.sid, a.kind, process, overlap, disrupt)
         assert b.tokens == a.tokens, (seed, a.sid, a.kind, process, overlap, disrupt)
@@ -142,10 +196,15 @@ DISRUPT = Disruption(cancel=0.1, drop=0.08, think=3, forward_fault=0.03)
 @torch.no_grad()
 @pytest.mark.parametrize("process", [False, True])
 def test_services_give_every_phone_the_reference_replies(tiny_cloud, stub_text, process):
+    """Three seeds each way; with the engine's own process, its replica is also lost once a seed (killed, and
+    replaced by another with the same secret)."""
     seen: dict = {}
     for seed in range(3):
-        for k, x in fuzz_service(tiny_cloud, stub_text, seed, process, overlap=seed % 2 == 1, disrupt=DISRUPT).items():
+        for k, x in fuzz_service(tiny_cloud, stub_text, seed, process, overlap=seed % 2 == 1, disrupt=DISRUPT,
+                                 kills=1).items():
             seen[k] = seen.get(k, 0) + x
+    if not process:
+        assert seen.pop("replicas_lost") == 0
     assert min(seen.values()) > 0, seen  # callers went away, sessions were closed under requests, phones resumed
 
 
@@ -156,4 +215,5 @@ def test_services_many_seeds(tiny_cloud, stub_text, process):
     import os
 
     for seed in range(int(os.environ.get("CIAR_FUZZ_SEEDS", 20))):
-        fuzz_service(tiny_cloud, stub_text, 1000 + seed, process, overlap=seed % 2 == 1, disrupt=DISRUPT)
+        fuzz_service(tiny_cloud, stub_text, 1000 + seed, process, overlap=seed % 2 == 1, disrupt=DISRUPT,
+                     kills=seed % 3)
