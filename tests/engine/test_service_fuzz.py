@@ -212,8 +212,6 @@ def test_services_give_every_phone_the_reference_replies(tiny_cloud, stub_text, 
 @torch.no_grad()
 @pytest.mark.parametrize("process", [False, True])
 def test_services_many_seeds(tiny_cloud, stub_text, process):
-    import os
-
     for seed in range(int(os.environ.get("CIAR_FUZZ_SEEDS", 20))):
         fuzz_service(tiny_cloud, stub_text, 1000 + seed, process, overlap=seed % 2 == 1, disrupt=DISRUPT,
                      kills=seed % 3)
