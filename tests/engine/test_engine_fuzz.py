@@ -12,7 +12,8 @@ disrupts it:
     RESUME refused for want of a slot (sent again);
   - forwards and judge passes that raise; phones that wait a few steps between requests.
 Every phone's replies and tokens must be the reference's (docs/architecture.md, *Determinism*: position-keyed draws,
-and on a CPU a row's logits whatever shares its step), a repeated OPEN's reply the first's, and the engine must end
+and on a CPU a row's logits whatever shares its step), a repeated OPEN's reply the first's, twin phones (the same
+requests under two session ids, side by side in the same steps) must get the same replies, and the engine must end
 empty with every slot free.
 
     CIAR_FUZZ_SEEDS=300 .venv/bin/python -m pytest tests/engine/test_engine_fuzz.py -m slow    # a longer search
@@ -23,6 +24,7 @@ that fix (seed 3, an SJD phone resumed after a failed pass). 900 seeds after it 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass, field
@@ -90,12 +92,20 @@ class Phone:
     finished: bool = False
     wait: int = 0  # steps before its next request
     verifies: int = 0
+    script_seed: int = 0  # its generator's seed (a twin's is the same)
 
 
 def make_phones(seed: int, n: int, vocab: int, block: int) -> list[Phone]:
+    """`n` phones drawn from `seed`; now and then one is the twin of the one before (the same requests under another
+    session id: `twins`)."""
     rng = random.Random(seed)
-    phones = []
+    phones: list[Phone] = []
     for i in range(n):
+        if phones and rng.random() < 0.2:
+            twin = phones[-1]
+            phones.append(Phone(f"p{i}", twin.kind, dataclasses.replace(twin.open, session_id=f"p{i}"),
+                                random.Random(twin.script_seed), script_seed=twin.script_seed))
+            continue
         kind = rng.choice(KINDS)
         sampling = rng.choice(SAMPLINGS)
         prefix = {"cloud": block, "ciar": rng.randint(1, 3), "windows": rng.randint(1, 3),
@@ -105,8 +115,17 @@ def make_phones(seed: int, n: int, vocab: int, block: int) -> list[Phone]:
             RuleConfig()  # (an SJD prefix: the exact rule or GSD's groups)
         req = OpenRequest(f"p{i}", rng.choice(PROMPTS), seed=rng.randrange(1 << 31), sampling=sampling,
                           prefix_len=prefix, rule=rule, want_caption=False, jacobi_window=window)
-        phones.append(Phone(req.session_id, kind, req, random.Random(rng.randrange(1 << 31))))
+        script_seed = rng.randrange(1 << 31)
+        phones.append(Phone(req.session_id, kind, req, random.Random(script_seed), script_seed=script_seed))
     return phones
+
+
+def twins(phones: list[Phone]) -> list[list[Phone]]:
+    """The phones that send the same requests (`make_phones`' twins), grouped."""
+    groups: dict = {}
+    for p in phones:
+        groups.setdefault((repr(dataclasses.replace(p.open, session_id="")), p.script_seed), []).append(p)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def next_verify(p: Phone, vocab: int, block: int) -> VerifyRequest | None:
@@ -280,6 +299,9 @@ def fuzz_one(cloud, text, seed: int, extra: dict | None = None) -> dict:
     for a, b in zip(ref, got):
         assert b.replies == a.replies, (seed, a.sid, a.kind, engine, disrupt)
         assert b.tokens == a.tokens, (seed, a.sid, a.kind, engine, disrupt)
+    for group in twins(got):  # the same requests, side by side in the same steps: the same replies
+        assert all(p.replies == group[0].replies for p in group), (seed, [p.sid for p in group])
+    counts["twins"] = sum(len(g) for g in twins(got))
     return counts
 
 
