@@ -20,7 +20,7 @@ empty with every slot free.
 
 Written beside the fix of a session resumed from its tokens drafting other Jacobi windows than the uninterrupted one
 (the windows were keyed by the round, which a resume started over): its `make test` seeds fail on the engine before
-that fix (seed 3, an SJD phone resumed after a failed pass). 900 seeds after it found nothing more."""
+that fix (seed 3, an SJD phone resumed after a failed pass). 1,200 seeds after it found nothing more."""
 
 from __future__ import annotations
 
