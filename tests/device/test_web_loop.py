@@ -151,6 +151,28 @@ def test_a_session_lost_again_under_its_resent_verify_is_resumed_again(node, ser
     assert r.get("status") == 410, r
 
 
+def test_random_cuts_and_losses_leave_the_browsers_image_unchanged(node, server, onnx_dir, monkeypatch):
+    """As the Python connection's random test (tests/services/test_device_endpoint.py): sockets cut right after a
+    VERIFY is sent (its reply lost) and sessions lost under VERIFYs, at random (seeded) and together; the page
+    reconnects, resumes (again when a resumed session is lost in turn) and makes the undisturbed image."""
+    import random
+
+    backend = SERVED["endpoint"].backend
+    resumes = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        job = [{"prompt": _prompts(1, 40 + seed)[0], "seed": 10 + seed, "session_id": f"web-chaos-{seed}"}]
+        plain = _run(node, server, onnx_dir, job, options=FIXED)["results"][0]
+        monkeypatch.setattr(backend, "lose", rng.randint(0, 3))
+        monkeypatch.setattr(backend, "lose_after", rng.randint(0, 3))
+        out = _run(node, server, onnx_dir, job, options=FIXED, cuts=sorted(rng.sample(range(1, 8), rng.randint(0, 2))))
+        r = out["results"][0]
+        assert "error" not in r, (seed, r)
+        assert r["tokens"] == plain["tokens"] and r["who"] == plain["who"], seed
+        resumes += out["resumes"]
+    assert resumes > 0
+
+
 VERIFY_LOST = ("up", "VERIFY", 2, "drop")  # a verify lost on its way: the page then RESUMEs
 RETRY_CUTS = {  # as tests/services/test_retry_semantics.py: every frame of an image, each direction
     "HELLO": [("up", "HELLO", 1)], "WELCOME": [("down", "WELCOME", 1)],
