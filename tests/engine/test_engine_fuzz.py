@@ -36,6 +36,7 @@ from ciar.collab.protocol import CapacityError, ForwardFault, OpenRequest, RuleC
 from ciar.decoding.sampling import SamplingParams
 from ciar.engine.core import SchedulerConfig
 from ciar.engine.verifier import CloudVerifier
+from ciar_device.history import SessionHistory
 
 PROMPTS = ("a small red circle at the top on a gray background",
            "two green triangles at the left on a white background")
@@ -81,7 +82,7 @@ class Phone:
     kind: str
     open: OpenRequest
     script: random.Random
-    tokens: list[int] = field(default_factory=list)
+    history: SessionHistory | None = None  # what it knows of its session (the device's own bookkeeping)
     replies: list = field(default_factory=list)
     request: VerifyRequest | None = None  # the verify being sent (again, after a failure)
     work: object = None  # the work in flight
@@ -93,6 +94,23 @@ class Phone:
     wait: int = 0  # steps before its next request
     verifies: int = 0
     script_seed: int = 0  # its generator's seed (a twin's is the same)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens it knows (what it resumes from)."""
+        return self.history.tokens if self.history is not None else []
+
+    def took_open(self, reply) -> None:
+        """Its OPEN's reply: the prefix tokens, recorded."""
+        self.history = SessionHistory(self.open, reply.prefix_tokens.tolist())
+        self.replies.append(list(self.tokens))
+
+    def took_verify(self, request: VerifyRequest, reply) -> None:
+        """A VERIFY's reply, recorded, and what it committed added to the tokens (`SessionHistory.commit`)."""
+        self.history.commit(request, reply)
+        self.replies.append((reply.num_accepted, reply.next_token, reply.recovered,
+                             reply.burst_tokens.tolist() if reply.num_burst else []))
+        self.verifies += 1
 
 
 def make_phones(seed: int, n: int, vocab: int, block: int) -> list[Phone]:
@@ -214,16 +232,11 @@ def run(cloud, text, phones: list[Phone], engine: dict, disrupt: Disruption, see
                 p.resuming = False
             elif not p.opened:
                 p.opened = True
-                p.tokens = w.result.prefix_tokens.tolist()
-                p.replies.append(p.tokens)
+                p.took_open(w.result)
                 p.wait = rng.randint(0, disrupt.think)
             else:
-                r, req = w.result, p.request
-                burst = r.burst_tokens.tolist() if r.num_burst else []
-                p.replies.append((r.num_accepted, r.next_token, r.recovered, burst))
-                p.tokens += req.new_tokens.tolist() + req.draft_tokens[:r.num_accepted].tolist() + [r.next_token]
-                p.tokens += burst
-                p.request, p.verifies = None, p.verifies + 1
+                p.took_verify(p.request, w.result)
+                p.request = None
                 p.wait = rng.randint(0, disrupt.think)
             if p.request is None:
                 p.request = next_verify(p, vocab, block)

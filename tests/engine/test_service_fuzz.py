@@ -119,19 +119,14 @@ async def drive(pool: Pool, phones: list[Phone], vocab: int, block: int, seed: i
             if got is None:
                 await asyncio.sleep(0)
         reply, p.token = got
-        p.tokens = reply.prefix_tokens.tolist()
-        p.replies.append(p.tokens)
+        p.took_open(reply)
         while (req := next_verify(p, vocab, block)) is not None:
             for _ in range(rng.randint(0, think)):
                 await asyncio.sleep(0)
             while (r := await call(p, lambda: pool.service.verify(req, session_id=p.sid, device_id="d",
                                                                    token=p.token))) is None:
                 await resume(p)  # (the session may have moved on, or be gone: RESUME replaces any copy)
-            burst = r.burst_tokens.tolist() if r.num_burst else []
-            p.replies.append((r.num_accepted, r.next_token, r.recovered, burst))
-            p.tokens += req.new_tokens.tolist() + req.draft_tokens[:r.num_accepted].tolist() + [r.next_token]
-            p.tokens += burst
-            p.verifies += 1
+            p.took_verify(req, r)
         with contextlib.suppress(EngineProcessError):  # (a lost replica holds nothing any more)
             await pool.service.close(session_id=p.sid, device_id="d", token=p.token)
         p.finished = True
