@@ -24,18 +24,18 @@ FROZEN_ACCEPT_7_10 = 0.867816663551894
 
 class FlakyCloud(InProcessCloud):
     """InProcessCloud that, just before verify call number `at` (1-based; None: the call after the first one that
-    carries interval features), either swaps its verifier for a FRESH one (a lost replica) or evicts every idle
-    session (a lost slot)."""
+    carries interval features) and the `times` - 1 calls after it, either swaps its verifier for a FRESH one (a lost
+    replica) or evicts every idle session (a lost slot)."""
 
-    def __init__(self, make_verifier, at: int, mode: str):
+    def __init__(self, make_verifier, at: int, mode: str, times: int = 1):
         super().__init__(make_verifier())
-        self.make_verifier, self.at, self.mode = make_verifier, at, mode
+        self.make_verifier, self.at, self.mode, self.times = make_verifier, at, mode, times
         self.calls = 0
         self.resume_calls = []
 
     def verify(self, request):
         self.calls += 1
-        if self.calls == self.at:
+        if self.at is not None and self.at <= self.calls < self.at + self.times:
             if self.mode == "replace":
                 self.verifier = self.make_verifier()
             else:
@@ -390,18 +390,6 @@ def test_a_session_lost_again_under_its_retried_verify_is_resumed_again(tiny_clo
     """The replica a session was resumed on is lost in turn before the verify is sent again: RecoveringClient resumes
     it again (up to LOST_RETRIES), and the image is the undisturbed one; past LOST_RETRIES the loss is raised."""
 
-    class TwiceLost(InProcessCloud):
-        def __init__(self, make_verifier, losses: int):
-            super().__init__(make_verifier())
-            self.make_verifier, self.losses, self.calls = make_verifier, losses, 0
-
-        def verify(self, request):
-            self.calls += 1
-            if self.calls >= 3 and self.losses > 0:  # from the third verify on: the verify and its retries
-                self.losses -= 1
-                self.verifier = self.make_verifier()
-            return super().verify(request)
-
     def make_verifier():
         return CloudVerifier(tiny_cloud, stub_text, max_sessions=2)
 
@@ -410,9 +398,10 @@ def test_a_session_lost_again_under_its_retried_verify_is_resumed_again(tiny_clo
     ref = CollabDecoder(tiny_device, InProcessCloud(make_verifier()), cfg, PARAMS, num_tokens=n).generate(PROMPT,
                                                                                                          seed=5)
     assert ref.stats.verifications >= 3
-    client = RecoveringClient(TwiceLost(make_verifier, losses=RecoveringClient.LOST_RETRIES))
+    # (from the third verify on: the verify and its retries, each on a fresh replica)
+    client = RecoveringClient(FlakyCloud(make_verifier, at=3, mode="replace", times=RecoveringClient.LOST_RETRIES))
     got = CollabDecoder(tiny_device, client, cfg, PARAMS, num_tokens=n).generate(PROMPT, seed=5)
     assert torch.equal(got.tokens, ref.tokens) and client.resumes == RecoveringClient.LOST_RETRIES
-    client = RecoveringClient(TwiceLost(make_verifier, losses=RecoveringClient.LOST_RETRIES + 1))
+    client = RecoveringClient(FlakyCloud(make_verifier, at=3, mode="replace", times=RecoveringClient.LOST_RETRIES + 1))
     with pytest.raises(SessionLostError):
         CollabDecoder(tiny_device, client, replace(cfg, fallback=False), PARAMS, num_tokens=n).generate(PROMPT, seed=5)
