@@ -103,6 +103,17 @@ def stubbed_verifier(vocab: int, sessions: int, max_works: int, pool_rows: int, 
     return v, state, g
 
 
+def _verify(v, i: int, vocab: int, g, q) -> None:
+    """Session i's VERIFY of a round (the workload's: CATCH_UP random catch-up tokens, SPAN random drafts sent with
+    the uniform distributions `q`, a burst of BURST), submitted."""
+    import torch
+
+    from ciar_device.wire import VerifyRequest
+
+    v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
+                                  torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+
+
 def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: int | None = None,
             freeze: bool = False, compiled: bool = False, keep_memory: bool = True) -> dict:
     """In this process, with whatever `ciar` it imports: the workload above -> per-step and per-round times (medians,
@@ -122,8 +133,6 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
             pass
         else:
             kept = keep_freed_memory(log=lambda *a: None)
-
-    from ciar_device.wire import VerifyRequest
 
     v, state, g = stubbed_verifier(vocab, sessions, max_works or 2 * sessions, sessions * 2 * (SPAN + 1), seed)
     q = torch.full((SPAN, vocab), 1.0 / vocab, dtype=torch.float16)
@@ -152,8 +161,7 @@ def measure(vocab: int, sessions: int, rounds: int, seed: int = 0, max_works: in
     for r in range(rounds + 1):  # the first round warms up
         measuring = r > 0
         for i in range(sessions):
-            v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
-                                          torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+            _verify(v, i, vocab, g, q)
         steps, round_s = [], 0.0
         if maths is not None:
             maths["s"] = 0.0
@@ -221,8 +229,6 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ciar_device.wire import VerifyRequest
-
     phase = {"device": False, "sends": 0}
 
     class Count(TorchDispatchMode):
@@ -273,8 +279,7 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
             later = list(range(sessions // 2, sessions)) if staggered and r else []
             for i in range(sessions):
                 if i not in later:
-                    v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
-                                                  torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+                    _verify(v, i, vocab, g, q)
             while v.engine.busy:
                 if not r:
                     v.engine.step()
@@ -285,8 +290,7 @@ def count_ops(vocab: int, sessions: int, seed: int = 0, staggered: bool = False)
                 per_step.append(c.n)
                 on_device.append(c.device)
                 for i in later:  # (after the round's first step)
-                    v.submit_verify(VerifyRequest(f"s{i}", torch.randint(0, vocab, (CATCH_UP,), generator=g),
-                                                  torch.randint(0, vocab, (SPAN,), generator=g), q, burst=BURST))
+                    _verify(v, i, vocab, g, q)
                 later = []
     finally:
         for cls, name, orig in undo:
