@@ -122,7 +122,7 @@ serve: $(STAMP) $(ONNX) web
 	$(SERVE_ENV) $(BIN)/serve run serve_config.yaml
 
 # a 30 s ramp to 8 users against a cluster it starts and stops itself (summary in runs/load/summary.json)
-load: $(STAMP)
+load: $(STAMP) $(ONNX)
 	$(SERVE_ENV) $(BIN)/python -m loadtests.run --users 8 --duration 30 --scenario ramp --out runs/load
 
 clean-venv:

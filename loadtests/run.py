@@ -440,4 +440,9 @@ def _print_summary(s: dict, out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from services.deploy import DeployFailed
+
+    try:
+        sys.exit(main())
+    except DeployFailed as e:  # one line (the failed deployment and its error), not the runner's traceback
+        sys.exit(f"error: {e}")

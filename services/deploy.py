@@ -51,6 +51,28 @@ def deploy_config(args: dict, import_path: str = "services.app:build_app", name:
     wait_running(name, timeout_s, since)
 
 
+class DeployFailed(RuntimeError):
+    """The application failed to deploy; the message is one line naming the deployment and the error its replicas
+    raised (`failure_line`)."""
+
+
+def _state(x) -> str:
+    return str(getattr(x, "value", x))  # (Serve's status enums print as "ApplicationStatus.RUNNING")
+
+
+def failure_line(name: str, status) -> str:
+    """The one line `make serve`'s watcher prints for a failed application (`services.ready.failure`), from
+    `serve.status()`'s entry for it: the failed deployment and the last line of its message, i.e. the exception
+    its replicas' constructor raised (a missing file, a bad setting). Serve's own application message names only
+    the deployments ("Failed to update the deployments ['Device']")."""
+    from services.ready import failure
+
+    deployments = {d: {"status": _state(s.status), "message": s.message or ""}
+                   for d, s in (status.deployments or {}).items()}
+    app = {"status": _state(status.status), "message": status.message or "", "deployments": deployments}
+    return failure({"applications": {name: app}}) or f"application {name} failed to deploy: {status.message}"
+
+
 def wait_running(name: str, timeout_s: float = 300.0, since: float = 0.0) -> None:
     """Wait until application `name` was (re)deployed after `since` (a Unix time) and is RUNNING."""
     deadline = time.monotonic() + timeout_s
@@ -63,6 +85,6 @@ def wait_running(name: str, timeout_s: float = 300.0, since: float = 0.0) -> Non
             if state.endswith("RUNNING") and status.last_deployed_time_s >= since - 1.0:
                 return
             if state.endswith("DEPLOY_FAILED"):
-                raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+                raise DeployFailed(failure_line(name, status))
         time.sleep(0.5)
     raise TimeoutError(f"application {name!r} not running after {timeout_s} s: {status}")

@@ -203,6 +203,49 @@ LOCUSTFILE_CHECK = textwrap.dedent("""
 """)
 
 
+def test_make_load_builds_the_export_the_served_phones_run():
+    """`make load` deploys serve_config.yaml, whose simulated phones run the onnx export: like `make serve`, it
+    builds the export first (on a fresh clone it failed: the Device replicas could not start)."""
+    import re
+
+    from loadtests.run import load_app_config
+
+    assert load_app_config(os.path.join(REPO, "serve_config.yaml"))["args"]["device_runtime"] == "onnx"
+    with open(os.path.join(REPO, "Makefile")) as f:
+        text = f.read()
+    for rule in ("serve", "load"):
+        prerequisites = re.search(rf"^{rule}:(.*)$", text, re.M).group(1).split()
+        assert "$(ONNX)" in prerequisites, rule
+
+
+def test_a_failed_deploy_is_one_line_naming_the_deployment_and_its_error():
+    """What `loadtests.run` (and every runner that deploys through `services.deploy`) says when a deployment cannot
+    start, from Serve's own status objects: the deployment and its constructor's exception, not Serve's "Failed to
+    update the deployments ['Device']"."""
+    from ray.serve._private.common import DeploymentStatusTrigger
+    from ray.serve.schema import (ApplicationStatus, ApplicationStatusOverview, DeploymentStatus,
+                                  DeploymentStatusOverview)
+
+    from services.deploy import failure_line
+
+    missing = "FileNotFoundError: /x/onnx/manifest.json not found: the onnx device runtime needs the exported model"
+    device = DeploymentStatusOverview(
+        status=DeploymentStatus.DEPLOY_FAILED, status_trigger=DeploymentStatusTrigger.REPLICA_STARTUP_FAILED,
+        replica_states={}, message=f"The deployment failed to start 3 times in a row. Error:\nTraceback (most "
+                                   f"recent call last):\n  File \"services/device.py\", line 85\n{missing}\n")
+    healthy = DeploymentStatusOverview(status=DeploymentStatus.HEALTHY, status_trigger=DeploymentStatusTrigger.
+                                       CONFIG_UPDATE_COMPLETED, replica_states={}, message="")
+    app = ApplicationStatusOverview(status=ApplicationStatus.DEPLOY_FAILED, last_deployed_time_s=0.0,
+                                    message="Failed to update the deployments ['Device'].",
+                                    deployments={"Verifier": healthy, "Device": device})
+    assert failure_line("ciar", app) == f"deployment Device of application ciar failed to start (DEPLOY_FAILED): " \
+                                        f"{missing}"
+    builder = ApplicationStatusOverview(status=ApplicationStatus.DEPLOY_FAILED, last_deployed_time_s=0.0,
+                                        message="Traceback ...\nValueError: devices must be >= 0", deployments={})
+    assert failure_line("ciar", builder) == "application ciar failed to deploy (DEPLOY_FAILED): ValueError: " \
+                                            "devices must be >= 0"
+
+
 def test_locustfile_as_locust_loads_it(tmp_path):
     env = {**os.environ, "CIAR_SCENARIO": "spike", "CIAR_USERS": "8", "CIAR_DURATION": "20",
            "CIAR_SLO_REPORT": str(tmp_path / "slo.json"), "OMP_NUM_THREADS": "1"}
