@@ -93,7 +93,7 @@ class RecoveringClient:
         try:
             reply = self._again(self.inner.verify, request)
         except Exception as e:
-            if t is None or not self.is_lost(e):
+            if t is None or not self.is_lost(e) or self.LOST_RETRIES < 1:  # (0: a lost session is not resumed)
                 raise
             reply = self._resume_and_retry(t, request)
         if t is not None:

@@ -405,3 +405,8 @@ def test_a_session_lost_again_under_its_retried_verify_is_resumed_again(tiny_clo
     client = RecoveringClient(FlakyCloud(make_verifier, at=3, mode="replace", times=RecoveringClient.LOST_RETRIES + 1))
     with pytest.raises(SessionLostError):
         CollabDecoder(tiny_device, client, replace(cfg, fallback=False), PARAMS, num_tokens=n).generate(PROMPT, seed=5)
+    client = RecoveringClient(FlakyCloud(make_verifier, at=3, mode="replace"))
+    client.LOST_RETRIES = 0  # no resume at all: the loss itself is raised
+    with pytest.raises(SessionLostError):
+        CollabDecoder(tiny_device, client, replace(cfg, fallback=False), PARAMS, num_tokens=n).generate(PROMPT, seed=5)
+    assert client.resumes == 0
