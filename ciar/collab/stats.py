@@ -41,16 +41,19 @@ def summarize_method(per_image: list[GenerationStats], base_total_s: float | Non
 
 def methods_markdown(rows: dict, title: str) -> str:
     """The side-by-side table (the layout of the paper's Table 1) of `summarize_method` rows plus quality columns
-    (`fidelity`, `fid`, optional `speedup_paper_profile`)."""
-    head = ("| Method | Fidelity (↑) | FID (↓) | Speedup | Speedup, paper profile (sim.) | Steps | Cloud call | "
-            "Requests | Accept | Device s | Cloud s | Comm s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    (`fidelity`, `fid`, optional `speedup_paper_profile`: its column only where some row has it; the evaluation
+    pipeline measures, it does not simulate)."""
+    paper = any(r.get("speedup_paper_profile") is not None for r in rows.values())
+    cols = ["Method", "Fidelity (↑)", "FID (↓)", "Speedup"] + (["Speedup, paper profile (sim.)"] if paper else []) + \
+        ["Steps", "Cloud call", "Requests", "Accept", "Device s", "Cloud s", "Comm s"]
     f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
-    lines = [f"### {title}\n", head]
+    x = lambda v: "–" if v is None else f"x{v:.2f}"  # noqa: E731
+    lines = [f"### {title}\n", "| " + " | ".join(cols) + " |\n", "|---" * len(cols) + "|\n"]
     for name, r in rows.items():
         lat = r["latency_s"]
-        lines.append(f"| {name} | {f(r.get('fidelity'), '.4f')} | {f(r.get('fid'), '.3f')} | "
-                     f"x{f(r['speedup'], '.2f')} | x{f(r.get('speedup_paper_profile'), '.2f')} | "
-                     f"x{f(r['steps_compression'], '.2f')} | {f(100 * r['cloud_call_rate'], '.2f')}% | "
-                     f"{r['cloud_requests']:.1f} | {f(r['acceptance_rate'], '.3f')} | {lat['device']:.4f} | "
-                     f"{lat['cloud']:.4f} | {lat['comm']:.4f} |\n")
+        cells = [name, f(r.get("fidelity"), ".4f"), f(r.get("fid"), ".3f"), x(r["speedup"])] + \
+            ([x(r.get("speedup_paper_profile"))] if paper else []) + \
+            [x(r["steps_compression"]), f"{f(100 * r['cloud_call_rate'], '.2f')}%", f"{r['cloud_requests']:.1f}",
+             f(r["acceptance_rate"], ".3f"), f"{lat['device']:.4f}", f"{lat['cloud']:.4f}", f"{lat['comm']:.4f}"]
+        lines.append("| " + " | ".join(cells) + " |\n")
     return "".join(lines)

@@ -65,3 +65,19 @@ def test_bad_profiles(spec):
 def test_timeout_default():
     assert get_profile("4g").timeout_s == pytest.approx(0.15)
     assert math.isclose(get_profile("none").timeout_s, 0.010)
+
+
+def test_the_methods_table_has_a_paper_profile_column_only_where_a_row_simulates_one():
+    """`pipelines.evaluate` measures and does not simulate: its table had a paper-profile column of "x–" cells."""
+    from ciar.collab.stats import methods_markdown
+
+    row = {"fidelity": 0.76, "fid": 2.3, "speedup": 1.0, "steps_compression": 1.0, "cloud_call_rate": 1.0,
+           "cloud_requests": 1.0, "acceptance_rate": None, "latency_s": {"device": 0.0, "cloud": 0.7, "comm": 0.02}}
+    measured = methods_markdown({"cloud": row, "ciar": {**row, "speedup": 1.44}}, "t").splitlines()
+    assert "paper profile" not in measured[1] and "x–" not in "".join(measured)
+    assert measured[1].count("|") == measured[2].count("|") == measured[4].count("|") == 12
+    assert measured[4].startswith("| ciar | 0.7600 | 2.300 | x1.44 | x1.00 | 100.00% |")
+    simulated = methods_markdown({"cloud": {**row, "speedup_paper_profile": 1.0},
+                                  "ciar": {**row, "speedup_paper_profile": 3.2}}, "t").splitlines()
+    assert "| Speedup | Speedup, paper profile (sim.) | Steps |" in simulated[1]
+    assert simulated[4].startswith("| ciar | 0.7600 | 2.300 | x1.00 | x3.20 | x1.00 |")
