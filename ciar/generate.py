@@ -84,6 +84,13 @@ def run(args: argparse.Namespace) -> dict:
         SamplingParams(**overrides)  # checks the given fields before anything is loaded
     except ValueError as e:
         raise UsageError(f"bad sampling setting: {e}") from None
+    if args.network is not None:  # checked whatever the method (cloud-only ignores it, as the API validates it)
+        from ciar.sim.network import get_profile
+
+        try:
+            get_profile(args.network)
+        except ValueError as e:
+            raise UsageError(f"--network: {e}") from None
     check_writable(args.out, "--out")
     if args.stats:
         check_writable(args.stats, "--stats")

@@ -122,6 +122,8 @@ def test_sampling_flags_override_the_defaults(weights, tmp_path, capsys):
     (["--prompt", PROMPT, "--method", "ciar"], ["needs a device model", "device.safetensors"]),
     (["--prompt", PROMPT, "--seed", "abc"], ["--seed"]),
     (["--seed", "1"], ["--prompt"]),
+    (["--prompt", PROMPT, "--network", "6g"], ["--network", "unknown network '6g'", "5g"]),  # (cloud-only too)
+    (["--prompt", PROMPT, "--network", "5g:loss=2"], ["--network", "loss"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(weights, tmp_path, capsys, argv, needles):
     code, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "x.png"), "--weights", weights)
