@@ -17,7 +17,10 @@ when GPUs exist):
            -> OUT/samples/shard-NNNNN.parquet (one row per caption x method: caption, method, seed, image path,
               every stats field, metric features)
 Resumable: captions are cut into shards of `--shard-size`; a shard whose Parquet file exists is skipped, and a
-shard's file is written (atomically) only when all its rows are in.
+shard's file is written (atomically) only when all its rows are in. OUT/run.json records what the samples depend on
+(the captions file and its SHA-256, --limit, --seed, the methods, --param, --network, the weights or world,
+--shard-size); a run into an OUT made with other settings is refused, naming them, since its finished shards would
+be taken as this run's (another --out, or remove the folder).
 
 Aggregation (driver): OUT/summary.json `{"methods": {NAME: {...}}}` with the field names of `benchmarks.collab`
 (speedup vs cloud-only from the per-sample latencies, cloud-call rate, requests, acceptance, fidelity, FID,
@@ -410,6 +413,44 @@ def parse_params(items: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- shards
+RUN_FILE = "run.json"  # in OUT: the settings its samples were made with (`run_settings`)
+
+
+def run_settings(args, methods: list[str], overrides: dict, model_config: dict) -> dict:
+    """What a run's samples depend on (not how they are computed: --generators, --batch-size), JSON-ready."""
+    import hashlib
+
+    with open(args.captions, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return json.loads(json.dumps({
+        "captions": os.path.abspath(args.captions), "captions_sha256": digest, "limit": args.limit,
+        "seed": args.seed, "methods": methods, "params": overrides, "network": args.network,
+        "weights": os.path.abspath(args.weights) if args.weights else None, "world": model_config,
+        "shard_size": args.shard_size}, sort_keys=True, default=str))
+
+
+def claim_out(out: str, settings: dict) -> None:
+    """Record `settings` in OUT/run.json, or check them against the ones recorded there: ValueError naming the
+    settings that differ (the finished shards were made with the recorded ones)."""
+    path = os.path.join(out, RUN_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        differ = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
+        if differ:
+            said = "; ".join(f"{k}: {json.dumps(before.get(k))} there, {json.dumps(settings.get(k))} now"
+                             for k in differ)
+            raise ValueError(f"--out {out} holds a run made with other settings ({said}); its finished shards "
+                             f"would be taken as this run's: give another --out, or remove that folder")
+        return
+    if any(n.startswith("shard-") for n in os.listdir(os.path.join(out, "samples"))):
+        print(f"{out} has shards but no {RUN_FILE} (made before it was written): their settings are not checked; "
+              f"recording this run's", flush=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def shard_path(out: str, shard: int) -> str:
     return os.path.join(out, "samples", f"shard-{shard:05d}.parquet")
 
@@ -587,6 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--generators", type=int, default=1, help="actors of the generation stage (max)")
     ap.add_argument("--batch-size", type=int, default=4, help="captions per generation call")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--limit", args.limit, 1), ("--seed", args.seed, 0),
+                               ("--shard-size", args.shard_size, 1), ("--generators", args.generators, 1),
+                               ("--batch-size", args.batch_size, 1)):
+        if value is not None and value < least:  # (a negative --limit was taken as a slice: all but the last N)
+            ap.error(f"{flag} must be >= {least}, got {value}")
 
     from ciar.sim.decoder import METHODS, method_config, shared_knobs
 
@@ -620,6 +666,11 @@ def main(argv: list[str] | None = None) -> int:
         r["shard"] = r["index"] // args.shard_size
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "samples"), exist_ok=True)
+    try:
+        claim_out(out, run_settings(args, methods, overrides, model_config))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     shards = sorted({r["shard"] for r in rows})
     todo = [s for s in shards if not os.path.isfile(shard_path(out, s))]
     print(f"{len(rows)} captions x {len(methods)} methods, {len(shards)} shards, {len(shards) - len(todo)} done "

@@ -85,6 +85,34 @@ def test_rerun_skips_finished_shards(run, export, capsys):
     assert after == before
 
 
+def test_a_rerun_with_other_settings_is_refused_naming_them(run, export, capsys):
+    """A finished shard is only reused by a run with the settings it was made with (OUT/run.json): before, a re-run
+    with another threshold or other methods took the old shards as its own."""
+    recorded = json.load(open(os.path.join(run, "run.json")))
+    assert recorded["methods"] == ["cloud", "ciar"] and recorded["params"] == {"tau": float(TAU)}
+    before = {s: os.path.getmtime(os.path.join(run, "samples", s)) for s in os.listdir(os.path.join(run, "samples"))}
+    base = ["--captions", export, "--limit", "8", "--out", run, "--shard-size", "4"]
+    for other, named in ((["--methods", "cloud,ciar", "--param", "tau=5"], "params"),
+                         (["--methods", "cloud", "--param", f"tau={TAU}"], "methods"),
+                         (["--methods", "cloud,ciar", "--param", f"tau={TAU}", "--network", "4g"], "network"),
+                         (["--methods", "cloud,ciar", "--param", f"tau={TAU}", "--seed", "1"], "seed")):
+        assert evaluate.main(base + other) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --out {run} holds a run made with other settings ({named}: ") and \
+            "give another --out" in err, err
+    after = {s: os.path.getmtime(os.path.join(run, "samples", s)) for s in before}
+    assert after == before and json.load(open(os.path.join(run, "run.json"))) == recorded
+
+
+@pytest.mark.parametrize("flag,value", [("--limit", "-3"), ("--limit", "0"), ("--shard-size", "0"),
+                                        ("--seed", "-1"), ("--batch-size", "0"), ("--generators", "0")])
+def test_counts_out_of_range_are_named(flag, value, tmp_path, capsys):
+    """(a negative --limit was taken as a slice: every caption but the last N)"""
+    with pytest.raises(SystemExit):
+        evaluate.main(["--captions", "x.json", "--out", str(tmp_path / "o"), flag, value])
+    assert f"{flag} must be >= " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content,message", [
     ("{not json", "not valid JSON"),
     ('{"images": []}', "MS-COCO captions layout"),
