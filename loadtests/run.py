@@ -290,7 +290,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtests.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--users", type=int, default=4, help="peak simulated users")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="steady")
@@ -317,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-grace", type=float, default=60.0,
                    help="seconds past --duration before a device client still running is stopped")
     args = p.parse_args(argv)
+    for flag, value, least in (("--users", args.users, 1), ("--duration", args.duration, 1e-9),
+                               ("--devices", args.devices, 1), ("--device-clients", args.device_clients, 0),
+                               ("--device-images", args.device_images, 1), ("--think-s", args.think_s, 0),
+                               ("--stop-timeout", args.stop_timeout, 0), ("--device-grace", args.device_grace, 0)):
+        if value is not None and value < least:  # before a cluster is started for nothing
+            p.error(f"{flag} must be {'> 0' if least == 1e-9 else f'>= {least}'}, got {value:g}")
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)

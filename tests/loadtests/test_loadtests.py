@@ -203,6 +203,20 @@ LOCUSTFILE_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("argv,says", [(["--users", "0"], "--users must be >= 1, got 0"),
+                                       (["--duration", "0"], "--duration must be > 0"),
+                                       (["--devices", "0"], "--devices must be >= 1"),
+                                       (["--think-s", "-1"], "--think-s must be >= 0")])
+def test_bad_counts_are_named_before_a_cluster_starts(argv, says, tmp_path, capsys):
+    """(`--users 0` used to start the cluster and run an empty load)"""
+    from loadtests import run
+
+    with pytest.raises(SystemExit) as e:
+        run.main([*argv, "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_make_load_builds_the_export_the_served_phones_run():
     """`make load` deploys serve_config.yaml, whose simulated phones run the onnx export: like `make serve`, it
     builds the export first (on a fresh clone it failed: the Device replicas could not start)."""
