@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -63,6 +64,49 @@ def setup(args: argparse.Namespace) -> torch.device:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     return pick_device(args.device)
+
+
+class SettingsMismatch(ValueError):
+    """A resumable output was made with other settings than this run's (`claim_settings`)."""
+
+
+def claim_settings(path: str, settings: dict, what: str, fix: str) -> None:
+    """The settings a resumable output depends on, kept in the JSON file `path` beside it: written by the first run,
+    compared by every later one, which would otherwise take the finished part as its own. `settings` must be
+    JSON-ready. Raises SettingsMismatch naming `what` (the output), each setting that differs and `fix`."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            before = json.load(f)
+        differ = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
+        if differ:
+            said = "; ".join(f"{k}: {json.dumps(before.get(k))} there, {json.dumps(settings.get(k))} now"
+                             for k in differ)
+            raise SettingsMismatch(f"{what} was made with other settings ({said}): {fix}")
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def run_main(main) -> int:
+    """A trainer's `python -m` entry: main()'s exit code, with a resumable output made with other settings said in
+    one line (exit 2) instead of a traceback."""
+    try:
+        return main()
+    except SettingsMismatch as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def file_sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def save_training_state(path: str, step: int, **objects) -> None:

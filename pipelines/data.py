@@ -69,10 +69,22 @@ class TokenisedScenes:
             f.write(str(done))
 
 
+def claim_source(root: str, split: str, n: int, source: dict) -> None:
+    """What a split's arrays in `root` are made from (`{split}_{n}.source.json`: the scenes' seed, or a captions
+    file and its SHA-256), recorded by the first build and checked by later ones: the arrays are named by split and
+    size only, so a run with another seed (or captions file) would resume into, or reuse, the other one's rows."""
+    from pipelines.common import claim_settings
+
+    claim_settings(os.path.join(root, f"{split}_{n}.source.json"), source, f"{root}: the {split} split of {n}",
+                   "give another --data-dir, or remove that folder")
+
+
 @torch.no_grad()
 def build_split(root, split, n, seed, vq, text, cfg: GPTConfig, device, chunk=512) -> TokenisedScenes:
     """Fill the arrays of one split: caption embeddings ("text" stage, needs only the text encoder) and image
-    tokens ("tokens" stage, needs the tokenizer); either may be None to skip its stage."""
+    tokens ("tokens" stage, needs the tokenizer); either may be None to skip its stage. The scenes are `seed`'s:
+    a folder holding the split of another seed (or another captions file's) is refused (`claim_source`)."""
+    claim_source(root, split, n, {"source": "scenes", "seed": seed})
     data = TokenisedScenes(root, split, n, cfg.block_size, cfg.cls_token_num, cfg.caption_dim, mode="w+", cfg=cfg)
     for stage, model in (("text", text), ("tokens", vq)):
         start = data.progress(stage)

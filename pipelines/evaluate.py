@@ -418,37 +418,26 @@ RUN_FILE = "run.json"  # in OUT: the settings its samples were made with (`run_s
 
 def run_settings(args, methods: list[str], overrides: dict, model_config: dict) -> dict:
     """What a run's samples depend on (not how they are computed: --generators, --batch-size), JSON-ready."""
-    import hashlib
+    from pipelines.common import file_sha256
 
-    with open(args.captions, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
     return json.loads(json.dumps({
-        "captions": os.path.abspath(args.captions), "captions_sha256": digest, "limit": args.limit,
-        "seed": args.seed, "methods": methods, "params": overrides, "network": args.network,
+        "captions": os.path.abspath(args.captions), "captions_sha256": file_sha256(args.captions),
+        "limit": args.limit, "seed": args.seed, "methods": methods, "params": overrides, "network": args.network,
         "weights": os.path.abspath(args.weights) if args.weights else None, "world": model_config,
         "shard_size": args.shard_size}, sort_keys=True, default=str))
 
 
 def claim_out(out: str, settings: dict) -> None:
-    """Record `settings` in OUT/run.json, or check them against the ones recorded there: ValueError naming the
-    settings that differ (the finished shards were made with the recorded ones)."""
+    """Record `settings` in OUT/run.json, or check them against the ones recorded there (`SettingsMismatch`, a
+    ValueError, naming the settings that differ: the finished shards were made with the recorded ones)."""
+    from pipelines.common import claim_settings
+
     path = os.path.join(out, RUN_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            before = json.load(f)
-        differ = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
-        if differ:
-            said = "; ".join(f"{k}: {json.dumps(before.get(k))} there, {json.dumps(settings.get(k))} now"
-                             for k in differ)
-            raise ValueError(f"--out {out} holds a run made with other settings ({said}); its finished shards "
-                             f"would be taken as this run's: give another --out, or remove that folder")
-        return
-    if any(n.startswith("shard-") for n in os.listdir(os.path.join(out, "samples"))):
+    if not os.path.isfile(path) and any(n.startswith("shard-") for n in os.listdir(os.path.join(out, "samples"))):
         print(f"{out} has shards but no {RUN_FILE} (made before it was written): their settings are not checked; "
               f"recording this run's", flush=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(settings, f, indent=2)
-    os.replace(path + ".tmp", path)
+    claim_settings(path, settings, f"--out {out}", "its finished shards would be taken as this run's: give another "
+                                                   "--out, or remove that folder")
 
 
 def shard_path(out: str, shard: int) -> str:

@@ -13,7 +13,8 @@ caption of a `TokenisedScenes` split (captions embedded by `pipelines.data.build
     DATA_DIR/onpolicy/{split}_{n}_{tag}.done     how many rows are written (resume point)
 
 `tag` names the cloud file (a digest of its bytes) and the sampling settings, so a new cloud or new settings never
-reuse stale sequences. Rows are generated in fixed chunks, each from its own seeded generator
+reuse stale sequences; `{split}_{n}_{tag}.seed.json` keeps the seed and chunk they were drawn with, and a run with
+another one is refused (it would resume into, or reuse, these rows). Rows are generated in fixed chunks, each from its own seeded generator
 (`seed * 1_000_003 + chunk index`), so an interrupted run resumes to the same bytes it would have written at once.
 """
 
@@ -106,7 +107,13 @@ def build_onpolicy(root: str, split: str, captions, cloud: GPT, params: Sampling
     actor loads the cloud of `world`, a world source (None: the shipped one); one GPU each when the cluster has GPUs), and the driver writes
     them in order as they arrive, so a large caption set spreads over a cluster and still resumes to the same bytes.
     -> OnPolicyTokens with every row done."""
+    from pipelines.common import claim_settings
+
     n, n_tok = captions.n, cloud.config.block_size
+    # (the file is named by the cloud and its sampling, not the seed: another seed would resume into these rows)
+    claim_settings(os.path.join(root, f"{split}_{n}_{tag}.seed.json"), {"seed": seed, "chunk": chunk},
+                   f"{root}: the on-policy {split} sequences of {n} ({tag})", "give another --data-dir, or remove "
+                   "that folder")
     out = OnPolicyTokens(root, split, n, n_tok, tag)
     start = out.done
     if start % chunk and start < n:
@@ -181,7 +188,10 @@ def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, capt
     if captions is None:
         return build_split(data_dir, split, n, seed, None, world.text, world.cloud.config, dev)
     from ciar.data.coco import read_coco_captions
+    from pipelines.common import file_sha256
+    from pipelines.data import claim_source
 
+    claim_source(data_dir, split, n, {"source": os.path.abspath(captions), "sha256": file_sha256(captions)})
     texts = [r["caption"] for r in read_coco_captions(captions, limit=n)]
     if len(texts) < n:
         raise ValueError(f"{captions}: {len(texts)} captions, {n} asked for the {split} split")
@@ -234,4 +244,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from pipelines.common import run_main
+
+    raise SystemExit(run_main(main))

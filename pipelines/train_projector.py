@@ -159,4 +159,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from pipelines.common import run_main
+
+    raise SystemExit(run_main(main))

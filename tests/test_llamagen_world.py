@@ -141,10 +141,14 @@ def test_decode_benchmark_takes_the_worlds_gpt(files):
 def test_onpolicy_sequences_through_ray_data_equal_the_local_ones(files, tmp_path, shared_ray):
     """pipelines.onpolicy with --workers: the chunks sampled on a Ray Data actor pool give the same bytes as in
     process (each chunk has its own seeded generator), written in order, resumable."""
+    from pipelines.common import SettingsMismatch
     from pipelines.onpolicy import build_onpolicy, load_captions, onpolicy_tag
 
     w = load_world(files["world"])
     caps = load_captions(str(tmp_path / "data"), "train", 8, 0, w, "cpu", files["train"])
+    with pytest.raises(SettingsMismatch, match="the train split of 8 was made with other settings \\(sha256: .*"
+                                               "source: .*train.json.* there, .*val.json.* now"):
+        load_captions(str(tmp_path / "data"), "train", 8, 0, w, "cpu", files["val"])  # (another file's captions)
     tag = onpolicy_tag(w.cloud_file, w.sampling)
     local = build_onpolicy(str(tmp_path / "local"), "train", caps, w.cloud, w.sampling, 7, tag, chunk=3,
                            progress=False)

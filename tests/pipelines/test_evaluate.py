@@ -98,7 +98,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(run, export, capsys)
                          (["--methods", "cloud,ciar", "--param", f"tau={TAU}", "--seed", "1"], "seed")):
         assert evaluate.main(base + other) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"error: --out {run} holds a run made with other settings ({named}: ") and \
+        assert err.startswith(f"error: --out {run} was made with other settings ({named}: ") and \
             "give another --out" in err, err
     after = {s: os.path.getmtime(os.path.join(run, "samples", s)) for s in before}
     assert after == before and json.load(open(os.path.join(run, "run.json"))) == recorded

@@ -117,8 +117,36 @@ def test_device_distillation_on_policy_resumes_exactly(tmp_path, shipped_world_c
     import glob
 
     files = sorted(glob.glob(str(data / "onpolicy" / "train_8_*")))
-    assert [f.rsplit("_", 1)[-1].split(".", 1)[1] for f in files] == ["done", "npy", "teacher.filled.npy",
-                                                                        "teacher.npy"]
+    assert [f.rsplit("_", 1)[-1].split(".", 1)[1] for f in files] == ["done", "npy", "seed.json",
+                                                                        "teacher.filled.npy", "teacher.npy"]
+    # a run of another seed into the same --data-dir is refused: the arrays are named by split and size only, so it
+    # took this seed's captions and resumed into its on-policy rows (a "replicate" on the same data)
+    from pipelines.common import SettingsMismatch, run_main
+
+    with pytest.raises(SettingsMismatch, match=r"the train split of 8 was made with other settings \(seed: 3 there, "
+                                               r"4 now\): give another --data-dir"):
+        _run_device(shipped_world_copy, "c", tmp_path / "cc", data, steps=1, extra=["--seed", "4"])
+    assert run_main(lambda: _run_device(shipped_world_copy, "c", tmp_path / "cc", data, steps=1,
+                                        extra=["--seed", "4"])) == 2
+
+
+def test_on_policy_rows_of_another_seed_or_chunk_are_refused(tmp_path):
+    """The on-policy file is named by the cloud and its sampling: another seed (or chunk) would resume into it."""
+    from types import SimpleNamespace
+
+    from ciar.decoding.sampling import SamplingParams
+    from pipelines.common import SettingsMismatch
+    from pipelines.onpolicy import OnPolicyTokens, build_onpolicy
+
+    caps = SimpleNamespace(n=4, emb=None, mask=None)
+    cloud = SimpleNamespace(config=SimpleNamespace(block_size=3))
+    root = str(tmp_path / "onpolicy")
+    # STAND-IN captions and cloud: nothing is sampled, the rows are marked done before the call
+    OnPolicyTokens(root, "train", 4, 3, "tag").mark(4)
+    build_onpolicy(root, "train", caps, cloud, SamplingParams(), 3, "tag", progress=False)  # records seed 3
+    for seed, chunk, named in ((4, 32, "seed: 3 there, 4 now"), (3, 16, "chunk: 32 there, 16 now")):
+        with pytest.raises(SettingsMismatch, match=named):
+            build_onpolicy(root, "train", caps, cloud, SamplingParams(), seed, "tag", chunk=chunk, progress=False)
 
 
 def test_device_inter_dro_objective_and_eval_only(tmp_path, shipped_world_copy):
