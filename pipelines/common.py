@@ -99,16 +99,6 @@ def run_main(main) -> int:
         return 2
 
 
-def file_sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save_training_state(path: str, step: int, **objects) -> None:
     """Atomically write everything needed to resume (model/optimizer state dicts, RNG states, step)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -418,10 +418,10 @@ RUN_FILE = "run.json"  # in OUT: the settings its samples were made with (`run_s
 
 def run_settings(args, methods: list[str], overrides: dict, model_config: dict) -> dict:
     """What a run's samples depend on (not how they are computed: --generators, --batch-size), JSON-ready."""
-    from pipelines.common import file_sha256
+    from ciar_device.fetch import sha256_file
 
     return json.loads(json.dumps({
-        "captions": os.path.abspath(args.captions), "captions_sha256": file_sha256(args.captions),
+        "captions": os.path.abspath(args.captions), "captions_sha256": sha256_file(args.captions),
         "limit": args.limit, "seed": args.seed, "methods": methods, "params": overrides, "network": args.network,
         "weights": os.path.abspath(args.weights) if args.weights else None, "world": model_config,
         "shard_size": args.shard_size}, sort_keys=True, default=str))

@@ -188,10 +188,10 @@ def load_captions(data_dir: str, split: str, n: int, seed: int, world, dev, capt
     if captions is None:
         return build_split(data_dir, split, n, seed, None, world.text, world.cloud.config, dev)
     from ciar.data.coco import read_coco_captions
-    from pipelines.common import file_sha256
+    from ciar_device.fetch import sha256_file
     from pipelines.data import claim_source
 
-    claim_source(data_dir, split, n, {"source": os.path.abspath(captions), "sha256": file_sha256(captions)})
+    claim_source(data_dir, split, n, {"source": os.path.abspath(captions), "sha256": sha256_file(captions)})
     texts = [r["caption"] for r in read_coco_captions(captions, limit=n)]
     if len(texts) < n:
         raise ValueError(f"{captions}: {len(texts)} captions, {n} asked for the {split} split")
