@@ -89,6 +89,26 @@ def claim_settings(path: str, settings: dict, what: str, fix: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+# a trainer's arguments that say where and how often, not what the run computes (`claim_run` leaves them out)
+EXECUTION_ONLY = frozenset({"out", "ckpt_dir", "ckpt_every", "eval_every", "export_every", "eval_n", "eval_split",
+                            "eval_out", "eval_only", "device", "threads", "stop_after", "workers"})
+
+
+def claim_run(ckpt_dir: str, args: argparse.Namespace | dict) -> None:
+    """A trainer's settings (its arguments but EXECUTION_ONLY) in CKPT_DIR/run.json beside its checkpoint: a run
+    that resumes the checkpoint must have the settings it was made with (the same command; `--stop-after`,
+    `--threads`, ... may differ), or its result is neither run's (SettingsMismatch naming them). Without a
+    checkpoint to resume, the run is a new one and records its own."""
+    settings = {k: v for k, v in sorted((vars(args) if not isinstance(args, dict) else args).items())
+                if k not in EXECUTION_ONLY}
+    settings = json.loads(json.dumps(settings, default=str))
+    path = os.path.join(ckpt_dir, "run.json")
+    if not os.path.isfile(os.path.join(ckpt_dir, "state.pt")) and os.path.isfile(path):
+        os.remove(path)  # a run that never checkpointed: nothing of it is resumed
+    claim_settings(path, settings, f"the checkpoint in {ckpt_dir}",
+                   "run the command it was made with to resume it, or give another --ckpt-dir")
+
+
 def run_main(main) -> int:
     """A trainer's `python -m` entry: main()'s exit code, with a resumable output made with other settings said in
     one line (exit 2) instead of a traceback."""
@@ -159,6 +179,7 @@ class LoopConfig:
     export_every: int = 0
     stop_after: int = 0
     postfix: tuple = ("agree", "tv")
+    run: dict | None = None  # the trainer's arguments (`from_args`): checked against a resumed checkpoint's
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, desc: str, **overrides) -> "LoopConfig":
@@ -166,7 +187,7 @@ class LoopConfig:
         --export-every when it has them); `overrides` win."""
         names = ("ckpt_dir", "steps", "lr", "warmup", "ckpt_every", "eval_every", "export_every", "stop_after")
         found = {n: getattr(args, n) for n in names if hasattr(args, n)}
-        return cls(**{"desc": desc, **found, **overrides})
+        return cls(**{"desc": desc, **found, "run": dict(vars(args)), **overrides})
 
 
 class TrainingLoop:
@@ -195,6 +216,8 @@ class TrainingLoop:
         self.evaluate, self.export, self.before_checkpoint = evaluate, export, before_checkpoint
         self.ckpt = os.path.join(config.ckpt_dir, "state.pt")
         self.hist_path = os.path.join(config.ckpt_dir, "history.json")
+        if config.run is not None:
+            claim_run(config.ckpt_dir, config.run)
         self.start = load_training_state(self.ckpt, **objects)
         self.history: list[dict] = []
         if self.start and os.path.exists(self.hist_path):

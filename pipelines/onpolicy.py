@@ -14,8 +14,9 @@ caption of a `TokenisedScenes` split (captions embedded by `pipelines.data.build
 
 `tag` names the cloud file (a digest of its bytes) and the sampling settings, so a new cloud or new settings never
 reuse stale sequences; `{split}_{n}_{tag}.seed.json` keeps the seed and chunk they were drawn with, and a run with
-another one is refused (it would resume into, or reuse, these rows). Rows are generated in fixed chunks, each from its own seeded generator
-(`seed * 1_000_003 + chunk index`), so an interrupted run resumes to the same bytes it would have written at once.
+another one is refused (it would resume into, or reuse, these rows). Rows are generated in fixed chunks, each from
+its own seeded generator (`seed * 1_000_003 + chunk index`), so an interrupted run resumes to the same bytes it
+would have written at once.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from ciar.metrics.fid import (DEGRADATIONS, FEATURES_KIND, FeatureNetConfig, Sce
 from ciar.metrics.probe import (PROBE_KIND, AttributeProbe, ProbeConfig, accuracy_from_predictions, attribute_accuracy,
                                 probe_loss, scene_targets)
 from ciar.models.checkpoint import save_model
-from pipelines.common import (cosine_lr, load_training_state, save_training_state, seed_everything, set_lr, setup,
-                              training_arguments)
+from pipelines.common import (claim_run, cosine_lr, load_training_state, save_training_state, seed_everything, set_lr,
+                              setup, training_arguments)
 
 
 def render_batch(split: str, start: int, n: int, seed: int, device) -> tuple[torch.Tensor, dict]:
@@ -220,6 +220,7 @@ def main(argv=None) -> int:
     seed_everything(args.seed)
     opt_p = torch.optim.AdamW(probe.parameters(), lr=args.lr, weight_decay=1e-4)
     opt_f = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-4)
+    claim_run(args.ckpt_dir, args)
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
     start = load_training_state(ckpt, probe=probe, fid_net=net, opt_probe=opt_p, opt_fid=opt_f)
     if start:

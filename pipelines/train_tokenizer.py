@@ -20,7 +20,8 @@ from tqdm import tqdm
 from ciar.data import scenes
 from ciar.models.checkpoint import save_model
 from ciar.models.vq import build_vq, images_to_tensor
-from pipelines.common import cosine_lr, load_training_state, save_training_state, set_lr, setup, training_arguments
+from pipelines.common import (claim_run, cosine_lr, load_training_state, save_training_state, set_lr, setup,
+                              training_arguments)
 
 
 @torch.no_grad()
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
 
     vq = build_vq(args.config).to(device)
     opt = torch.optim.AdamW(vq.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    claim_run(args.ckpt_dir, args)
     ckpt = os.path.join(args.ckpt_dir, "state.pt")
     usage = torch.zeros(vq.config.codebook_size, device=device)  # code counts since the last dead-code restart
     start = load_training_state(ckpt, model=vq, optimizer=opt, usage=usage)

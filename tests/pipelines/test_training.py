@@ -28,6 +28,14 @@ def test_tokenizer_resume_is_exact(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     metrics = json.load(open(tmp_path / "a" / "tokenizer.metrics.json"))
     assert metrics["codebook_size"] == 1024 and metrics["psnr_db"] > 0
+    # (--stop-after differed above: where and how often may change on resume; what the run computes may not)
+    from pipelines.common import SettingsMismatch
+
+    with pytest.raises(SettingsMismatch, match=r"the checkpoint in .*cb was made with other settings \(batch_size: "
+                                               r"4 there, 8 now; lr: 0.001 there, 0.002 now\)"):
+        train_tokenizer.main(common + ["--out", str(tmp_path / "b"), "--ckpt-dir", str(tmp_path / "cb"),
+                                       "--batch-size", "8", "--lr", "2e-3"])
+    assert torch.load(tmp_path / "cb" / "state.pt", weights_only=False)["step"] == 4
 
 
 @pytest.fixture(scope="module")
