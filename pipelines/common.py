@@ -89,8 +89,9 @@ def claim_settings(path: str, settings: dict, what: str, fix: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-# a trainer's arguments that say where and how often, not what the run computes (`claim_run` leaves them out)
-EXECUTION_ONLY = frozenset({"out", "ckpt_dir", "ckpt_every", "eval_every", "export_every", "eval_n", "eval_split",
+# a trainer's arguments that say where and how often, not what the run computes (`claim_run` leaves them out; not
+# --out: a trainer may read its world there)
+EXECUTION_ONLY = frozenset({"ckpt_dir", "ckpt_every", "eval_every", "export_every", "eval_n", "eval_split",
                             "eval_out", "eval_only", "device", "threads", "stop_after", "workers"})
 
 
