@@ -50,11 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_knobs(args: argparse.Namespace) -> None:
+    """The CIAR flags given, in the ranges the API accepts, before anything is fetched (UsageError naming the
+    flag); the manifest's own defaults are the export's and are checked by `loop_config`."""
+    import math
+
+    from ciar_device.loop import LOOP_GATES
+
+    for flag, value, ok, want in (("--tau", args.tau, lambda v: math.isfinite(v) and v >= 0, "a number >= 0"),
+                                  ("--span", args.span, lambda v: v >= 1, ">= 1"),
+                                  ("--burst", args.burst, lambda v: v >= 0, ">= 0"),
+                                  ("--prefix-rate", args.prefix_rate, lambda v: 0 <= v <= 1, "in [0, 1]")):
+        if value is not None and not ok(value):
+            raise UsageError(f"{flag} must be {want}, got {value:g}")
+    if args.gate is not None and args.gate not in LOOP_GATES:
+        raise UsageError(f"--gate must be one of {', '.join(LOOP_GATES)}, got {args.gate!r}")
+
+
 def run(args: argparse.Namespace) -> dict:
     """Generate per `args`; writes the PNG (and stats) and returns the stats dict."""
     check_prompt_and_seed(args.prompt, args.seed)
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    check_knobs(args)
     if not args.server.startswith(("ws://", "wss://")):
         raise UsageError(f"--server must be a ws:// or wss:// URL, got {args.server!r}")
     check_writable(args.out, "--out")

@@ -185,6 +185,19 @@ def _cli(*args, cwd=REPO):
      "cannot create folder"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--model-dir", "/nonexistent"],
      "manifest.json"),
+    # the CIAR flags, named before the model is fetched (a negative tau went through to the server)
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--tau", "-1"],
+     "--tau must be a number >= 0, got -1"),
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--tau", "nan"],
+     "--tau must be a number >= 0"),
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--span", "0"],
+     "--span must be >= 1, got 0"),
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--burst", "-2"],
+     "--burst must be >= 0"),
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--prefix-rate", "2"],
+     "--prefix-rate must be in [0, 1], got 2"),
+    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--gate", "nope"],
+     "--gate must be one of interval"),
 ])
 def test_cli_errors_one_line_exit_2(args, match, tmp_path):
     (tmp_path / "a-file").write_text("")  # a folder that cannot be created: its parent is a file
@@ -205,7 +218,7 @@ def test_cli_unreachable_server_and_bad_gate(onnx_dir, tmp_path):
     p = _cli("--server", f"ws://127.0.0.1:{port}", *base)
     assert p.returncode == 2 and "cannot reach the server" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = _cli("--server", f"ws://127.0.0.1:{port}", *base, "--gate", "nope")
-    assert p.returncode == 2 and "not supported" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.returncode == 2 and "--gate must be one of" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
 # ---------------------------------------------------------------------------------------------- over a real socket
