@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         world = world_from_args(args)
-    except WorldSpecError as e:
+        manifest = export_onnx(world, args.out, log=lambda m: print(m, file=sys.stderr))
+    except (WorldSpecError, FileNotFoundError, ValueError) as e:  # (a world file read when the export loads it)
         p.error(str(e))
-    manifest = export_onnx(world, args.out, log=lambda m: print(m, file=sys.stderr))
     for key, g in manifest["graphs"].items():
         print(f"{key}: {g['file']} {g['bytes'] / 1e6:.1f} MB sha256 {g['sha256'][:16]}", file=sys.stderr)
     return 0

@@ -196,3 +196,15 @@ def test_runtime_does_not_import_torch():
     code = "import sys; import ciar_device.runtime; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=CLIENT)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_missing_world_file_is_one_line(tmp_path, capsys):
+    """(it was a traceback: the world file is read when the export loads the world, after the arguments' check)"""
+    from pipelines.export_onnx import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--world", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].endswith(f"error: world file not found: {tmp_path / 'nope.yaml'}")
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
