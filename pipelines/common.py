@@ -28,6 +28,22 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+class _TrainingParser(argparse.ArgumentParser):
+    """`training_arguments`' parser: the shared counts are checked with the rest of the arguments (one line naming
+    the flag, exit 2), not deep in a loop (a --batch-size of 0 was a torch error)."""
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        for flag, least in (("steps", 1), ("batch_size", 1), ("ckpt_every", 1), ("warmup", 0), ("threads", 0),
+                            ("stop_after", 0), ("seed", 0)):
+            value = getattr(ns, flag, None)
+            if value is not None and value < least:
+                self.error(f"--{flag.replace('_', '-')} must be >= {least}, got {value}")
+        if not ns.lr >= 0:  # (0 is a run that only carries its --init: a test of the carrying)
+            self.error(f"--lr must be >= 0, got {ns.lr}")
+        return ns
+
+
 def training_arguments(prog: str, doc: str | None, *, out: str, steps: int, batch_size: int, lr: float, seed: int,
                        ckpt_dir: str | None, ckpt_every: int = 50, warmup: int | None = None,
                        stop_after: bool = True, out_help: str | None = None,
@@ -39,7 +55,7 @@ def training_arguments(prog: str, doc: str | None, *, out: str, steps: int, batc
     (a trainer that always runs to --steps). `--threads` is 0 (torch's default) for every trainer: pass
     `--threads 1` for the single-threaded runs the weight cards record.
     """
-    p = argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n")[0])
+    p = _TrainingParser(prog=prog, description=(doc or "").split("\n")[0])
     p.add_argument("--out", default=out, help=out_help)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch-size", type=int, default=batch_size)

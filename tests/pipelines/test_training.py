@@ -192,3 +192,15 @@ def test_projector_trains_on_guided_features_of_a_device(tmp_path, shipped_world
     assert proj.config.standardize
     m = json.load(open(world / "projector.metrics.json"))
     assert m["val_ce_with_projector"] > 0 and m["val_ce_without_projector"] > 0
+
+
+@pytest.mark.parametrize("flag,value,says", [("--batch-size", "0", "--batch-size must be >= 1, got 0"),
+                                             ("--steps", "0", "--steps must be >= 1"),
+                                             ("--lr", "-1", "--lr must be >= 0"),
+                                             ("--ckpt-every", "0", "--ckpt-every must be >= 1"),
+                                             ("--seed", "-1", "--seed must be >= 0")])
+def test_the_trainers_shared_counts_are_named_at_the_cli(flag, value, says, tmp_path, capsys):
+    """(a --batch-size of 0 was a torch error inside the loop)"""
+    with pytest.raises(SystemExit) as e:
+        train_tokenizer.main(["--out", str(tmp_path / "o"), "--ckpt-dir", str(tmp_path / "c"), flag, value])
+    assert e.value.code == 2 and says in capsys.readouterr().err and not (tmp_path / "c").exists()
