@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ciar.capacity.gpu_model import GPUS, phones_at_slo
+from ciar.results import SettingsMismatch, claim_settings
 
 METHODS = ("ciar", "cloud")
 OVERLOAD = "ciar overload"  # --overload: CIAR phones that raise tau while their verifier is past a limit
@@ -73,6 +74,11 @@ def record(args) -> dict[str, list]:
     folder = getattr(args, "traces_dir", None)
     overload = parse_overload(getattr(args, "overload", None))
     kinds = METHODS + ((RAISED,) if overload else ())
+    if folder:  # the recordings there must be of this run's prompts, seeds and world (they were read whatever)
+        claim_settings(os.path.join(folder, "traces.json"),
+                       {"traces": args.traces, "seed": args.seed, "world": str(world_from_args(args)),
+                        "overload_factor": overload[1] if overload else None},
+                       f"--traces-dir {folder}", "give another --traces-dir, or remove that folder")
     if folder and all(os.path.isfile(os.path.join(folder, f"{m}.pt")) for m in kinds):
         return {m: load_traces(os.path.join(folder, f"{m}.pt")) for m in kinds}
     torch.set_num_threads(args.threads)
@@ -489,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
-    traces = record(args)
+    try:
+        traces = record(args)
+    except SettingsMismatch as e:  # (--traces-dir recorded with other settings)
+        ap.error(str(e))
     if gpus:
         return gpu_capacity(traces, gpus, loads, args, sys.argv[1:] if argv is None else argv)
     from ciar.world import load_world

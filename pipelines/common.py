@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ciar.results import SettingsMismatch, claim_settings  # noqa: F401 - SettingsMismatch: the trainers' error
+
 
 def seed_everything(seed: int) -> torch.Generator:
     random.seed(seed)
@@ -80,29 +82,6 @@ def setup(args: argparse.Namespace) -> torch.device:
         torch.set_num_threads(args.threads)
     seed_everything(args.seed)
     return pick_device(args.device)
-
-
-class SettingsMismatch(ValueError):
-    """A resumable output was made with other settings than this run's (`claim_settings`)."""
-
-
-def claim_settings(path: str, settings: dict, what: str, fix: str) -> None:
-    """The settings a resumable output depends on, kept in the JSON file `path` beside it: written by the first run,
-    compared by every later one, which would otherwise take the finished part as its own. `settings` must be
-    JSON-ready. Raises SettingsMismatch naming `what` (the output), each setting that differs and `fix`."""
-    if os.path.isfile(path):
-        with open(path) as f:
-            before = json.load(f)
-        differ = sorted(k for k in settings.keys() | before.keys() if settings.get(k) != before.get(k))
-        if differ:
-            said = "; ".join(f"{k}: {json.dumps(before.get(k))} there, {json.dumps(settings.get(k))} now"
-                             for k in differ)
-            raise SettingsMismatch(f"{what} was made with other settings ({said}): {fix}")
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(settings, f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)
 
 
 # a trainer's arguments that say where and how often, not what the run computes (`claim_run` leaves them out; not

@@ -73,7 +73,7 @@ def claim_source(root: str, split: str, n: int, source: dict) -> None:
     """What a split's arrays in `root` are made from (`{split}_{n}.source.json`: the scenes' seed, or a captions
     file and its SHA-256), recorded by the first build and checked by later ones: the arrays are named by split and
     size only, so a run with another seed (or captions file) would resume into, or reuse, the other one's rows."""
-    from pipelines.common import claim_settings
+    from ciar.results import claim_settings
 
     claim_settings(os.path.join(root, f"{split}_{n}.source.json"), source, f"{root}: the {split} split of {n}",
                    "give another --data-dir, or remove that folder")

@@ -430,7 +430,7 @@ def run_settings(args, methods: list[str], overrides: dict, model_config: dict) 
 def claim_out(out: str, settings: dict) -> None:
     """Record `settings` in OUT/run.json, or check them against the ones recorded there (`SettingsMismatch`, a
     ValueError, naming the settings that differ: the finished shards were made with the recorded ones)."""
-    from pipelines.common import claim_settings
+    from ciar.results import claim_settings
 
     path = os.path.join(out, RUN_FILE)
     if not os.path.isfile(path) and any(n.startswith("shard-") for n in os.listdir(os.path.join(out, "samples"))):

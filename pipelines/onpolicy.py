@@ -108,7 +108,7 @@ def build_onpolicy(root: str, split: str, captions, cloud: GPT, params: Sampling
     actor loads the cloud of `world`, a world source (None: the shipped one); one GPU each when the cluster has GPUs), and the driver writes
     them in order as they arrive, so a large caption set spreads over a cluster and still resumes to the same bytes.
     -> OnPolicyTokens with every row done."""
-    from pipelines.common import claim_settings
+    from ciar.results import claim_settings
 
     n, n_tok = captions.n, cloud.config.block_size
     # (the file is named by the cloud and its sampling, not the seed: another seed would resume into these rows)

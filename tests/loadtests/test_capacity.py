@@ -1,6 +1,7 @@
 """loadtests.capacity end to end on the shipped world: recorded phones against one real Verifier replica."""
 
 import json
+import os
 
 import pytest
 
@@ -75,6 +76,21 @@ def test_a_replica_that_never_answers_stats_fails_the_run_with_that_said():
 
     with pytest.raises(RuntimeError, match="did not answer stats"):
         asyncio.run(replica_stats(HungHandle(), 1, timeout_s=0.05))
+
+
+def test_recordings_of_other_settings_in_the_traces_dir_are_refused(tmp_path, capsys):
+    """--traces-dir read whatever recordings it held: another --traces, --seed, world or overload was replayed as this
+    run's phones. Nothing is recorded or read here: the settings are checked first."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "traces.json").write_text(json.dumps({"traces": 2, "seed": 0, "world": "None",
+                                                    "overload_factor": None}))
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "cap"), "--traces-dir", str(folder), "--traces", "3", "--seed", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--traces-dir {folder} was made with other settings (seed: 0 there, 1 now; traces: 2 there, 3 now)" in err
+    assert sorted(os.listdir(folder)) == ["traces.json"]
 
 
 @pytest.mark.cluster  # its own Ray instance and Serve (tests/conftest.py)
