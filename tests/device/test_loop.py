@@ -173,31 +173,27 @@ def _cli(*args, cwd=REPO):
     return subprocess.run([PY, "-m", "ciar_device", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
 
 
+UNREACHABLE = ["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png"]  # (nobody listens)
+
+
 @pytest.mark.parametrize("args, match", [
     ([], "required"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p"], "--out"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--seed", "abc"], "--seed"),
     (["--server", "ws://x", "--key", "k", "--prompt", " ", "--out", "o.png"], "--prompt is empty"),
     (["--server", "http://x", "--key", "k", "--prompt", "p", "--out", "o.png"], "ws://"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png"],
-     "could not fetch the device model from ws://127.0.0.1:1"),
+    (UNREACHABLE, "could not fetch the device model from ws://127.0.0.1:1"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "a-file/o.png", "--model-dir", "."],
      "cannot create folder"),
     (["--server", "ws://x", "--key", "k", "--prompt", "p", "--out", "o.png", "--model-dir", "/nonexistent"],
      "manifest.json"),
     # the CIAR flags, named before the model is fetched (a negative tau went through to the server)
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--tau", "-1"],
-     "--tau must be a number >= 0, got -1"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--tau", "nan"],
-     "--tau must be a number >= 0"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--span", "0"],
-     "--span must be >= 1, got 0"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--burst", "-2"],
-     "--burst must be >= 0"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--prefix-rate", "2"],
-     "--prefix-rate must be in [0, 1], got 2"),
-    (["--server", "ws://127.0.0.1:1", "--key", "k", "--prompt", "p", "--out", "o.png", "--gate", "nope"],
-     "--gate must be one of interval"),
+    ([*UNREACHABLE, "--tau", "-1"], "--tau must be a number >= 0, got -1"),
+    ([*UNREACHABLE, "--tau", "nan"], "--tau must be a number >= 0"),
+    ([*UNREACHABLE, "--span", "0"], "--span must be >= 1, got 0"),
+    ([*UNREACHABLE, "--burst", "-2"], "--burst must be >= 0"),
+    ([*UNREACHABLE, "--prefix-rate", "2"], "--prefix-rate must be in [0, 1], got 2"),
+    ([*UNREACHABLE, "--gate", "nope"], "--gate must be one of interval"),
 ])
 def test_cli_errors_one_line_exit_2(args, match, tmp_path):
     (tmp_path / "a-file").write_text("")  # a folder that cannot be created: its parent is a file
