@@ -793,8 +793,8 @@ def record(folder: str, images: int = 12, seed: int = 0) -> None:
 
     args = argparse.Namespace(traces=images, seed=seed, threads=1, traces_dir=folder, overload=None, world=None,
                               weights=None)
-    for m in METHODS:  # record afresh (record() reads a folder that already holds them)
-        path = os.path.join(folder, f"{m}.pt")
+    # record afresh (record() reads a folder that already holds them, if they were made with its settings)
+    for path in [os.path.join(folder, f"{m}.pt") for m in METHODS] + [os.path.join(folder, "traces.json")]:
         if os.path.exists(path):
             os.remove(path)
     record_traces(args)

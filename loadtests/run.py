@@ -317,12 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-grace", type=float, default=60.0,
                    help="seconds past --duration before a device client still running is stopped")
     args = p.parse_args(argv)
-    for flag, value, least in (("--users", args.users, 1), ("--duration", args.duration, 1e-9),
-                               ("--devices", args.devices, 1), ("--device-clients", args.device_clients, 0),
-                               ("--device-images", args.device_images, 1), ("--think-s", args.think_s, 0),
-                               ("--stop-timeout", args.stop_timeout, 0), ("--device-grace", args.device_grace, 0)):
+    if not args.duration > 0:
+        p.error(f"--duration must be > 0, got {args.duration:g}")
+    for flag, value, least in (("--users", args.users, 1), ("--devices", args.devices, 1),
+                               ("--device-clients", args.device_clients, 0), ("--device-images", args.device_images, 1),
+                               ("--think-s", args.think_s, 0), ("--stop-timeout", args.stop_timeout, 0),
+                               ("--device-grace", args.device_grace, 0)):
         if value is not None and value < least:  # before a cluster is started for nothing
-            p.error(f"{flag} must be {'> 0' if least == 1e-9 else f'>= {least}'}, got {value:g}")
+            p.error(f"{flag} must be >= {least}, got {value:g}")
 
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
