@@ -31,7 +31,8 @@ recorded phones replayed in simulated time against one modelled replica at Llama
 priced max(bytes / bandwidth, flops / peak) + overhead from the named GPUs' datasheet figures; it writes
 `OUT/gpu_capacity.json` and `.md`: phones per replica at the SLO for CIAR and cloud-only and cloud forward-seconds
 per image, per GPU, every figure labelled as modelled. `--traces-dir DIR` keeps the recorded phones (DIR/ciar.pt,
-DIR/cloud.pt: read when there, written after recording otherwise).
+DIR/cloud.pt: read when there, written after recording otherwise) and the settings they were recorded with
+(DIR/traces.json: --traces, --seed, the world, the overload factor); other settings are refused.
 
 Every phone starts at once and keeps its session count constant; images that finish inside the measuring window
 (after `--warmup`) count, whenever they started; phones drain their last image afterwards. With `--images N` the
