@@ -82,41 +82,38 @@ class RecoveringClient:
     def resume(self, request: OpenRequest, history: torch.Tensor,
                injected: InjectedFeatures | None = None) -> OpenReply:
         """Pass-through (the wrapper then tracks the session from `history`)."""
-        reply = self._again(self.inner.resume, request, history) if injected is None else \
-            self._again(self.inner.resume, request, history, injected)
+        reply = self._resume(request, history, injected)
         self._sessions[request.session_id] = SessionHistory.resumed(replace(request, want_caption=False), history,
                                                                     injected)
         return reply
 
     def verify(self, request: VerifyRequest) -> VerifyReply:
+        """inner.verify; a session lost under it (and again under the verify sent after its resume: the replica it
+        was resumed on lost in turn) is resumed from its history and the verify sent again, up to LOST_RETRIES
+        resumes."""
         t = self._sessions.get(request.session_id)
-        try:
-            reply = self._again(self.inner.verify, request)
-        except Exception as e:
-            if t is None or not self.is_lost(e) or self.LOST_RETRIES < 1:  # (0: a lost session is not resumed)
-                raise
-            reply = self._resume_and_retry(t, request)
-        if t is not None:
-            t.commit(request, reply)
-        return reply
-
-    def _resume_and_retry(self, t: SessionHistory, request: VerifyRequest) -> VerifyReply:
-        history, injected = t.history(torch.from_numpy), t.injected(torch.from_numpy)
-        cloud_s, passes = 0.0, 0
-        for attempt in range(1, self.LOST_RETRIES + 1):
-            # only pass `injected` when there is some, so that clients without interval features need not accept it
-            res = self._again(self.inner.resume, t.request, history) if injected is None else \
-                self._again(self.inner.resume, t.request, history, injected)
-            self.resumes += 1
-            cloud_s, passes = cloud_s + res.cloud_s, passes + res.forward_passes
+        cloud_s, passes = 0.0, 0  # of this verify's resumes
+        for lost in range(self.LOST_RETRIES + 1):
             try:
                 reply = self._again(self.inner.verify, request)
                 break
             except Exception as e:
-                if not self.is_lost(e) or attempt == self.LOST_RETRIES:
+                if t is None or not self.is_lost(e) or lost == self.LOST_RETRIES:
                     raise
-        return replace(reply, resumed=True, cloud_s=reply.cloud_s + cloud_s,
-                       forward_passes=reply.forward_passes + passes)
+            res = self._resume(t.request, t.history(torch.from_numpy), t.injected(torch.from_numpy))
+            self.resumes += 1
+            cloud_s, passes = cloud_s + res.cloud_s, passes + res.forward_passes
+        if lost:
+            reply = replace(reply, resumed=True, cloud_s=reply.cloud_s + cloud_s,
+                            forward_passes=reply.forward_passes + passes)
+        if t is not None:
+            t.commit(request, reply)
+        return reply
+
+    def _resume(self, request: OpenRequest, history: torch.Tensor, injected: InjectedFeatures | None) -> OpenReply:
+        # only pass `injected` when there is some, so that clients without interval features need not accept it
+        return self._again(self.inner.resume, request, history) if injected is None else \
+            self._again(self.inner.resume, request, history, injected)
 
     def _again(self, call, *args):
         """call(*args), made again when its forward failed (`ForwardFault`: nothing of it was kept, so the same
