@@ -648,18 +648,14 @@ def main(argv: list[str] | None = None) -> int:
                 (r, n), more = long[0], f" (and {len(long) - 1} more)" if len(long) > 1 else ""
                 raise ValueError(f"caption of image {r['image_id']} is {n} prompt tokens with Anole's markers; the "
                                  f"world's cls_token_num is {enc.max_length}{more}: {r['caption'][:80]!r}")
+        out = os.path.abspath(args.out)
+        os.makedirs(os.path.join(out, "samples"), exist_ok=True)
+        claim_out(out, run_settings(args, methods, overrides, model_config))  # (SettingsMismatch: a ValueError)
     except (CaptionsError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for r in rows:
         r["shard"] = r["index"] // args.shard_size
-    out = os.path.abspath(args.out)
-    os.makedirs(os.path.join(out, "samples"), exist_ok=True)
-    try:
-        claim_out(out, run_settings(args, methods, overrides, model_config))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     shards = sorted({r["shard"] for r in rows})
     todo = [s for s in shards if not os.path.isfile(shard_path(out, s))]
     print(f"{len(rows)} captions x {len(methods)} methods, {len(shards)} shards, {len(shards) - len(todo)} done "
