@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ciar.results import SettingsMismatch, claim_settings  # noqa: F401 - SettingsMismatch: the trainers' error
+from ciar.results import SettingsMismatch, claim_settings
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -95,9 +95,8 @@ def claim_run(ckpt_dir: str, args: argparse.Namespace | dict) -> None:
     that resumes the checkpoint must have the settings it was made with (the same command; `--stop-after`,
     `--threads`, ... may differ), or its result is neither run's (SettingsMismatch naming them). Without a
     checkpoint to resume, the run is a new one and records its own."""
-    settings = {k: v for k, v in sorted((vars(args) if not isinstance(args, dict) else args).items())
-                if k not in EXECUTION_ONLY}
-    settings = json.loads(json.dumps(settings, default=str))
+    given = args if isinstance(args, dict) else vars(args)
+    settings = json.loads(json.dumps({k: v for k, v in given.items() if k not in EXECUTION_ONLY}, default=str))
     path = os.path.join(ckpt_dir, "run.json")
     if not os.path.isfile(os.path.join(ckpt_dir, "state.pt")) and os.path.isfile(path):
         os.remove(path)  # a run that never checkpointed: nothing of it is resumed
