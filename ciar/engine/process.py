@@ -123,12 +123,13 @@ def build_verifier(spec: CoreSpec, log=logger.info):
     import torch
 
     from ciar.engine.verifier import CloudVerifier
-    from ciar.world import load_world
 
     torch.set_num_threads(spec.threads)
     if spec.factory:
         module, _, name = spec.factory.partition(":")
         return getattr(importlib.import_module(module), name)(**spec.factory_kwargs)
+    from ciar.world import load_world  # (after the factory: a factory's engine needs no world, nor pydantic)
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     world = load_world(spec.world, device=device)
     core = CloudVerifier(world.cloud, world.text, max_sessions=spec.max_sessions, projector=world.projector,

@@ -268,3 +268,31 @@ def test_build_verifier_compiles_the_judge_at_start_up_with_the_worlds_sampling(
     got, want = core.open_batch([req])[0], eager.open_batch([req])[0]
     assert got.prefix_tokens.tolist() == want.prefix_tokens.tolist()
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up made every compilation this needed
+
+
+def test_a_factory_core_needs_no_world_so_no_pydantic():
+    """A core built by a factory (the GPU suite's stubbed engines) must not load `ciar.world` (pydantic): the lent
+    GPU machines have no pydantic, and `build_verifier` imported the world before the factory branch, so the GPU
+    suite's `engine_process` section broke there (2026-11-29-gpu run1). Run in a child whose import of pydantic
+    fails."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'pydantic':\n"
+        "            raise ModuleNotFoundError('pydantic blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from ciar.engine.process import CoreSpec, build_verifier\n"
+        f"v = build_verifier(CoreSpec(factory={FACTORY!r}))\n"
+        "assert 'pydantic' not in sys.modules, 'pydantic was imported'\n"
+        "print(type(v).__name__)\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, here])}  # (FACTORY's module by pytest's name)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["CloudVerifier"]
