@@ -120,7 +120,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams,
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p = sorted_descending(probs)  # [..., V]
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more probable tokens
+        mass_before = _mass_before(sorted_p)  # mass of strictly more probable tokens
         n_keep = (mass_before < params.top_p).sum(dim=-1, keepdim=True).clamp_min(1)  # [..., 1], >= 1
         threshold = sorted_p.gather(-1, n_keep - 1)  # least probable kept probability
         probs = probs.masked_fill(probs < threshold, 0.0)
@@ -301,7 +301,7 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling, uncond_logits: torch.
     if rows.any_top_p:
         top_p = rows.top_p[:, None]
         sorted_p = sorted_descending(probs)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        mass_before = _mass_before(sorted_p)
         n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
         threshold = sorted_p.gather(-1, n_keep - 1)
         cut = probs.masked_fill(probs < threshold, 0.0)
@@ -374,13 +374,30 @@ def counter_uniform(seed: torch.Tensor, stream: int, position: torch.Tensor) -> 
     return keyed_uniform(splitmix64(splitmix64(seed) ^ _signed64(stream)), position)
 
 
+@torch.compiler.disable
+def _mass_before(sorted_p: torch.Tensor) -> torch.Tensor:
+    """sorted_p [..., V] sorted from the largest -> each entry's mass of strictly more probable entries (top-p's
+    running sum). Never compiled, as `_inverse_cdf`: a running sum over the codes inside a compiled judge on CUDA
+    is a split scan Inductor failed to generate."""
+    return torch.cumsum(sorted_p, dim=-1) - sorted_p
+
+
+@torch.compiler.disable
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """p [R, V] float64, u [R] float64 -> the first index whose running sum exceeds u * the row's total (V where
+    none does). Never compiled, also inside a compiled judge (an eager call within it): Inductor made the running sum over 16,384 codes a
+    split scan on CUDA and then failed to generate it beside the reductions it fused in ("NYI TritonSplitDimKernel
+    reductions", torch 2.11 on an H200: benchmarks/results/2026-11-29-gpu run2). Eagerly it is one cumsum and one
+    search, as in the eager judge."""
+    cdf = p.cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+
+
 def sample_at(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [R, V] (need not sum to 1), u [R] uniforms in [0, 1) -> tokens [R] int64 by inverse CDF: the first
     index whose float64 running sum exceeds u * total (`ciar_device.maths.sample`, batched). Zero-probability
     entries are never drawn; a row without mass gives its last index (callers never read it)."""
-    p = probs.double()
-    cdf = p.cumsum(dim=-1)
-    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    idx = _inverse_cdf(probs.double(), u.double())
     # idx < V only where some running sum exceeds u * total, and then idx is at or before the last index with mass;
     # so the fallback serves only rows where u * total rounded up to the total, or without mass. On the host, where
     # the check waits for nothing, a step none of whose rows needs it skips it (on a CPU it was 2 of the 3 ms of 80

@@ -574,8 +574,12 @@ def compiled_math():
     rule; `Judge.launch` computes a lone draw or span as one of two rows, not compiled apart). Made once per process;
     each compiles at its first call (`Judge.warm` makes those calls at start-up)."""
     if not _COMPILED:
-        _COMPILED["draw"] = torch.compile(_draw_math, dynamic=True)
-        _COMPILED["span"] = torch.compile(_span_math, dynamic=True)
+        # Inductor's split reductions (a long row sum over few rows, computed in two passes) failed to generate
+        # the spans' code on CUDA with dynamic shapes ("list indices must be integers or slices, not NoneType",
+        # torch 2.11, H200: benchmarks/results/2026-11-29-gpu); a row's sum in one pass has no such path.
+        options = {"split_reductions": False}
+        _COMPILED["draw"] = torch.compile(_draw_math, dynamic=True, options=options)
+        _COMPILED["span"] = torch.compile(_span_math, dynamic=True, options=options)
     return _COMPILED["draw"], _COMPILED["span"]
 
 
