@@ -334,3 +334,26 @@ def test_drop_below_keeps_a_gradient():
     p = logits_to_probs(x, SamplingParams(top_k=5))
     (p * torch.arange(40.0)).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_the_running_sums_stay_out_of_compiled_graphs():
+    """The inverse CDF's and top-p's running sums over the codes run eagerly even inside a compiled function (the
+    compiled judge): on CUDA Inductor makes a long running sum a split scan, and torch 2.11 failed to generate one
+    with a reduction fused in (2026-11-29-gpu run2). What dynamo captures around them must hold no cumsum."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 64, generator=g), -1)
+    u = torch.rand(3, generator=g, dtype=torch.float64)
+    top_p = SamplingParams(temperature=1.0, top_p=0.8)
+
+    def captured(fn, *args) -> set:
+        torch._dynamo.reset()
+        graphs = torch._dynamo.explain(fn)(*args).graphs
+        return {str(node.target) for gm in graphs for node in gm.graph.nodes}
+
+    for fn, args in ((sampling.sample_at, (probs, u)),
+                     (lambda x: sampling.logits_to_probs(x, top_p), (torch.log(probs),))):
+        ops = captured(fn, *args)
+        assert ops, "nothing was captured: the check would pass vacuously"
+        assert not [op for op in ops if "cumsum" in op]
+        assert torch.equal(fn(*args), fn(*args))  # (and the eager result is unchanged by the wrapper)
+    torch._dynamo.reset()
