@@ -230,7 +230,7 @@ def _compare(vocab, phones, max_works, seconds, warmup_s, counts, reps, switch_s
         for way, run in ways.items():
             runs[way].append(run())
     for way, rs in runs.items():
-        row[way] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        row[way] = {k: round(statistics.median(r[k] for r in rs), 3) for k in rs[0]}  # (an even count: a mean)
         if reps > 1:
             row[f"{way}_reps"] = rs
     row["threaded_over_direct"] = round(row["threaded"]["step_ms"] / row["direct"]["step_ms"], 2)
