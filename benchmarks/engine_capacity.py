@@ -394,12 +394,14 @@ def capacity_model(tiny: bool):
     return xl_model("cuda", torch.bfloat16)
 
 
-def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_stride: int = 0):
+def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_stride: int = 0,
+            overlap: bool = False):
     """The measured replica's CloudVerifier over `model` (no caption encoder: `random_caption`), and the methods'
     traces widened to its vocabulary: serve_config.gpu.yaml's scheduler (tiny: a small one), a seeded random interval
     projector of the model's width, the KV cache sized from the accelerator's memory ("auto"; on a CPU
-    4 x `max_load` sessions), the fused step on CUDA (as `verifier_fused_step` serves it). `seed_stride`: method i's
-    traces get seeds + i x stride (one replica replaying several methods' recorded verdicts: distinct seeds).
+    4 x `max_load` sessions), the fused step on CUDA (as `verifier_fused_step` serves it), the engine's overlap when
+    `overlap`. `seed_stride`: method i's traces get seeds + i x stride (one replica replaying several methods'
+    recorded verdicts: distinct seeds).
     -> (verifier, {method: traces}, image tokens)."""
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
     from ciar.engine.scheduler import SchedulerConfig
@@ -418,7 +420,8 @@ def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_str
     sched = SchedulerConfig(token_budget=16384, max_works=64, prefill_chunk=120) if not tiny else \
         SchedulerConfig(token_budget=256, max_works=8, prefill_chunk=16)
     v = CloudVerifier(model, None, max_sessions="auto" if dev.type == "cuda" else 4 * max_load,
-                      projector=projector, scheduler=sched, slot_wait_s=600.0, fused=dev.type == "cuda")
+                      projector=projector, scheduler=sched, slot_wait_s=600.0, fused=dev.type == "cuda",
+                      overlap=overlap)
     return v, traces, image_tokens
 
 
@@ -437,9 +440,10 @@ def _reseeded(trace, by: int):
 def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images: int | None = None,
             slo_s: float = SLO_P99_S, network: str = NETWORK, methods: tuple[str, ...] = METHODS,
             switch_s: float | None = SWITCH_S, overlap: bool = True) -> dict:
-    """The section: build the replica, ramp each method (then its last load again: with the interpreter's switch
-    interval at `switch_s`, when given; with the engine's overlap, when `overlap`), then the model's prediction
-    beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
+    """The section: build the replica as the GPU configuration serves it (the fused step and the engine's overlap
+    on CUDA), ramp each method (then its last load again: with the interpreter's switch interval at `switch_s`, when
+    given; when `overlap`, with the overlap switched the other way: off on CUDA, on elsewhere), then the model's
+    prediction beside every point (for the methods without Jacobi windows: the model has no Jacobi work)."""
     from ciar.capacity.gpu_model import GPU, ModelShapes, phones_at_slo
     from ciar.capacity.trace import AsyncVerifierClient, RecordedVerdicts
     from ciar.engine import heap
@@ -450,9 +454,11 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     cfg = model.config
     suite.release()
     t = time.perf_counter()
-    v, traces, image_tokens = replica(model, methods, suite.tiny, max(loads))
+    served_overlap = suite.dev.type == "cuda"  # (serve_config.gpu.yaml's verifier_overlap; on a CPU none overlaps)
+    v, traces, image_tokens = replica(model, methods, suite.tiny, max(loads), overlap=served_overlap)
     sched, fused = v.engine.config, v.runner.fused
     out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions, "fused_step": fused,
+                 "overlap_served": served_overlap,
                  "image_tokens": image_tokens, "traces": {m: len(t) for m, t in traces.items()},
                  "network": network, "slo_p99_s": slo_s, "warmup_s": warmup_s, "duration_s": duration_s,
                  "images_per_point": images}
@@ -580,12 +586,14 @@ SEED_STRIDE = 1000  # one core replays every method: method i's traces get seeds
 
 
 def process_core(tiny: bool, methods: tuple[str, ...], max_load: int):
-    """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model`, every
-    bucket's graph captured on CUDA, every method's recorded verdicts installed at once (their seeds apart), and the
+    """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model` (the
+    overlap on CUDA, as `measure` builds it), every bucket's graph captured on CUDA, every method's recorded verdicts installed at once (their seeds apart), and the
     random captions given to its opens and resumes (it has no caption encoder)."""
     from ciar.capacity.trace import RecordedVerdicts
 
-    v, traces, _ = replica(capacity_model(tiny), methods, tiny, max_load, seed_stride=SEED_STRIDE)
+    model = capacity_model(tiny)
+    v, traces, _ = replica(model, methods, tiny, max_load, seed_stride=SEED_STRIDE,
+                           overlap=model.tok_embeddings.weight.device.type == "cuda")  # (as capacity_measured's)
     if v.device.type == "cuda":
         v.runner.capture(2 * v.engine.config.max_works)
     verdicts = RecordedVerdicts([t for tr in traces.values() for t in tr]).install(v)
@@ -639,7 +647,7 @@ def markdown(sec: dict) -> list[str]:
     window = (f"until {sec['images_per_point']} images" if sec.get("images_per_point") else
               f"{sec['duration_s']} s") + f" after {sec['warmup_s']} s"
     lines = [f"Sessions (KV slots) {sec['sessions']}, scheduler {sec['scheduler']}, fused step "
-             f"{sec.get('fused_step', False)}, link {sec['network']}, "
+             f"{sec.get('fused_step', False)}, overlap {sec.get('overlap_served', False)}, link {sec['network']}, "
              f"window {window}; replayed decisions: {sec.get('verdicts')}.",
              "", "| method | phones | images/s | p50 s | p99 s | passes/image | works/step | steps/s | padding | "
              "step ms: forward / judge / host | engine stepping | mismatches | "
@@ -659,7 +667,8 @@ def markdown(sec: dict) -> list[str]:
     lines += ["", f"Measured: {m}"]
     for name, title in (("switch_interval", "with the interpreter's switch interval shortened "
                                             "(`sys.setswitchinterval`)"),
-                        ("overlap", "with the engine's overlap (`StepEngine.overlap`; sampled steps are synced)")):
+                        ("overlap", "with the engine's overlap (`StepEngine.overlap`; sampled steps are synced)"),
+                        ("no_overlap", "without the engine's overlap (the GPU configuration serves it)")):
         if sec.get(name):
             lines += ["", f"The last load again {title}:", "", "| method | phones | images/s | default's images/s | "
                       "p99 s | default's | step ms: forward / judge / host | default's |",
@@ -764,13 +773,16 @@ def refit_markdown(r: dict, command: str) -> str:
 
 
 def _again(v, switch_s: float | None, overlap: bool):
-    """The changes each method's last load is run again with, one at a time: (name, enter, leave)."""
+    """The changes each method's last load is run again with, one at a time: (name, enter, leave). The overlap's
+    run switches it the other way from the replica's (served) setting: "no_overlap" where it is on."""
     out = []
     if switch_s:  # the interpreter handing the GIL over sooner (sys.setswitchinterval): is the host time GIL waits?
         default = sys.getswitchinterval()
         out.append(("switch_interval", lambda: sys.setswitchinterval(switch_s), lambda: sys.setswitchinterval(default)))
     if overlap:  # the engine reading a step's decisions after launching the next forward (StepEngine.overlap)
-        out.append(("overlap", lambda: setattr(v.engine, "overlap", True), lambda: setattr(v.engine, "overlap", False)))
+        served = v.engine.overlap
+        out.append(("no_overlap" if served else "overlap", lambda: setattr(v.engine, "overlap", not served),
+                    lambda: setattr(v.engine, "overlap", served)))
     return out
 
 
