@@ -87,6 +87,11 @@ logger = logging.getLogger(__name__)
 
 WARM_SPAN = 4  # the drafts a compiled judge warms its spans with (`Judge.warm`; lengths of two or more share them)
 CALLS = ("open", "verify", "resume", "close", "evict_idle", "cost_hint", "ready", "stats", "configure")
+# the socket's buffers each way (the kernel caps them at net.core.wmem_max / rmem_max: 4 MiB on the CPU box, 208 KiB
+# on a kernel left at its defaults, where this changes nothing). The core reads between steps, and a CIAR span at
+# 16,384 codes is a 128 KiB frame: with 208 KiB the replica's writer stalled after one or two, and a step held 57
+# works where 64 were queued (2026-11-29j; verifies/s the same within the noise on that CPU)
+SOCKET_BUFFER_BYTES = 4 << 20
 
 
 class EngineProcessError(RuntimeError):
@@ -169,6 +174,9 @@ class EngineProcess:
         start."""
         self.on_step = on_step
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the replica's imports
         self.proc = subprocess.Popen([sys.executable, "-m", "ciar.engine.process", str(theirs.fileno())],
                                      pass_fds=(theirs.fileno(),), env=env, close_fds=True)

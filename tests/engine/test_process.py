@@ -296,3 +296,25 @@ def test_a_factory_core_needs_no_world_so_no_pydantic():
                           env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["CloudVerifier"]
+
+
+def test_the_socket_holds_a_steps_worth_of_large_frames(engine):
+    """The core reads its socket between steps; a CIAR span at 16,384 codes is a 128 KiB frame. The socket's
+    buffers are raised from the kernel's default (208 KiB: one or two such frames, and the replica's writer
+    stalled) to `SOCKET_BUFFER_BYTES`, as far as the kernel allows (Linux reports twice what it granted; where
+    net.core.wmem_max is the default, nothing changes)."""
+    import socket
+
+    from ciar.engine.process import SOCKET_BUFFER_BYTES
+
+    e = engine()
+    granted = []
+    for option, limit in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
+        end = socket.socket(fileno=os.dup(e._conn.fileno()))
+        try:
+            granted.append(end.getsockopt(socket.SOL_SOCKET, option))
+        finally:
+            end.close()
+        with open(f"/proc/sys/net/core/{limit}") as f:
+            cap = int(f.read())
+        assert granted[-1] >= 2 * min(SOCKET_BUFFER_BYTES, cap), (limit, granted, cap)
