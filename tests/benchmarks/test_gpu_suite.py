@@ -41,6 +41,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
                for w in ("direct", "threaded", "process")), ep
     eg = sections["engine_graphs"]  # the engine's static (bucketed) steps give the dynamic steps' replies
     assert eg["static_vs_dynamic"]["identical"] and eg["static"]["forwards_by_path"]["static"] > 0, eg
+    assert all(eg[w]["first_round_s"] > 0 and eg[w]["spans_per_s_all_in_one_step"] > 0 for w in ("dynamic", "static"))
     split = eg["static"]["ms_per_step_after_warmup"]  # each step: forward + judge + host (timed to syncs)
     assert split["steps"] > 0 and split["forward"] > 0 and split["judge"] > 0 and split["host"] >= 0, split
     assert split["step"] >= split["forward"] + split["judge"] - 1e-3 and 0 < split["accelerator_busy_upper_bound"] <= 1
