@@ -587,8 +587,9 @@ SEED_STRIDE = 1000  # one core replays every method: method i's traces get seeds
 
 def process_core(tiny: bool, methods: tuple[str, ...], max_load: int):
     """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model` (the
-    overlap on CUDA, as `measure` builds it), every bucket's graph captured on CUDA, every method's recorded verdicts installed at once (their seeds apart), and the
-    random captions given to its opens and resumes (it has no caption encoder)."""
+    overlap on CUDA, as `measure` builds it), every bucket's graph captured on CUDA, every method's recorded verdicts
+    installed at once (their seeds apart), and the random captions given to its opens and resumes (it has no caption
+    encoder)."""
     from ciar.capacity.trace import RecordedVerdicts
 
     model = capacity_model(tiny)

@@ -385,10 +385,10 @@ def _mass_before(sorted_p: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """p [R, V] float64, u [R] float64 -> the first index whose running sum exceeds u * the row's total (V where
-    none does). Never compiled, also inside a compiled judge (an eager call within it): Inductor made the running sum over 16,384 codes a
-    split scan on CUDA and then failed to generate it beside the reductions it fused in ("NYI TritonSplitDimKernel
-    reductions", torch 2.11 on an H200: benchmarks/results/2026-11-29-gpu run2). Eagerly it is one cumsum and one
-    search, as in the eager judge."""
+    none does). Never compiled, also inside a compiled judge (an eager call within it): Inductor made the running
+    sum over 16,384 codes a split scan on CUDA and then failed to generate it beside the reductions it fused in
+    ("NYI TritonSplitDimKernel reductions", torch 2.11 on an H200: benchmarks/results/2026-11-29-gpu run2).
+    Eagerly it is one cumsum and one search, as in the eager judge."""
     cdf = p.cumsum(dim=-1)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
 

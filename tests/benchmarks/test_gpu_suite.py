@@ -20,9 +20,9 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     sections = result["sections"]
     assert list(sections) == ["env", "compiled_judge", "engine_graphs", "served_steps", "roofline",
                               "capacity_measured", "fused_step", "capacity_parallel", "capacity_process", "overlap",
-                              "packed_step", "engine_process", "slot_attention", "xl_steps", "graphs", "fp32", "profile", "capacity",
-                              "memory", "oom", "repeat", "engine_repeat", "engine_bisect", "dense_copy",
-                              "anole_shape", "engine", "t5", "hf_llama"]
+                              "packed_step", "engine_process", "slot_attention", "xl_steps", "graphs", "fp32",
+                              "profile", "capacity", "memory", "oom", "repeat", "engine_repeat", "engine_bisect",
+                              "dense_copy", "anole_shape", "engine", "t5", "hf_llama"]
     cj = sections["compiled_judge"]  # the judge compiled (inductor's CPU code here): compiled at start-up, the same
     assert cj["compiled"]["warm_steps"] > 0 and cj["eager"]["warm_steps"] == 0, cj  # replies on these seeded inputs
     assert cj["compiled"]["sessions_4"]["compiled_in_rounds"] == 0, cj  # (the warm-up made every compilation)
