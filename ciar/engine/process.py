@@ -148,7 +148,13 @@ def build_verifier(spec: CoreSpec, log=logger.info):
         log("KV cache: %d sessions (%s)", core.table.max_sessions, core.memory.how)
     if core.judge.compiled:  # its compilations before any request (the world's sampling)
         t = time.perf_counter()
-        core.judge.warm(world.sampling, WARM_SPAN)
+        try:
+            core.judge.warm(world.sampling, WARM_SPAN)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raised, said as the setting that asked for it
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise RuntimeError(f"verifier_compiled_judge: torch.compile could not compile the judge here (torch "
+                               f"{torch.__version__}, {device}): {type(e).__name__}: {first}. Serve with "
+                               f"verifier_compiled_judge: false (the eager judge)") from e
         log("compiled the judge in %.1f s", time.perf_counter() - t)
     if core.runner.graphs and spec.capture_rows:  # every bucket the live config can reach, before any request
         t = time.perf_counter()

@@ -270,6 +270,26 @@ def test_build_verifier_compiles_the_judge_at_start_up_with_the_worlds_sampling(
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up made every compilation this needed
 
 
+def test_a_judge_that_cannot_compile_fails_the_start_naming_the_setting(monkeypatch):
+    """On an H200 with torch 2.11 Inductor failed to generate the compiled judge's code (2026-11-29-gpu): a replica
+    with `verifier_compiled_judge: true` must fail its start with one line naming the setting and the way out, not
+    with the compiler's traceback alone (the compiler's error stays chained)."""
+    from ciar.engine.judge import Judge
+    from ciar.engine.process import build_verifier
+
+    def broken(self, sampling, span=4):
+        raise TypeError("list indices must be integers or slices, not NoneType\n\nSet TORCHDYNAMO_VERBOSE=1")
+
+    monkeypatch.setattr(Judge, "warm", broken)  # (a mock compiler failure; the real one needs a GPU)
+    with pytest.raises(RuntimeError) as failed:
+        build_verifier(CoreSpec(max_sessions=2, compiled_judge=True))
+    message = str(failed.value)
+    assert message.startswith("verifier_compiled_judge: torch.compile could not compile the judge here"), message
+    assert "TypeError: list indices must be integers or slices, not NoneType." in message and "\n" not in message
+    assert "verifier_compiled_judge: false" in message and isinstance(failed.value.__cause__, TypeError)
+    assert build_verifier(CoreSpec(max_sessions=2)).judge.compiled is False  # (the eager judge never warms)
+
+
 def test_a_factory_core_needs_no_world_so_no_pydantic():
     """A core built by a factory (the GPU suite's stubbed engines) must not load `ciar.world` (pydantic): the lent
     GPU machines have no pydantic, and `build_verifier` imported the world before the factory branch, so the GPU
