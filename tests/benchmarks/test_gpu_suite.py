@@ -212,3 +212,30 @@ def test_capacity_loads_and_window_are_checked(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--tiny", "--out", str(tmp_path), "--sections", "env"] + bad)
         assert e.value.code == 2 and "--capacity-window WARMUP_S,WINDOW_S" in capsys.readouterr().err
+
+
+def test_the_capacity_reruns_switch_the_overlap_away_from_the_served_setting():
+    """`capacity_measured` builds its replica as served: the overlap on where the GPU configuration serves it (CUDA),
+    off on a CPU. Each method's last load runs again with the overlap the other way: "no_overlap" on a GPU (run on
+    no CPU test otherwise), "overlap" here; the setting is restored after, and the table names the rerun."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine_capacity import _again, markdown
+
+    for served, name in ((True, "no_overlap"), (False, "overlap")):
+        v = SimpleNamespace(engine=SimpleNamespace(overlap=served))  # (a stand-in: only the flag is read)
+        [(got, enter, leave)] = _again(v, None, True)
+        assert got == name
+        enter()
+        assert v.engine.overlap is (not served)
+        leave()
+        assert v.engine.overlap is served
+    assert _again(SimpleNamespace(engine=SimpleNamespace(overlap=True)), None, False) == []
+    point = {"phones": 3, "images_per_s": 2.0, "latency_s": {"p50": 1.0, "p99": 1.5}, "cloud_passes_per_image": 9,
+             "mean_works_per_step": 2.0, "engine_stepping": 0.9, "mismatches": 0}
+    again = {"phones": 3, "images_per_s": 1.5, "default_images_per_s": 2.0, "latency_s": {"p99": 2.0},
+             "default_latency_s": {"p99": 1.5}, "ms_per_step": None, "default_ms_per_step": None}
+    sec = {"sessions": 8, "scheduler": {}, "fused_step": True, "overlap_served": True, "network": "5g",
+           "duration_s": 12, "warmup_s": 4, "points": {"ciar": [point]}, "no_overlap": {"ciar": again}}
+    table = "\n".join(markdown(sec))
+    assert "overlap True" in table and "The last load again without the engine's overlap" in table, table
