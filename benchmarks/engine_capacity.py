@@ -67,6 +67,7 @@ JACOBI_WINDOW = 16
 SLO_P99_S = 5.0  # loadtests.capacity's default image-latency SLO
 NETWORK = "5g"
 SPLIT_EVERY = 8  # a load's steps: one in this many is timed to device syncs (StepSplit), the rest run as served
+PROFILE_STEPS = 8  # a load's steps under torch.profiler, in the middle of its warm-up (StepProfile)
 # The engine thread shares the GIL with the phones' loop; at each device sync it lets go, and Python hands it back
 # only after the other thread has run its switch interval (5 ms by default). On the H200 a saturated CIAR step's host
 # time grew with the phones in the process (8.8 ms at 256, 13.3 at 512; 2026-11-28c-gpu): each method's last load
@@ -170,6 +171,72 @@ class StepSplit:
                 # the mean of a few timed steps moves with any one slow step: the same engine_graphs judge's mean
                 # read 1.9, 2.3 and 7.9 ms in three H200 processes (2026-11-28c); the medians beside it
                 "median": {k: round(1e3 * float(np.median(v)), 3) for k, v in self.t.items() if v}}
+
+
+class StepProfile:
+    """torch.profiler over `steps` consecutive engine steps of a load, from the first step that starts `after_s`
+    after the load's first step (on the engine's own thread: `engine.step` is wrapped, as `StepSplit` wraps it):
+    each step's wall time (to a device sync), its kernels' time on the accelerator (on a CPU: the top-level
+    operators' time, every thread's) and the largest of them by name, per step: what a loaded step's judge and
+    host time are made of (on the 2026-11-29 H200 a saturated CIAR step took 36 ms, 5.6 of them judge and 13.7
+    host). The profiler's own costs are in the wall time; the point's measured window (after its warm-up) is not
+    profiled when `after_s` and the steps end within the warm-up."""
+
+    def __init__(self, v, steps: int = PROFILE_STEPS, after_s: float = 0.0, top: int = 12):
+        self.v, self.steps, self.top, self.after_s = v, steps, top, after_s
+        self.prof, self.left, self.wall, self.done, self.at = None, steps, 0.0, 0, None
+        self.real = v.engine.step
+        v.engine.step = self._step
+
+    def _step(self, *a, **k):
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.at is None:
+            self.at = time.monotonic() + self.after_s  # (the first step: the point has started)
+        if self.prof is None and self.left and time.monotonic() >= self.at:
+            cuda = self.v.device.type == "cuda"
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self.prof.__enter__()
+        if self.prof is None or not self.left:
+            return self.real(*a, **k)
+        t0 = time.perf_counter()
+        try:
+            return self.real(*a, **k)
+        finally:
+            self._sync()
+            self.wall += time.perf_counter() - t0
+            self.done += 1
+            self.left -= 1
+            if not self.left:
+                self.prof.__exit__(None, None, None)
+
+    def _sync(self) -> None:
+        if self.v.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def remove(self) -> dict:
+        """Unwrap the engine's step and summarise -> {} when no step was profiled."""
+        self.v.engine.step = self.real
+        if self.prof is None:
+            return {}
+        if self.left:  # (the point ended first)
+            self.prof.__exit__(None, None, None)
+        cuda = self.v.device.type == "cuda"
+        kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        by_name: dict[str, list] = {}
+        for e in self.prof.events():
+            if e.device_type == kind and (cuda or e.cpu_parent is None):
+                n = by_name.setdefault(e.name[:80].replace("|", "/"), [0, 0.0])  # (a markdown cell)
+                n[0] += 1
+                n[1] += e.time_range.elapsed_us()
+        per = max(self.done, 1)
+        busy_ms = sum(x[1] for x in by_name.values()) / 1e3 / per
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:self.top]
+        return {"steps": self.done, "wall_ms_per_step": round(1e3 * self.wall / per, 3),
+                "what": "kernels" if cuda else "top-level operators",
+                "per_step": round(sum(x[0] for x in by_name.values()) / per, 1), "busy_ms_per_step": round(busy_ms, 3),
+                "top": [{"name": n, "per_step": round(c / per, 2), "ms_per_step": round(us / 1e3 / per, 3)}
+                        for n, (c, us) in top]}
 
 
 class EngineProbe:
@@ -475,8 +542,13 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
             verdicts = RecordedVerdicts(traces[method]).install(v)
             points[method] = []
             for phones in loads:
-                p = asyncio.run(point(client, traces[method], phones, warmup_s, duration_s, network, images,
-                                      tag=method))
+                profiler = StepProfile(v, after_s=warmup_s / 2)  # (its steps end within the warm-up)
+                try:
+                    p = asyncio.run(point(client, traces[method], phones, warmup_s, duration_s, network, images,
+                                          tag=method))
+                finally:
+                    p_profile = profiler.remove()
+                p["profile"] = p_profile
                 points[method].append(p)
                 print(f"  capacity_measured {method} {phones} phones: {p['images']} images, "
                       f"{p['images_per_s'] or 0:.2f} images/s, p99 {p['latency_s']['p99']}, "
@@ -679,6 +751,18 @@ def markdown(sec: dict) -> list[str]:
                              f"{_f(x['default_images_per_s'])} | {_f(x['latency_s']['p99'])} | "
                              f"{_f(x['default_latency_s']['p99'])} | {_split(x['ms_per_step'])} | "
                              f"{_split(x['default_ms_per_step'])} |")
+    profiled = [(method, p) for method, ps in sec["points"].items() for p in ps if p.get("profile")]
+    if profiled:
+        lines += ["", "Each load's steps under torch.profiler in its warm-up (`StepProfile`; the profiler's costs "
+                  "included): ms per step, the accelerator's share (its kernels' time; on a CPU the top-level "
+                  "operators'), and the largest by name:", "",
+                  "| method | phones | steps | wall ms | busy ms | per step | largest: calls, ms per step |",
+                  "|---|---|---|---|---|---|---|"]
+        for method, p in profiled:
+            pr = p["profile"]
+            top = "; ".join(f"{t['name']} {_f(t['per_step'])}, {_f(t['ms_per_step'])}" for t in pr["top"][:5])
+            lines.append(f"| {method} | {p['phones']} | {pr['steps']} | {_f(pr['wall_ms_per_step'])} | "
+                         f"{_f(pr['busy_ms_per_step'])} | {_f(pr['per_step'])} {pr['what']} | {top} |")
     return lines
 
 

@@ -32,7 +32,8 @@ then `gpu.md` summarises:
              overlap; each method's last load again without it) under trace-driven phones (benchmarks/traces),
              CIAR and cloud-only, images/s and latency per load, phones at the p99 SLO, the capacity model's
              prediction beside every point (its default overhead; refit on the served path with host time; each step
-             priced as the served engine runs it: `served_costs`)
+             priced as the served engine runs it: `served_costs`), and 8 steps of each load's warm-up under
+             torch.profiler (`StepProfile`: wall and kernel ms per step, the largest kernels)
   capacity_parallel  the same for the parallel-decoding phones: SJD and CIAR with Jacobi windows (their traces
              in benchmarks/traces; no model beside them: it decodes one token a forward)
   slot_attention  attention read in place by slot (`ciar.models.slot_attention`, a Triton kernel) vs the gathered

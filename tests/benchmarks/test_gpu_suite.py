@@ -84,6 +84,10 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
     # what the replay is for: CIAR's images take fewer sequential cloud passes than cloud-only's 144 tokens
     assert cm["points"]["cloud"][0]["cloud_passes_per_image"] == 144
     assert cm["points"]["ciar"][0]["cloud_passes_per_image"] < 144
+    for method in ("ciar", "cloud"):  # each load's first steps under the profiler (its warm-up: none here)
+        pr = cm["points"][method][0]["profile"]
+        assert 0 < pr["steps"] <= 8 and pr["wall_ms_per_step"] > 0 and pr["per_step"] > 0 and pr["top"], pr
+        assert all(t["ms_per_step"] >= 0 and t["per_step"] > 0 for t in pr["top"]), pr
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
     cp = sections["capacity_process"]  # the last loads again, the engine core in its own process
     for method in ("ciar", "cloud"):
@@ -124,6 +128,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
         assert isinstance(row["static_cache_ms"], float) and isinstance(row["dynamic_cache_ms"], float), row
     md = open(tmp_path / "gpu.md").read()
     assert md.startswith("# GPU suite: no GPU (cpu)") and "| decode (1 pos) | 1 |" in md
+    assert "under torch.profiler in its warm-up" in md and "| ciar | 1 |" in md  # (the loads' profiles' table)
     # the capacity model reads what the suite measured (loadtests.capacity --gpu-costs gpu.json)
     from ciar.capacity.gpu_model import GPU, ModelShapes, forward_s, measured_gpu
 
