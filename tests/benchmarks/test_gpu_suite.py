@@ -88,6 +88,7 @@ def test_the_tiny_suite_runs_every_section_and_writes_json_and_markdown(tmp_path
         pr = cm["points"][method][0]["profile"]
         assert 0 < pr["steps"] <= 8 and pr["wall_ms_per_step"] > 0 and pr["per_step"] > 0 and pr["top"], pr
         assert all(t["ms_per_step"] >= 0 and t["per_step"] > 0 for t in pr["top"]), pr
+        assert pr["host_top"] and 0 < pr["host_ops_ms_per_step"] <= pr["wall_ms_per_step"], pr  # (the step's ops)
     assert cm["points"]["cloud"][1]["mean_works_per_step"] > 1  # three phones share steps
     cp = sections["capacity_process"]  # the last loads again, the engine core in its own process
     for method in ("ciar", "cloud"):
