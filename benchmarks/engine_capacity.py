@@ -50,6 +50,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -194,6 +195,7 @@ class StepProfile:
     def __init__(self, v, steps: int = PROFILE_STEPS, after_s: float = 0.0, top: int = 12):
         self.v, self.steps, self.top, self.after_s = v, steps, top, after_s
         self.prof, self.left, self.wall, self.done, self.at = None, steps, 0.0, 0, None
+        self.lock = threading.Lock()  # (the engine's thread profiles; the point's ends it, maybe mid-step)
         self.real = v.engine.step
         v.engine.step = self._step
 
@@ -202,11 +204,13 @@ class StepProfile:
 
         if self.at is None:
             self.at = time.monotonic() + self.after_s  # (the first step: the point has started)
-        if self.prof is None and self.left and time.monotonic() >= self.at:
-            cuda = self.v.device.type == "cuda"
-            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-            self.prof.__enter__()
-        if self.prof is None or not self.left:
+        with self.lock:
+            if self.prof is None and self.left and time.monotonic() >= self.at:
+                cuda = self.v.device.type == "cuda"
+                self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+                self.prof.__enter__()
+            profiled = self.prof is not None and self.left > 0
+        if not profiled:
             return self.real(*a, **k)
         t0 = time.perf_counter()
         try:
@@ -214,11 +218,13 @@ class StepProfile:
                 return self.real(*a, **k)
         finally:
             self._sync()
-            self.wall += time.perf_counter() - t0
-            self.done += 1
-            self.left -= 1
-            if not self.left:
-                self.prof.__exit__(None, None, None)
+            with self.lock:
+                if self.left > 0:  # (not ended by `remove` meanwhile)
+                    self.wall += time.perf_counter() - t0
+                    self.done += 1
+                    self.left -= 1
+                    if not self.left:
+                        self.prof.__exit__(None, None, None)
 
     def _sync(self) -> None:
         if self.v.device.type == "cuda":
@@ -227,10 +233,12 @@ class StepProfile:
     def remove(self) -> dict:
         """Unwrap the engine's step and summarise -> {} when no step was profiled."""
         self.v.engine.step = self.real
-        if self.prof is None:
-            return {}
-        if self.left:  # (the point ended first)
-            self.prof.__exit__(None, None, None)
+        with self.lock:
+            if self.prof is None:
+                return {}
+            if self.left:  # (the point ended first)
+                self.left = 0
+                self.prof.__exit__(None, None, None)
         cuda = self.v.device.type == "cuda"
         kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
         by_name: dict[str, list] = {}  # the accelerator's kernels (on a CPU: the top-level operators)

@@ -245,3 +245,23 @@ def test_the_capacity_reruns_switch_the_overlap_away_from_the_served_setting():
            "duration_s": 12, "warmup_s": 4, "points": {"ciar": [point]}, "no_overlap": {"ciar": again}}
     table = "\n".join(markdown(sec))
     assert "overlap True" in table and "The last load again without the engine's overlap" in table, table
+
+
+def test_a_step_profile_ended_early_reports_the_steps_it_saw():
+    """`StepProfile` profiles up to 8 steps; a load that ends first (its images counted before) still reports the
+    steps profiled, and the engine's step is unwrapped either way. A stand-in engine whose step is one matmul."""
+    from types import SimpleNamespace
+
+    from benchmarks.engine_capacity import StepProfile
+
+    x = torch.randn(64, 64)
+    engine = SimpleNamespace(step=lambda: x @ x)
+    v = SimpleNamespace(engine=engine, device=torch.device("cpu"))
+    real = engine.step
+    profiler = StepProfile(v, steps=8)
+    for _ in range(3):
+        engine.step()
+    report = profiler.remove()
+    assert engine.step is real and report["steps"] == 3 and report["wall_ms_per_step"] > 0, report
+    assert [t["name"] for t in report["host_top"]] == ["aten::matmul"] and report["host_top"][0]["per_step"] == 1
+    assert StepProfile(v).remove() == {} and engine.step is real  # (no step: nothing profiled)
