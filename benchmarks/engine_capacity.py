@@ -177,6 +177,12 @@ class StepSplit:
 STEP_MARK = "ciar.engine.step"  # StepProfile's range around each profiled step
 
 
+def device_sync(v) -> None:
+    """Wait for what verifier `v` queued on its accelerator (nothing to wait for on a CPU)."""
+    if v.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _add(table: dict, name: str, us: float) -> None:
     n = table.setdefault(name[:80].replace("|", "/"), [0, 0.0])  # (a markdown cell)
     n[0] += 1
@@ -193,7 +199,7 @@ class StepProfile:
     profiled when `after_s` and the steps end within the warm-up."""
 
     def __init__(self, v, steps: int = PROFILE_STEPS, after_s: float = 0.0, top: int = 12):
-        self.v, self.steps, self.top, self.after_s = v, steps, top, after_s
+        self.v, self.top, self.after_s = v, top, after_s
         self.prof, self.left, self.wall, self.done, self.at = None, steps, 0.0, 0, None
         self.lock = threading.Lock()  # (the engine's thread profiles; the point's ends it, maybe mid-step)
         self.real = v.engine.step
@@ -217,7 +223,7 @@ class StepProfile:
             with torch.profiler.record_function(STEP_MARK):  # (the step's own operators are its children)
                 return self.real(*a, **k)
         finally:
-            self._sync()
+            device_sync(self.v)
             with self.lock:
                 if self.left > 0:  # (not ended by `remove` meanwhile)
                     self.wall += time.perf_counter() - t0
@@ -225,10 +231,6 @@ class StepProfile:
                     self.left -= 1
                     if not self.left:
                         self.prof.__exit__(None, None, None)
-
-    def _sync(self) -> None:
-        if self.v.device.type == "cuda":
-            torch.cuda.synchronize()
 
     def remove(self) -> dict:
         """Unwrap the engine's step and summarise -> {} when no step was profiled."""
@@ -279,8 +281,7 @@ class EngineProbe:
         sched, runner = self.v.engine.scheduler, self.v.runner
         self.base = (sched.steps, sched.real_positions, sched.padded_positions, runner.positions["fed"],
                      runner.positions["computed"], sum(runner.steps.values()))
-        self.stepping = StepSplit(self.v, lambda: torch.cuda.synchronize() if self.v.device.type == "cuda" else None,
-                                  every=SPLIT_EVERY)
+        self.stepping = StepSplit(self.v, lambda: device_sync(self.v), every=SPLIT_EVERY)
         self.stepping.on = True
 
     def stop(self, seconds: float) -> dict:
@@ -491,14 +492,13 @@ def capacity_model(tiny: bool):
     return xl_model("cuda", torch.bfloat16)
 
 
-def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_stride: int = 0,
-            overlap: bool = False):
+def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_stride: int = 0):
     """The measured replica's CloudVerifier over `model` (no caption encoder: `random_caption`), and the methods'
     traces widened to its vocabulary: serve_config.gpu.yaml's scheduler (tiny: a small one), a seeded random interval
     projector of the model's width, the KV cache sized from the accelerator's memory ("auto"; on a CPU
-    4 x `max_load` sessions), the fused step on CUDA (as `verifier_fused_step` serves it), the engine's overlap when
-    `overlap`. `seed_stride`: method i's traces get seeds + i x stride (one replica replaying several methods'
-    recorded verdicts: distinct seeds).
+    4 x `max_load` sessions), the fused step and the engine's overlap on CUDA (as serve_config.gpu.yaml's
+    `verifier_fused_step` and `verifier_overlap` serve them; a CPU overlaps nothing). `seed_stride`: method i's
+    traces get seeds + i x stride (one replica replaying several methods' recorded verdicts: distinct seeds).
     -> (verifier, {method: traces}, image tokens)."""
     from ciar.collab.projector import IntervalProjector, ProjectorConfig
     from ciar.engine.scheduler import SchedulerConfig
@@ -518,7 +518,7 @@ def replica(model, methods: tuple[str, ...], tiny: bool, max_load: int, seed_str
         SchedulerConfig(token_budget=256, max_works=8, prefill_chunk=16)
     v = CloudVerifier(model, None, max_sessions="auto" if dev.type == "cuda" else 4 * max_load,
                       projector=projector, scheduler=sched, slot_wait_s=600.0, fused=dev.type == "cuda",
-                      overlap=overlap)
+                      overlap=dev.type == "cuda")
     return v, traces, image_tokens
 
 
@@ -551,11 +551,10 @@ def measure(suite, loads: list[int], warmup_s: float, duration_s: float, images:
     cfg = model.config
     suite.release()
     t = time.perf_counter()
-    served_overlap = suite.dev.type == "cuda"  # (serve_config.gpu.yaml's verifier_overlap; on a CPU none overlaps)
-    v, traces, image_tokens = replica(model, methods, suite.tiny, max(loads), overlap=served_overlap)
+    v, traces, image_tokens = replica(model, methods, suite.tiny, max(loads))
     sched, fused = v.engine.config, v.runner.fused
     out: dict = {"scheduler": dataclasses.asdict(sched), "sessions": v.table.max_sessions, "fused_step": fused,
-                 "overlap_served": served_overlap,
+                 "overlap_served": v.engine.overlap,
                  "image_tokens": image_tokens, "traces": {m: len(t) for m, t in traces.items()},
                  "network": network, "slo_p99_s": slo_s, "warmup_s": warmup_s, "duration_s": duration_s,
                  "images_per_point": images}
@@ -688,15 +687,12 @@ SEED_STRIDE = 1000  # one core replays every method: method i's traces get seeds
 
 
 def process_core(tiny: bool, methods: tuple[str, ...], max_load: int):
-    """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model` (the
-    overlap on CUDA, as `measure` builds it), every bucket's graph captured on CUDA, every method's recorded verdicts
-    installed at once (their seeds apart), and the random captions given to its opens and resumes (it has no caption
-    encoder)."""
+    """The engine process's factory (`ciar.engine.process.CoreSpec.factory`): `replica` over `capacity_model`, every
+    bucket's graph captured on CUDA, every method's recorded verdicts installed at once (their seeds apart), and the
+    random captions given to its opens and resumes (it has no caption encoder)."""
     from ciar.capacity.trace import RecordedVerdicts
 
-    model = capacity_model(tiny)
-    v, traces, _ = replica(model, methods, tiny, max_load, seed_stride=SEED_STRIDE,
-                           overlap=model.tok_embeddings.weight.device.type == "cuda")  # (as capacity_measured's)
+    v, traces, _ = replica(capacity_model(tiny), methods, tiny, max_load, seed_stride=SEED_STRIDE)
     if v.device.type == "cuda":
         v.runner.capture(2 * v.engine.config.max_works)
     verdicts = RecordedVerdicts([t for tr in traces.values() for t in tr]).install(v)
