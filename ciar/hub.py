@@ -296,15 +296,16 @@ def _explain(ref: HubRef, kind: str, e: Exception, local_only: bool, hint: str) 
         return f"{ref}: {ref.where()} has no file {ref.path!r}"
     if isinstance(e, cls("HfHubHTTPError")):
         status = getattr(getattr(e, "response", None), "status_code", None)
-        return f"{ref}: the Hub answered {status or 'an error'} for {what}: {_first_line(e)}"
+        return f"{ref}: the Hub answered {status or 'an error'} for {what}: {first_line(e)}"
     if isinstance(e, (cls("HFValidationError"), cls("HfUriError"))):
-        return f"{ref}: not a valid reference: {_first_line(e)}"
+        return f"{ref}: not a valid reference: {first_line(e)}"
     if isinstance(e, OSError):
-        return f"{ref}: could not fetch {what} into {cache_dir()}: {type(e).__name__}: {_first_line(e)}"
-    return f"{ref}: could not resolve {what}: {type(e).__name__}: {_first_line(e)}"
+        return f"{ref}: could not fetch {what} into {cache_dir()}: {type(e).__name__}: {first_line(e)}"
+    return f"{ref}: could not resolve {what}: {type(e).__name__}: {first_line(e)}"
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An error's message in one line: its first (its type's name when it has none)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 

@@ -133,6 +133,7 @@ def build_verifier(spec: CoreSpec, log=logger.info):
     if spec.factory:
         module, _, name = spec.factory.partition(":")
         return getattr(importlib.import_module(module), name)(**spec.factory_kwargs)
+    from ciar.hub import first_line
     from ciar.world import load_world  # (after the factory: a factory's engine needs no world, nor pydantic)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,9 +152,8 @@ def build_verifier(spec: CoreSpec, log=logger.info):
         try:
             core.judge.warm(world.sampling, WARM_SPAN)
         except Exception as e:  # noqa: BLE001 - whatever the compiler raised, said as the setting that asked for it
-            first = (str(e).strip().splitlines() or [""])[0]
             raise RuntimeError(f"verifier_compiled_judge: torch.compile could not compile the judge here (torch "
-                               f"{torch.__version__}, {device}): {type(e).__name__}: {first}. Serve with "
+                               f"{torch.__version__}, {device}): {type(e).__name__}: {first_line(e)}. Serve with "
                                f"verifier_compiled_judge: false (the eager judge)") from e
         log("compiled the judge in %.1f s", time.perf_counter() - t)
     if core.runner.graphs and spec.capture_rows:  # every bucket the live config can reach, before any request
